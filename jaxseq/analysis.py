@@ -1,0 +1,294 @@
+"""The paper's formulas, and XLA's own accounting of a compiled step: stored bytes, FLOPs, collectives.
+
+Measuring, not estimating: the train step is compiled ahead of time on abstract inputs
+(`jax.ShapeDtypeStruct` with shardings, nothing allocated) and its optimized HLO is read.
+With the layers under `lax.scan`, every tensor a layer keeps for backward is a stacked [L, …]
+buffer that the forward loop writes; its per-device size / L is the per-layer stored bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq import model as M
+from jaxseq import train_step as T
+from jaxseq.config import ModelConfig, ParallelConfig
+
+# ---------------------------------------------------------------------------------------------
+# The paper's formulas (Korthikanti et al. 2022): bytes per layer, 16-bit activations, 1-byte masks
+
+PAPER_CONFIGS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full", "full+sp")
+
+
+def paper_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
+    """Table 2 of the paper (and 2sbh/t for full recompute with sequence parallelism)."""
+    sbh, scores = s * b * h, 5 * a * s / h
+    table = {
+        "none": sbh * (34 + scores),
+        "tp": sbh * (10 + 24 / t + scores / t),
+        "tp+sp": sbh * (34 / t + scores / t),
+        "tp+selective": sbh * (10 + 24 / t),
+        "tp+sp+selective": sbh * 34 / t,
+        "full": 2 * sbh,
+        "full+sp": 2 * sbh / t,
+    }
+    if config not in table:
+        raise ValueError(f"unknown paper configuration {config!r}; valid: {', '.join(table)}")
+    return table[config]
+
+
+def general_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int, e: int) -> float:
+    """Table 2 generalised to e bytes per activation (1-byte masks): replicated (4e+2)·sbh,
+    split 12e·sbh, scores (2e+1)·as²b. e = 2 gives the paper's numbers."""
+    sbh = s * b * h
+    repl, split, scores = (4 * e + 2) * sbh, 12 * e * sbh, (2 * e + 1) * a * s * s * b
+    table = {
+        "none": repl + split + scores,
+        "tp": repl + (split + scores) / t,
+        "tp+sp": (repl + split + scores) / t,
+        "tp+selective": repl + split / t,
+        "tp+sp+selective": (repl + split) / t,
+        "full": e * sbh,
+        "full+sp": e * sbh / t,
+    }
+    return table[config]
+
+
+def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
+    """Model FLOPs per iteration (forward + backward, no recompute): 72·B·s·L·h²·(1 + s/(6h) + V/(12hL))."""
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+def hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> float:
+    """FLOPs actually executed: selective adds the core attention's forward, full adds one forward."""
+    if remat == "full":
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L))
+    if remat == "selective":
+        return 72 * B * s * L * h * h * (1 + s / (3 * h) + V / (12 * h * L))
+    return model_flops(B, s, L, h, V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading optimized HLO text
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+@dataclass
+class Instr:
+    name: str
+    shape: str  # the result type as printed: "bf16[4,1,128,64]{…}" or a tuple "(…)"
+    opcode: str
+    rest: str  # operands and attributes
+
+    def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(self.shape)]
+
+    def operands(self) -> list[str]:
+        depth, out, cur = 0, [], ""
+        for ch in self.rest:
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                if depth == 0:
+                    break
+                depth -= 1
+            cur += ch
+        return re.findall(r"%([\w.\-]+)", cur)
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(key + r"=%?([\w.\-]+)", self.rest)
+        return m.group(1) if m else None
+
+
+def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    return _DTYPE_BYTES[dtype] * int(np.prod(dims, dtype=np.int64))
+
+
+def parse_hlo(text: str) -> dict[str, list[Instr]]:
+    """Computation name → its instructions, in order."""
+    comps: dict[str, list[Instr]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            head = line.split()
+            current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            comps[current] = []
+        elif current is not None and line.startswith("  "):
+            m = _INSTR.match(line)
+            if m:
+                comps[current].append(Instr(*m.groups()))
+    return comps
+
+
+def _tuple_elements(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(shape)]
+
+
+@dataclass
+class ScanLoop:
+    """A `while` op whose trip count is the number of layers."""
+
+    name: str
+    body: str
+    backward: bool  # the transpose (backward) loop of the layer scan
+    written: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # stacked buffers it writes
+
+
+def layer_loops(comps: dict[str, list[Instr]], num_layers: int) -> list[ScanLoop]:
+    loops = []
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode != "while":
+                continue
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest)
+            if not trip or int(trip.group(1)) != num_layers:
+                continue
+            body = ins.attr("body")
+            op_name = re.search(r'op_name="([^"]*)"', ins.rest)
+            backward = bool(op_name and "transpose(" in op_name.group(1))
+            loop = ScanLoop(ins.name, body, backward)
+            root = comps[body][-1]
+            by_name = {i.name: i for i in comps[body]}
+            for idx, (elem, operand) in enumerate(zip(_tuple_elements(ins.shape), root.operands())):
+                dt, dims = elem
+                if not dims or dims[0] != num_layers:
+                    continue
+                if _writes_slice(comps, by_name.get(operand)):
+                    loop.written.append(elem)
+            loops.append(loop)
+    return loops
+
+
+def _writes_slice(comps, producer: Instr | None) -> bool:
+    """Whether a loop output is a stacked buffer updated in place (a scan `ys`), not the carry."""
+    if producer is None:
+        return False
+    if producer.opcode == "dynamic-update-slice":
+        return True
+    callee = producer.attr("calls") if producer.opcode == "fusion" else None
+    return bool(callee) and any(i.opcode == "dynamic-update-slice" for i in comps.get(callee, []))
+
+
+def stored_bytes_per_layer(hlo_text: str, num_layers: int) -> int:
+    """Per-device bytes one layer keeps for backward: the stacked buffers the forward scan writes, / L."""
+    loops = [l for l in layer_loops(parse_hlo(hlo_text), num_layers) if not l.backward]
+    if len(loops) != 1:
+        raise RuntimeError(f"expected one forward layer loop with trip count {num_layers}, found {len(loops)}")
+    return sum(array_bytes(dt, dims) for dt, dims in loops[0].written) // num_layers
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _called(comps, name, seen=None) -> list[str]:
+    """A computation and every computation it calls (fusions, nested loops), transitively."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in comps:
+        return []
+    seen.add(name)
+    out = [name]
+    for ins in comps[name]:
+        for key in ("calls", "body", "condition", "to_apply"):
+            callee = ins.attr(key)
+            if callee:
+                out += _called(comps, callee, seen)
+    return out
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all-gather | all-reduce | reduce-scatter | … ; an all-reduce whose users only slice it
+    #            is reported as reduce-scatter (XLA:CPU never forms reduce-scatter; GPU/TPU do)
+    elements: int  # elements of the full (unscattered) buffer, per device
+    group_size: int
+
+
+def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Collective]:
+    """The collectives one iteration of the forward (or backward) layer loop performs."""
+    comps = parse_hlo(hlo_text)
+    loops = [l for l in layer_loops(comps, num_layers) if l.backward == backward]
+    if len(loops) != 1:
+        raise RuntimeError(f"expected one {'backward' if backward else 'forward'} layer loop, found {len(loops)}")
+    out = []
+    for comp in _called(comps, loops[0].body):
+        users: dict[str, list[Instr]] = {}
+        for ins in comps[comp]:
+            for op in ins.operands():
+                users.setdefault(op, []).append(ins)
+        for ins in comps[comp]:
+            base = ins.opcode.removesuffix("-start")
+            if base not in COLLECTIVES:
+                continue
+            (dt, dims), = ins.arrays()[:1] or [("f32", ())]
+            kind = base
+            if base == "all-reduce" and users.get(ins.name) and all(
+                    u.opcode == "dynamic-slice" or (u.opcode == "fusion" and "dynamic-slice" in u.name)
+                    for u in users[ins.name]):
+                kind = "reduce-scatter"
+            groups = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.rest)
+            mesh_groups = re.search(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}", ins.rest)
+            if groups:
+                size = int(groups.group(2))
+            elif mesh_groups:
+                size = _mesh_group_size(ins.rest)
+            else:
+                size = 0
+            out.append(Collective(kind, int(np.prod(dims, dtype=np.int64)), size))
+    return out
+
+
+def _mesh_group_size(rest: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1)))
+    return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
+
+
+def traffic_bytes(c: Collective, itemsize: int) -> float:
+    """Bytes each device sends in a ring implementation: all-reduce 2N(t-1)/t, the others N(t-1)/t."""
+    if c.group_size <= 1:
+        return 0.0
+    frac = (c.group_size - 1) / c.group_size
+    return (2 if c.kind == "all-reduce" else 1) * c.elements * itemsize * frac
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling on abstract inputs
+
+
+def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
+    """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
+    specs = T.param_specs(cfg, parallel)
+    shapes = M.param_shapes(cfg, parallel.tensor)
+    params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
+                          shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
+    return params, {"inputs": tokens, "targets": tokens}
+
+
+def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
+    accounted separately and it does not touch activations)."""
+    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return T.make_loss_and_grad(cfg, parallel, remat, mesh).lower(params, batch, key).compile()
+
+
+def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The loss alone (forward pass), compiled for `mesh`."""
+    from jaxseq.mesh import Sharder
+
+    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return fn.lower(params, batch, key).compile()

@@ -1,0 +1,176 @@
+"""Model, parallelism and optimizer configuration: frozen dataclasses, validated once at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line naming the value and what is valid."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-2/3 style decoder (pre-LayerNorm, learned positions, tied embeddings)."""
+
+    vocab_size: int = 50257
+    seq_len: int = 1024
+    hidden: int = 768
+    heads: int = 12
+    layers: int = 12
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    dtype: str = "bfloat16"  # compute dtype; parameters are always float32
+    attention: str = "explicit"  # "explicit" (scores materialised) or "fused" (jax.nn.dot_product_attention)
+    ln_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.mlp_ratio * self.hidden
+
+    def padded_vocab(self, tensor: int) -> int:
+        """Vocabulary rounded up to a multiple of 128·tensor, as Megatron pads it (even vocab shards)."""
+        multiple = 128 * tensor
+        return -(-self.vocab_size // multiple) * multiple
+
+    def num_params(self) -> int:
+        """Trainable parameters without vocabulary padding (positions and tied embedding included)."""
+        h, f, L = self.hidden, self.mlp_hidden, self.layers
+        per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        return self.vocab_size * h + self.seq_len * h + L * per_layer + 2 * h
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh shape: data × tensor (a `pipe` axis will join later); sequence parallelism rides on `tensor`."""
+
+    data: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.tensor
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay to min_lr_ratio·lr, and global-norm clipping."""
+
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    decay_steps: int = 10000
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+
+def _preset(**kw) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # tiny: for tests; 5as/h = 5·8·64/64 = 40.
+    "tiny": _preset(vocab_size=256, seq_len=64, hidden=64, heads=8, layers=2),
+    "gpt2-124m": _preset(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
+    "gpt2-350m": _preset(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
+    "gpt3-1.3b": _preset(vocab_size=50257, seq_len=2048, hidden=2048, heads=24, layers=24),
+    # The paper's models (Korthikanti et al. 2022, Table 3): s = 2048, V = 51200.
+    "megatron-22b": _preset(vocab_size=51200, seq_len=2048, hidden=6144, heads=64, layers=48),
+    "gpt3-175b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96),
+    "mt-nlg-530b": _preset(vocab_size=51200, seq_len=2048, hidden=20480, heads=128, layers=105),
+    "megatron-1t": _preset(vocab_size=51200, seq_len=2048, hidden=25600, heads=160, layers=128),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that turns unknown field names into a ConfigError."""
+    names = {f.name for f in dataclasses.fields(cfg)}
+    for key in changes:
+        if key not in names:
+            raise ConfigError(f"unknown {type(cfg).__name__} field {key!r}; valid: {', '.join(sorted(names))}")
+    return dataclasses.replace(cfg, **changes)
+
+
+def validate_model(model: ModelConfig) -> None:
+    positive = ("vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio")
+    for name in positive:
+        value = getattr(model, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if model.hidden % model.heads:
+        raise ConfigError(f"heads={model.heads} does not divide hidden={model.hidden}")
+    if not 0.0 <= model.dropout < 1.0:
+        raise ConfigError(f"dropout={model.dropout!r} must be in [0, 1)")
+    if model.dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype={model.dtype!r} is not valid; valid: {', '.join(COMPUTE_DTYPES)}")
+    if model.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"attention={model.attention!r} is not valid; valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+        )
+
+
+def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
+    for name in ("data", "tensor"):
+        value = getattr(parallel, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    t = parallel.tensor
+    if model.heads % t:
+        raise ConfigError(f"tensor={t} does not divide heads={model.heads}")
+    if model.mlp_hidden % t:
+        raise ConfigError(f"tensor={t} does not divide mlp width={model.mlp_hidden}")
+    if parallel.sequence_parallel and model.seq_len % t:
+        raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
+    if num_devices is not None and parallel.num_devices != num_devices:
+        raise ConfigError(
+            f"data×tensor = {parallel.data}×{t} = {parallel.num_devices} does not equal the device count {num_devices}"
+        )
+
+
+def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: int | None = None) -> None:
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+    if batch_size % parallel.data:
+        raise ConfigError(f"data={parallel.data} does not divide batch_size={batch_size}")
+    if micro_batch_size is not None:
+        if micro_batch_size <= 0 or batch_size % micro_batch_size:
+            raise ConfigError(f"micro_batch_size={micro_batch_size} does not divide batch_size={batch_size}")
+        if micro_batch_size % parallel.data:
+            raise ConfigError(f"data={parallel.data} does not divide micro_batch_size={micro_batch_size}")
+
+
+def validate(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    remat: str,
+    num_devices: int | None = None,
+    batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+) -> None:
+    """Check everything once, at the edge; the core then trusts its inputs."""
+    from jaxseq.remat import POLICIES  # local: remat imports nothing from here, keep the graph acyclic
+
+    validate_model(model)
+    validate_parallel(model, parallel, num_devices)
+    if remat not in POLICIES:
+        raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
+    if batch_size is not None:
+        validate_batch(parallel, batch_size, micro_batch_size)

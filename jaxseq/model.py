@@ -1,0 +1,309 @@
+"""The GPT: vocab-parallel embedding, a scanned stack of pre-LN blocks, vocab-parallel cross-entropy.
+
+Plain JAX functions over a parameter pytree. Why not Flax modules: what a layer stores for backward
+is decided by the exact ops autodiff sees, and here every one of them is visible in one screen.
+Tensor parallelism comes from the parameter specs (`param_axes`), sequence parallelism from the
+activation constraints (`shard(x, "batch", "seq_sp", None)`); XLA inserts the collectives.
+
+Shapes: b batch, s sequence, h hidden, a heads, d head_dim, f mlp width, V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxseq import remat as R
+from jaxseq.config import ModelConfig
+from jaxseq.mesh import Sharder
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Logical axes of every parameter; mesh.logical_rules turns them into PartitionSpecs.
+
+    QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
+    row-parallel, the token embedding is vocab-parallel. The QKV kernel is [h, 3, a, d] so that
+    splitting heads keeps each rank's Q, K and V together.
+    """
+    ln = {"scale": ("layers", None), "bias": ("layers", None)}
+    return {
+        "embed": {"token": ("vocab", None), "position": (None, None)},
+        "layers": {
+            "ln1": ln,
+            "attn": {
+                "qkv": {"kernel": ("layers", None, None, "heads", None), "bias": ("layers", None, "heads", None)},
+                "out": {"kernel": ("layers", "heads", None, None), "bias": ("layers", None)},
+            },
+            "ln2": ln,
+            "mlp": {
+                "wi": {"kernel": ("layers", None, "mlp"), "bias": ("layers", "mlp")},
+                "wo": {"kernel": ("layers", "mlp", None), "bias": ("layers", None)},
+            },
+        },
+        "final_ln": {"scale": (None,), "bias": (None,)},
+    }
+
+
+def param_shapes(cfg: ModelConfig, tensor: int) -> dict:
+    h, a, d, f, L = cfg.hidden, cfg.heads, cfg.head_dim, cfg.mlp_hidden, cfg.layers
+    ln = {"scale": (L, h), "bias": (L, h)}
+    return {
+        "embed": {"token": (cfg.padded_vocab(tensor), h), "position": (cfg.seq_len, h)},
+        "layers": {
+            "ln1": ln,
+            "attn": {
+                "qkv": {"kernel": (L, h, 3, a, d), "bias": (L, 3, a, d)},
+                "out": {"kernel": (L, a, d, h), "bias": (L, h)},
+            },
+            "ln2": ln,
+            "mlp": {"wi": {"kernel": (L, h, f), "bias": (L, f)}, "wo": {"kernel": (L, f, h), "bias": (L, h)}},
+        },
+        "final_ln": {"scale": (h,), "bias": (h,)},
+    }
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, tensor: int = 1) -> dict:
+    """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases, unit LN."""
+    shapes = param_shapes(cfg, tensor)
+    std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
+    paths_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(paths_shapes))
+    leaves = []
+    for k, (path, shape) in zip(keys, paths_shapes):
+        names = [p.key for p in path]
+        if names[-1] == "bias":
+            leaves.append(jnp.zeros(shape, jnp.float32))
+        elif names[-1] == "scale":
+            leaves.append(jnp.ones(shape, jnp.float32))
+        else:
+            scale = resid_std if names[-2] in ("out", "wo") else std
+            leaves.append(scale * jax.random.normal(k, shape, jnp.float32))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops whose backward stores exactly what Megatron's does (custom VJPs: plain jnp versions store more)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps):
+    y, _ = _layer_norm_fwd(x, scale, bias, eps)
+    return y
+
+
+def _ln_stats(x, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)
+    return mean, rstd
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    mean, rstd = _ln_stats(x, eps)
+    mean, rstd = checkpoint_name(mean, R.LN_STATS), checkpoint_name(rstd, R.LN_STATS)
+    y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(x.dtype)
+    return y, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, res, g):
+    x, mean, rstd, scale = res
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    g = g.astype(jnp.float32)
+    dscale = jnp.sum(g * xhat, axis=tuple(range(g.ndim - 1)))
+    dbias = jnp.sum(g, axis=tuple(range(g.ndim - 1)))
+    gx = g * scale
+    dx = rstd * (gx - jnp.mean(gx, axis=-1, keepdims=True) - xhat * jnp.mean(gx * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_f32(x):
+    return 0.5 * x * (1.0 + jnp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+
+
+def _gelu(x):
+    # Named here, not only in `gelu`: the VJP's forward must itself produce the tagged value.
+    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), R.GELU_OUTPUT)
+
+
+@jax.custom_vjp
+def gelu(x):
+    """GPT-2's tanh GELU; backward keeps only the input (jax.nn.gelu's autodiff keeps more)."""
+    return _gelu(x)
+
+
+def _gelu_fwd(x):
+    return _gelu(x), x
+
+
+def _gelu_bwd(x, g):
+    xf = x.astype(jnp.float32)
+    u = _GELU_C * (xf + 0.044715 * xf**3)
+    t = jnp.tanh(u)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    return ((g.astype(jnp.float32) * dgelu).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def _causal_softmax(scores, scale):
+    s_q, s_k = scores.shape[-2:]
+    causal = jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
+    logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
+    return checkpoint_name(probs, R.ATTN_PROBS)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def causal_softmax(scores, scale):
+    """softmax(scale·scores) over keys with a causal mask, in float32; backward keeps only the output."""
+    return _causal_softmax(scores, scale)
+
+
+def _softmax_fwd(scores, scale):
+    probs = _causal_softmax(scores, scale)
+    return probs, probs
+
+
+def _softmax_bwd(scale, probs, g):
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    ds = p * (g - jnp.sum(g * p, axis=-1, keepdims=True)) * scale  # masked entries have p = 0
+    return (ds.astype(probs.dtype),)
+
+
+causal_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def dropout(x, rate: float, key, mask_name: str):
+    """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`)."""
+    if rate == 0.0 or key is None:
+        return x
+    keep = checkpoint_name(jax.random.bernoulli(key, 1.0 - rate, x.shape), mask_name)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The transformer block
+
+
+def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
+    """Causal attention over [b, s, a, d]; returns the context [b, s, a, d]."""
+    if cfg.attention == "fused":
+        # cuDNN flash attention on GPU, XLA elsewhere; stores only q/k/v. No dropout argument exists,
+        # so attention-probs dropout is not applied with the fused implementation.
+        impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
+    scores = shard(scores, "batch", "heads", None, None)
+    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim))
+    probs = checkpoint_name(dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK), R.ATTN_PROBS_DROPOUT)
+    return jnp.einsum("baqk,bkad->bqad", probs, v)
+
+
+def block(x, p, key, cfg: ModelConfig, shard: Sharder):
+    """One pre-LN block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
+    train = key is not None
+    k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
+    x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
+
+    # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
+    y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
+    y = shard.gather_sequence(y)  # the all-gather (a no-op without sequence parallelism)
+    qkv = jnp.einsum("bsh,hcad->bscad", y, p["attn"]["qkv"]["kernel"]) + p["attn"]["qkv"]["bias"]
+    qkv = shard(qkv, "batch", None, None, "heads", None)
+    q = checkpoint_name(qkv[:, :, 0], R.QUERY)
+    k = checkpoint_name(qkv[:, :, 1], R.KEY)
+    v = checkpoint_name(qkv[:, :, 2], R.VALUE)
+    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
+    # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
+    out = jnp.einsum("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"]) + p["attn"]["out"]["bias"]
+    out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
+    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
+
+    # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
+    y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
+    y = shard.gather_sequence(y)
+    hid = jnp.einsum("bsh,hf->bsf", y, p["mlp"]["wi"]["kernel"]) + p["mlp"]["wi"]["bias"]
+    hid = checkpoint_name(shard(hid, "batch", None, "mlp"), R.MLPWI)
+    out = jnp.einsum("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"]) + p["mlp"]["wo"]["bias"]
+    out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
+    return shard(x, "batch", "seq_sp", None)
+
+
+def decoder(x, layers, key, cfg: ModelConfig, shard: Sharder, remat: str):
+    """The layer stack under lax.scan, each layer under jax.checkpoint with the named policy.
+
+    Scan keeps compile time flat in depth, and it is what makes remat work on XLA:CPU (unrolled
+    layers let CSE undo the checkpoint). Residuals become stacked [L, …] buffers of the loop.
+    """
+    policy = R.remat_policy(remat).policy
+    body = jax.checkpoint(partial(block, cfg=cfg, shard=shard), policy=policy, prevent_cse=False)
+    layer_keys = None if key is None else jax.random.split(key, cfg.layers)
+
+    def step(x, inputs):
+        p, k = inputs
+        return body(x, p, k), None
+
+    x, _ = jax.lax.scan(step, x, (layers, layer_keys))
+    return x
+
+
+def cast_params(params, dtype):
+    """Compute-dtype copy of the weights, made once per step *outside* the scan (a cast inside a
+    layer would be stored for backward as if it were an activation). LayerNorm parameters stay f32."""
+
+    def cast(path, p):
+        return p if any(getattr(k, "key", None) in ("ln1", "ln2", "final_ln") for k in path) else p.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+    """tokens [b, s] → final-LN output [b, s, h] (sequence-sharded under SP). key=None: no dropout."""
+    dtype = jnp.dtype(cfg.dtype)
+    params = cast_params(params, dtype)
+    k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+    # Vocab-parallel lookup: XLA masks each rank's rows and reduces (reduce-scatter with SP).
+    x = jnp.take(params["embed"]["token"], tokens, axis=0) + params["embed"]["position"][: tokens.shape[1]]
+    x = shard(x, "batch", "seq_sp", None)
+    x = dropout(x, cfg.dropout, k_embed, "embed_dropout_mask")
+    x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
+    return layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps)
+
+
+def logits_fn(params, x, cfg: ModelConfig, shard: Sharder):
+    """Tied-embedding logits [b, s, V] sharded over vocab; padded vocabulary entries are -inf."""
+    x = shard(x, "batch", None, None)  # all-gather the sequence before the vocab-parallel matmul
+    emb = params["embed"]["token"].astype(x.dtype)
+    logits = shard(jnp.einsum("bsh,vh->bsv", x, emb).astype(jnp.float32), "batch", None, "vocab")
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    return jnp.where(vocab_ids < cfg.vocab_size, logits, -jnp.inf)
+
+
+def cross_entropy(logits, targets, shard: Sharder):
+    """Mean token cross-entropy of vocab-sharded logits, never gathering the vocabulary (Megatron's
+    vocab-parallel cross-entropy: each rank's max, sum-exp and target logit, reduced across ranks)."""
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[..., 0]
+    target = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(lse - target)
+
+
+def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+    """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32)."""
+    x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
+    return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"], shard)

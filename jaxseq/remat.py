@@ -1,0 +1,126 @@
+"""Named remat policies: which tensors a layer keeps for backward, and which it recomputes.
+
+Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in model.py, and
+every policy is a *whitelist* over those names (`save_only_these_names`). Why a whitelist: a
+blacklist (`save_anything_except_these_names`) silently recomputes nothing, because autodiff saves
+the untagged producer of a tagged value instead (see shared/JAX-NOTES.md). Untagged values (the
+all-gathered LayerNorm output under sequence parallelism, bf16 casts) are always recomputed, which is
+exactly what Megatron-LM does: it keeps the sequence-sharded tensor and all-gathers it again in
+backward.
+
+Bytes per layer below are in units of s·b·h (16-bit activations, 1-byte dropout masks, t tensor
+ranks; "/t" on replicated parts only with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+
+# Tags, with their size per layer in units of sbh (attention-score tags in units of a·s²·b).
+# MaxText's names where the tensor is the same, plain names for the paper-only ones.
+DECODER_LAYER_INPUT = "decoder_layer_input"  # LN1 input, 2 (replicated under TP)
+LN_STATS = "ln_stats"  # LayerNorm mean and 1/std, float32 per token: 16 bytes per token per layer
+QKV_INPUT = "qkv_input"  # LN1 output, 2 (replicated under TP)
+QUERY, KEY, VALUE = "query_proj", "key_proj", "value_proj"  # 2 each, split t ways
+ATTN_SCORES = "attn_scores"  # QKᵀ before softmax: never needed by backward, tagged for user policies
+ATTN_PROBS = "attn_probs"  # softmax output, 2 as²b
+ATTN_DROPOUT_MASK = "attn_dropout_mask"  # 1 as²b
+ATTN_PROBS_DROPOUT = "attn_probs_dropout"  # dropout output, 2 as²b
+CONTEXT = "context"  # scores × V, the output projection's input, 2, split t ways
+OUT_PROJ = "out_proj"  # attention block output before dropout: not needed by backward
+ATTN_OUT_DROPOUT_MASK = "attn_out_dropout_mask"  # 1 (replicated under TP)
+MID_LAYER_RESIDUAL = "mid_layer_residual"  # LN2 input, 2 (replicated under TP)
+MLPWI_INPUT = "mlpwi_input"  # LN2 output, 2 (replicated under TP)
+MLPWI = "mlpwi"  # first MLP matmul output = GELU input, 8, split t ways
+GELU_OUTPUT = "gelu_output"  # second MLP matmul input, 8, split t ways
+MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
+MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)
+
+CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
+
+# Everything the backward pass needs: the paper's 34·sbh + 5·as²b (plus the LayerNorm statistics).
+EVERYTHING = (
+    DECODER_LAYER_INPUT,
+    LN_STATS,
+    QKV_INPUT,
+    QUERY,
+    KEY,
+    VALUE,
+    *CORE_ATTENTION,
+    CONTEXT,
+    ATTN_OUT_DROPOUT_MASK,
+    MID_LAYER_RESIDUAL,
+    MLPWI_INPUT,
+    MLPWI,
+    GELU_OUTPUT,
+    MLP_DROPOUT_MASK,
+)
+
+SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
+
+# What the matmuls need and nothing cheap to recompute: 2+2 residuals, 6 q/k/v, 2 context, 8 mlpwi = 20.
+LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, CONTEXT, MLPWI)
+
+
+@dataclass(frozen=True)
+class RematPolicy:
+    name: str
+    policy: Callable | None  # a jax.checkpoint policy
+    stores: str  # what one layer keeps for backward
+    recomputes: str  # what backward recomputes
+
+
+def _names(names) -> Callable:
+    return jax.checkpoint_policies.save_only_these_names(*names)
+
+
+POLICIES: dict[str, RematPolicy] = {
+    p.name: p
+    for p in (
+        RematPolicy(
+            "none",
+            _names(EVERYTHING),
+            "everything backward needs: sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) "
+            "with TP; sbh(34/t + 5as/(ht)) with TP+SP",
+            "nothing but the sequence-parallel all-gathers (as Megatron-LM)",
+        ),
+        RematPolicy(
+            "selective",
+            _names(SELECTIVE),
+            "everything except the core attention: sbh(10 + 24/t) with TP, 34·sbh/t with TP+SP",
+            "QKᵀ, softmax and its dropout (scores×V's own output is not needed again)",
+        ),
+        RematPolicy(
+            "full",
+            jax.checkpoint_policies.nothing_saveable,
+            "only the layer input: 2·sbh (2·sbh/t with SP)",
+            "the whole layer forward",
+        ),
+        RematPolicy(
+            "lean",
+            _names(LEAN),
+            "the layer input, the mid-layer residual, q/k/v, the context and the first MLP matmul output: "
+            "sbh(4 + 16/t) with TP, 20·sbh/t with TP+SP",
+            "LayerNorms, GELU, dropout masks (from the RNG key) and the core attention",
+        ),
+        RematPolicy(
+            "dots",
+            jax.checkpoint_policies.dots_saveable,
+            "every matmul output (JAX's dots_saveable), attention scores and context included",
+            "everything between matmuls: LayerNorms, GELU, softmax, dropout",
+        ),
+        RematPolicy(
+            "dots_no_batch",
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            "the outputs of the weight matmuls (q/k/v, projection, both MLP matmuls) — MaxText's 'minimal'",
+            "the attention matmuls, softmax, LayerNorms, GELU, dropout",
+        ),
+    )
+}
+
+
+def remat_policy(name: str) -> RematPolicy:
+    return POLICIES[name]

@@ -1,0 +1,142 @@
+"""The sharded train state and the one jit-compiled train step (explicit in/out shardings, donated state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq import model as M
+from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
+from jaxseq.mesh import Sharder, logical_rules, logical_to_spec
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
+@dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+def learning_rate_schedule(opt: OptimizerConfig):
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=max(opt.decay_steps, opt.warmup_steps + 1),
+        end_value=opt.lr * opt.min_lr_ratio,
+    )
+
+
+def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; no weight decay on biases, LayerNorm parameters, positions."""
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: path[-1].key in ("kernel", "token"), params
+        )
+
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                    weight_decay=opt.weight_decay, mask=decay_mask),
+    )
+
+
+def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    rules = logical_rules(parallel.sequence_parallel)
+    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
+    """Optimizer moments follow their parameter's sharding; scalars are replicated."""
+    specs = param_specs(cfg, parallel)
+    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), M.param_shapes(cfg, parallel.tensor),
+                                   is_leaf=lambda x: isinstance(x, tuple))
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, specs,
+                                      transform_non_params=lambda _: P())
+    named = lambda spec: NamedSharding(mesh, spec)
+    return TrainState(
+        step=named(P()),
+        params=jax.tree.map(named, specs),
+        opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
+    )
+
+
+def init_state(key, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
+    """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
+    shardings = state_shardings(cfg, parallel, optimizer, mesh)
+
+    def init(key):
+        params = M.init_params(key, cfg, parallel.tensor)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P("data", None))
+
+
+def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, optimizer, mesh,
+                    micro_batches: int = 1, donate: bool = True):
+    """jit(step)(state, batch, key) → (state, metrics); batch = {"inputs", "targets"}: [B, s] int32.
+
+    With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
+    are summed in a scan (gradient accumulation); activation memory is then that of one micro-batch.
+    """
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
+
+    def step(state: TrainState, batch, key):
+        key = jax.random.fold_in(key, state.step)
+        if micro_batches == 1:
+            loss, grads = loss_and_grad(state.params, batch, key=key)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+            micro = jax.tree.map(lambda x: shard(x, None, "batch", None), micro)
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+
+            def accumulate(carry, inputs):
+                mb, i = inputs
+                loss, grads = loss_and_grad(state.params, mb, key=jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro, jnp.arange(micro_batches)))
+            loss, grads = jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, params, opt_state)
+        return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+    shardings = state_shardings(cfg, parallel, optimizer, mesh)
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        step,
+        in_shardings=(shardings, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
+        out_shardings=(shardings, {"loss": replicated, "grad_norm": replicated}),
+        donate_argnums=(0,) if donate else (),
+    )
+
+
+def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
+    """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
+    and analysis (the gradient a step would apply, before the optimizer)."""
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    specs = param_specs(cfg, parallel)
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    replicated = NamedSharding(mesh, P())
+    fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
+    return jax.jit(
+        lambda params, batch, key: fn(params, batch, key=key),
+        in_shardings=(param_sh, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
+        out_shardings=(replicated, param_sh),
+    )
