@@ -213,6 +213,23 @@ class Collective:
     group_size: int
 
 
+def _slices_only(comps, comp: str, name: str, users) -> bool:
+    """Whether every use of `name` ends in a dynamic-slice, looking through converts and bitcasts
+    (XLA:CPU computes bf16 collectives in f32 and converts back)."""
+    uses = users.get(name, [])
+    if not uses:
+        return False
+    for u in uses:
+        callee = u.attr("calls") if u.opcode == "fusion" else None
+        ops = {i.opcode for i in comps.get(callee, [])} if callee else {u.opcode}
+        if "dynamic-slice" in ops:
+            continue
+        if ops <= {"parameter", "convert", "bitcast", "copy", "get-tuple-element"} and _slices_only(comps, comp, u.name, users):
+            continue
+        return False
+    return True
+
+
 def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Collective]:
     """The collectives one iteration of the forward (or backward) layer loop performs."""
     comps = parse_hlo(hlo_text)
@@ -229,22 +246,33 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
             base = ins.opcode.removesuffix("-start")
             if base not in COLLECTIVES:
                 continue
-            (dt, dims), = ins.arrays()[:1] or [("f32", ())]
-            kind = base
-            if base == "all-reduce" and users.get(ins.name) and all(
-                    u.opcode == "dynamic-slice" or (u.opcode == "fusion" and "dynamic-slice" in u.name)
-                    for u in users[ins.name]):
-                kind = "reduce-scatter"
-            groups = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.rest)
-            mesh_groups = re.search(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}", ins.rest)
-            if groups:
-                size = int(groups.group(2))
-            elif mesh_groups:
-                size = _mesh_group_size(ins.rest)
-            else:
-                size = 0
-            out.append(Collective(kind, int(np.prod(dims, dtype=np.int64)), size))
+            size = _group_size(ins.rest)
+            for index, (dt, dims) in enumerate(ins.arrays()):
+                kind = base
+                if base == "all-reduce":
+                    # A tuple all-reduce is read through its get-tuple-elements.
+                    value = ins.name if len(ins.arrays()) == 1 else next(
+                        (u.name for u in users.get(ins.name, []) if u.opcode == "get-tuple-element"
+                         and f"index={index}" in u.rest), None)
+                    if value and _slices_only(comps, comp, value, users):
+                        kind = "reduce-scatter"
+                elements = int(np.prod(dims, dtype=np.int64))
+                if base == "reduce-scatter":
+                    elements *= size  # report the full buffer, like the others
+                out.append(Collective(kind, elements, size))
     return out
+
+
+def _group_size(rest: str) -> int:
+    groups = re.search(r"replica_groups=\{\{([0-9,]+)\}", rest)
+    if groups:
+        return len(groups.group(1).split(","))
+    groups = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
+    if groups:
+        return int(groups.group(2))
+    if "replica_groups=mesh[" in rest:
+        return _mesh_group_size(rest)
+    return 1
 
 
 def _mesh_group_size(rest: str) -> int:

@@ -71,20 +71,21 @@ class Sharder:
             return x
         return jax.lax.with_sharding_constraint(x, self.named(*axes))
 
-    def gather_sequence(self, x: jax.Array) -> jax.Array:
-        """[b, s/t, h] → [b, s, h]: Megatron's exit from the sequence-parallel region.
+    def column_parallel(self, fn, x: jax.Array, params, param_axes, out_axes: tuple):
+        """fn(x, params) for a column-parallel linear whose input x is [b, s(/t), h].
 
-        An explicit all-gather (its transpose is a reduce-scatter). Why not a sharding constraint:
-        then XLA stores the *gathered* tensor for backward; with the collective explicit, the stored
-        tensor is the sequence-sharded input and backward all-gathers it again, as Megatron does.
+        With sequence parallelism this is Megatron's exit from the sequence-parallel region, written
+        as an explicit all-gather inside `shard_map` (its transpose is a reduce-scatter). Why not a
+        sharding constraint: then XLA stores the *gathered* input for backward, and its backward
+        all-reduces before scattering. Here the stored tensor is the sequence-sharded input, backward
+        all-gathers it again and reduce-scatters the gradient, exactly as Megatron-LM does.
         """
-        if self.mesh is None or not self.sequence_parallel:
-            return self(x, "batch", None, None)
-        gather = jax.shard_map(
-            lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True),
-            mesh=self.mesh,
-            in_specs=self.spec("batch", "seq_sp", None),
-            out_specs=self.spec("batch", None, None),
-            check_vma=False,  # all_gather's output is replicated over `tensor`; JAX cannot infer it
-        )
-        return gather(x)
+        if self.mesh is None:
+            return fn(x, params)
+        if not self.sequence_parallel:
+            return self(fn(self(x, "batch", None, None), params), *out_axes)
+        local = lambda y, p: fn(jax.lax.all_gather(y, "tensor", axis=1, tiled=True), p)
+        specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(self.spec("batch", "seq_sp", None), specs), out_specs=self.spec(*out_axes)
+        )(x, params)

@@ -25,7 +25,7 @@ from jaxseq.mesh import Sharder
 # Parameters
 
 
-def param_axes(cfg: ModelConfig) -> dict:
+def param_axes() -> dict:
     """Logical axes of every parameter; mesh.logical_rules turns them into PartitionSpecs.
 
     QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
@@ -212,6 +212,18 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     return jnp.einsum("baqk,bkad->bqad", probs, v)
 
 
+def _drop_layer_axis(axes: dict) -> dict:
+    return jax.tree.map(lambda a: a[1:], axes, is_leaf=lambda a: isinstance(a, tuple))
+
+
+# Logical axes of one layer's parameters (the scan slices off the leading `layers` axis).
+LAYER_AXES = _drop_layer_axis(param_axes()["layers"])
+
+
+def _linear(spec: str):
+    return lambda x, p: jnp.einsum(spec, x, p["kernel"]) + p["bias"]
+
+
 def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     """One pre-LN block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
     train = key is not None
@@ -220,9 +232,8 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
     y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
-    y = shard.gather_sequence(y)  # the all-gather (a no-op without sequence parallelism)
-    qkv = jnp.einsum("bsh,hcad->bscad", y, p["attn"]["qkv"]["kernel"]) + p["attn"]["qkv"]["bias"]
-    qkv = shard(qkv, "batch", None, None, "heads", None)
+    qkv = shard.column_parallel(_linear("bsh,hcad->bscad"), y, p["attn"]["qkv"], LAYER_AXES["attn"]["qkv"],
+                                ("batch", None, None, "heads", None))
     q = checkpoint_name(qkv[:, :, 0], R.QUERY)
     k = checkpoint_name(qkv[:, :, 1], R.KEY)
     v = checkpoint_name(qkv[:, :, 2], R.VALUE)
@@ -234,8 +245,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
-    y = shard.gather_sequence(y)
-    hid = jnp.einsum("bsh,hf->bsf", y, p["mlp"]["wi"]["kernel"]) + p["mlp"]["wi"]["bias"]
+    hid = shard.column_parallel(_linear("bsh,hf->bsf"), y, p["mlp"]["wi"], LAYER_AXES["mlp"]["wi"], ("batch", None, "mlp"))
     hid = checkpoint_name(shard(hid, "batch", None, "mlp"), R.MLPWI)
     out = jnp.einsum("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"]) + p["mlp"]["wo"]["bias"]
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)

@@ -50,7 +50,7 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     rules = logical_rules(parallel.sequence_parallel)
-    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(cfg),
+    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(),
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
