@@ -27,10 +27,15 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype; parameters are always float32
     attention: str = "explicit"  # "explicit" (scores materialised) or "fused" (jax.nn.dot_product_attention)
     ln_eps: float = 1e-5
+    kv_channels: int | None = None  # per-head width; None: hidden // heads (Megatron's --kv-channels)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def mlp_hidden(self) -> int:
@@ -43,8 +48,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Trainable parameters without vocabulary padding (positions and tied embedding included)."""
-        h, f, L = self.hidden, self.mlp_hidden, self.layers
-        per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        h, f, L, w = self.hidden, self.mlp_hidden, self.layers, self.attention_width
+        per_layer = (h * 3 * w + 3 * w) + (w * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.vocab_size * h + self.seq_len * h + L * per_layer + 2 * h
 
 
@@ -85,7 +90,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": _preset(vocab_size=256, seq_len=64, hidden=64, heads=8, layers=2),
     "gpt2-124m": _preset(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
     "gpt2-350m": _preset(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
-    "gpt3-1.3b": _preset(vocab_size=50257, seq_len=2048, hidden=2048, heads=24, layers=24),
+    # GPT-3 XL: 24 heads of width 128 (the GPT-3 paper's d_head), so attention is 3072 wide.
+    "gpt3-1.3b": _preset(vocab_size=50257, seq_len=2048, hidden=2048, heads=24, layers=24, kv_channels=128),
     # The paper's models (Korthikanti et al. 2022, Table 3): s = 2048, V = 51200.
     "megatron-22b": _preset(vocab_size=51200, seq_len=2048, hidden=6144, heads=64, layers=48),
     "gpt3-175b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96),
@@ -115,8 +121,10 @@ def validate_model(model: ModelConfig) -> None:
         value = getattr(model, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if model.hidden % model.heads:
-        raise ConfigError(f"heads={model.heads} does not divide hidden={model.hidden}")
+    if model.kv_channels is None and model.hidden % model.heads:
+        raise ConfigError(f"heads={model.heads} does not divide hidden={model.hidden} (or set kv_channels)")
+    if model.kv_channels is not None and (not isinstance(model.kv_channels, int) or model.kv_channels <= 0):
+        raise ConfigError(f"kv_channels={model.kv_channels!r} must be a positive integer")
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"dropout={model.dropout!r} must be in [0, 1)")
     if model.dtype not in COMPUTE_DTYPES:

@@ -111,7 +111,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro, jnp.arange(micro_batches)))
             loss, grads = jax.tree.map(lambda x: x / micro_batches, (loss, grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)

@@ -1,0 +1,106 @@
+"""Configuration: presets, one-line errors at config time, and the parameter sharding table."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxseq import train_step as T
+from jaxseq.config import PRESETS, ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.mesh import make_mesh
+
+
+def test_paper_presets():
+    for name, (a, h, L) in {"megatron-22b": (64, 6144, 48), "gpt3-175b": (96, 12288, 96),
+                            "mt-nlg-530b": (128, 20480, 105), "megatron-1t": (160, 25600, 128)}.items():
+        cfg = preset(name)
+        assert (cfg.heads, cfg.hidden, cfg.layers, cfg.seq_len, cfg.vocab_size) == (a, h, L, 2048, 51200)
+    assert (preset("gpt3-1.3b").layers, preset("gpt3-1.3b").hidden, preset("gpt3-1.3b").heads) == (24, 2048, 24)
+    assert abs(preset("gpt2-124m").num_params() / 124.4e6 - 1) < 0.01
+
+
+def test_every_preset_is_valid():
+    for name, cfg in PRESETS.items():
+        validate(cfg, ParallelConfig(1, 1), "selective")
+
+
+def test_vocab_padding():
+    assert preset("gpt2-124m").padded_vocab(1) == 50304
+    assert preset("gpt2-124m").padded_vocab(8) == 51200
+    assert preset("gpt3-175b").padded_vocab(8) == 51200
+
+
+BAD = [
+    (dict(parallel=ParallelConfig(1, 3)), "tensor=3 does not divide heads=8"),
+    (dict(model=replace(preset("tiny"), heads=4, hidden=64, mlp_ratio=1), parallel=ParallelConfig(1, 4), ),
+     None),  # valid: 4 | 4 heads and 4 | 64
+    (dict(model=replace(preset("tiny"), mlp_ratio=1, hidden=36, kv_channels=8), parallel=ParallelConfig(1, 8)),
+     "tensor=8 does not divide mlp width=36"),
+    (dict(parallel=ParallelConfig(2, 2), num_devices=8), "data×tensor = 2×2 = 4 does not equal the device count 8"),
+    (dict(model=replace(preset("tiny"), seq_len=66), parallel=ParallelConfig(1, 4, True)),
+     "tensor=4 does not divide seq_len=66"),
+    (dict(remat="selctive"), "remat='selctive' is not a registered policy"),
+    (dict(model=replace(preset("tiny"), attention="flash")), "attention='flash' is not valid; valid: explicit, fused"),
+    (dict(parallel=ParallelConfig(4, 1), batch_size=6), "data=4 does not divide batch_size=6"),
+    (dict(model=replace(preset("tiny"), dtype="fp8")), "dtype='fp8' is not valid"),
+    (dict(model=replace(preset("tiny"), hidden=60)), "heads=8 does not divide hidden=60"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD)
+def test_bad_configuration_gives_one_clear_line(kwargs, message):
+    args = dict(model=preset("tiny"), parallel=ParallelConfig(1, 1), remat="selective")
+    args.update(kwargs)
+    if message is None:
+        validate(**args)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(**args)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_field_and_preset():
+    with pytest.raises(ConfigError, match="unknown ModelConfig field 'hiden'"):
+        replace(preset("tiny"), hiden=3)
+    with pytest.raises(ConfigError, match="unknown preset 'gpt5'; valid: tiny"):
+        preset("gpt5")
+
+
+def test_mesh_device_count_mismatch():
+    with pytest.raises(ConfigError, match="does not equal the device count 8"):
+        make_mesh(ParallelConfig(2, 2))
+
+
+# The golden table: Megatron's layouts. Column-parallel QKV (heads) and MLP-up (mlp), row-parallel
+# projection and MLP-down, vocab-parallel embedding; everything else replicated. Layers are stacked.
+GOLDEN = {
+    "['embed']['token']": P("tensor", None),
+    "['embed']['position']": P(None, None),
+    "['final_ln']['bias']": P(None),
+    "['final_ln']['scale']": P(None),
+    "['layers']['attn']['out']['bias']": P(None, None),
+    "['layers']['attn']['out']['kernel']": P(None, "tensor", None, None),
+    "['layers']['attn']['qkv']['bias']": P(None, None, "tensor", None),
+    "['layers']['attn']['qkv']['kernel']": P(None, None, None, "tensor", None),
+    "['layers']['ln1']['bias']": P(None, None),
+    "['layers']['ln1']['scale']": P(None, None),
+    "['layers']['ln2']['bias']": P(None, None),
+    "['layers']['ln2']['scale']": P(None, None),
+    "['layers']['mlp']['wi']['bias']": P(None, "tensor"),
+    "['layers']['mlp']['wi']['kernel']": P(None, None, "tensor"),
+    "['layers']['mlp']['wo']['bias']": P(None, None),
+    "['layers']['mlp']['wo']['kernel']": P(None, "tensor", None),
+}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_param_specs_golden(sequence_parallel):
+    specs = T.param_specs(preset("tiny"), ParallelConfig(2, 4, sequence_parallel))
+    flat = {jax.tree_util.keystr(path): spec for path, spec in
+            jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))}
+    assert flat == GOLDEN
+
+
+def test_model_config_is_frozen():
+    with pytest.raises(Exception):
+        ModelConfig().hidden = 3

@@ -1,0 +1,70 @@
+"""Stored activation bytes per layer per device, read from the compiled program, against Table 2."""
+
+import pytest
+
+from jaxseq import analysis as A
+from jaxseq.remat import POLICIES
+
+from compiled import A_HEADS, B, H, L, S, T, hlo
+
+SBH = S * B * H
+# Each of the paper's configurations: (remat policy, sequence parallel).
+PAPER = {
+    "tp": ("none", False),
+    "tp+sp": ("none", True),
+    "tp+selective": ("selective", False),
+    "tp+sp+selective": ("selective", True),
+    "full": ("full", False),
+    "full+sp": ("full", True),
+}
+# The one deviation: LayerNorm keeps its f32 mean and 1/std per token for backward (Megatron does too),
+# 2 LayerNorms × 2 × 4 bytes = 16 bytes per token per layer, which the paper's formula leaves out.
+LN_STATS = 16 * S * B
+
+
+@pytest.mark.parametrize("config", PAPER)
+def test_table2_formula_within_2_percent(config):
+    remat, sp = PAPER[config]
+    measured = A.stored_bytes_per_layer(hlo(remat, sp), L)
+    formula = A.paper_activation_bytes(config, S, B, H, A_HEADS, T)
+    assert abs(measured / formula - 1) <= 0.02, f"{config}: measured {measured} B vs formula {formula:.0f} B"
+    # And the residue is exactly the LayerNorm statistics (none when the layer is fully recomputed).
+    ln_stats = 0 if remat == "full" else LN_STATS / (T if sp else 1)
+    assert measured == formula + ln_stats
+
+
+def test_sequence_parallel_selective_is_5x_smaller_than_tp():
+    tp = A.stored_bytes_per_layer(hlo("none", False), L)
+    best = A.stored_bytes_per_layer(hlo("selective", True), L)
+    assert best <= 0.25 * tp
+
+
+# Expected bytes of every registered policy with sequence parallelism (units of sbh/t; the attention
+# scores term is as/h = 16 per byte of score), so that a policy that silently saves the wrong thing fails.
+EXPECTED_SP = {
+    "none": (34 + 5 * A_HEADS * S / H) * SBH / T + LN_STATS / T,
+    "selective": 34 * SBH / T + LN_STATS / T,
+    "full": 2 * SBH / T,
+    "lean": 20 * SBH / T,  # layer input 2, mid residual 2, q/k/v 6, context 2, first MLP matmul output 8
+    "dots": (20 + 2 * A_HEADS * S / H) * SBH / T,  # matmul outputs incl. QKᵀ scores, + layer input and residual
+    "dots_no_batch": 18 * SBH / T,  # q/k/v 6, first MLP matmul 8, layer input 2, residual 2
+}
+
+
+def test_every_policy_is_registered_here():
+    assert set(EXPECTED_SP) == set(POLICIES)
+
+
+@pytest.mark.parametrize("remat", sorted(POLICIES))
+def test_policy_stores_expected_bytes(remat):
+    assert A.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
+
+
+def test_policies_store_different_bytes():
+    measured = [A.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
+    assert len(set(measured)) == len(measured)
+
+
+def test_lean_without_sequence_parallelism():
+    # 4 replicated (layer input and mid residual) + 16 split t ways.
+    assert A.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH
