@@ -56,6 +56,6 @@ def test_gradient_accumulation_equals_the_full_batch():
     (loss1, norm1, params1), (loss2, norm2, params2) = results
     assert abs(loss1 - loss2) < 1e-5 and abs(norm1 / norm2 - 1) < 1e-5
     # Adam's first step moves each weight by ≈ lr·sign(g); where g ≈ 0 float noise can flip the sign
-    # of a few of those tiny steps, hence a tolerance of lr/1000.
+    # of a few of those tiny steps, hence a tolerance of lr/300.
     for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params2)):
-        np.testing.assert_allclose(a, b, atol=3e-6)
+        np.testing.assert_allclose(a, b, atol=1e-5)
