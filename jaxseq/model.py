@@ -201,10 +201,9 @@ def dropout(x, rate: float, key, mask_name: str):
 def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     """Causal attention over [b, s, a, d]; returns the context [b, s, a, d]."""
     if cfg.attention == "fused":
-        # cuDNN flash attention on GPU, XLA elsewhere; stores only q/k/v. No dropout argument exists,
-        # so attention-probs dropout is not applied with the fused implementation.
-        impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        # cuDNN flash attention on GPU (bf16/fp16), XLA elsewhere. No dropout argument exists, so
+        # attention-probs dropout is not applied with the fused implementation.
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # JAX picks cuDNN where it can
     scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
     scores = shard(scores, "batch", "heads", None, None)
     probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim))
@@ -289,21 +288,23 @@ def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, 
     # Vocab-parallel lookup: XLA masks each rank's rows and reduces (reduce-scatter with SP).
     x = jnp.take(params["embed"]["token"], tokens, axis=0) + params["embed"]["position"][: tokens.shape[1]]
     x = shard(x, "batch", "seq_sp", None)
-    x = dropout(x, cfg.dropout, k_embed, "embed_dropout_mask")
+    x = dropout(x, cfg.dropout, k_embed, R.EMBED_DROPOUT_MASK)
     x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
     return layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps)
 
 
 def logits_fn(params, x, cfg: ModelConfig, shard: Sharder):
-    """Tied-embedding logits [b, s, V] sharded over vocab; padded vocabulary entries are -inf."""
-    x = shard(x, "batch", None, None)  # all-gather the sequence before the vocab-parallel matmul
-    emb = params["embed"]["token"].astype(x.dtype)
-    logits = shard(jnp.einsum("bsh,vh->bsv", x, emb).astype(jnp.float32), "batch", None, "vocab")
+    """Tied-embedding logits [b, s, V] sharded over vocab; padded vocabulary entries are -inf.
+    A column-parallel matmul over the vocabulary (all-gathering the sequence under SP)."""
+    emb = {"token": params["embed"]["token"].astype(x.dtype)}
+    logits = shard.column_parallel(lambda y, p: jnp.einsum("bsh,vh->bsv", y, p["token"]), x, emb,
+                                   {"token": ("vocab", None)}, ("batch", None, "vocab"))
+    logits = shard(logits.astype(jnp.float32), "batch", None, "vocab")
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
     return jnp.where(vocab_ids < cfg.vocab_size, logits, -jnp.inf)
 
 
-def cross_entropy(logits, targets, shard: Sharder):
+def cross_entropy(logits, targets):
     """Mean token cross-entropy of vocab-sharded logits, never gathering the vocabulary (Megatron's
     vocab-parallel cross-entropy: each rank's max, sum-exp and target logit, reduced across ranks)."""
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
@@ -316,4 +317,4 @@ def cross_entropy(logits, targets, shard: Sharder):
 def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
     """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32)."""
     x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
-    return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"], shard)
+    return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"])

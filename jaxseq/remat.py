@@ -38,6 +38,7 @@ MLPWI = "mlpwi"  # first MLP matmul output = GELU input, 8, split t ways
 GELU_OUTPUT = "gelu_output"  # second MLP matmul input, 8, split t ways
 MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
 MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)
+EMBED_DROPOUT_MASK = "embed_dropout_mask"  # outside the layers: not subject to the layer policy
 
 CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
 
