@@ -81,6 +81,55 @@ class OptimizerConfig:
     eps: float = 1e-8
 
 
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Explicit coordinates, or none of them to auto-detect (SLURM, Open MPI) or run single-process."""
+
+    coordinator: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    # A peer silent this long is declared dead and every process exits: bounded time, no hang.
+    heartbeat_timeout_s: int = 20
+    initialization_timeout_s: int = 120
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator is not None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 32  # global, sequences per optimizer step
+    micro_batch_size: int | None = None  # gradient accumulation when smaller than batch_size
+    remat: str = "selective"
+    seed: int = 0
+    data: str | None = None  # None: the embedded corpus
+    tokenizer: str | None = None  # a local tokenizer.json for text data; None: bytes
+    run_dir: str = "runs/default"
+    log_every: int = 50
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    resume: bool = False
+    peak_tflops: float | None = None
+    sample_tokens: int = 200
+    host_devices: int = 8  # simulated CPU devices when there is no accelerator
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    distributed: DistributedConfig = DistributedConfig()
+
+    def to_dict(self) -> dict:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
 def _preset(**kw) -> ModelConfig:
     return ModelConfig(**kw)
 
@@ -88,6 +137,8 @@ def _preset(**kw) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # tiny: for tests; 5as/h = 5·8·64/64 = 40.
     "tiny": _preset(vocab_size=256, seq_len=64, hidden=64, heads=8, layers=2),
+    # The default run: bytes of Python source, small enough to learn in minutes on 2 CPU cores.
+    "stdlib-bytes": _preset(vocab_size=256, seq_len=128, hidden=128, heads=4, layers=4, dropout=0.0),
     "gpt2-124m": _preset(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
     "gpt2-350m": _preset(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
     # GPT-3 XL: 24 heads of width 128 (the GPT-3 paper's d_head), so attention is 3072 wide.

@@ -1,0 +1,98 @@
+"""Orbax checkpoints of the train state: asynchronous, atomic, keep-last-N, restorable on any mesh.
+
+A checkpoint holds the sharded TrainState and a small JSON item (`meta`): the data position and the
+resolved configuration, so a resume continues the same data stream and refuses a different model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from jaxseq.config import ConfigError
+
+log = logging.getLogger("jaxseq")
+
+
+def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+    """Orbax writes each step to a temporary directory and renames it when complete: atomic."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "meta"))
+
+
+def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, force: bool = False) -> bool:
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    return mgr.save(step, args=args, force=force)
+
+
+def _saved_token_rows(mgr, step) -> int:
+    """Rows of the token embedding as saved (the vocabulary is padded per tensor size)."""
+    meta = mgr.item_metadata(step)["state"]
+    return meta.params["embed"]["token"].shape[0]
+
+
+def _abstract(state_shardings, shapes_like):
+    return jax.tree.map(lambda sh, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state_shardings, shapes_like)
+
+
+def _resize_vocab(state, rows: int, shardings):
+    """Pad or cut every [vocab, h] leaf (the embedding and its Adam moments) to `rows`. Rows past
+    the real vocabulary are never used (their logits are masked), so this loses nothing."""
+
+    def resize(path, x):
+        if jax.tree_util.keystr(path).endswith("['embed']['token']") and x.shape[0] != rows:
+            return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: min(rows, x.shape[0])].set(x[:rows])
+        return x
+
+    return jax.jit(lambda s: jax.tree_util.tree_map_with_path(resize, s), out_shardings=shardings)(state)
+
+
+def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh):
+    """Restore the newest readable checkpoint onto `state_shardings` (any mesh).
+
+    Returns (state, meta) or None when there is no checkpoint. A checkpoint that fails to restore is
+    skipped with a warning and the previous one is tried.
+    """
+    for step in sorted(mgr.all_steps(), reverse=True):
+        try:
+            rows = _saved_token_rows(mgr, step)
+            shapes = jax.tree_util.tree_map_with_path(
+                lambda p, x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
+                if jax.tree_util.keystr(p).endswith("['embed']['token']") else x, abstract_state)
+            shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
+            target = _abstract(shardings, shapes)
+            restored = mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # an unreadable checkpoint: fall back to the previous one
+            log.warning("checkpoint step %d is unreadable (%s: %s); trying the previous one",
+                        step, type(e).__name__, str(e).splitlines()[0][:200])
+            continue
+        rows_now = abstract_state.params["embed"]["token"].shape[0]
+        state = restored["state"]
+        if rows != rows_now:
+            state = _resize_vocab(state, rows_now, state_shardings)
+        return state, dict(restored["meta"])
+    return None
+
+
+def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:
+    """The saved padding may not divide the new mesh; replicate such a dimension while restoring."""
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, axis in enumerate(spec):
+        if axis is not None and shape[i] % mesh.shape[axis]:
+            spec[i] = None
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def check_compatible(saved_model: dict, model: dict) -> None:
+    """A resume must train the same model; anything but dropout/dtype/attention is architecture."""
+    free = {"dropout", "dtype", "attention"}
+    diffs = [f"{k}={saved_model.get(k)!r} (saved) vs {v!r}" for k, v in model.items()
+             if k not in free and saved_model.get(k) != v]
+    if diffs:
+        raise ConfigError("cannot resume: the checkpoint's model differs: " + ", ".join(diffs))

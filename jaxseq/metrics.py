@@ -1,0 +1,77 @@
+"""Throughput from the paper's FLOP formulas, and the metrics log (JSONL + TensorBoard).
+
+Every number is labelled by its key's unit suffix or documented here: tokens_per_sec (tokens/s),
+tflops_per_device (model TFLOP/s per device, the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)) per
+iteration), hardware_tflops_per_device (with the recompute the remat policy actually does), mfu
+(model TFLOP/s ÷ the device's dense bf16 peak), memory_gib (device memory in use, GiB).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+from jaxseq.analysis import hardware_flops, model_flops
+from jaxseq.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s by device kind.
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+
+
+def peak_tflops(device=None) -> float | None:
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device.device_kind), None)
+
+
+def memory_gib(device=None) -> float | None:
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return stats["bytes_in_use"] / 2**30
+
+
+def throughput(cfg: ModelConfig, remat: str, batch_size: int, steps: int, seconds: float, num_devices: int,
+               peak: float | None) -> dict:
+    """tokens/s, model and hardware TFLOP/s per device, and MFU (None without a known peak)."""
+    args = (batch_size, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
+    per_device = steps / seconds / num_devices / 1e12
+    model_tflops = model_flops(*args) * per_device
+    hw_remat = "full" if remat == "full" else ("selective" if remat in ("selective", "lean") else "none")
+    return {
+        "tokens_per_sec": batch_size * cfg.seq_len * steps / seconds,
+        "tflops_per_device": model_tflops,
+        "hardware_tflops_per_device": hardware_flops(*args, hw_remat) * per_device,
+        "mfu": None if not peak else model_tflops / peak,
+    }
+
+
+class MetricsLog:
+    """One JSON object per logged step in RUN_DIR/metrics.jsonl, the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(key, value, record["step"])
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
