@@ -22,7 +22,8 @@ log = logging.getLogger("jaxseq")
 def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
     """Orbax writes each step to a temporary directory and renames it when complete: atomic."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "meta"))
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, force: bool = False) -> bool:
@@ -32,8 +33,7 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, force: bool =
 
 def _saved_token_rows(mgr, step) -> int:
     """Rows of the token embedding as saved (the vocabulary is padded per tensor size)."""
-    meta = mgr.item_metadata(step)["state"]
-    return meta.params["embed"]["token"].shape[0]
+    return mgr.item_metadata(step)["state"]["params"]["embed"]["token"].shape[0]
 
 
 def _abstract(state_shardings, shapes_like):
@@ -52,32 +52,41 @@ def _resize_vocab(state, rows: int, shardings):
     return jax.jit(lambda s: jax.tree_util.tree_map_with_path(resize, s), out_shardings=shardings)(state)
 
 
-def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh):
+def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, check=None):
     """Restore the newest readable checkpoint onto `state_shardings` (any mesh).
 
-    Returns (state, meta) or None when there is no checkpoint. A checkpoint that fails to restore is
+    Returns (state, meta) or None when there is no checkpoint. `check(meta)` runs before the state is
+    read (to refuse an incompatible model with a clear error). A checkpoint that fails to restore is
     skipped with a warning and the previous one is tried.
     """
     for step in sorted(mgr.all_steps(), reverse=True):
+        try:
+            meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        except Exception as e:  # an unreadable checkpoint: fall back to the previous one
+            _warn_unreadable(step, e)
+            continue
+        if check is not None:
+            check(meta)
         try:
             rows = _saved_token_rows(mgr, step)
             shapes = jax.tree_util.tree_map_with_path(
                 lambda p, x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
                 if jax.tree_util.keystr(p).endswith("['embed']['token']") else x, abstract_state)
             shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
-            target = _abstract(shardings, shapes)
-            restored = mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except Exception as e:  # an unreadable checkpoint: fall back to the previous one
-            log.warning("checkpoint step %d is unreadable (%s: %s); trying the previous one",
-                        step, type(e).__name__, str(e).splitlines()[0][:200])
+            state = mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
+        except Exception as e:
+            _warn_unreadable(step, e)
             continue
-        rows_now = abstract_state.params["embed"]["token"].shape[0]
-        state = restored["state"]
-        if rows != rows_now:
-            state = _resize_vocab(state, rows_now, state_shardings)
-        return state, dict(restored["meta"])
+        if rows != abstract_state.params["embed"]["token"].shape[0]:
+            state = _resize_vocab(state, abstract_state.params["embed"]["token"].shape[0], state_shardings)
+        return state, meta
     return None
+
+
+def _warn_unreadable(step: int, e: Exception) -> None:
+    log.warning("checkpoint step %d is unreadable (%s: %s); trying the previous one",
+                step, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
 
 
 def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:

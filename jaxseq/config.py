@@ -99,7 +99,7 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 1000
     batch_size: int = 32  # global, sequences per optimizer step
     micro_batch_size: int | None = None  # gradient accumulation when smaller than batch_size
     remat: str = "selective"

@@ -114,11 +114,11 @@ def train(run: RunConfig) -> int:
     shardings = T.state_shardings(run.model, run.parallel, optimizer, mesh)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(t.seed), run.model, run.parallel, optimizer, mesh))
     if t.resume:
-        restored = C.restore(mgr, abstract, shardings, mesh)
+        restored = C.restore(mgr, abstract, shardings, mesh,
+                             check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]))
         if restored is None:
             raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
         state, meta = restored
-        C.check_compatible(meta["config"]["model"], run.to_dict()["model"])
         position = int(meta["data_position"])
     else:
         if mgr.all_steps():

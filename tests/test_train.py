@@ -1,0 +1,139 @@
+"""The training CLI, run as a user runs it (subprocesses on the `tiny` preset)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
+        "--host-devices", "8", "decay_steps=10", "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "eval_batches=1",
+        "sample_tokens=8"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e["PYTHONPATH"] = ROOT
+    return e
+
+
+def run(*args, check=True, timeout=240):
+    proc = subprocess.run([sys.executable, "-m", "jaxseq.train", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env(), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("ten"))
+    run(*TINY, "--steps", "10", "--run-dir", run_dir)
+    return run_dir
+
+
+def test_metrics_jsonl_and_config(ten_steps):
+    records = metrics(ten_steps)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    for r in records:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu"):
+            assert key in r, key
+        assert r["mfu"] is None  # CPU: no known peak
+        assert r["tokens_per_sec"] > 0 and r["tflops_per_device"] > 0
+    assert "val_loss" in records[4] and "val_loss" in records[9]
+    config = json.load(open(os.path.join(ten_steps, "config.json")))
+    assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True}
+    assert config["model"]["hidden"] == 64 and config["train"]["steps"] == 10
+    assert os.listdir(os.path.join(ten_steps, "tensorboard"))
+
+
+def test_resume_continues_with_the_same_losses(ten_steps, tmp_path):
+    run_dir = str(tmp_path)
+    run(*TINY, "--steps", "5", "--run-dir", run_dir)
+    run(*TINY, "--steps", "10", "--run-dir", run_dir, "--resume")
+    resumed, straight = losses(run_dir), losses(ten_steps)
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(1, 11):
+        assert abs(resumed[step] - straight[step]) <= 1e-6, (step, resumed[step], straight[step])
+
+
+def test_resume_on_another_tensor_size(ten_steps, tmp_path):
+    run_dir = str(tmp_path)
+    run(*TINY, "--steps", "5", "--run-dir", run_dir)
+    other = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in TINY]
+    out = run(*other, "--steps", "7", "--run-dir", run_dir, "--resume")
+    assert "data=4 × tensor=2" in out.stdout
+    resumed, straight = losses(run_dir), losses(ten_steps)
+    for step in (6, 7):  # same model and data; only the reduction order differs
+        assert abs(resumed[step] - straight[step]) <= 1e-4 * abs(straight[step])
+
+
+def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
+    run_dir = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *TINY, "--steps", "100000",
+                             "--checkpoint-every", "100000", "--eval-every", "100000", "--run-dir", run_dir],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 180
+    while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM: saved a checkpoint" in out
+    step = max(losses(run_dir))
+    gen = subprocess.run([sys.executable, "-m", "jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab",
+                          "--max-tokens", "5"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert gen.stdout.startswith(f"# step {step}\nab")
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path):
+    out = run(*TINY, "--steps", "20", "--lr", "1e30", "--warmup-steps", "0", "--checkpoint-every", "1",
+              "--run-dir", str(tmp_path), check=False)
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: non-finite loss") and "at step" in line, out.stderr[-2000:]
+    assert "last good checkpoint" in line
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/nonexistent/*.txt"], "matches no files"),
+    (["--run-dir", "/proc/jaxseq-cannot-write"], "is not writable"),
+    (["--mesh", "data=3,tensor=4"], "does not equal the device count 8"),
+    (["--remat", "selctive"], "remat='selctive' is not a registered policy"),
+    (["--mesh", "data=1,tensor=8", "heads=4"], "tensor=8 does not divide heads=4"),
+    (["hiden=3"], "unknown config field 'hiden'"),
+    (["--batch-size", "6"], "data=2 does not divide batch_size=6"),
+    (["dropout=much"], "dropout='much' is not a valid float"),
+])
+def test_bad_input_gives_one_clear_line(args, message, tmp_path):
+    out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip().splitlines()[-1]]
+    assert message in out.stderr and out.stderr.startswith("error: "), out.stderr[-2000:]
+
+
+def test_empty_data_and_incompatible_resume(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "a"), "--data", str(empty), check=False)
+    assert out.returncode == 2 and "is empty" in out.stderr
+    run(*TINY, "--steps", "2", "--run-dir", str(tmp_path / "b"))
+    out = run(*TINY, "--steps", "4", "--run-dir", str(tmp_path / "b"), "--resume", "layers=3", check=False)
+    assert out.returncode == 2 and "cannot resume" in out.stderr and "layers=2 (saved) vs 3" in out.stderr
+    out = run(*TINY, "--steps", "4", "--run-dir", str(tmp_path / "b"), check=False)
+    assert out.returncode == 2 and "already holds checkpoints" in out.stderr
