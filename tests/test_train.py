@@ -117,7 +117,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     (["--remat", "selctive"], "remat='selctive' is not a registered policy"),
     (["--mesh", "data=1,tensor=8", "heads=4"], "tensor=8 does not divide heads=4"),
     (["hiden=3"], "unknown config field 'hiden'"),
-    (["--batch-size", "6"], "data=2 does not divide batch_size=6"),
+    (["--batch-size", "7"], "data=2 does not divide batch_size=7"),
     (["dropout=much"], "dropout='much' is not a valid float"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
