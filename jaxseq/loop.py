@@ -164,15 +164,15 @@ def train(run: RunConfig) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         record = None
-        if step % t.log_every == 0 or step == t.steps:
+        evaluate_now = step % t.eval_every == 0 or step == t.steps
+        if step % t.log_every == 0 or evaluate_now:  # an evaluated step is a full record too
             now = time.perf_counter()
             record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(out["grad_norm"]),
                       **throughput(run.model, t.remat, t.batch_size, step - last_step, now - last_time,
                                    num_devices(), peak),
                       "memory_gib": memory_gib()}
             last_time, last_step = now, step
-        if step % t.eval_every == 0 or step == t.steps:
-            record = record or {"step": step, "loss": loss}
+        if evaluate_now:
             record["val_loss"] = evaluate(eval_fn, state.params, val_batches, t.eval_batches, mesh, rows)
             last_time = time.perf_counter()  # evaluation is not training time
         if record:
@@ -192,13 +192,13 @@ def train(run: RunConfig) -> int:
     bar.close()
     mgr.wait_until_finished()
     metrics.close()
-    if main and start < t.steps:
+    if start < t.steps:  # every process computes (the arrays span them all); process 0 prints
         val = evaluate(eval_fn, state.params, val_batches, t.eval_batches, mesh, rows)
-        print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
-              f"({corpus.name}); checkpoint: {ckpt_dir}")
-        if t.sample_tokens:
-            prompt = "def "
-            ids = sample(state.params, run.model, encode_text(prompt, corpus.tokenizer), t.sample_tokens, seed=t.seed)
+        prompt = "def "
+        ids = sample(state.params, run.model, encode_text(prompt, corpus.tokenizer), t.sample_tokens, seed=t.seed)
+        if main:
+            print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
+                  f"({corpus.name}); checkpoint: {ckpt_dir}")
             print("sample:\n" + prompt + decode_tokens(ids, corpus.tokenizer))
     return 0
 
