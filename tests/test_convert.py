@@ -1,0 +1,141 @@
+"""GPT-2 interop: a small random GPT-2 built with `transformers` (nothing downloaded) → jaxseq logits
+equal the reference on 1 device and on data=2 × tensor=4 with SP; from-hf → to-hf is exact."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file  # noqa: E402
+
+from jaxseq import convert  # noqa: E402
+from jaxseq.config import ParallelConfig  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
+
+VOCAB, POSITIONS = 300, 32  # 300: not a multiple of 128, so vocabulary padding is exercised
+
+
+def gpt2_config(**changes):
+    kw = dict(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=64, n_layer=2, n_head=4, layer_norm_epsilon=1e-5,
+              bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2Config(**{**kw, **changes})
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A random GPT-2 saved as the HF format, non-trivial LayerNorm parameters and biases included."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(gpt2_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf") / "gpt2"
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("conv") / "gpt2-jaxseq")
+    assert convert.main(["from-hf", hf_model[1], out]) == 0
+    return out
+
+
+def reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16)).astype(np.int32)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, False), (2, 4, True)], ids=["1dev", "data2-tensor4-sp"])
+def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
+    data, tensor, sp = mesh_shape
+    ref = reference_logits(hf_model[0], TOKENS)
+    cfg, params = convert.load(converted)
+    assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype) == (VOCAB, POSITIONS, 0.0, "float32")
+    mesh = make_mesh(ParallelConfig(data, tensor, sp), devices[: data * tensor])
+    out = convert.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
+
+
+def test_load_hf_gpt2_api(hf_model):
+    cfg, params = convert.load_hf_gpt2(hf_model[1])
+    np.testing.assert_allclose(convert.logits(params, TOKENS[:1], cfg), reference_logits(hf_model[0], TOKENS[:1]),
+                               atol=1e-4, rtol=0)
+
+
+def test_round_trip_is_exact(hf_model, converted, tmp_path):
+    back = str(tmp_path / "back")
+    assert convert.main(["to-hf", converted, back]) == 0
+    src, dst = load_file(os.path.join(hf_model[1], "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert list(dst) == list(src)
+    for name, t in src.items():
+        assert dst[name].dtype == t.dtype and dst[name].shape == t.shape, name
+        assert np.array_equal(dst[name], t), name
+    assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(hf_model[1], "config.json")))
+    # The step directory form reads the same checkpoint.
+    assert convert.main(["to-hf", os.path.join(converted, "checkpoints", "0"), str(tmp_path / "step0")]) == 0
+
+
+def test_to_hf_loads_in_transformers(hf_model, converted, tmp_path):
+    """Without the original config (as for a run trained in jaxseq) to-hf writes one of its own."""
+    cfg, params = convert.load(converted)
+    run = tmp_path / "run"
+    os.makedirs(run)
+    for name in ("config.json", "checkpoints"):
+        os.symlink(os.path.join(converted, name), run / name)
+    assert convert.main(["to-hf", str(run), str(tmp_path / "out")]) == 0
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    np.testing.assert_allclose(reference_logits(model.eval(), TOKENS), reference_logits(hf_model[0], TOKENS), atol=1e-6)
+
+
+def test_init_state_on_a_tensor_sp_mesh(converted, devices):
+    """What `train --init-from` uses: the saved weights placed on data=2 × tensor=4 + SP, padded for it."""
+    from jaxseq import train_step as T
+    from jaxseq.config import ModelConfig, OptimizerConfig
+
+    model = convert.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
+    assert (model.vocab_size, model.hidden, model.seq_len) == (VOCAB, 64, 16)
+    parallel = ParallelConfig(2, 4, True)
+    mesh = make_mesh(parallel, devices)
+    state = convert.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig()), mesh)
+    _, saved = convert.load(converted)
+    assert state.params["embed"]["token"].shape == (model.padded_vocab(4), 64)
+    assert state.params["embed"]["token"].sharding.spec == T.param_specs(model, parallel)["embed"]["token"]
+    np.testing.assert_array_equal(np.asarray(state.params["embed"]["token"])[:VOCAB],
+                                  np.asarray(saved["embed"]["token"])[:VOCAB])
+    np.testing.assert_array_equal(np.asarray(state.params["embed"]["position"]),
+                                  np.asarray(saved["embed"]["position"])[:16])
+    assert int(state.step) == 0
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"activation_function": "relu"}, "activation_function"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
+    ({"n_inner": 100}, "n_inner"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+    ({"add_cross_attention": True}, "add_cross_attention"),
+])
+def test_refuses_what_jaxseq_cannot_represent(tmp_path, capsys, change, named):
+    config = {**gpt2_config().to_dict(), **change}
+    os.makedirs(tmp_path / "hf")
+    json.dump(config, open(tmp_path / "hf" / "config.json", "w"))
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and named in err and "\n" not in err and "Traceback" not in err
+
+
+def test_mlp_ratio_from_n_inner():
+    from jaxseq.hf import model_config
+
+    assert model_config({**gpt2_config(n_inner=128).to_dict()}).mlp_ratio == 2
