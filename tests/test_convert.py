@@ -139,3 +139,28 @@ def test_mlp_ratio_from_n_inner():
     from jaxseq.hf import model_config
 
     assert model_config({**gpt2_config(n_inner=128).to_dict()}).mlp_ratio == 2
+
+
+def test_round_trip_of_an_older_layout(hf_model, tmp_path):
+    """No `transformer.` prefix, float16, causal-mask buffers and a tied lm_head.weight (as older
+    uploads have): all come back exactly; an lm_head that differs is refused as untied."""
+    from safetensors.numpy import save_file
+
+    src = {k.removeprefix("transformer."): v.astype(np.float16)
+           for k, v in load_file(os.path.join(hf_model[1], "model.safetensors")).items()}
+    for i in range(2):
+        src[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, POSITIONS, POSITIONS), bool))
+    src["lm_head.weight"] = src["wte.weight"]
+    os.makedirs(tmp_path / "old")
+    os.symlink(os.path.join(hf_model[1], "config.json"), tmp_path / "old" / "config.json")
+    save_file(src, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
+    assert convert.main(["from-hf", str(tmp_path / "old"), str(tmp_path / "conv")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "conv"), str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert list(back) == list(load_file(str(tmp_path / "old" / "model.safetensors")))
+    for name, t in src.items():
+        assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
+
+    src["lm_head.weight"] = src["wte.weight"] + np.float16(1)
+    save_file(src, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
+    assert convert.main(["from-hf", str(tmp_path / "old"), str(tmp_path / "conv2")]) == 2
