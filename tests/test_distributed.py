@@ -1,0 +1,65 @@
+"""Two local processes × 4 simulated CPU devices, through jax.distributed (gloo collectives)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from test_train import ROOT, env, losses, run
+
+ARGS = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
+        "--sequence-parallel", "--remat", "selective", "--log-every", "1", "--eval-every", "100",
+        "--warmup-steps", "2", "decay_steps=10", "eval_batches=1", "sample_tokens=4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir, steps, extra=()):
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "4", "--steps", str(steps),
+         "--run-dir", run_dir, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), *extra],
+        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
+    pair_dir, single_dir = str(tmp_path / "pair"), str(tmp_path / "single")
+    procs = launch(pair_dir, 4)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "jaxseq:" in outs[0][0] and "jaxseq:" not in outs[1][0]  # only process 0 prints
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", single_dir)
+    pair, single = losses(pair_dir), losses(single_dir)
+    assert sorted(pair) == [1, 2, 3, 4]
+    for step in pair:
+        assert abs(pair[step] - single[step]) <= 1e-5 * abs(single[step]), (step, pair[step], single[step])
+    # The pair's checkpoint, restored by one process on 8 devices, continues like the single run.
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", pair_dir, "--resume")
+    resumed = losses(pair_dir)
+    for step in (5, 6):
+        assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
+
+
+def test_a_killed_peer_does_not_hang_the_other(tmp_path):
+    run_dir = str(tmp_path)
+    procs = launch(run_dir, 100000, extra=["--checkpoint-every", "100000"])
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 2):
+        time.sleep(0.5)
+    assert os.path.exists(path), procs[0].communicate(timeout=5)[1][-3000:]
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    out, err = procs[0].communicate(timeout=120)
+    assert time.time() - killed_at < 60
+    assert procs[0].returncode != 0
+    print(err[-1500:])
