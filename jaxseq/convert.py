@@ -67,7 +67,7 @@ def logits(params: dict, tokens, cfg: ModelConfig, mesh=None, sequence_parallel:
     """
     tokens = np.asarray(tokens, np.int32)
     if mesh is None:
-        mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+        mesh = make_mesh(ParallelConfig(), jax.local_devices()[:1])
     params = place(params, cfg, mesh, sequence_parallel)
     tokens = _put(tokens, T.batch_sharding(mesh))
     return np.asarray(_logits_fn(cfg, mesh, sequence_parallel)(params, tokens))[..., : cfg.vocab_size]
@@ -112,6 +112,14 @@ def init_tokenizer(path: str) -> str | None:
     """The tokenizer.json that came with the weights (the run's default tokenizer), if any."""
     tok = os.path.join(path, "tokenizer.json")
     return tok if os.path.isfile(tok) else _saved_run(path)["train"].get("tokenizer")
+
+
+def data_vocab(path: str, corpus_vocab: int) -> int:
+    """The run's vocabulary: the weights' (a smaller tokenizer uses a subset of it), never fewer."""
+    saved = _saved_model(path).vocab_size
+    if corpus_vocab > saved:
+        raise ConfigError(f"the data's vocabulary of {corpus_vocab} exceeds the {saved} tokens of --init-from {path}")
+    return saved
 
 
 def init_state(path: str, model: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> T.TrainState:
@@ -179,7 +187,7 @@ def _restore(path: str):
     run_dir, step = _step_dir(path)
     cfg = ModelConfig(**saved["model"])
     parallel = ParallelConfig()
-    mesh = make_mesh(parallel, jax.devices()[:1])
+    mesh = make_mesh(parallel, jax.local_devices()[:1])
     optimizer = T.make_optimizer(OptimizerConfig(**saved["optimizer"]))
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     mgr = C.manager(os.path.join(run_dir, "checkpoints"), async_save=False)
@@ -213,7 +221,7 @@ def from_hf(hf_dir: str, out: str) -> ModelConfig:
     run = RunConfig(cfg, ParallelConfig(), OptimizerConfig(), TrainConfig(steps=0, run_dir=out, tokenizer=tokenizer))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(run.to_dict(), f, indent=2)
-    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+    mesh = make_mesh(ParallelConfig(), jax.local_devices()[:1])
     optimizer = T.make_optimizer(run.optimizer)
     params = place(params, cfg, mesh)
     state = jax.jit(lambda p: T.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
