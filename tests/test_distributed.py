@@ -64,3 +64,20 @@ def test_a_killed_peer_does_not_hang_the_other(tmp_path):
     assert procs[0].returncode != 0
     # The distributed runtime's own verdict, after heartbeat_timeout_s (20 s) of silence:
     assert "Task 1 heartbeat timeout" in err and "remote task has failed" in err, err[-3000:]
+
+
+def test_bad_distributed_flags_give_one_clear_line():
+    import pytest
+
+    from jaxseq.config import ConfigError, DistributedConfig
+    from jaxseq.distributed import detected_launcher, validate_distributed
+
+    for cfg, message in [(DistributedConfig("127.0.0.1:99", 2, None), "must be given together"),
+                         (DistributedConfig("nohost", 2, 0), "coordinator='nohost' is not HOST:PORT"),
+                         (DistributedConfig("h:1", 2, 2), "process_id=2 is not in [0, num_processes=2)")]:
+        with pytest.raises(ConfigError) as err:
+            validate_distributed(cfg)
+        assert message in str(err.value)
+    assert detected_launcher({"SLURM_JOB_ID": "7"}) == "SLURM"
+    assert detected_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
+    assert detected_launcher({}) is None
