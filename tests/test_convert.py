@@ -191,3 +191,13 @@ def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
     assert sorted(back) == sorted(src)
     for name, t in src.items():
         assert np.array_equal(back[name], t), name
+
+
+def test_sharded_safetensors(hf_model, tmp_path):
+    """A checkpoint split over several files (model.safetensors.index.json) reads the same weights."""
+    import jax
+
+    hf_model[0].save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
+    (_, sharded), (_, whole) = convert.load_hf_gpt2(str(tmp_path / "sharded")), convert.load_hf_gpt2(hf_model[1])
+    jax.tree.map(np.testing.assert_array_equal, sharded, whole)
