@@ -66,6 +66,10 @@ def logits(params: dict, tokens, cfg: ModelConfig, mesh=None, sequence_parallel:
     split over `data` and the model over `tensor` (sequence parallel if asked: s divisible by tensor).
     """
     tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[1] > cfg.seq_len:
+        raise ConfigError(f"tokens of shape {tokens.shape}: expected [batch, ≤{cfg.seq_len}]")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        raise ConfigError(f"token ids must lie in [0, {cfg.vocab_size}); got {tokens.min()}..{tokens.max()}")
     if mesh is None:
         mesh = make_mesh(ParallelConfig(), jax.local_devices()[:1])
     params = place(params, cfg, mesh, sequence_parallel)
@@ -217,7 +221,7 @@ def from_hf(hf_dir: str, out: str) -> ModelConfig:
     with open(os.path.join(side, "record.json"), "w") as f:
         json.dump({**record, "metadata": metadata}, f, indent=1)
     if buffers:
-        hf._st().save_file(buffers, os.path.join(side, "buffers.safetensors"))
+        hf.safetensors_numpy().save_file(buffers, os.path.join(side, "buffers.safetensors"))
     run = RunConfig(cfg, ParallelConfig(), OptimizerConfig(), TrainConfig(steps=0, run_dir=out, tokenizer=tokenizer))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(run.to_dict(), f, indent=2)
@@ -233,24 +237,24 @@ def from_hf(hf_dir: str, out: str) -> ModelConfig:
 
 
 def to_hf(path: str, out: str) -> ModelConfig:
-    """Write a checkpoint as an HF GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out)` loads."""
+    """Write a checkpoint as an HF GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out)` loads.
+
+    A converted directory gives back its original names, dtypes, buffers and config.json (byte for
+    byte, while the architecture is unchanged); a run trained in jaxseq gets a generated config."""
     cfg, params, tokenizer, _ = _restore(path)
-    run_dir, _ = _step_dir(path)
-    side = os.path.join(run_dir, HF_SUBDIR)
-    record, buffers, config, metadata = None, None, hf.hf_config(cfg), None
+    side = os.path.join(_step_dir(path)[0], HF_SUBDIR)
+    record, buffers, metadata, keep_config = None, None, None, False
     if os.path.isfile(os.path.join(side, "record.json")):
         record = json.load(open(os.path.join(side, "record.json")))
         metadata = record.pop("metadata", None)
         if os.path.isfile(os.path.join(side, "buffers.safetensors")):
-            buffers = hf._st().load_file(os.path.join(side, "buffers.safetensors"))
-        original = json.load(open(os.path.join(side, "config.json")))
-        if all(getattr(hf.model_config(original), k) == getattr(cfg, k) for k in ARCHITECTURE + ("seq_len",)):
-            config = original
-    params = jax.tree.map(np.asarray, params)
-    hf.write_dir(out, config, hf.from_params(cfg, params, record, buffers), metadata)
-    names = [n for n in hf.SIDE_FILES if n != "config.json"]
+            buffers = hf.safetensors_numpy().load_file(os.path.join(side, "buffers.safetensors"))
+        original = hf.model_config(json.load(open(os.path.join(side, "config.json"))))
+        keep_config = all(getattr(original, k) == getattr(cfg, k) for k in ARCHITECTURE + ("seq_len",))
+    tensors = hf.from_params(cfg, jax.tree.map(np.asarray, params), record, buffers)
+    hf.write_dir(out, hf.hf_config(cfg), tensors, metadata)
     if os.path.isdir(side):
-        hf.copy_side_files(side, out, names)
+        hf.copy_side_files(side, out, [n for n in hf.SIDE_FILES if n != "config.json" or keep_config])
     elif tokenizer and os.path.isfile(tokenizer):
         hf.copy_side_files(os.path.dirname(tokenizer), out, [os.path.basename(tokenizer)])
     return cfg

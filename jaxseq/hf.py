@@ -25,7 +25,7 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
-def _st():
+def safetensors_numpy():
     try:
         import safetensors.numpy as st
     except ImportError:
@@ -99,7 +99,7 @@ def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray], dict]:
         files = ["model.safetensors"]
     else:
         raise ConfigError(f"{hf_dir!r} has no model.safetensors (re-save with save_pretrained(safe_serialization=True))")
-    st, tensors, metadata = _st(), {}, {}
+    st, tensors, metadata = safetensors_numpy(), {}, {}
     from safetensors import safe_open
 
     for name in files:
@@ -112,9 +112,13 @@ def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray], dict]:
 
 def write_dir(out: str, config: dict, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
     os.makedirs(out, exist_ok=True)
+    stale = os.path.join(out, "model.safetensors.index.json")  # would shadow the single file we write
+    if os.path.isfile(stale):
+        os.remove(stale)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _st().save_file(tensors, os.path.join(out, "model.safetensors"), metadata=metadata or {"format": "pt"})
+    path = os.path.join(out, "model.safetensors")
+    safetensors_numpy().save_file(tensors, path, metadata=metadata or {"format": "pt"})
 
 
 def _prefix(tensors: dict) -> str:
@@ -169,7 +173,8 @@ def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray], padded_vocab: in
             "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},
                      "out": {"kernel": stack("out.kernel", (a, d, h)), "bias": stack("out.bias", (h,))}},
             "ln2": ln("ln2"),
-            "mlp": {"wi": {"kernel": stack("wi.kernel", (h, cfg.mlp_hidden)), "bias": stack("wi.bias", (cfg.mlp_hidden,))},
+            "mlp": {"wi": {"kernel": stack("wi.kernel", (h, cfg.mlp_hidden)),
+                           "bias": stack("wi.bias", (cfg.mlp_hidden,))},
                     "wo": {"kernel": stack("wo.kernel", (cfg.mlp_hidden, h)), "bias": stack("wo.bias", (h,))}},
         },
         "final_ln": {"scale": f32(p + "ln_f.weight"), "bias": f32(p + "ln_f.bias")},
@@ -199,7 +204,8 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
                "ln2.bias": lay["ln2"]["bias"], "qkv.kernel": lay["attn"]["qkv"]["kernel"],
                "qkv.bias": lay["attn"]["qkv"]["bias"], "out.kernel": lay["attn"]["out"]["kernel"],
                "out.bias": lay["attn"]["out"]["bias"], "wi.kernel": lay["mlp"]["wi"]["kernel"],
-               "wi.bias": lay["mlp"]["wi"]["bias"], "wo.kernel": lay["mlp"]["wo"]["kernel"], "wo.bias": lay["mlp"]["wo"]["bias"]}
+               "wi.bias": lay["mlp"]["wi"]["bias"], "wo.kernel": lay["mlp"]["wo"]["kernel"],
+               "wo.bias": lay["mlp"]["wo"]["bias"]}
     names = [_layer_names(p, i) for i in range(L)]
     for key, stacked in sources.items():
         # Kernels back to Conv1D's [in, out]: qkv [h, 3, a, d] → [h, 3h], out [a, d, h] → [a·d, h].

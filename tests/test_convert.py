@@ -79,7 +79,7 @@ def test_round_trip_is_exact(hf_model, converted, tmp_path):
     for name, t in src.items():
         assert dst[name].dtype == t.dtype and dst[name].shape == t.shape, name
         assert np.array_equal(dst[name], t), name
-    assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(hf_model[1], "config.json")))
+    assert open(os.path.join(back, "config.json")).read() == open(os.path.join(hf_model[1], "config.json")).read()
     # The step directory form reads the same checkpoint.
     assert convert.main(["to-hf", os.path.join(converted, "checkpoints", "0"), str(tmp_path / "step0")]) == 0
 
@@ -201,3 +201,12 @@ def test_sharded_safetensors(hf_model, tmp_path):
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
     (_, sharded), (_, whole) = convert.load_hf_gpt2(str(tmp_path / "sharded")), convert.load_hf_gpt2(hf_model[1])
     jax.tree.map(np.testing.assert_array_equal, sharded, whole)
+
+
+def test_logits_refuses_bad_tokens(hf_model):
+    from jaxseq.config import ConfigError
+
+    cfg, params = convert.load_hf_gpt2(hf_model[1])
+    for bad in (np.zeros((1, POSITIONS + 1)), [[0, VOCAB]], [0, 1]):
+        with pytest.raises(ConfigError):
+            convert.logits(params, bad, cfg)
