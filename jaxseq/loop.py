@@ -92,13 +92,19 @@ def _meta(run: RunConfig, position: int) -> dict:
     return {"data_position": position, "config": run.to_dict()}
 
 
-def train(run: RunConfig) -> int:
+def train(run: RunConfig, init_from: str | None = None) -> int:
+    """Train to run.train.steps; `init_from`: a run or converted directory whose weights start the run."""
     t = run.train
     main = D.is_main_process()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     corpus = load_corpus(t.data, t.tokenizer)
-    # The data defines the vocabulary (and, for token files, the tokenizer).
-    run = RunConfig(replace(run.model, vocab_size=corpus.vocab_size), run.parallel, run.optimizer,
+    # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more.
+    vocab = corpus.vocab_size
+    if init_from:
+        from jaxseq import convert
+
+        vocab = convert.data_vocab(init_from, vocab)
+    run = RunConfig(replace(run.model, vocab_size=vocab), run.parallel, run.optimizer,
                     replace(t, tokenizer=corpus.tokenizer), run.distributed)
     mesh = make_mesh(run.parallel, _devices())
     optimizer = T.make_optimizer(run.optimizer)
@@ -123,7 +129,10 @@ def train(run: RunConfig) -> int:
     else:
         if mgr.all_steps():
             raise ConfigError(f"run_dir={t.run_dir!r} already holds checkpoints; pass --resume or another --run-dir")
-        state = T.init_state(jax.random.key(t.seed), run.model, run.parallel, optimizer, mesh)
+        if init_from:
+            state = convert.init_state(init_from, run.model, run.parallel, optimizer, mesh)
+        else:
+            state = T.init_state(jax.random.key(t.seed), run.model, run.parallel, optimizer, mesh)
         position = 0
     start = int(state.step)
     if main:

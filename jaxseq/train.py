@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, help="steps between validation evaluations")
     a("--checkpoint-every", type=int, help="steps between checkpoints")
     a("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    a("--init-from", help="start from the weights (and architecture) of a run or converted directory, at step 0")
     a("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (auto on A100/H100/H200)")
     a("--coordinator", help="multi-process: HOST:PORT of process 0 (auto under SLURM / Open MPI)")
     a("--num-processes", type=int, help="multi-process: number of processes")
@@ -174,10 +175,23 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
             raise ConfigError(f"override {item!r} is not key=value")
         pairs[key] = value
     configs = apply_overrides(configs, pairs)
+    if args.init_from:
+        configs = _init_from(configs, args.init_from, args.seq_len or pairs.get("seq_len"))
     # The cosine decays over the whole run unless configured otherwise.
     if configs["optimizer"].decay_steps == OptimizerConfig().decay_steps:
         configs["optimizer"] = replace(configs["optimizer"], decay_steps=configs["train"].steps)
     return configs, args.mesh, args.sequence_parallel
+
+
+def _init_from(configs: dict, path: str, seq_len) -> dict:
+    """The architecture (and the default tokenizer) of `path`; the rest stays as configured."""
+    from jaxseq import convert
+
+    configs = dict(configs)
+    configs["model"] = convert.init_model(path, configs["model"], int(seq_len) if seq_len else None)
+    if configs["train"].tokenizer is None:
+        configs["train"] = replace(configs["train"], tokenizer=convert.init_tokenizer(path))
+    return configs
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -211,7 +225,7 @@ def main(argv=None) -> int:
         validate(run.model, run.parallel, run.train.remat, loop.num_devices(),
                  run.train.batch_size, run.train.micro_batch_size)
         check_run_dir(run.train.run_dir)
-        return loop.train(run)
+        return loop.train(run, init_from=args.init_from)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
