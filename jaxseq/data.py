@@ -12,7 +12,6 @@ and each process materialises only the rows of the global batch that live on its
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxseq import cli
 from jaxseq.config import ConfigError
 
 BYTE_VOCAB = 256
@@ -201,7 +201,7 @@ def write_token_files(inputs: str, prefix: str, vocab_size: int | None, tokenize
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxseq.data",
+    parser = cli.ArgumentParser(prog="python -m jaxseq.data",
                                      description="Tokenize text files into memory-mapped token files for --data.")
     parser.add_argument("--input", required=True, help="text file, directory or glob")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.{train,val}.bin and PREFIX.json")

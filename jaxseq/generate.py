@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxseq import model as M
+from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig
 from jaxseq.mesh import Sharder
 
@@ -58,7 +58,7 @@ def decode_tokens(ids: list[int], tokenizer_path: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxseq.generate", description=__doc__)
+    parser = cli.ArgumentParser(prog="python -m jaxseq.generate", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="a run directory written by python -m jaxseq.train")
     parser.add_argument("--prompt", default="def ", help="text to continue")
     parser.add_argument("--max-tokens", type=int, default=200)

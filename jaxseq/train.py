@@ -14,6 +14,7 @@ import sys
 
 import yaml
 
+from jaxseq import cli
 from jaxseq.config import (PRESETS, ConfigError, DistributedConfig, ModelConfig, OptimizerConfig, TrainConfig,
                            preset, replace, validate)
 
@@ -90,7 +91,7 @@ def parse_mesh(text: str, num_devices: int) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m jaxseq.train",
         description="Train a GPT with tensor, sequence and data parallelism and named remat policies.",
         epilog="Trailing key=value pairs override any config field (model, optimizer or train), e.g. "

@@ -119,6 +119,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     (["hiden=3"], "unknown config field 'hiden'"),
     (["--batch-size", "7"], "data=2 does not divide batch_size=7"),
     (["dropout=much"], "dropout='much' is not a valid float"),
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)
