@@ -138,3 +138,21 @@ def test_empty_data_and_incompatible_resume(tmp_path):
     assert out.returncode == 2 and "cannot resume" in out.stderr and "layers=2 (saved) vs 3" in out.stderr
     out = run(*TINY, "--steps", "4", "--run-dir", str(tmp_path / "b"), check=False)
     assert out.returncode == 2 and "already holds checkpoints" in out.stderr
+
+
+def test_train_and_generate_on_token_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 100)
+    prefix = str(tmp_path / "tok")
+    made = subprocess.run([sys.executable, "-m", "jaxseq.data", "--input", str(src), "--output", prefix,
+                           "--vocab-size", "320"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+    assert made.returncode == 0, made.stderr
+    run_dir = str(tmp_path / "run")
+    run(*TINY, "--steps", "2", "--data", prefix, "--run-dir", run_dir)
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert 256 < config["model"]["vocab_size"] <= 320 and config["train"]["tokenizer"].endswith("tok.tokenizer.json")
+    gen = subprocess.run([sys.executable, "-m", "jaxseq.generate", "--run-dir", run_dir, "--prompt", "def f1",
+                          "--max-tokens", "4"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+    assert gen.returncode == 0 and gen.stdout.startswith("# step 2\ndef f1"), gen.stderr[-2000:]
