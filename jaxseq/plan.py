@@ -55,14 +55,15 @@ class Config:
     paper: str | None  # the Table-2 row it is compared with
 
 
-def configurations(tensor: int) -> list[Config]:
-    """The paper's seven rows, then every other registered policy with and without SP.
-    With tensor = 1 there is no parallelism to compare: one row per policy."""
+def configurations(tensor: int, policies=None) -> list[Config]:
+    """The paper's seven rows, then every other registered policy (or those in `policies`) with and
+    without SP. With tensor = 1 there is no parallelism to compare: one row per policy."""
+    policies = list(POLICIES) if policies is None else list(policies)
     if tensor == 1:
         paper = {"none": "none", "selective": "tp+selective", "full": "full"}
-        return [Config(p, p, False, 1, paper.get(p)) for p in POLICIES]
+        return [Config(p, p, False, 1, paper.get(p)) for p in dict.fromkeys(["none", *policies])]
     rows = [Config(n, r, sp, tensor if tp else 1, n) for n, (r, sp, tp) in PAPER.items()]
-    for policy in POLICIES:
+    for policy in policies:
         if policy not in ("none", "selective", "full"):
             rows += [Config(f"tp+{policy}", policy, False, tensor, None),
                      Config(f"tp+sp+{policy}", policy, True, tensor, None)]
@@ -94,18 +95,36 @@ def _mesh(tensor: int, sequence_parallel: bool, devices):
 
 
 class Compiler:
-    """Compiles each distinct program once (a plan reuses the L=0 and forward programs across rows)."""
+    """Compiles each distinct program once, two at a time (XLA compiles with the GIL released, and a
+    plan reuses the L=0 and forward programs across rows)."""
 
-    def __init__(self, cfg: ModelConfig, micro_batch: int, devices):
-        self.cfg, self.b, self.devices = cfg, micro_batch, devices
+    def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2):
+        self.cfg, self.b, self.devices, self.workers = cfg, micro_batch, devices, workers
         self._cache: dict = {}
 
-    def _compile(self, kind: str, layers: int, remat: str, tensor: int, sp: bool):
-        key = (kind, layers, remat, tensor, sp)
+    @staticmethod
+    def programs(c: Config) -> list[tuple]:
+        """(kind, layers, remat, tensor, sp) of the programs a row reads."""
+        return [("grad", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel),
+                ("grad", 0, "none", c.tensor, c.sequence_parallel)]
+
+    def compile_all(self, keys) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        with ThreadPoolExecutor(self.workers) as pool:
+            for key, compiled in zip(todo, pool.map(self._build, todo)):
+                self._cache[key] = compiled
+
+    def _build(self, key: tuple):
+        kind, layers, remat, tensor, sp = key
+        parallel, mesh = _mesh(tensor, sp, self.devices)
+        fn = A.compile_loss_and_grad if kind == "grad" else A.compile_forward
+        return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
+
+    def _compile(self, *key):
         if key not in self._cache:
-            parallel, mesh = _mesh(tensor, sp, self.devices)
-            fn = A.compile_loss_and_grad if kind == "grad" else A.compile_forward
-            self._cache[key] = fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
+            self._cache[key] = self._build(key)
         return self._cache[key]
 
     def measure(self, c: Config) -> Measured:
@@ -116,9 +135,13 @@ class Compiler:
         flops = _flops(compiled) - _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
         return Measured(stored, flops, self._collectives(text, c.tensor))
 
-    def forward_flops_per_layer(self, tensor: int, sp: bool) -> float:
-        fwd = lambda L: _flops(self._compile("forward", L, "none", tensor, sp))
-        return fwd(MEASURE_LAYERS) - fwd(0)
+    @staticmethod
+    def forward_programs(tensor: int) -> list[tuple]:
+        return [("forward", L, "none", tensor, False) for L in (MEASURE_LAYERS, 0)]
+
+    def forward_flops_per_layer(self, tensor: int) -> float:
+        fwd, zero = (_flops(self._compile(*k)) for k in self.forward_programs(tensor))
+        return fwd - zero
 
     def _collectives(self, text: str, tensor: int) -> dict:
         """Bytes of the activation collectives of one layer (forward + backward), at the model's
@@ -231,6 +254,7 @@ class Plan:
     formula_flops_per_layer: dict  # per device at `tensor`: model, hardware_selective, hardware_full
     forward_flops_per_layer: float  # measured, per device at `tensor`, no SP
     last_matmul_flops_per_layer: float  # the second MLP matmul's forward, per device
+    pipeline: int = 1  # whole-model figures: the first of this many pipeline stages
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -239,6 +263,7 @@ class Plan:
         cfg = self.config
         return {
             "model": self.model, "tensor": self.tensor, "seq_len": cfg.seq_len, "micro_batch": self.micro_batch,
+            "pipeline": self.pipeline,
             "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
@@ -257,22 +282,33 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
     return {"model": per("none"), "hardware_selective": per("selective"), "hardware_full": per("full")}
 
 
-def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom") -> Plan:
-    """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices."""
-    for c in configurations(tensor):
+def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
+         pipeline: int = 1, policies=None) -> Plan:
+    """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
+
+    pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
+    state of L/p layers (and the embedding) and, under 1F1B, activations of p micro-batches in
+    flight, i.e. L layers' worth whatever p is (the paper's §4.2.3). `policies`: which registered
+    policies beyond the paper's rows (default all)."""
+    for c in configurations(tensor, policies):
         validate(cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
         raise ConfigError(f"micro_batch={micro_batch!r} must be a positive integer")
+    if not isinstance(pipeline, int) or not 0 < pipeline <= cfg.layers:
+        raise ConfigError(f"pipeline={pipeline!r} must be a positive integer at most layers={cfg.layers}")
+    stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
     compiler = Compiler(cfg, micro_batch, devices)
     s, h, a, b = cfg.seq_len, cfg.hidden, cfg.heads, micro_batch
-    measured = {c: compiler.measure(c) for c in configurations(tensor)}
+    configs = configurations(tensor, policies)
+    compiler.compile_all([k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor))
+    measured = {c: compiler.measure(c) for c in configs}
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = []
     for c, m in measured.items():
         formula = A.paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
-        state = state_bytes(cfg, c.tensor)
+        state = state_bytes(stage, c.tensor)
         activations = m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel)
         base = baseline[(c.tensor, c.sequence_parallel)]
         rows.append(Row(
@@ -287,7 +323,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
             activation_bytes_per_device=activations, total_bytes_per_device=state.total + activations,
         ))
     return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
-                compiler.forward_flops_per_layer(tensor, False), 2 * b * s * cfg.mlp_hidden * h / tensor)
+                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +353,16 @@ def _fmt(x, spec, missing="-"):
     return missing if x is None else format(x, spec)
 
 
+def _unit(largest: float, units: list[tuple[str, float]]) -> tuple[str, float]:
+    """The largest unit in which `largest` is at least 1 (small test shapes print in KiB, not 0.0 MiB)."""
+    return next(((n, u) for n, u in units if largest >= u), units[-1])
+
+
+BYTES_LAYER = [("MiB", MIB), ("KiB", 2**10)]
+BYTES_MODEL = [("GiB", GIB), ("MiB", MIB), ("KiB", 2**10)]
+FLOP_UNITS = [("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)]
+
+
 def format_table(p: Plan) -> str:
     cfg, t, b = p.config, p.tensor, p.micro_batch
     lines = [
@@ -326,16 +372,22 @@ def format_table(p: Plan) -> str:
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "
         "collectives at the activation dtype, forward + backward",
         "",
-        f"{'config':<22}{'remat':<14}{'SP':<4}{'t':>3}{'stored MiB':>12}{'formula MiB':>13}{'ratio':>8}"
-        f"{'TFLOP':>9}{'recompute':>11}{'coll. MiB':>11}{'activ. GiB':>12}{'total GiB':>11}",
     ]
+    bl, bu = _unit(max(r.measured_bytes_per_layer for r in p.rows), BYTES_LAYER)
+    cl, cu = _unit(max(r.collective_bytes_per_layer for r in p.rows), BYTES_LAYER)
+    fl, fu = _unit(max(r.flops_per_layer for r in p.rows), FLOP_UNITS)
+    al, au = _unit(max(r.activation_bytes_per_device for r in p.rows), BYTES_MODEL)
+    tl, tu = _unit(max(r.total_bytes_per_device for r in p.rows), BYTES_MODEL)
+    lines.append(f"{'config':<22}{'remat':<14}{'SP':<4}{'t':>3}{'stored ' + bl:>12}{'formula ' + bl:>13}{'ratio':>8}"
+                 f"{fl:>9}{'recompute':>11}{'coll. ' + cl:>11}{'activ. ' + al:>12}{'total ' + tl:>11}")
     for r in p.rows:
+        formula = None if r.formula_bytes_per_layer is None else r.formula_bytes_per_layer / bu
         lines.append(
             f"{r.config:<22}{r.remat:<14}{'yes' if r.sequence_parallel else 'no':<4}{r.tensor:>3}"
-            f"{r.measured_bytes_per_layer / MIB:>12.1f}{_fmt(r.formula_bytes_per_layer and r.formula_bytes_per_layer / MIB, '.1f'):>13}"
-            f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / 1e12:>9.4f}{r.recompute_overhead_pct:>10.2f}%"
-            f"{r.collective_bytes_per_layer / MIB:>11.1f}{r.activation_bytes_per_device / GIB:>12.2f}"
-            f"{r.total_bytes_per_device / GIB:>11.1f}")
+            f"{r.measured_bytes_per_layer / bu:>12.1f}{_fmt(formula, '.1f'):>13}"
+            f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / fu:>9.4f}{r.recompute_overhead_pct:>10.2f}%"
+            f"{r.collective_bytes_per_layer / cu:>11.1f}{r.activation_bytes_per_device / au:>12.2f}"
+            f"{r.total_bytes_per_device / tu:>11.1f}")
     f = p.formula_flops_per_layer
     lines += ["", "FLOPs per layer per device (t={}): paper model {:.4f} TFLOP; hardware with selective {:.4f} "
               "(+{:.2f}%, s/(6h) = {:.2f}%); with full {:.4f} (+{:.2f}%)".format(
@@ -361,8 +413,10 @@ def format_table(p: Plan) -> str:
                          f"over none with SP ({100 * saved / none.measured_bytes_per_layer:.1f}%); "
                          "the paper's formulas assume the explicit scores")
     state = next(r for r in p.rows if r.tensor == t)
+    stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
+                                        f"layers' state, {cfg.layers} layers' activations (1F1B)")
     lines.append(
-        f"whole model per device (t={t}): parameters {state.params_bytes_per_device / GIB:.1f} GiB fp32, gradients "
+        f"whole model per device (t={t}{stage}): parameters {state.params_bytes_per_device / GIB:.1f} GiB fp32, gradients "
         f"{state.gradient_bytes_per_device / GIB:.1f} GiB, Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, "
         f"{cfg.dtype} weight copy {state.weight_copy_bytes_per_device / GIB:.1f} GiB; activations = stored/layer × L "
         f"+ embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks)")
@@ -371,7 +425,8 @@ def format_table(p: Plan) -> str:
 
 def format_recommendation(p: Plan, budget_gib: float) -> str:
     chosen, rejected = recommend(p, budget_gib * GIB)
-    lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, micro-batch={p.micro_batch}:"]
+    lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, "
+             f"micro-batch={p.micro_batch}; least recompute first:"]
     for r, why in rejected:
         lines.append(f"  {r.config:<22} does not fit: {why} (recompute +{r.recompute_overhead_pct:.2f}%)")
     if chosen is None:
@@ -401,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s (default: the preset's)")
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype (default bfloat16)")
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, "
+                        "L layers' activations under 1F1B); default 1")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
@@ -428,7 +486,7 @@ def main(argv=None) -> int:
     try:
         cfg = resolve(args)
         validate(cfg, ParallelConfig(1, args.tensor, False), "none")
-        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset)
+        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
