@@ -22,11 +22,14 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+import jax
 import numpy as np
 
 from jaxseq import analysis as A
 from jaxseq import model as M
+from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.mesh import make_mesh
 from jaxseq.remat import POLICIES
 
 MIB, GIB = 2**20, 2**30
@@ -88,8 +91,6 @@ def _flops(compiled) -> float:
 
 
 def _mesh(tensor: int, sequence_parallel: bool, devices):
-    from jaxseq.mesh import make_mesh
-
     parallel = ParallelConfig(1, tensor, sequence_parallel)
     return parallel, make_mesh(parallel, devices[:tensor])
 
@@ -148,7 +149,7 @@ class Compiler:
         activation dtype: XLA:CPU computes bf16 collectives in f32, so HLO byte counts would be
         doubled; elements × itemsize is what a GPU moves. Parameter-gradient reductions (LayerNorm
         weights under SP, a few h elements) are left out: smaller than one activation shard."""
-        itemsize = np.dtype(self.cfg.dtype).itemsize if self.cfg.dtype != "bfloat16" else 2
+        itemsize = _itemsize(self.cfg)
         shard = self.b * self.cfg.seq_len * self.cfg.hidden // tensor
         out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
         if tensor == 1:
@@ -171,12 +172,8 @@ def _itemsize(cfg: ModelConfig) -> int:
 def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
     """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
     the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
-    from jaxseq import train_step as T
-
     shapes = M.param_shapes(cfg, tensor)
     specs = T.param_specs(cfg, ParallelConfig(1, tensor, False))
-    import jax
-
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     total = cast = 0
@@ -401,11 +398,11 @@ def format_table(p: Plan) -> str:
             f"{extra / 1e12:.4f} TFLOP = forward − last matmul ({p.last_matmul_flops_per_layer / 1e12:.4f}) "
             f"{'+' if extra >= p.forward_flops_per_layer - p.last_matmul_flops_per_layer else '−'} "
             f"{abs(extra - p.forward_flops_per_layer + p.last_matmul_flops_per_layer) / 1e9:.1f} GFLOP")
-        sel, sp_sel = p.row("tp+sp+selective"), p.row("tp+sp+selective")
+        sp_sel = p.row("tp+sp+selective")
         lines.append(f"TP+SP+selective stores {sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer:.3f} × TP "
                      f"({tp.measured_bytes_per_layer / sp_sel.measured_bytes_per_layer:.1f}× less); "
                      f"full+sp / (2sbh/t) = {p.row('full+sp').ratio:.4f}; selective recompute overhead "
-                     f"{sel.recompute_overhead_pct:.2f}% (JAX recomputes QKᵀ and softmax, not scores×V)")
+                     f"{sp_sel.recompute_overhead_pct:.2f}% (JAX recomputes QKᵀ and softmax, not scores×V)")
         if cfg.attention == "fused":
             none, selective = p.row("tp+sp"), p.row("tp+sp+selective")
             saved = none.measured_bytes_per_layer - selective.measured_bytes_per_layer
@@ -475,8 +472,6 @@ def resolve(args) -> ModelConfig:
 
 def host_devices(n: int):
     """n simulated CPU devices (the CLI edge only: must run before JAX's backend starts)."""
-    import jax
-
     jax.config.update("jax_num_cpu_devices", max(n, 1))
     return jax.devices("cpu")
 
