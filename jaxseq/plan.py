@@ -402,13 +402,15 @@ def format_table(p: Plan) -> str:
         lines.append(f"TP+SP+selective stores {sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer:.3f} × TP "
                      f"({tp.measured_bytes_per_layer / sp_sel.measured_bytes_per_layer:.1f}× less); "
                      f"full+sp / (2sbh/t) = {p.row('full+sp').ratio:.4f}; selective recompute overhead "
-                     f"{sp_sel.recompute_overhead_pct:.2f}% (JAX recomputes QKᵀ and softmax, not scores×V)")
+                     f"{sp_sel.recompute_overhead_pct:.2f}%"
+                     + (" (JAX recomputes QKᵀ and softmax, not scores×V)" if cfg.attention == "explicit" else ""))
         if cfg.attention == "fused":
             none, selective = p.row("tp+sp"), p.row("tp+sp+selective")
             saved = none.measured_bytes_per_layer - selective.measured_bytes_per_layer
             lines.append(f"fused attention stores no scores: selective saves only {saved / MIB:.1f} MiB per layer "
                          f"over none with SP ({100 * saved / none.measured_bytes_per_layer:.1f}%); "
-                         "the paper's formulas assume the explicit scores")
+                         "the paper's formulas assume the explicit scores. Even `none` recomputes the attention "
+                         "internals here (untagged), and no attention-probs dropout is applied")
     state = next(r for r in p.rows if r.tensor == t)
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
                                         f"layers' state, {cfg.layers} layers' activations (1F1B)")
