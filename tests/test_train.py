@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,15 +39,8 @@ def losses(run_dir):
     return {m["step"]: m["loss"] for m in metrics(run_dir)}
 
 
-@pytest.fixture(scope="module")
-def ten_steps(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("ten"))
-    run(*TINY, "--steps", "10", "--run-dir", run_dir)
-    return run_dir
-
-
-def test_metrics_jsonl_and_config(ten_steps):
-    records = metrics(ten_steps)
+def check_metrics_and_config(run_dir):
+    records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu"):
@@ -54,31 +48,30 @@ def test_metrics_jsonl_and_config(ten_steps):
         assert r["mfu"] is None  # CPU: no known peak
         assert r["tokens_per_sec"] > 0 and r["tflops_per_device"] > 0
     assert "val_loss" in records[4] and "val_loss" in records[9]
-    config = json.load(open(os.path.join(ten_steps, "config.json")))
+    config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True}
     assert config["model"]["hidden"] == 64 and config["train"]["steps"] == 10
-    assert os.listdir(os.path.join(ten_steps, "tensorboard"))
+    assert os.listdir(os.path.join(run_dir, "tensorboard"))
 
 
-def test_resume_continues_with_the_same_losses(ten_steps, tmp_path):
-    run_dir = str(tmp_path)
-    run(*TINY, "--steps", "5", "--run-dir", run_dir)
-    run(*TINY, "--steps", "10", "--run-dir", run_dir, "--resume")
-    resumed, straight = losses(run_dir), losses(ten_steps)
+def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
+    """One test, so that the 10-step reference runs once: 10 steps == 5 + resume + 5 (to 1e-6), and
+    a resume from the same 5-step checkpoint onto tensor=2 continues with the same losses (to 1e-4)."""
+    straight, halves, other_mesh = (str(tmp_path / name) for name in ("straight", "halves", "other"))
+    run(*TINY, "--steps", "10", "--run-dir", straight)
+    check_metrics_and_config(straight)
+    run(*TINY, "--steps", "5", "--run-dir", halves)
+    shutil.copytree(halves, other_mesh)
+    run(*TINY, "--steps", "10", "--run-dir", halves, "--resume")
+    reference, resumed = losses(straight), losses(halves)
     assert sorted(resumed) == list(range(1, 11))
     for step in range(1, 11):
-        assert abs(resumed[step] - straight[step]) <= 1e-6, (step, resumed[step], straight[step])
-
-
-def test_resume_on_another_tensor_size(ten_steps, tmp_path):
-    run_dir = str(tmp_path)
-    run(*TINY, "--steps", "5", "--run-dir", run_dir)
-    other = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in TINY]
-    out = run(*other, "--steps", "7", "--run-dir", run_dir, "--resume")
+        assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
+    moved = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in TINY]
+    out = run(*moved, "--steps", "7", "--run-dir", other_mesh, "--resume")
     assert "data=4 × tensor=2" in out.stdout
-    resumed, straight = losses(run_dir), losses(ten_steps)
     for step in (6, 7):  # same model and data; only the reduction order differs
-        assert abs(resumed[step] - straight[step]) <= 1e-4 * abs(straight[step])
+        assert abs(losses(other_mesh)[step] - reference[step]) <= 1e-4 * abs(reference[step])
 
 
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
