@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 
 import yaml
 
@@ -207,11 +208,11 @@ def validate_train(t: TrainConfig) -> None:
 
 
 def check_run_dir(run_dir: str) -> None:
+    # A uniquely named probe: every process of a multi-process run checks the same shared directory.
     try:
         os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
     except OSError as e:
         raise ConfigError(f"run_dir={run_dir!r} is not writable ({e.strerror})") from None
 
@@ -234,6 +235,14 @@ def main(argv=None) -> int:
         return 2
     except loop.TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except loop.jax.errors.JaxRuntimeError as e:
+        # A failed execution (out of memory, a collective whose peer died): its first line says what;
+        # the Python stack below it is XLA's dispatch and says nothing to a user.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = ("; in a multi-process run this usually means another process died (see its log): "
+                "restart with --resume" if loop.jax.process_count() > 1 else "")
+        print(f"error: the XLA runtime failed: {first}{hint}", file=sys.stderr)
         return 1
 
 
