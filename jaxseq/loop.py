@@ -88,6 +88,18 @@ class StopFlag:
         self.signal = signal.Signals(signum).name
 
 
+def non_finite(step: int, loss: float, grad_norm: float, last_good: int | None) -> str | None:
+    """The error for a step whose loss or gradient norm is not finite, else None. Checked before the
+    step's state can be checkpointed: non-finite gradients under a finite loss would otherwise be
+    applied and saved as the "last good" state."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return None
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    where = f"step {last_good}" if last_good is not None else "none written"
+    return (f"non-finite {what} at step {step} (loss {loss}, grad_norm {grad_norm}); "
+            f"the last good checkpoint is kept ({where})")
+
+
 def _meta(run: RunConfig, position: int) -> dict:
     return {"data_position": position, "config": run.to_dict()}
 
@@ -164,19 +176,19 @@ def train(run: RunConfig, init_from: str | None = None) -> int:
         batch = _global(train_batches.rows(position, rows), mesh, t.batch_size)
         state, out = step_fn(state, batch, key)
         step, position = step + 1, position + 1
-        loss = float(out["loss"])
-        if not math.isfinite(loss):
+        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
+        problem = non_finite(step, loss, grad_norm, last_good)
+        if problem:
             bar.close()
             mgr.wait_until_finished()
-            where = f"step {last_good}" if last_good is not None else "none written"
-            raise TrainingError(f"non-finite loss {loss} at step {step}; the last good checkpoint is kept ({where})")
+            raise TrainingError(problem)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         record = None
         evaluate_now = step % t.eval_every == 0 or step == t.steps
         if step % t.log_every == 0 or evaluate_now:  # an evaluated step is a full record too
             now = time.perf_counter()
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(out["grad_norm"]),
+            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": grad_norm,
                       **throughput(run.model, t.remat, t.batch_size, step - last_step, now - last_time,
                                    num_devices(), peak),
                       "memory_gib": memory_gib()}

@@ -103,6 +103,15 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     assert "last good checkpoint" in line
 
 
+def test_non_finite_gradients_under_a_finite_loss_stop_too():
+    from jaxseq.loop import non_finite
+
+    assert non_finite(3, 2.5, 0.7, 2) is None
+    message = non_finite(3, 2.5, float("inf"), 2)
+    assert message.startswith("non-finite gradient norm at step 3") and "kept (step 2)" in message
+    assert non_finite(1, float("nan"), float("nan"), None).endswith("kept (none written)")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", "/nonexistent/*.txt"], "matches no files"),
     (["--run-dir", "/proc/jaxseq-cannot-write"], "is not writable"),
