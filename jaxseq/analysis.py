@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq import model as M
+from jaxseq.remat import POLICIES
 from jaxseq import train_step as T
 from jaxseq.config import ModelConfig, ParallelConfig
 
@@ -65,13 +66,35 @@ def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
     return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
 
 
-def hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> float:
-    """FLOPs actually executed: selective adds the core attention's forward, full adds one forward."""
+def paper_hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> float:
+    """The paper's hardware FLOPs: selective adds the core attention's forward (QKᵀ and scores×V),
+    full adds one whole forward."""
     if remat == "full":
         return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L))
     if remat == "selective":
         return 72 * B * s * L * h * h * (1 + s / (3 * h) + V / (12 * h * L))
     return model_flops(B, s, L, h, V)
+
+
+def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
+    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences."""
+    b, s, h, w, f = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden
+    return {"qkv": 2 * b * s * h * 3 * w, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
+            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * f, "mlp_down": 2 * b * s * f * h}
+
+
+def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None) -> float:
+    """Matmul FLOPs of one training iteration over `batch` sequences: three times every forward
+    matmul (forward, and backward's two), logits included, plus the forward matmuls the remat policy
+    replays in backward (None: model FLOPs). For attention width h and MLP width 4h the model FLOPs
+    are exactly the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)); the replays match XLA's cost
+    analysis (tests/test_flops.py), where the paper's hardware formulas assume more recompute."""
+    matmuls = layer_matmul_flops(cfg, batch)
+    logits = 2 * batch * cfg.seq_len * cfg.hidden * cfg.vocab_size
+    flops = 3 * (cfg.layers * sum(matmuls.values()) + logits)
+    if remat is not None:
+        flops += cfg.layers * sum(matmuls[m] for m in POLICIES[remat].replays)
+    return flops
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Throughput from the paper's FLOP formulas, and the metrics log (JSONL + TensorBoard).
 
 Every number is labelled by its key's unit suffix or documented here: tokens_per_sec (tokens/s),
-tflops_per_device (model TFLOP/s per device, the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)) per
-iteration), hardware_tflops_per_device (with the recompute the remat policy actually does), mfu
+tflops_per_device (model TFLOP/s per device: the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)) per
+iteration, counted matmul by matmul so that it holds for any attention and MLP width),
+hardware_tflops_per_device (plus the forward matmuls the remat policy replays in backward), mfu
 (model TFLOP/s ÷ the device's dense bf16 peak), memory_gib (device memory in use, GiB).
 """
 
@@ -13,7 +14,7 @@ import os
 
 import jax
 
-from jaxseq.analysis import hardware_flops, model_flops
+from jaxseq.analysis import train_flops
 from jaxseq.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s by device kind.
@@ -38,14 +39,12 @@ def memory_gib(device=None) -> float | None:
 def throughput(cfg: ModelConfig, remat: str, batch_size: int, steps: int, seconds: float, num_devices: int,
                peak: float | None) -> dict:
     """tokens/s, model and hardware TFLOP/s per device, and MFU (None without a known peak)."""
-    args = (batch_size, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
     per_device = steps / seconds / num_devices / 1e12
-    model_tflops = model_flops(*args) * per_device
-    hw_remat = "full" if remat == "full" else ("selective" if remat in ("selective", "lean") else "none")
+    model_tflops = train_flops(cfg, batch_size) * per_device
     return {
         "tokens_per_sec": batch_size * cfg.seq_len * steps / seconds,
         "tflops_per_device": model_tflops,
-        "hardware_tflops_per_device": hardware_flops(*args, hw_remat) * per_device,
+        "hardware_tflops_per_device": train_flops(cfg, batch_size, remat) * per_device,
         "mfu": None if not peak else model_tflops / peak,
     }
 

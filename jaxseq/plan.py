@@ -275,7 +275,7 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
     """The paper's per-iteration FLOPs for one layer of one micro-batch, per device (V = 0: the
     logits are not part of a layer)."""
     s, h = cfg.seq_len, cfg.hidden
-    per = lambda remat: A.hardware_flops(b, s, 1, h, 0, remat) / tensor
+    per = lambda remat: A.paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
     return {"model": per("none"), "hardware_selective": per("selective"), "hardware_full": per("full")}
 
 

@@ -66,12 +66,17 @@ SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
 LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, CONTEXT, MLPWI)
 
 
+# The forward matmuls of a layer, by the names `analysis.layer_matmul_flops` counts them under.
+MATMULS = ("qkv", "scores", "context", "out", "mlp_up", "mlp_down")  # scores = QKᵀ, context = scores×V
+
+
 @dataclass(frozen=True)
 class RematPolicy:
     name: str
     policy: Callable | None  # a jax.checkpoint policy
     stores: str  # what one layer keeps for backward
     recomputes: str  # what backward recomputes
+    replays: tuple[str, ...] = ()  # the forward matmuls (MATMULS) backward runs again: its extra FLOPs
 
 
 def _names(names) -> Callable:
@@ -93,19 +98,22 @@ POLICIES: dict[str, RematPolicy] = {
             _names(SELECTIVE),
             "everything except the core attention: sbh(10 + 24/t) with TP, 34·sbh/t with TP+SP",
             "QKᵀ, softmax and its dropout (scores×V's own output is not needed again)",
+            replays=("scores",),
         ),
         RematPolicy(
             "full",
             jax.checkpoint_policies.nothing_saveable,
             "only the layer input: 2·sbh (2·sbh/t with SP)",
-            "the whole layer forward",
+            "the whole layer forward but its last matmul (whose output backward never needs)",
+            replays=("qkv", "scores", "context", "out", "mlp_up"),
         ),
         RematPolicy(
             "lean",
             _names(LEAN),
             "the layer input, the mid-layer residual, q/k/v, the context and the first MLP matmul output: "
             "sbh(4 + 16/t) with TP, 20·sbh/t with TP+SP",
-            "LayerNorms, GELU, dropout masks (from the RNG key) and the core attention",
+            "LayerNorms, GELU, dropout masks (from the RNG key), QKᵀ, softmax and its dropout",
+            replays=("scores",),
         ),
         RematPolicy(
             "dots",
@@ -118,6 +126,7 @@ POLICIES: dict[str, RematPolicy] = {
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             "the outputs of the weight matmuls (q/k/v, projection, both MLP matmuls) — MaxText's 'minimal'",
             "the attention matmuls, softmax, LayerNorms, GELU, dropout",
+            replays=("scores", "context"),
         ),
     )
 }
