@@ -226,7 +226,7 @@ def train(run: RunConfig, init_from: str | None = None) -> int:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return str(v)
 
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxseq import analysis as A
+from jaxseq import cli
 from jaxseq import model as M
 from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
@@ -441,14 +442,8 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad value
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt3-175b", help="model preset (default gpt3-175b)")
     p.add_argument("--tensor", type=int, default=8, help="tensor-parallel size t (default 8)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch b (default 1)")
