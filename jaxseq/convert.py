@@ -10,7 +10,6 @@ tensor names/dtypes and buffers) so that from-hf → to-hf reproduces every tens
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxseq import checkpoint as C
+from jaxseq import cli
 from jaxseq import hf
 from jaxseq import model as M
 from jaxseq import train_step as T
@@ -265,7 +265,7 @@ def to_hf(path: str, out: str) -> ModelConfig:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxseq.convert",
+    p = cli.ArgumentParser(prog="python -m jaxseq.convert",
                                 description="Convert GPT-2 checkpoints between Hugging Face and jaxseq (offline).")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", help="HF GPT-2 directory (config.json + model.safetensors) → jaxseq checkpoint")

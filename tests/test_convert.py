@@ -205,3 +205,17 @@ def test_logits_refuses_bad_tokens(hf_model):
     for bad in (np.zeros((1, POSITIONS + 1)), [[0, VOCAB]], [0, 1]):
         with pytest.raises(ConfigError):
             convert.logits(params, bad, cfg)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["from-hf"], "error: the following arguments are required: hf_dir, out"),
+    (["from-hf", "/nonexistent", "out"], "error: '/nonexistent' has no config.json"),
+    (["to-hf", "/nonexistent", "out"], "error: '/nonexistent' has no config.json"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    try:
+        code = convert.main(argv)
+    except SystemExit as e:  # argparse's own errors exit from inside parse_args
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
