@@ -163,19 +163,22 @@ def train(run: RunConfig, init_from: str | None = None) -> int:
     stop = StopFlag()
     key = jax.random.key(t.seed + 1)
     schedule = T.learning_rate_schedule(run.optimizer)
+    batch_at = lambda pos: _global(train_batches.rows(pos, rows), mesh, t.batch_size)
     # Compile ahead so that no throughput figure includes compilation.
     if start < t.steps:
         compile_start = time.perf_counter()
-        step_fn = step_fn.lower(state, _global(train_batches.rows(position, rows), mesh, t.batch_size), key).compile()
+        batch = batch_at(position)
+        step_fn = step_fn.lower(state, batch, key).compile()
         if main:
             print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s", flush=True)
     last_time, last_step, last_good = time.perf_counter(), start, None
     bar = tqdm(total=t.steps, initial=start, disable=not main, unit="step", mininterval=2.0, dynamic_ncols=True)
     step = start
     while step < t.steps:
-        batch = _global(train_batches.rows(position, rows), mesh, t.batch_size)
         state, out = step_fn(state, batch, key)
         step, position = step + 1, position + 1
+        if step < t.steps:
+            batch = batch_at(position)  # the host reads the next batch while the device runs this step
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
         problem = non_finite(step, loss, grad_norm, last_good)
         if problem:
