@@ -17,9 +17,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq import model as M
-from jaxseq.remat import POLICIES
 from jaxseq import train_step as T
 from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.remat import POLICIES
 
 # ---------------------------------------------------------------------------------------------
 # The paper's formulas (Korthikanti et al. 2022): bytes per layer, 16-bit activations, 1-byte masks

@@ -218,7 +218,9 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def main(argv=None) -> int:
-    from jaxseq import loop  # imports JAX: after the device count is configured below
+    import jax
+
+    from jaxseq import loop
 
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -236,14 +238,18 @@ def main(argv=None) -> int:
     except loop.TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except loop.jax.errors.JaxRuntimeError as e:
-        # A failed execution (out of memory, a collective whose peer died): its first line says what;
-        # the Python stack below it is XLA's dispatch and says nothing to a user.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ("; in a multi-process run this usually means another process died (see its log): "
-                "restart with --resume" if loop.jax.process_count() > 1 else "")
-        print(f"error: the XLA runtime failed: {first}{hint}", file=sys.stderr)
+    except jax.errors.JaxRuntimeError as e:
+        print(f"error: {runtime_failure(e, jax.process_count())}", file=sys.stderr)
         return 1
+
+
+def runtime_failure(e: Exception, processes: int) -> str:
+    """One line for a failed execution (out of memory, a collective whose peer died): the runtime's
+    first line says what; the Python stack below it is XLA's dispatch and says nothing to a user."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = ("; in a multi-process run this usually means another process died (see its log): "
+            "restart with --resume" if processes > 1 else "")
+    return f"the XLA runtime failed: {first}{hint}"
 
 
 def load_run(run_dir: str):

@@ -10,7 +10,7 @@ from jaxseq import analysis as A
 from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.metrics import throughput
-from jaxseq.remat import POLICIES
+from jaxseq.remat import MATMULS, POLICIES
 
 # Wide heads (d = 128) and no dropout, so that matmuls dominate the elementwise work XLA also counts.
 CFG = ModelConfig(vocab_size=512, seq_len=128, hidden=256, heads=2, layers=2, dtype="float32", dropout=0.0)
@@ -38,6 +38,11 @@ def test_attention_wider_than_hidden_counts_its_own_width():
     cfg = preset("gpt3-1.3b")  # 24 heads of 128 = 3072 on a 2048-wide model
     narrow = replace(cfg, kv_channels=None, heads=16)
     assert A.train_flops(cfg, 1) > A.train_flops(narrow, 1)
+
+
+def test_replays_name_the_layers_matmuls():
+    assert tuple(A.layer_matmul_flops(CFG, B)) == MATMULS
+    assert all(set(p.replays) <= set(MATMULS) for p in POLICIES.values())
 
 
 @pytest.mark.parametrize("remat", sorted(POLICIES))

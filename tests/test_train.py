@@ -112,6 +112,19 @@ def test_non_finite_gradients_under_a_finite_loss_stop_too():
     assert non_finite(1, float("nan"), float("nan"), None).endswith("kept (none written)")
 
 
+def test_a_failed_execution_is_one_line():
+    """Out of memory, or a collective whose peer died: the runtime's first line, not XLA's stack."""
+    import jax
+
+    from jaxseq.train import runtime_failure
+
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 80.00GiB\n  stack …")
+    assert runtime_failure(oom, 1) == "the XLA runtime failed: RESOURCE_EXHAUSTED: Out of memory allocating 80.00GiB"
+    peer = jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer\n…")
+    line = runtime_failure(peer, 2)
+    assert "Connection reset by peer" in line and "another process died" in line and "\n" not in line
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", "/nonexistent/*.txt"], "matches no files"),
     (["--run-dir", "/proc/jaxseq-cannot-write"], "is not writable"),
