@@ -171,3 +171,24 @@ def test_train_and_generate_on_token_files(tmp_path):
     gen = subprocess.run([sys.executable, "-m", "jaxseq.generate", "--run-dir", run_dir, "--prompt", "def f1",
                           "--max-tokens", "4"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
     assert gen.returncode == 0 and gen.stdout.startswith("# step 2\ndef f1"), gen.stderr[-2000:]
+
+
+def test_config_precedence_preset_yaml_flags_overrides(tmp_path):
+    """preset < --config FILE.yaml < flags < trailing key=value; every flag lands in its field."""
+    from jaxseq.train import build_parser, configs_from_args
+
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nmodel: {layers: 6, hidden: 128}\noptimizer: {lr: 0.002}\n"
+                    "train: {batch_size: 64, eval_every: 250}\nseed: 7\n")
+    args = build_parser().parse_intermixed_args(
+        ["--config", str(path), "--lr", "0.003", "--micro-batch-size", "16", "--attention", "fused",
+         "--dtype", "float32", "--peak-tflops", "989", "--remat", "lean", "--steps", "40", "hidden=96",
+         "optimizer.b2=0.99"])
+    configs, mesh, sp = configs_from_args(args)
+    model, opt, train = configs["model"], configs["optimizer"], configs["train"]
+    assert (model.heads, model.layers, model.hidden) == (8, 6, 96)  # tiny, YAML, then key=value
+    assert (model.attention, model.dtype) == ("fused", "float32")
+    assert (opt.lr, opt.b2, opt.decay_steps) == (0.003, 0.99, 40)  # flag over YAML; cosine over the run
+    assert (train.batch_size, train.micro_batch_size, train.eval_every, train.seed) == (64, 16, 250, 7)
+    assert (train.peak_tflops, train.remat, train.steps) == (989.0, "lean", 40)
+    assert mesh is None and sp is None  # resolved later, once the devices are known
