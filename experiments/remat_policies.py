@@ -151,9 +151,9 @@ def markdown(plans: dict, times: dict[str, list[float]], repeats: int) -> str:
 
 
 def P_CONFIGS():
-    from jaxseq.plan import PAPER
+    from jaxseq.formulas import PAPER_CONFIGURATIONS
 
-    return list(PAPER)
+    return list(PAPER_CONFIGURATIONS)
 
 
 def plots(plans: dict, times: dict[str, list[float]]) -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jaxseq.config import ConfigError
+from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
 
 log = logging.getLogger("jaxseq")
 
@@ -40,16 +40,17 @@ def _abstract(state_shardings, shapes_like):
     return jax.tree.map(lambda sh, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state_shardings, shapes_like)
 
 
-def _resize_vocab(state, rows: int, shardings):
-    """Pad or cut every [vocab, h] leaf (the embedding and its Adam moments) to `rows`. Rows past
-    the real vocabulary are never used (their logits are masked), so this loses nothing."""
+def resize_vocab(tree, rows: int, shardings):
+    """Pad (zeros) or cut every [vocab, h] leaf of a state or parameter tree (the embedding and its
+    Adam moments) to `rows`, placed on `shardings`. Rows past the real vocabulary are never used
+    (their logits are masked), so this loses nothing."""
 
     def resize(path, x):
         if jax.tree_util.keystr(path).endswith("['embed']['token']") and x.shape[0] != rows:
             return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: min(rows, x.shape[0])].set(x[:rows])
         return x
 
-    return jax.jit(lambda s: jax.tree_util.tree_map_with_path(resize, s), out_shardings=shardings)(state)
+    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(resize, t), out_shardings=shardings)(tree)
 
 
 def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, check=None):
@@ -79,7 +80,7 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
             _warn_unreadable(step, e)
             continue
         if rows != abstract_state.params["embed"]["token"].shape[0]:
-            state = _resize_vocab(state, abstract_state.params["embed"]["token"].shape[0], state_shardings)
+            state = resize_vocab(state, abstract_state.params["embed"]["token"].shape[0], state_shardings)
         return state, meta
     return None
 
@@ -99,9 +100,8 @@ def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:
 
 
 def check_compatible(saved_model: dict, model: dict) -> None:
-    """A resume must train the same model; anything but dropout/dtype/attention is architecture."""
-    free = {"dropout", "dtype", "attention"}
+    """A resume must train the same model: every architecture field equal."""
     diffs = [f"{k}={saved_model.get(k)!r} (saved) vs {v!r}" for k, v in model.items()
-             if k not in free and saved_model.get(k) != v]
+             if k in ARCHITECTURE_FIELDS and saved_model.get(k) != v]
     if diffs:
         raise ConfigError("cannot resume: the checkpoint's model differs: " + ", ".join(diffs))

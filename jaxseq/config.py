@@ -53,6 +53,12 @@ class ModelConfig:
         return self.vocab_size * h + self.seq_len * h + L * per_layer + 2 * h
 
 
+# How a model computes, free to change between runs of the same weights; every other ModelConfig
+# field is its architecture, which a resume or --init-from must keep.
+RUNTIME_FIELDS = ("dropout", "dtype", "attention")
+ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Mesh shape: data × tensor (a `pipe` axis will join later); sequence parallelism rides on `tensor`."""
@@ -113,6 +119,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     resume: bool = False
+    init_from: str | None = None  # a run or converted directory whose weights start the run (step 0)
     peak_tflops: float | None = None
     sample_tokens: int = 200
     host_devices: int = 8  # simulated CPU devices when there is no accelerator
@@ -202,6 +209,25 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(
             f"data×tensor = {parallel.data}×{t} = {parallel.num_devices} does not equal the device count {num_devices}"
         )
+
+
+def validate_optimizer(opt: OptimizerConfig) -> None:
+    """Numeric ranges of AdamW and its schedule (lr = 0 is allowed: it evaluates weights unchanged)."""
+    checks = [
+        ("lr", opt.lr >= 0, "must be ≥ 0"),
+        ("min_lr_ratio", 0 <= opt.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("warmup_steps", isinstance(opt.warmup_steps, int) and opt.warmup_steps >= 0, "must be an integer ≥ 0"),
+        ("decay_steps", isinstance(opt.decay_steps, int) and opt.decay_steps >= 1, "must be an integer ≥ 1"),
+        ("weight_decay", opt.weight_decay >= 0, "must be ≥ 0"),
+        ("clip_norm", opt.clip_norm > 0, "must be > 0"),
+        ("b1", 0 <= opt.b1 < 1, "must be in [0, 1)"),
+        ("b2", 0 <= opt.b2 < 1, "must be in [0, 1)"),
+        ("eps", opt.eps > 0, "must be > 0"),
+    ]
+    for name, ok, rule in checks:
+        value = getattr(opt, name)
+        if not ok or value != value:  # value != value: NaN
+            raise ConfigError(f"{name}={value!r} {rule}")
 
 
 def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: int | None = None) -> None:

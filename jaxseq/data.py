@@ -209,13 +209,13 @@ def main(argv=None) -> int:
     group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the input")
     group.add_argument("--tokenizer", help="a local tokenizer.json to use as is")
     args = parser.parse_args(argv)
-    try:
-        if args.vocab_size is not None and args.vocab_size < 257:
-            raise ConfigError(f"vocab_size={args.vocab_size} must be at least 257 (256 bytes + merges)")
-        meta = write_token_files(args.input, args.output, args.vocab_size, args.tokenizer)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: _tokenize(args))
+
+
+def _tokenize(args) -> int:
+    if args.vocab_size is not None and args.vocab_size < 257:
+        raise ConfigError(f"vocab_size={args.vocab_size} must be at least 257 (256 bytes + merges)")
+    meta = write_token_files(args.input, args.output, args.vocab_size, args.tokenizer)
     print(f"wrote {args.output}.train.bin ({meta['train_tokens']:,} tokens), {args.output}.val.bin "
           f"({meta['val_tokens']:,} tokens), vocab {meta['vocab_size']}, {meta['dtype']}")
     return 0

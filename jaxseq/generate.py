@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxseq import model as M
 from jaxseq import cli
+from jaxseq import model as M
+from jaxseq import rundir
 from jaxseq.config import ConfigError, ModelConfig
 from jaxseq.mesh import Sharder
 
@@ -66,18 +67,16 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=40, help="0: sample from the whole vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from jaxseq.train import load_run  # the run directory's format belongs to train.py
+    return cli.run(lambda: _generate(args))
 
-    try:
-        if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-            raise ConfigError("--max-tokens must be ≥ 1, --temperature and --top-k ≥ 0")
-        cfg, params, tokenizer, step = load_run(args.run_dir)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    ids = sample(params, cfg, encode_text(args.prompt, tokenizer), args.max_tokens, args.temperature, args.top_k,
-                 args.seed)
-    print(f"# step {step}\n{args.prompt}{decode_tokens(ids, tokenizer)}")
+
+def _generate(args) -> int:
+    if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("--max-tokens must be ≥ 1, --temperature and --top-k ≥ 0")
+    run = rundir.restore(args.run_dir)
+    ids = sample(run.params, run.model, encode_text(args.prompt, run.tokenizer), args.max_tokens, args.temperature,
+                 args.top_k, args.seed)
+    print(f"# step {run.step}\n{args.prompt}{decode_tokens(ids, run.tokenizer)}")
     return 0
 
 

@@ -138,8 +138,9 @@ def _layer_names(p: str, i: int) -> dict[str, str]:
             "wo.kernel": b + "mlp.c_proj.weight", "wo.bias": b + "mlp.c_proj.bias"}
 
 
-def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray], padded_vocab: int) -> tuple[dict, dict, dict]:
+def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
     """HF tensors → (jaxseq params in float32, the record to-hf needs to write them back, buffers).
+    The token embedding keeps its vocab_size rows; `rundir.place` pads it for a mesh.
 
     The record holds the key prefix, each tensor's dtype and the buffers carried verbatim, so that
     from-hf → to-hf reproduces every tensor exactly.
@@ -163,11 +164,9 @@ def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray], padded_vocab: in
         if not np.array_equal(tensors["lm_head.weight"], tensors[p + "wte.weight"]):
             raise ConfigError("lm_head.weight differs from wte.weight (untied embeddings) is not supported by jaxseq")
         used.add("lm_head.weight")
-    token = np.zeros((padded_vocab, h), np.float32)
-    token[: cfg.vocab_size] = wte
     ln = lambda k: {"scale": stack(f"{k}.scale", (h,)), "bias": stack(f"{k}.bias", (h,))}
     params = {
-        "embed": {"token": token, "position": f32(p + "wpe.weight")},
+        "embed": {"token": wte, "position": f32(p + "wpe.weight")},
         "layers": {
             "ln1": ln("ln1"),
             "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},

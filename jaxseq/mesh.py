@@ -18,6 +18,27 @@ from jaxseq.config import ConfigError, ParallelConfig
 MESH_AXES = ("data", "tensor")
 
 
+def available_devices() -> list:
+    """The accelerators, or the (simulated) CPU devices where there are none."""
+    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+    return accelerators or jax.devices("cpu")
+
+
+def parse_mesh(text: str, num_devices: int) -> tuple[int, int]:
+    """'data=2,tensor=4' (an axis left out takes the remaining devices) → (data, tensor)."""
+    axes = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4")
+        axes[name.strip()] = int(value)
+    if "data" not in axes:
+        axes["data"] = max(num_devices // axes.get("tensor", 1), 1)
+    if "tensor" not in axes:
+        axes["tensor"] = max(num_devices // axes["data"], 1)
+    return axes["data"], axes["tensor"]
+
+
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
     """A data × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
 

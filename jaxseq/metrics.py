@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from jaxseq.analysis import train_flops
+from jaxseq.formulas import train_flops
 from jaxseq.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s by device kind.

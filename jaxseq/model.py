@@ -11,6 +11,7 @@ Shapes: b batch, s sequence, h hidden, a heads, d head_dim, f mlp width, V padde
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -22,70 +23,101 @@ from jaxseq.config import ModelConfig
 from jaxseq.mesh import Sharder
 
 # ---------------------------------------------------------------------------------------------
-# Parameters
+# Parameters: each declared once; shapes, logical axes, init, weight decay and cast derive from it
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter's declaration. `dims` name the shape symbolically: L layers, V padded vocabulary,
+    s positions, h hidden, a heads, d head width, f MLP width, 3 (q, k, v)."""
+
+    dims: tuple[str, ...]
+    axes: tuple[str | None, ...]  # logical axes; mesh.logical_rules maps them to mesh axes
+    init: str  # "normal" N(0, 0.02), "residual" N(0, 0.02/sqrt(2L)), "zeros", "ones"
+    decay: bool  # AdamW weight decay applies (kernels and the token embedding)
+    cast: bool  # copied to the compute dtype each step (LayerNorm parameters stay float32)
+
+
+def _kernel(dims, axes, init="normal") -> Param:
+    return Param(dims, axes, init, decay=True, cast=True)
+
+
+def _bias(dims, axes) -> Param:
+    return Param(dims, axes, "zeros", decay=False, cast=True)
+
+
+def _layer_norm(layers: bool) -> dict:
+    dims, axes = (("L", "h"), ("layers", None)) if layers else (("h",), (None,))
+    return {"scale": Param(dims, axes, "ones", decay=False, cast=False),
+            "bias": Param(dims, axes, "zeros", decay=False, cast=False)}
+
+
+# QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
+# row-parallel, the token embedding is vocab-parallel. The QKV kernel is [h, 3, a, d] so that
+# splitting heads keeps each rank's Q, K and V together.
+PARAMS = {
+    "embed": {"token": _kernel(("V", "h"), ("vocab", None)),
+              "position": Param(("s", "h"), (None, None), "normal", decay=False, cast=True)},
+    "layers": {
+        "ln1": _layer_norm(layers=True),
+        "attn": {
+            "qkv": {"kernel": _kernel(("L", "h", "3", "a", "d"), ("layers", None, None, "heads", None)),
+                    "bias": _bias(("L", "3", "a", "d"), ("layers", None, "heads", None))},
+            "out": {"kernel": _kernel(("L", "a", "d", "h"), ("layers", "heads", None, None), "residual"),
+                    "bias": _bias(("L", "h"), ("layers", None))},
+        },
+        "ln2": _layer_norm(layers=True),
+        "mlp": {
+            "wi": {"kernel": _kernel(("L", "h", "f"), ("layers", None, "mlp")), "bias": _bias(("L", "f"), ("layers", "mlp"))},
+            "wo": {"kernel": _kernel(("L", "f", "h"), ("layers", "mlp", None), "residual"),
+                   "bias": _bias(("L", "h"), ("layers", None))},
+        },
+    },
+    "final_ln": _layer_norm(layers=False),
+}
+
+
+def _derive(fn, *trees):
+    """A tree like PARAMS with fn(declaration, *leaves) at each parameter."""
+    return jax.tree.map(fn, PARAMS, *trees, is_leaf=lambda x: isinstance(x, Param))
 
 
 def param_axes() -> dict:
-    """Logical axes of every parameter; mesh.logical_rules turns them into PartitionSpecs.
-
-    QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
-    row-parallel, the token embedding is vocab-parallel. The QKV kernel is [h, 3, a, d] so that
-    splitting heads keeps each rank's Q, K and V together.
-    """
-    ln = {"scale": ("layers", None), "bias": ("layers", None)}
-    return {
-        "embed": {"token": ("vocab", None), "position": (None, None)},
-        "layers": {
-            "ln1": ln,
-            "attn": {
-                "qkv": {"kernel": ("layers", None, None, "heads", None), "bias": ("layers", None, "heads", None)},
-                "out": {"kernel": ("layers", "heads", None, None), "bias": ("layers", None)},
-            },
-            "ln2": ln,
-            "mlp": {
-                "wi": {"kernel": ("layers", None, "mlp"), "bias": ("layers", "mlp")},
-                "wo": {"kernel": ("layers", "mlp", None), "bias": ("layers", None)},
-            },
-        },
-        "final_ln": {"scale": (None,), "bias": (None,)},
-    }
+    """Logical axes of every parameter."""
+    return _derive(lambda p: p.axes)
 
 
 def param_shapes(cfg: ModelConfig, tensor: int) -> dict:
-    h, a, d, f, L = cfg.hidden, cfg.heads, cfg.head_dim, cfg.mlp_hidden, cfg.layers
-    ln = {"scale": (L, h), "bias": (L, h)}
-    return {
-        "embed": {"token": (cfg.padded_vocab(tensor), h), "position": (cfg.seq_len, h)},
-        "layers": {
-            "ln1": ln,
-            "attn": {
-                "qkv": {"kernel": (L, h, 3, a, d), "bias": (L, 3, a, d)},
-                "out": {"kernel": (L, a, d, h), "bias": (L, h)},
-            },
-            "ln2": ln,
-            "mlp": {"wi": {"kernel": (L, h, f), "bias": (L, f)}, "wo": {"kernel": (L, f, h), "bias": (L, h)}},
-        },
-        "final_ln": {"scale": (h,), "bias": (h,)},
-    }
+    sizes = {"L": cfg.layers, "V": cfg.padded_vocab(tensor), "s": cfg.seq_len, "h": cfg.hidden, "a": cfg.heads,
+             "d": cfg.head_dim, "f": cfg.mlp_hidden, "3": 3}
+    return _derive(lambda p: tuple(sizes[d] for d in p.dims))
+
+
+def decay_mask() -> dict:
+    """True where AdamW applies weight decay (kernels, token embedding); not biases, LayerNorm, positions."""
+    return _derive(lambda p: p.decay)
+
+
+def cast_mask() -> dict:
+    """True where a parameter is copied to the compute dtype; LayerNorm parameters stay float32."""
+    return _derive(lambda p: p.cast)
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, tensor: int = 1) -> dict:
     """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases, unit LN."""
+    std = {"normal": 0.02, "residual": 0.02 / math.sqrt(2 * cfg.layers)}
     shapes = param_shapes(cfg, tensor)
-    std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
-    paths_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(paths_shapes))
-    leaves = []
-    for k, (path, shape) in zip(keys, paths_shapes):
-        names = [p.key for p in path]
-        if names[-1] == "bias":
-            leaves.append(jnp.zeros(shape, jnp.float32))
-        elif names[-1] == "scale":
-            leaves.append(jnp.ones(shape, jnp.float32))
-        else:
-            scale = resid_std if names[-2] in ("out", "wo") else std
-            leaves.append(scale * jax.random.normal(k, shape, jnp.float32))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    keys = jax.tree.unflatten(jax.tree.structure(shapes, is_leaf=lambda x: isinstance(x, tuple)),
+                              list(jax.random.split(key, len(jax.tree.leaves(PARAMS)))))
+
+    def init(p: Param, shape, k):
+        if p.init == "zeros":
+            return jnp.zeros(shape, jnp.float32)
+        if p.init == "ones":
+            return jnp.ones(shape, jnp.float32)
+        return std[p.init] * jax.random.normal(k, shape, jnp.float32)
+
+    return _derive(init, shapes, keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +304,8 @@ def decoder(x, layers, key, cfg: ModelConfig, shard: Sharder, remat: str):
 
 def cast_params(params, dtype):
     """Compute-dtype copy of the weights, made once per step *outside* the scan (a cast inside a
-    layer would be stored for backward as if it were an activation). LayerNorm parameters stay f32."""
-
-    def cast(path, p):
-        return p if any(getattr(k, "key", None) in ("ln1", "ln2", "final_ln") for k in path) else p.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
+    layer would be stored for backward as if it were an activation)."""
+    return jax.tree.map(lambda p, cast: p.astype(dtype) if cast else p, params, cast_mask())
 
 
 def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None):

@@ -7,7 +7,7 @@ what a remat policy really keeps is decided by autodiff and XLA, and a policy th
 wrong tensor is the most common surprise in practice.
 
 How the per-layer numbers are read (layers under `lax.scan`, so depth does not matter):
-- stored bytes: the stacked buffers the forward layer loop writes, / L (`analysis.stored_bytes_per_layer`);
+- stored bytes: the stacked buffers the forward layer loop writes, / L (`hlo.stored_bytes_per_layer`);
 - FLOPs: `cost_analysis()` counts a loop body once, so flops(L=2) − flops(L=0) is one layer's forward
   and backward (plus the casts of that layer's weights outside the loop, < 0.1%);
 - collectives: those of one forward and one backward iteration of the layer loop.
@@ -25,31 +25,21 @@ from dataclasses import asdict, dataclass
 import jax
 import numpy as np
 
-from jaxseq import analysis as A
+from jaxseq import aot
 from jaxseq import cli
+from jaxseq import hlo
 from jaxseq import model as M
 from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops
 from jaxseq.mesh import make_mesh
 from jaxseq.remat import POLICIES
 
 MIB, GIB = 2**20, 2**30
 MEASURE_LAYERS = 2  # a scan of 2 keeps the layer loop (1 would be inlined); depth does not matter
 
-# The paper's configurations: name → (remat policy, sequence parallel, tensor-parallel).
-PAPER = {
-    "none": ("none", False, False),
-    "tp": ("none", False, True),
-    "tp+sp": ("none", True, True),
-    "tp+selective": ("selective", False, True),
-    "tp+sp+selective": ("selective", True, True),
-    "full": ("full", False, True),
-    "full+sp": ("full", True, True),
-}
-
-
 @dataclass(frozen=True)
-class Config:
+class RowSpec:
     """One row to compile: a paper configuration or another registered policy, with or without SP."""
 
     name: str
@@ -59,18 +49,19 @@ class Config:
     paper: str | None  # the Table-2 row it is compared with
 
 
-def configurations(tensor: int, policies=None) -> list[Config]:
+def configurations(tensor: int, policies=None) -> list[RowSpec]:
     """The paper's seven rows, then every other registered policy (or those in `policies`) with and
     without SP. With tensor = 1 there is no parallelism to compare: one row per policy."""
     policies = list(POLICIES) if policies is None else list(policies)
     if tensor == 1:
         paper = {"none": "none", "selective": "tp+selective", "full": "full"}
-        return [Config(p, p, False, 1, paper.get(p)) for p in dict.fromkeys(["none", *policies])]
-    rows = [Config(n, r, sp, tensor if tp else 1, n) for n, (r, sp, tp) in PAPER.items()]
+        return [RowSpec(p, p, False, 1, paper.get(p)) for p in dict.fromkeys(["none", *policies])]
+    rows = [RowSpec(n, c.remat, c.sequence_parallel, tensor if c.tensor_parallel else 1, n)
+            for n, c in PAPER_CONFIGURATIONS.items()]
     for policy in policies:
         if policy not in ("none", "selective", "full"):
-            rows += [Config(f"tp+{policy}", policy, False, tensor, None),
-                     Config(f"tp+sp+{policy}", policy, True, tensor, None)]
+            rows += [RowSpec(f"tp+{policy}", policy, False, tensor, None),
+                     RowSpec(f"tp+sp+{policy}", policy, True, tensor, None)]
     return rows
 
 
@@ -105,7 +96,7 @@ class Compiler:
         self._cache: dict = {}
 
     @staticmethod
-    def programs(c: Config) -> list[tuple]:
+    def programs(c: RowSpec) -> list[tuple]:
         """(kind, layers, remat, tensor, sp) of the programs a row reads."""
         return [("grad", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel),
                 ("grad", 0, "none", c.tensor, c.sequence_parallel)]
@@ -121,7 +112,7 @@ class Compiler:
     def _build(self, key: tuple):
         kind, layers, remat, tensor, sp = key
         parallel, mesh = _mesh(tensor, sp, self.devices)
-        fn = A.compile_loss_and_grad if kind == "grad" else A.compile_forward
+        fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
         return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
 
     def _compile(self, *key):
@@ -129,11 +120,11 @@ class Compiler:
             self._cache[key] = self._build(key)
         return self._cache[key]
 
-    def measure(self, c: Config) -> Measured:
+    def measure(self, c: RowSpec) -> Measured:
         L = MEASURE_LAYERS
         compiled = self._compile("grad", L, c.remat, c.tensor, c.sequence_parallel)
         text = compiled.as_text()
-        stored = A.stored_bytes_per_layer(text, L)
+        stored = hlo.stored_bytes_per_layer(text, L)
         flops = _flops(compiled) - _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
         return Measured(stored, flops, self._collectives(text, c.tensor))
 
@@ -156,7 +147,7 @@ class Compiler:
         if tensor == 1:
             return out
         for backward in (False, True):
-            for c in A.loop_collectives(text, MEASURE_LAYERS, backward):
+            for c in hlo.loop_collectives(text, MEASURE_LAYERS, backward):
                 if c.group_size > 1 and c.elements >= shard:
                     out[c.kind] = out.get(c.kind, 0) + c.elements * itemsize
         return out
@@ -173,17 +164,16 @@ def _itemsize(cfg: ModelConfig) -> int:
 def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
     """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
     the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
-    shapes = M.param_shapes(cfg, tensor)
-    specs = T.param_specs(cfg, ParallelConfig(1, tensor, False))
-    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
-    flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    is_shape = lambda x: isinstance(x, tuple)
+    shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=is_shape)
+    specs = jax.tree.leaves(T.param_specs(cfg, ParallelConfig(1, tensor, False)),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     total = cast = 0
-    for (path, shape), spec in zip(flat_shapes, flat_specs):
+    for shape, spec, is_cast in zip(shapes, specs, jax.tree.leaves(M.cast_mask())):
         split = tensor ** sum(1 for axis in spec if axis == "tensor")
         n = int(np.prod(shape, dtype=np.int64)) // split
         total += n
-        if not any(getattr(k, "key", None) in ("ln1", "ln2", "final_ln") for k in path):
-            cast += n
+        cast += n if is_cast else 0
     return total, cast
 
 
@@ -276,7 +266,7 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
     """The paper's per-iteration FLOPs for one layer of one micro-batch, per device (V = 0: the
     logits are not part of a layer)."""
     s, h = cfg.seq_len, cfg.hidden
-    per = lambda remat: A.paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
+    per = lambda remat: paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
     return {"model": per("none"), "hardware_selective": per("selective"), "hardware_full": per("full")}
 
 
@@ -305,7 +295,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = []
     for c, m in measured.items():
-        formula = A.paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
+        formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
         state = state_bytes(stage, c.tensor)
         activations = m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel)
         base = baseline[(c.tensor, c.sequence_parallel)]
@@ -387,29 +377,32 @@ def format_table(p: Plan) -> str:
             f"{r.collective_bytes_per_layer / cu:>11.1f}{r.activation_bytes_per_device / au:>12.2f}"
             f"{r.total_bytes_per_device / tu:>11.1f}")
     f = p.formula_flops_per_layer
-    lines += ["", "FLOPs per layer per device (t={}): paper model {:.4f} TFLOP; hardware with selective {:.4f} "
-              "(+{:.2f}%, s/(6h) = {:.2f}%); with full {:.4f} (+{:.2f}%)".format(
-                  t, f["model"] / 1e12, f["hardware_selective"] / 1e12, 100 * (f["hardware_selective"] / f["model"] - 1),
-                  100 * cfg.seq_len / (6 * cfg.hidden), f["hardware_full"] / 1e12, 100 * (f["hardware_full"] / f["model"] - 1))]
+    selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
+    full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
+    attention_share_pct = 100 * cfg.seq_len / (6 * cfg.hidden)  # the paper's s/(6h)
+    lines += ["", f"FLOPs per layer per device (t={t}): paper model {f['model'] / 1e12:.4f} TFLOP; hardware with "
+                  f"selective {f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%, s/(6h) = "
+                  f"{attention_share_pct:.2f}%); with full {f['hardware_full'] / 1e12:.4f} (+{full_pct:.2f}%)"]
     if t > 1:
-        full, tp = p.row("full"), p.row("tp")
-        extra = full.flops_per_layer - tp.flops_per_layer
+        full, tp, sp_sel = p.row("full"), p.row("tp"), p.row("tp+sp+selective")
+        extra = full.flops_per_layer - tp.flops_per_layer  # what full recompute adds
+        expected = p.forward_flops_per_layer - p.last_matmul_flops_per_layer  # forward but its last matmul
+        difference = extra - expected
         lines.append(
             f"measured: forward {p.forward_flops_per_layer / 1e12:.4f} TFLOP per layer; full recompute adds "
             f"{extra / 1e12:.4f} TFLOP = forward − last matmul ({p.last_matmul_flops_per_layer / 1e12:.4f}) "
-            f"{'+' if extra >= p.forward_flops_per_layer - p.last_matmul_flops_per_layer else '−'} "
-            f"{abs(extra - p.forward_flops_per_layer + p.last_matmul_flops_per_layer) / 1e9:.1f} GFLOP")
-        sp_sel = p.row("tp+sp+selective")
-        lines.append(f"TP+SP+selective stores {sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer:.3f} × TP "
-                     f"({tp.measured_bytes_per_layer / sp_sel.measured_bytes_per_layer:.1f}× less); "
+            f"{'+' if difference >= 0 else '−'} {abs(difference) / 1e9:.1f} GFLOP")
+        stored_ratio = sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer
+        lines.append(f"TP+SP+selective stores {stored_ratio:.3f} × TP ({1 / stored_ratio:.1f}× less); "
                      f"full+sp / (2sbh/t) = {p.row('full+sp').ratio:.4f}; selective recompute overhead "
                      f"{sp_sel.recompute_overhead_pct:.2f}%"
                      + (" (JAX recomputes QKᵀ and softmax, not scores×V)" if cfg.attention == "explicit" else ""))
         if cfg.attention == "fused":
-            none, selective = p.row("tp+sp"), p.row("tp+sp+selective")
-            saved = none.measured_bytes_per_layer - selective.measured_bytes_per_layer
+            none = p.row("tp+sp")
+            saved = none.measured_bytes_per_layer - sp_sel.measured_bytes_per_layer
+            saved_pct = 100 * saved / none.measured_bytes_per_layer
             lines.append(f"fused attention stores no scores: selective saves only {saved / MIB:.1f} MiB per layer "
-                         f"over none with SP ({100 * saved / none.measured_bytes_per_layer:.1f}%); "
+                         f"over none with SP ({saved_pct:.1f}%); "
                          "the paper's formulas assume the explicit scores. Even `none` recomputes the attention "
                          "internals here (untagged), and no attention-probs dropout is applied")
     state = next(r for r in p.rows if r.tensor == t)
@@ -475,13 +468,16 @@ def host_devices(n: int):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    return cli.run(lambda: _plan(args))
+
+
+def _plan(args) -> int:
+    cfg = resolve(args)
+    validate(cfg, ParallelConfig(1, args.tensor, False), "none")
     try:
-        cfg = resolve(args)
-        validate(cfg, ParallelConfig(1, args.tensor, False), "none")
         p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # e.g. JAX refusing a device count: still one line
+        raise ConfigError(str(e)) from None
     if args.json:
         out = p.to_json()
         if args.budget_gib is not None:

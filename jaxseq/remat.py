@@ -3,7 +3,7 @@
 Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in model.py, and
 every policy is a *whitelist* over those names (`save_only_these_names`). Why a whitelist: a
 blacklist (`save_anything_except_these_names`) silently recomputes nothing, because autodiff saves
-the untagged producer of a tagged value instead (see shared/JAX-NOTES.md). Untagged values (the
+the untagged producer of a tagged value instead (measured: docs/DESIGN.md). Untagged values (the
 all-gathered LayerNorm output under sequence parallelism, bf16 casts) are always recomputed, which is
 exactly what Megatron-LM does: it keeps the sequence-sharded tensor and all-gathers it again in
 backward.
@@ -66,7 +66,7 @@ SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
 LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, CONTEXT, MLPWI)
 
 
-# The forward matmuls of a layer, by the names `analysis.layer_matmul_flops` counts them under.
+# The forward matmuls of a layer, by the names `formulas.layer_matmul_flops` counts them under.
 MATMULS = ("qkv", "scores", "context", "out", "mlp_up", "mlp_down")  # scores = QKᵀ, context = scores×V
 
 

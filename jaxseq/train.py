@@ -13,11 +13,17 @@ import os
 import sys
 import tempfile
 
+import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (PRESETS, ConfigError, DistributedConfig, ModelConfig, OptimizerConfig, TrainConfig,
-                           preset, replace, validate)
+from jaxseq import distributed as D
+from jaxseq import loop
+from jaxseq import rundir
+from jaxseq.config import (PRESETS, ConfigError, DistributedConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                           RunConfig, TrainConfig, preset, replace, validate, validate_optimizer)
+from jaxseq.data import Corpus, load_corpus
+from jaxseq.mesh import available_devices, parse_mesh
 
 DEFAULT_PRESET = "stdlib-bytes"
 
@@ -76,21 +82,6 @@ def apply_overrides(configs: dict, overrides: dict) -> dict:
     return configs
 
 
-def parse_mesh(text: str, num_devices: int) -> tuple[int, int]:
-    """'data=2,tensor=4' (an axis left out takes the remaining devices) → (data, tensor)."""
-    axes = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        if name.strip() not in ("data", "tensor") or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4")
-        axes[name.strip()] = int(value)
-    if "data" not in axes:
-        axes["data"] = max(num_devices // axes.get("tensor", 1), 1)
-    if "tensor" not in axes:
-        axes["tensor"] = max(num_devices // axes["data"], 1)
-    return axes["data"], axes["tensor"]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m jaxseq.train",
@@ -138,11 +129,15 @@ FLAG_FIELDS = {  # flag dest → config field
     "weight_decay": "weight_decay", "clip_norm": "clip_norm", "seed": "seed", "host_devices": "host_devices",
     "data": "data", "tokenizer": "tokenizer", "run_dir": "run_dir", "log_every": "log_every",
     "eval_every": "eval_every", "checkpoint_every": "checkpoint_every", "peak_tflops": "peak_tflops",
+    "init_from": "init_from",
 }
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
-    """Everything but the mesh (which needs the device count): preset < YAML < flags < key=value."""
+    """Everything but the mesh (which needs the device count): preset < YAML < flags < key=value.
+
+    configs: "model", "optimizer", "train", and "explicit": the fields ("optimizer.lr", …) the user
+    set in the YAML file, a flag or a key=value (a resume keeps the saved value of every other one)."""
     name = args.preset or DEFAULT_PRESET
     # The default run's small byte-level model learns fastest at a higher rate than GPT-2's 6e-4.
     optimizer = OptimizerConfig(lr=2e-3, warmup_steps=50) if name == DEFAULT_PRESET else OptimizerConfig()
@@ -153,10 +148,14 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
         configs["model"] = replace(configs["model"], dtype="float32")
         # 800 steps reach ≈1.7 nats/byte (≤ 1.8 asked) in under 10 minutes on a loaded 2-core CPU.
         configs["train"] = replace(configs["train"], steps=800)
+    explicit = set()
+
+    def override(configs, overrides):
+        explicit.update(f"{_field_section(key)}.{key.split('.')[-1]}" for key in overrides)
+        return apply_overrides(configs, overrides)
+
     if args.config:
-        if not os.path.isfile(args.config):
-            raise ConfigError(f"--config {args.config!r} does not exist")
-        loaded = yaml.safe_load(open(args.config)) or {}
+        loaded = read_yaml(args.config)
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {args.config!r} must hold a mapping")
         if "preset" in loaded:
@@ -167,44 +166,72 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
                 flat.update({f"{key}.{k}": v for k, v in value.items()})
             else:
                 flat[key] = value
-        configs = apply_overrides(configs, flat)
+        configs = override(configs, flat)
     flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest) is not None}
     if args.resume:
         flags["resume"] = True
-    configs = apply_overrides(configs, flags)
+    configs = override(configs, flags)
     pairs = {}
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not key=value")
         pairs[key] = value
-    configs = apply_overrides(configs, pairs)
-    if args.init_from:
-        configs = _init_from(configs, args.init_from, args.seq_len or pairs.get("seq_len"))
-    # The cosine decays over the whole run unless configured otherwise.
-    if configs["optimizer"].decay_steps == OptimizerConfig().decay_steps:
+    configs = override(configs, pairs)
+    if configs["train"].init_from:
+        configs = _init_from(configs, configs["train"].init_from, args.seq_len or pairs.get("seq_len"))
+    # The cosine decays over the whole run unless configured otherwise (a resume keeps the saved one).
+    if "optimizer.decay_steps" not in explicit:
         configs["optimizer"] = replace(configs["optimizer"], decay_steps=configs["train"].steps)
+    configs["explicit"] = frozenset(explicit)
     return configs, args.mesh, args.sequence_parallel
+
+
+def read_yaml(path: str):
+    """A --config file's contents; anything unreadable is one line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path!r} is not valid YAML: {problem}{where}") from None
+
+
+def resumed_optimizer(saved: OptimizerConfig, configured: OptimizerConfig,
+                      explicit: frozenset) -> tuple[OptimizerConfig, str | None]:
+    """The optimizer of a resumed run: the saved one (its schedule included: decay_steps of the
+    original run, so extending a finished run stays at the final learning rate), with only the fields
+    the user set explicitly replaced; and a line naming what changed, or None."""
+    fields = [f.name for f in dataclasses.fields(OptimizerConfig)]
+    given = {name: getattr(configured, name) for name in fields if f"optimizer.{name}" in explicit}
+    optimizer = replace(saved, **given)
+    changes = [f"{name} {getattr(saved, name)!r} → {getattr(optimizer, name)!r}" for name in fields
+               if getattr(saved, name) != getattr(optimizer, name)]
+    return optimizer, ("resume: the optimizer changes as asked: " + ", ".join(changes)) if changes else None
 
 
 def _init_from(configs: dict, path: str, seq_len) -> dict:
     """The architecture (and the default tokenizer) of `path`; the rest stays as configured."""
-    from jaxseq import convert
-
     configs = dict(configs)
-    configs["model"] = convert.init_model(path, configs["model"], int(seq_len) if seq_len else None)
+    configs["model"] = rundir.init_model(path, configs["model"], int(seq_len) if seq_len else None)
     if configs["train"].tokenizer is None:
-        configs["train"] = replace(configs["train"], tokenizer=convert.init_tokenizer(path))
+        configs["train"] = replace(configs["train"], tokenizer=rundir.init_tokenizer(path))
     return configs
 
 
-def validate_train(t: TrainConfig) -> None:
+def validate_train(train: TrainConfig) -> None:
     for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every",
                  "keep_checkpoints", "host_devices"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"{name}={getattr(t, name)} must be at least 1")
-    if t.peak_tflops is not None and t.peak_tflops <= 0:
-        raise ConfigError(f"peak_tflops={t.peak_tflops} must be positive")
+        if getattr(train, name) < 1:
+            raise ConfigError(f"{name}={getattr(train, name)} must be at least 1")
+    if train.peak_tflops is not None and train.peak_tflops <= 0:
+        raise ConfigError(f"peak_tflops={train.peak_tflops} must be positive")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -217,30 +244,57 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run_dir={run_dir!r} is not writable ({e.strerror})") from None
 
 
+def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
+                     sequence_parallel: bool | None) -> ParallelConfig:
+    """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh."""
+    jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
+    D.initialize(distributed)
+    devices = available_devices()
+    if mesh_text is None:
+        on_cpu = devices[0].platform == "cpu"
+        mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
+    data, tensor = parse_mesh(mesh_text, len(devices))
+    return ParallelConfig(data, tensor, tensor > 1 if sequence_parallel is None else sequence_parallel)
+
+
+def resolve(args) -> tuple[RunConfig, Corpus]:
+    """Everything the run needs (devices and mesh, the data and its vocabulary and tokenizer, the
+    initial weights), resolved, then validated: the loop receives a final RunConfig."""
+    configs, mesh_text, sequence_parallel = configs_from_args(args)
+    model, optimizer, train = configs["model"], configs["optimizer"], configs["train"]
+    validate_train(train)
+    changed = None
+    if train.resume and os.path.isfile(os.path.join(train.run_dir, rundir.CONFIG)):
+        optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
+    validate_optimizer(optimizer)
+    distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
+    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel)
+    if changed and D.is_main_process():
+        print(changed, flush=True)
+    corpus = load_corpus(train.data, train.tokenizer)
+    # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more.
+    vocab = corpus.vocab_size if train.init_from is None else rundir.init_vocab(train.init_from, corpus.vocab_size)
+    run = RunConfig(replace(model, vocab_size=vocab), parallel, optimizer, replace(train, tokenizer=corpus.tokenizer),
+                    distributed)
+    validate(run.model, run.parallel, run.train.remat, len(available_devices()), run.train.batch_size,
+             run.train.micro_batch_size)
+    check_run_dir(run.train.run_dir)
+    return run, corpus
+
+
 def main(argv=None) -> int:
-    import jax
-
-    from jaxseq import loop
-
     args = build_parser().parse_intermixed_args(argv)
+    return cli.run(lambda: _train(args))
+
+
+def _train(args) -> int:
+    run, corpus = resolve(args)
     try:
-        configs, mesh_text, sequence_parallel = configs_from_args(args)
-        validate_train(configs["train"])
-        distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-        run = loop.setup_devices(configs, mesh_text, sequence_parallel, distributed)
-        validate(run.model, run.parallel, run.train.remat, loop.num_devices(),
-                 run.train.batch_size, run.train.micro_batch_size)
-        check_run_dir(run.train.run_dir)
-        return loop.train(run, init_from=args.init_from)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return loop.train(run, corpus)
     except loop.TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli.error(str(e), 1)
     except jax.errors.JaxRuntimeError as e:
-        print(f"error: {runtime_failure(e, jax.process_count())}", file=sys.stderr)
-        return 1
+        return cli.error(runtime_failure(e, jax.process_count()), 1)
 
 
 def runtime_failure(e: Exception, processes: int) -> str:
@@ -250,13 +304,6 @@ def runtime_failure(e: Exception, processes: int) -> str:
     hint = ("; in a multi-process run this usually means another process died (see its log): "
             "restart with --resume" if processes > 1 else "")
     return f"the XLA runtime failed: {first}{hint}"
-
-
-def load_run(run_dir: str):
-    """(model config, params on one device, tokenizer path, step) of a run's newest checkpoint."""
-    from jaxseq import loop
-
-    return loop.load_run(run_dir)
 
 
 if __name__ == "__main__":

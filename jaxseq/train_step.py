@@ -34,17 +34,12 @@ def learning_rate_schedule(opt: OptimizerConfig):
 
 
 def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; no weight decay on biases, LayerNorm parameters, positions."""
-
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, p: path[-1].key in ("kernel", "token"), params
-        )
+    """AdamW after global-norm clipping; weight decay where the parameter declares it (`model.PARAMS`)."""
 
     return optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                    weight_decay=opt.weight_decay, mask=decay_mask),
+                    weight_decay=opt.weight_decay, mask=M.decay_mask()),
     )
 
 
@@ -70,15 +65,21 @@ def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh)
     )
 
 
+def new_state(params, optimizer) -> TrainState:
+    """Step 0: the given parameters with fresh optimizer moments."""
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
 def init_state(key, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
     """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
-    shardings = state_shardings(cfg, parallel, optimizer, mesh)
+    init = lambda key: new_state(M.init_params(key, cfg, parallel.tensor), optimizer)
+    return jax.jit(init, out_shardings=state_shardings(cfg, parallel, optimizer, mesh))(key)
 
-    def init(key):
-        params = M.init_params(key, cfg, parallel.tensor)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    return jax.jit(init, out_shardings=shardings)(key)
+def state_from_params(params, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
+    """A step-0 state around given parameters (already on `mesh`), with moments in their shards."""
+    fresh = lambda p: new_state(p, optimizer)
+    return jax.jit(fresh, out_shardings=state_shardings(cfg, parallel, optimizer, mesh))(params)
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -129,7 +130,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
-    and analysis (the gradient a step would apply, before the optimizer)."""
+    and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = Sharder(mesh, parallel.sequence_parallel)
     specs = param_specs(cfg, parallel)
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)

@@ -4,7 +4,7 @@ from functools import lru_cache
 
 import jax
 
-from jaxseq import analysis as A
+from jaxseq import aot
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.mesh import make_mesh
 
@@ -17,4 +17,4 @@ MEMORY_CFG = ModelConfig(vocab_size=1500, seq_len=S, hidden=H, heads=A_HEADS, la
 def hlo(remat: str, sequence_parallel: bool, tensor: int = T, cfg: ModelConfig = MEMORY_CFG) -> str:
     parallel = ParallelConfig(1, tensor, sequence_parallel)
     mesh = make_mesh(parallel, jax.devices()[:tensor])
-    return A.compile_loss_and_grad(cfg, parallel, remat, mesh, B).as_text()
+    return aot.compile_loss_and_grad(cfg, parallel, remat, mesh, B).as_text()

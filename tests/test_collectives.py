@@ -3,7 +3,7 @@
 import re
 from collections import Counter
 
-from jaxseq import analysis as A
+from jaxseq import hlo as HLO
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
 
@@ -13,13 +13,13 @@ ACTIVATION = B * S * H  # elements of one [b, s, h] activation per device (data 
 def activation_collectives(text: str, backward: bool) -> Counter:
     """Kinds of the per-layer collectives that move [b, s, h] activations (parameter-gradient
     reductions, e.g. of sequence-parallel LayerNorm weights, are excluded)."""
-    ops = A.loop_collectives(text, L, backward)
+    ops = HLO.loop_collectives(text, L, backward)
     return Counter(c.kind for c in ops if c.elements == ACTIVATION and c.group_size == T)
 
 
 def traffic(text: str, backward: bool) -> float:
-    ops = A.loop_collectives(text, L, backward)
-    return sum(A.traffic_bytes(c, 2) for c in ops if c.elements == ACTIVATION and c.group_size == T)
+    ops = HLO.loop_collectives(text, L, backward)
+    return sum(HLO.traffic_bytes(c, 2) for c in ops if c.elements == ACTIVATION and c.group_size == T)
 
 
 def test_tensor_parallel_all_reduces_activations():
@@ -52,8 +52,8 @@ def test_full_recompute_replays_the_forward_collectives_but_the_last():
 
 
 def _forward_loop_tuple(text: str) -> list:
-    comps = A.parse_hlo(text)
-    loop = next(l for l in A.layer_loops(comps, L) if not l.backward)
+    comps = HLO.parse_hlo(text)
+    loop = next(l for l in HLO.layer_loops(comps, L) if not l.backward)
     ins = next(i for c in comps.values() for i in c if i.name == loop.name)
     return ins.arrays()
 

@@ -99,14 +99,15 @@ def test_to_hf_loads_in_transformers(hf_model, converted, tmp_path):
 
 def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     """What `train --init-from` uses: the saved weights placed on data=2 × tensor=4 + SP, padded for it."""
+    from jaxseq import rundir
     from jaxseq import train_step as T
     from jaxseq.config import ModelConfig, OptimizerConfig
 
-    model = convert.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
+    model = rundir.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
     assert (model.vocab_size, model.hidden, model.seq_len) == (VOCAB, 64, 16)
     parallel = ParallelConfig(2, 4, True)
     mesh = make_mesh(parallel, devices)
-    state = convert.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig()), mesh)
+    state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig()), mesh)
     _, saved = convert.load(converted)
     assert state.params["embed"]["token"].shape == (model.padded_vocab(4), 64)
     assert state.params["embed"]["token"].sharding.spec == T.param_specs(model, parallel)["embed"]["token"]

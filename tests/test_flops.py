@@ -6,7 +6,8 @@ from functools import lru_cache
 import jax
 import pytest
 
-from jaxseq import analysis as A
+from jaxseq import aot
+from jaxseq import formulas as F
 from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.metrics import throughput
@@ -22,7 +23,7 @@ def layer_flops(remat: str) -> float:
     """XLA's count for one layer's forward + backward (cost analysis counts a scan body once), plus
     the embedding and logits, which are the same for every policy."""
     parallel = ParallelConfig(1, 1)
-    compiled = A.compile_loss_and_grad(CFG, parallel, remat, make_mesh(parallel, jax.devices()[:1]), B)
+    compiled = aot.compile_loss_and_grad(CFG, parallel, remat, make_mesh(parallel, jax.devices()[:1]), B)
     cost = compiled.cost_analysis()
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
@@ -30,24 +31,24 @@ def layer_flops(remat: str) -> float:
 @pytest.mark.parametrize("name", ["gpt2-124m", "gpt3-175b", "megatron-1t"])
 def test_model_flops_are_the_papers_formula(name):
     cfg = preset(name)
-    paper = A.model_flops(8, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
-    assert A.train_flops(cfg, 8) == pytest.approx(paper, rel=1e-12)
+    paper = F.model_flops(8, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
+    assert F.train_flops(cfg, 8) == pytest.approx(paper, rel=1e-12)
 
 
 def test_attention_wider_than_hidden_counts_its_own_width():
     cfg = preset("gpt3-1.3b")  # 24 heads of 128 = 3072 on a 2048-wide model
     narrow = replace(cfg, kv_channels=None, heads=16)
-    assert A.train_flops(cfg, 1) > A.train_flops(narrow, 1)
+    assert F.train_flops(cfg, 1) > F.train_flops(narrow, 1)
 
 
 def test_replays_name_the_layers_matmuls():
-    assert tuple(A.layer_matmul_flops(CFG, B)) == MATMULS
+    assert tuple(F.layer_matmul_flops(CFG, B)) == MATMULS
     assert all(set(p.replays) <= set(MATMULS) for p in POLICIES.values())
 
 
 @pytest.mark.parametrize("remat", sorted(POLICIES))
 def test_declared_replays_are_what_xla_recomputes(remat):
-    matmuls = A.layer_matmul_flops(CFG, B)
+    matmuls = F.layer_matmul_flops(CFG, B)
     declared = sum(matmuls[m] for m in POLICIES[remat].replays)
     measured = layer_flops(remat) - layer_flops("none")
     # Softmax, LayerNorm and GELU recompute add or save a little; a wrongly declared matmul (the
@@ -57,7 +58,7 @@ def test_declared_replays_are_what_xla_recomputes(remat):
 
 def test_throughput_reports_the_replays_and_mfu():
     out = throughput(CFG, "full", B, steps=10, seconds=2.0, num_devices=4, peak=100.0)
-    model, hardware = A.train_flops(CFG, B), A.train_flops(CFG, B, "full")
+    model, hardware = F.train_flops(CFG, B), F.train_flops(CFG, B, "full")
     assert out["tokens_per_sec"] == B * CFG.seq_len * 10 / 2.0
     assert out["tflops_per_device"] == pytest.approx(model * 5 / 4 / 1e12)
     assert out["hardware_tflops_per_device"] == pytest.approx(hardware * 5 / 4 / 1e12)

@@ -2,21 +2,15 @@
 
 import pytest
 
-from jaxseq import analysis as A
+from jaxseq import formulas as F
+from jaxseq import hlo as HLO
 from jaxseq.remat import POLICIES
 
 from compiled import A_HEADS, B, H, L, S, T, hlo
 
 SBH = S * B * H
-# Each of the paper's configurations: (remat policy, sequence parallel).
-PAPER = {
-    "tp": ("none", False),
-    "tp+sp": ("none", True),
-    "tp+selective": ("selective", False),
-    "tp+sp+selective": ("selective", True),
-    "full": ("full", False),
-    "full+sp": ("full", True),
-}
+# The paper's tensor-parallel configurations: (remat policy, sequence parallel).
+PAPER = {name: (c.remat, c.sequence_parallel) for name, c in F.PAPER_CONFIGURATIONS.items() if c.tensor_parallel}
 # The one deviation: LayerNorm keeps its f32 mean and 1/std per token for backward (Megatron does too),
 # 2 LayerNorms × 2 × 4 bytes = 16 bytes per token per layer, which the paper's formula leaves out.
 LN_STATS = 16 * S * B
@@ -25,8 +19,8 @@ LN_STATS = 16 * S * B
 @pytest.mark.parametrize("config", PAPER)
 def test_table2_formula_within_2_percent(config):
     remat, sp = PAPER[config]
-    measured = A.stored_bytes_per_layer(hlo(remat, sp), L)
-    formula = A.paper_activation_bytes(config, S, B, H, A_HEADS, T)
+    measured = HLO.stored_bytes_per_layer(hlo(remat, sp), L)
+    formula = F.paper_activation_bytes(config, S, B, H, A_HEADS, T)
     assert abs(measured / formula - 1) <= 0.02, f"{config}: measured {measured} B vs formula {formula:.0f} B"
     # And the residue is exactly the LayerNorm statistics (none when the layer is fully recomputed).
     ln_stats = 0 if remat == "full" else LN_STATS / (T if sp else 1)
@@ -34,8 +28,8 @@ def test_table2_formula_within_2_percent(config):
 
 
 def test_sequence_parallel_selective_is_5x_smaller_than_tp():
-    tp = A.stored_bytes_per_layer(hlo("none", False), L)
-    best = A.stored_bytes_per_layer(hlo("selective", True), L)
+    tp = HLO.stored_bytes_per_layer(hlo("none", False), L)
+    best = HLO.stored_bytes_per_layer(hlo("selective", True), L)
     assert best <= 0.25 * tp
 
 
@@ -57,14 +51,14 @@ def test_every_policy_is_registered_here():
 
 @pytest.mark.parametrize("remat", sorted(POLICIES))
 def test_policy_stores_expected_bytes(remat):
-    assert A.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
+    assert HLO.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
 
 
 def test_policies_store_different_bytes():
-    measured = [A.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
+    measured = [HLO.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
     assert len(set(measured)) == len(measured)
 
 
 def test_lean_without_sequence_parallelism():
     # 4 replicated (layer input and mid residual) + 16 split t ways.
-    assert A.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH
+    assert HLO.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH

@@ -8,6 +8,7 @@ import pytest
 
 from jaxseq import plan as P
 from jaxseq.config import ModelConfig
+from jaxseq.formulas import PAPER_CONFIGURATIONS
 
 # 5as/h = 5·8·128/64 = 80, as at GPT-3 175B; t = 4.
 CFG = ModelConfig(vocab_size=1500, seq_len=128, hidden=64, heads=8, layers=4, dtype="bfloat16", dropout=0.1)
@@ -29,9 +30,9 @@ def test_json_schema(small_plan):
     for row in out["rows"]:
         assert keys <= set(row)
     names = [r["config"] for r in out["rows"]]
-    assert names[:7] == list(P.PAPER)
+    assert names[:7] == list(PAPER_CONFIGURATIONS)
     assert names[7:] == ["tp+lean", "tp+sp+lean"]
-    extra = [r for r in out["rows"] if r["config"] not in P.PAPER]
+    extra = [r for r in out["rows"] if r["config"] not in PAPER_CONFIGURATIONS]
     assert all(r["formula_bytes_per_layer"] is None and r["ratio"] is None for r in extra)
 
 
@@ -44,7 +45,7 @@ def test_every_registered_policy_is_planned_with_and_without_sp():
 
 
 def test_table2_ratios_and_headlines(small_plan):
-    for name in P.PAPER:
+    for name in PAPER_CONFIGURATIONS:
         assert 0.98 <= small_plan.row(name).ratio <= 1.02, name
     tp, best = small_plan.row("tp"), small_plan.row("tp+sp+selective")
     assert best.measured_bytes_per_layer <= 0.25 * tp.measured_bytes_per_layer  # 0.21 at real h (LN stats vanish)

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
-        "--host-devices", "8", "decay_steps=10", "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "eval_batches=1",
+        "--host-devices", "8", "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "eval_batches=1",
         "sample_tokens=8"]
 
 
@@ -55,10 +55,12 @@ def check_metrics_and_config(run_dir):
 
 
 def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
-    """One test, so that the 10-step reference runs once: 10 steps == 5 + resume + 5 (to 1e-6), and
-    a resume from the same 5-step checkpoint onto tensor=2 continues with the same losses (to 1e-4)."""
+    """One test, so that the 10-step reference runs once: a 5-step run extended by `--resume --steps 10`
+    keeps its schedule (the cosine ends at step 5; steps 6-10 stay at the final learning rate), so it
+    equals one 10-step run whose schedule ends at 5 (to 1e-6); a resume from the same 5-step
+    checkpoint onto tensor=2 continues with the same losses (to 1e-4)."""
     straight, halves, other_mesh = (str(tmp_path / name) for name in ("straight", "halves", "other"))
-    run(*TINY, "--steps", "10", "--run-dir", straight)
+    run(*TINY, "--steps", "10", "decay_steps=5", "--run-dir", straight)
     check_metrics_and_config(straight)
     run(*TINY, "--steps", "5", "--run-dir", halves)
     shutil.copytree(halves, other_mesh)
@@ -67,6 +69,9 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
     assert sorted(resumed) == list(range(1, 11))
     for step in range(1, 11):
         assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
+    final_lr = 6e-4 * 0.1  # the tiny preset's lr × min_lr_ratio
+    assert [r["lr"] for r in metrics(halves)[5:]] == pytest.approx([final_lr] * 5)
+    assert json.load(open(os.path.join(halves, "config.json")))["optimizer"]["decay_steps"] == 5
     moved = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in TINY]
     out = run(*moved, "--steps", "7", "--run-dir", other_mesh, "--resume")
     assert "data=4 × tensor=2" in out.stdout
@@ -135,6 +140,8 @@ def test_a_failed_execution_is_one_line():
     (["--batch-size", "7"], "data=2 does not divide batch_size=7"),
     (["dropout=much"], "dropout='much' is not a valid float"),
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
+    (["--seq-len", "100000"], "the compiled train step needs"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)
@@ -192,3 +199,80 @@ def test_config_precedence_preset_yaml_flags_overrides(tmp_path):
     assert (train.batch_size, train.micro_batch_size, train.eval_every, train.seed) == (64, 16, 250, 7)
     assert (train.peak_tflops, train.remat, train.steps) == (989.0, "lean", 40)
     assert mesh is None and sp is None  # resolved later, once the devices are known
+
+
+def test_resume_keeps_the_saved_optimizer_unless_asked():
+    from jaxseq.config import OptimizerConfig
+    from jaxseq.train import resumed_optimizer
+
+    saved = OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800)
+    configured = OptimizerConfig(lr=6e-4, decay_steps=1500)  # a preset's defaults, decay from --steps 1500
+    kept, line = resumed_optimizer(saved, configured, frozenset({"train.steps", "train.resume"}))
+    assert kept == saved and line is None
+    changed, line = resumed_optimizer(saved, configured, frozenset({"optimizer.lr"}))
+    assert changed == OptimizerConfig(lr=6e-4, warmup_steps=50, decay_steps=800)
+    assert line == "resume: the optimizer changes as asked: lr 0.002 → 0.0006"
+
+
+def test_extending_a_finished_run_stays_at_the_final_learning_rate():
+    from jaxseq import train_step as T
+    from jaxseq.config import OptimizerConfig
+
+    schedule = T.learning_rate_schedule(OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800))
+    assert [float(schedule(s)) for s in (800, 1000, 1499)] == pytest.approx([2e-4] * 3)
+
+
+def test_explicit_fields_are_recorded():
+    from jaxseq.train import build_parser, configs_from_args
+
+    configs, _, _ = configs_from_args(build_parser().parse_intermixed_args(["--lr", "1e-3", "b2=0.99", "--steps", "9"]))
+    assert {"optimizer.lr", "optimizer.b2", "train.steps"} <= configs["explicit"]
+    assert "optimizer.decay_steps" not in configs["explicit"] and configs["optimizer"].decay_steps == 9
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"model: {hidden: \xff\xfe}\n", "is not UTF-8 text"),
+    (b"model: {hidden: 64\n", "is not valid YAML"),
+    (b"optimizer:\n  lr: 1e-3\n bad: indent\n", "is not valid YAML"),
+])
+def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, message):
+    from jaxseq.train import main
+
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
+    (["--weight-decay", "-0.1"], "weight_decay=-0.1 must be ≥ 0"),
+    (["--warmup-steps", "-5"], "warmup_steps=-5 must be an integer ≥ 0"),
+    (["--clip-norm", "0"], "clip_norm=0.0 must be > 0"),
+    (["optimizer.b1=1.0"], "b1=1.0 must be in [0, 1)"),
+    (["optimizer.b2=-0.5"], "b2=-0.5 must be in [0, 1)"),
+    (["optimizer.eps=0"], "eps=0.0 must be > 0"),
+    (["min_lr_ratio=2"], "min_lr_ratio=2.0 must be in [0, 1]"),
+    (["decay_steps=0"], "decay_steps=0 must be an integer ≥ 1"),
+    (["--lr", "nan"], "lr=nan must be ≥ 0"),
+])
+def test_optimizer_ranges_are_checked_at_the_edge(capsys, flag, message):
+    from jaxseq.train import main
+
+    assert main(["--preset", "tiny", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {message}\n", err
+
+
+def test_a_step_that_cannot_fit_is_refused_with_both_numbers():
+    from jaxseq import aot
+    from jaxseq.config import ConfigError
+
+    aot.check_fits(2 * 2**30, 3 * 2**30)
+    aot.check_fits(2 * 2**30, None)  # the backend reports no limit: nothing to compare
+    with pytest.raises(ConfigError) as e:
+        aot.check_fits(92 * 2**40, 80 * 2**30)
+    line = str(e.value)
+    assert "94208.00 GiB per device" in line and "80.00 GiB" in line and "\n" not in line
+    assert "--micro-batch-size" in line and "--remat full" in line and "tensor" in line

@@ -1,7 +1,6 @@
-"""The paper's formulas, and XLA's own accounting of a compiled step: stored bytes, FLOPs, collectives.
+"""XLA's own accounting, read from a compiled program's optimized HLO text: the bytes a layer stores
+for backward, and the collectives each layer loop performs.
 
-Measuring, not estimating: the train step is compiled ahead of time on abstract inputs
-(`jax.ShapeDtypeStruct` with shardings, nothing allocated) and its optimized HLO is read.
 With the layers under `lax.scan`, every tensor a layer keeps for backward is a stacked [L, …]
 buffer that the forward loop writes; its per-device size / L is the per-layer stored bytes.
 """
@@ -11,91 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from jaxseq import model as M
-from jaxseq import train_step as T
-from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.remat import POLICIES
-
-# ---------------------------------------------------------------------------------------------
-# The paper's formulas (Korthikanti et al. 2022): bytes per layer, 16-bit activations, 1-byte masks
-
-PAPER_CONFIGS = ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full", "full+sp")
-
-
-def paper_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
-    """Table 2 of the paper (and 2sbh/t for full recompute with sequence parallelism)."""
-    sbh, scores = s * b * h, 5 * a * s / h
-    table = {
-        "none": sbh * (34 + scores),
-        "tp": sbh * (10 + 24 / t + scores / t),
-        "tp+sp": sbh * (34 / t + scores / t),
-        "tp+selective": sbh * (10 + 24 / t),
-        "tp+sp+selective": sbh * 34 / t,
-        "full": 2 * sbh,
-        "full+sp": 2 * sbh / t,
-    }
-    if config not in table:
-        raise ValueError(f"unknown paper configuration {config!r}; valid: {', '.join(table)}")
-    return table[config]
-
-
-def general_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int, e: int) -> float:
-    """Table 2 generalised to e bytes per activation (1-byte masks): replicated (4e+2)·sbh,
-    split 12e·sbh, scores (2e+1)·as²b. e = 2 gives the paper's numbers."""
-    sbh = s * b * h
-    repl, split, scores = (4 * e + 2) * sbh, 12 * e * sbh, (2 * e + 1) * a * s * s * b
-    table = {
-        "none": repl + split + scores,
-        "tp": repl + (split + scores) / t,
-        "tp+sp": (repl + split + scores) / t,
-        "tp+selective": repl + split / t,
-        "tp+sp+selective": (repl + split) / t,
-        "full": e * sbh,
-        "full+sp": e * sbh / t,
-    }
-    return table[config]
-
-
-def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
-    """Model FLOPs per iteration (forward + backward, no recompute): 72·B·s·L·h²·(1 + s/(6h) + V/(12hL))."""
-    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
-
-
-def paper_hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> float:
-    """The paper's hardware FLOPs: selective adds the core attention's forward (QKᵀ and scores×V),
-    full adds one whole forward."""
-    if remat == "full":
-        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L))
-    if remat == "selective":
-        return 72 * B * s * L * h * h * (1 + s / (3 * h) + V / (12 * h * L))
-    return model_flops(B, s, L, h, V)
-
-
-def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
-    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences."""
-    b, s, h, w, f = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden
-    return {"qkv": 2 * b * s * h * 3 * w, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
-            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * f, "mlp_down": 2 * b * s * f * h}
-
-
-def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None) -> float:
-    """Matmul FLOPs of one training iteration over `batch` sequences: three times every forward
-    matmul (forward, and backward's two), logits included, plus the forward matmuls the remat policy
-    replays in backward (None: model FLOPs). For attention width h and MLP width 4h the model FLOPs
-    are exactly the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)); the replays match XLA's cost
-    analysis (tests/test_flops.py), where the paper's hardware formulas assume more recompute."""
-    matmuls = layer_matmul_flops(cfg, batch)
-    logits = 2 * batch * cfg.seq_len * cfg.hidden * cfg.vocab_size
-    flops = 3 * (cfg.layers * sum(matmuls.values()) + logits)
-    if remat is not None:
-        flops += cfg.layers * sum(matmuls[m] for m in POLICIES[remat].replays)
-    return flops
-
 
 # ---------------------------------------------------------------------------------------------
 # Reading optimized HLO text
@@ -310,36 +225,3 @@ def traffic_bytes(c: Collective, itemsize: int) -> float:
         return 0.0
     frac = (c.group_size - 1) / c.group_size
     return (2 if c.kind == "all-reduce" else 1) * c.elements * itemsize * frac
-
-
-# ---------------------------------------------------------------------------------------------
-# Compiling on abstract inputs
-
-
-def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
-    """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
-    specs = T.param_specs(cfg, parallel)
-    shapes = M.param_shapes(cfg, parallel.tensor)
-    params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
-                          shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
-    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
-    return params, {"inputs": tokens, "targets": tokens}
-
-
-def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
-    """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
-    accounted separately and it does not touch activations)."""
-    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return T.make_loss_and_grad(cfg, parallel, remat, mesh).lower(params, batch, key).compile()
-
-
-def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
-    """The loss alone (forward pass), compiled for `mesh`."""
-    from jaxseq.mesh import Sharder
-
-    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
-    shard = Sharder(mesh, parallel.sequence_parallel)
-    fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return fn.lower(params, batch, key).compile()

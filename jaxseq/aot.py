@@ -1,0 +1,85 @@
+"""Compiling ahead of time on abstract inputs (`jax.ShapeDtypeStruct` with shardings, nothing
+allocated), and what a compiled program says about its memory: a 1T-parameter layer compiles on a
+laptop, and a step that cannot fit is refused before it runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq import model as M
+from jaxseq import train_step as T
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
+from jaxseq.mesh import Sharder
+
+
+def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
+    """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
+    specs = T.param_specs(cfg, parallel)
+    shapes = M.param_shapes(cfg, parallel.tensor)
+    params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
+                          shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
+    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
+    return params, {"inputs": tokens, "targets": tokens}
+
+
+def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
+    accounted separately and it does not touch activations)."""
+    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return T.make_loss_and_grad(cfg, parallel, remat, mesh).lower(params, batch, key).compile()
+
+
+def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The loss alone (forward pass), compiled for `mesh`."""
+    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return fn.lower(params, batch, key).compile()
+
+
+# ---------------------------------------------------------------------------------------------
+# Will it fit? The compiled step's own memory accounting against the device's memory
+
+GIB = 2**30
+
+
+def step_bytes(compiled) -> int | None:
+    """Per-device bytes a compiled program needs: arguments + outputs + temporaries − the buffers
+    outputs reuse from (donated) arguments. None where the backend gives no analysis."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def device_bytes(devices) -> int | None:
+    """Memory one device may use: the backend's `bytes_limit` (GPU, TPU); for CPU devices, which
+    share the host's memory, the physical memory divided among the local devices; None if unknown."""
+    device = devices[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu" and hasattr(os, "sysconf"):
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+        return host // max(1, sum(1 for d in devices if d.process_index == device.process_index))
+    return None
+
+
+def check_fits(needed: int | None, available: int | None) -> None:
+    """Refuse, in one line, a step that needs more memory than a device has (either unknown: no check)."""
+    if needed is None or available is None or needed <= available:
+        return
+    raise ConfigError(
+        f"the compiled train step needs {needed / GIB:.2f} GiB per device but a device has {available / GIB:.2f} GiB; "
+        "try a smaller --micro-batch-size, a remat policy that stores less (--remat full or lean), "
+        "or more tensor parallelism (--mesh tensor=N --sequence-parallel)")
