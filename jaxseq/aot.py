@@ -62,16 +62,18 @@ def step_bytes(compiled) -> int | None:
 def device_bytes(devices) -> int | None:
     """Memory one device may use: the backend's `bytes_limit` (GPU, TPU); for CPU devices, which
     share the host's memory, the physical memory divided among the local devices; None if unknown."""
-    device = devices[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    local = [d for d in devices if d.process_index == jax.process_index()]  # only these report stats
+    if not local:
+        return None
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    if device.platform == "cpu" and hasattr(os, "sysconf"):
+    if local[0].platform == "cpu" and hasattr(os, "sysconf"):
         try:
             host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError):
             return None
-        return host // max(1, sum(1 for d in devices if d.process_index == device.process_index))
+        return host // len(local)
     return None
 
 
