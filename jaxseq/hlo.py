@@ -145,27 +145,57 @@ def _called(comps, name, seen=None) -> list[str]:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all-gather | all-reduce | reduce-scatter | … ; an all-reduce whose users only slice it
-    #            is reported as reduce-scatter (XLA:CPU never forms reduce-scatter; GPU/TPU do)
+    kind: str  # all-gather | all-reduce | reduce-scatter | … ; an all-reduce whose value is only ever
+    #            dynamic-sliced is reported as reduce-scatter (XLA:CPU 0.10 forms no reduce-scatter from
+    #            automatic partitioning; GPU/TPU compilers fuse the pair into one)
     elements: int  # elements of the full (unscattered) buffer, per device
     group_size: int
+    source: str = ""  # the jaxpr op it came from (HLO metadata op_name), e.g. ".../bsf,fh->bsh/dot_general"
 
 
-def _slices_only(comps, comp: str, name: str, users) -> bool:
-    """Whether every use of `name` ends in a dynamic-slice, looking through converts and bitcasts
-    (XLA:CPU computes bf16 collectives in f32 and converts back)."""
+_PASS_THROUGH = {"convert", "bitcast", "copy", "reshape", "get-tuple-element"}
+
+
+def _users(instrs: list[Instr]) -> dict[str, list[Instr]]:
+    users: dict[str, list[Instr]] = {}
+    for ins in instrs:
+        for op in ins.operands():
+            users.setdefault(op, []).append(ins)
+    return users
+
+
+def _slices_only(comps, comp: str, name: str, users=None, outer=None) -> bool:
+    """Whether every use of the value `name` in computation `comp` ends in a dynamic-slice *of that
+    value*, looking through converts and bitcasts (XLA:CPU computes bf16 collectives in f32 and
+    converts back) and through the fusions it is passed to (into them, and out of them when it is
+    their result). A fusion that consumes the value whole and slices something else (a layer's bias,
+    say: newer XLA fuses both into one kernel) does not count. `outer`: (computation, fusion) that
+    called `comp`, when `comp` is a fused computation."""
+    users = _users(comps[comp]) if users is None else users
     uses = users.get(name, [])
     if not uses:
-        return False
+        # The fusion's result: follow it in the computation that called the fusion.
+        return outer is not None and comps[comp][-1].name == name and _slices_only(comps, *outer)
     for u in uses:
-        callee = u.attr("calls") if u.opcode == "fusion" else None
-        ops = {i.opcode for i in comps.get(callee, [])} if callee else {u.opcode}
-        if "dynamic-slice" in ops:
+        operands = u.operands()
+        if u.opcode == "dynamic-slice" and operands[0] == name:
             continue
-        if ops <= {"parameter", "convert", "bitcast", "copy", "get-tuple-element"} and _slices_only(comps, comp, u.name, users):
+        if u.opcode in _PASS_THROUGH and _slices_only(comps, comp, u.name, users, outer):
             continue
+        if u.opcode == "fusion" and u.attr("calls") in comps:
+            callee = u.attr("calls")
+            params = {int(i.rest.split(")")[0]): i.name for i in comps[callee] if i.opcode == "parameter"}
+            inner = _users(comps[callee])
+            if all(_slices_only(comps, callee, params[k], inner, (comp, u.name)) for k, op in enumerate(operands)
+                   if op == name):
+                continue
         return False
     return True
+
+
+def _op_name(rest: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', rest)
+    return m.group(1) if m else ""
 
 
 def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Collective]:
@@ -176,10 +206,7 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
         raise RuntimeError(f"expected one {'backward' if backward else 'forward'} layer loop, found {len(loops)}")
     out = []
     for comp in _called(comps, loops[0].body):
-        users: dict[str, list[Instr]] = {}
-        for ins in comps[comp]:
-            for op in ins.operands():
-                users.setdefault(op, []).append(ins)
+        users = _users(comps[comp])
         for ins in comps[comp]:
             base = ins.opcode.removesuffix("-start")
             if base not in COLLECTIVES:
@@ -197,7 +224,7 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
                 elements = int(np.prod(dims, dtype=np.int64))
                 if base == "reduce-scatter":
                     elements *= size  # report the full buffer, like the others
-                out.append(Collective(kind, elements, size))
+                out.append(Collective(kind, elements, size, _op_name(ins.rest)))
     return out
 
 

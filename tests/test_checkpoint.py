@@ -74,3 +74,39 @@ def test_incompatible_model_is_refused():
     C.check_compatible({"layers": 2, "dropout": 0.1}, {"layers": 2, "dropout": 0.0})  # dropout may change
     with pytest.raises(ConfigError, match=r"cannot resume: .*layers=2 \(saved\) vs 3"):
         C.check_compatible({"layers": 2, "hidden": 64}, {"layers": 3, "hidden": 64})
+
+
+def _saved(run_dir, step):
+    """Every array of a checkpoint as written (state: params, Adam moments, step; meta), on the host."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(run_dir, "checkpoints", str(step))
+    state = ocp.StandardCheckpointer().restore(os.path.join(path, "state"))
+    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, "meta"))
+    return jax.tree.map(np.asarray, state), meta
+
+
+def test_a_checkpoint_written_mid_run_equals_a_run_stopped_there(tmp_path):
+    """A checkpoint saved asynchronously while the next (donated) steps run holds the state of that
+    step, not of a later one: every array of checkpoint 4 of a 6-step run (checkpoints at 2, 4, 6)
+    equals the final checkpoint of a 4-step run, bit for bit. (That a restored state continues with
+    the same losses is test_train.py's resume test.)"""
+    from test_train import TINY, run
+
+    mid, stopped = str(tmp_path / "mid"), str(tmp_path / "stopped")
+    run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--run-dir", mid)
+    run(*TINY, "--steps", "4", "--checkpoint-every", "100", "--run-dir", stopped)
+    assert sorted(os.listdir(os.path.join(mid, "checkpoints"))) == ["2", "4", "6"]
+    assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["4"]
+    (state, meta), (ref_state, ref_meta) = _saved(mid, 4), _saved(stopped, 4)
+    assert meta["data_position"] == ref_meta["data_position"]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ref_state)]
+    assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)] == paths
+    assert any("mu" in p for p in paths) and any("nu" in p for p in paths)  # the Adam moments are compared too
+    for path, a, b in zip(paths, jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    assert int(state["step"]) == 4
+    # A later checkpoint differs (the comparison would catch a save that read the next step's buffers).
+    later, _ = _saved(mid, 6)
+    assert not np.array_equal(later["params"]["embed"]["token"], state["params"]["embed"]["token"])
+
