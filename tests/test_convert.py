@@ -230,3 +230,34 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    """A random GPT-2 (vocabulary 300, padded to 384 in jaxseq; layer_norm_epsilon 1e-3) converted
+    with from-hf: jaxseq's greedy continuation equals transformers' `generate(do_sample=False)`,
+    token for token (the prompt holds ids past 256, the padded table has 384 rows)."""
+    from jaxseq.generate import sample
+
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     layer_norm_epsilon=1e-3, bos_token_id=299, eos_token_id=299,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("wpe.weight"):
+                p.mul_(20.0)  # positions that matter: a random model's greedy text then varies
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    cfg, params = convert.load(str(tmp_path / "run"))
+    assert (cfg.vocab_size, cfg.ln_eps, params["embed"]["token"].shape[0]) == (300, 1e-3, 384)
+
+    prompt = [5, 290, 17, 133, 2]
+    ours = sample(params, cfg, prompt, 20, temperature=1.0, top_k=1)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=299)
+    assert ours == theirs[0, len(prompt):].tolist()
+    assert len(set(ours)) > 3  # not a degenerate repetition of one token
