@@ -35,6 +35,15 @@ from jaxseq.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_
 from jaxseq.mesh import make_mesh
 from jaxseq.remat import POLICIES
 
+# Printed by --help and kept in agreement with README's "Planning memory" section.
+SOURCES = (
+    "Where each figure comes from. From XLA's compiled program (per layer per device): stored (the stacked "
+    "buffers the forward layer loop writes, / L), TFLOP and recompute (cost_analysis()), collectives (the "
+    "collectives of one forward and one backward layer-loop iteration). From the paper's formulas: the "
+    "formula column (and so ratio = stored / formula) and the paper's model/hardware FLOPs line. From shapes "
+    "and shardings, nothing compiled: parameters, gradients, Adam moments, the weight copy and the "
+    "embedding/logits part of the activations; activ. = stored (compiled) × L + that part; total = "
+    "state + activ.")
 MIB, GIB = 2**20, 2**30
 MEASURE_LAYERS = 2  # a scan of 2 keeps the layer loop (1 would be inlined); depth does not matter
 
@@ -436,7 +445,7 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0], epilog=SOURCES)
     p.add_argument("--preset", default="gpt3-175b", help="model preset (default gpt3-175b)")
     p.add_argument("--tensor", type=int, default=8, help="tensor-parallel size t (default 8)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch b (default 1)")

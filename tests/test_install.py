@@ -1,0 +1,64 @@
+"""The install story as README tells it: runtime and test requirements apart, CI running exactly the
+README's test command, pyproject declaring what `import jaxseq.*` needs, one pinned JAX version."""
+
+import os
+import re
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_ONLY = {"pytest", "pytest-xdist", "torch", "transformers"}
+
+
+def _read(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return f.read()
+
+
+def _pins(name):
+    """name → version of every `name==version` line (comments and -r lines skipped)."""
+    pins = {}
+    for line in _read(name).splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            pkg, version = line.split("==")
+            pins[pkg.lower()] = version
+    return pins
+
+
+def _readme_commands():
+    block = re.search(r"```bash\n(.*?)```", _read("README.md"), re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_main_job_installs_runtime_requirements_only():
+    train, test = _readme_commands()[:2]
+    assert "pip install -r requirements.txt " in train and train.endswith("python -m jaxseq.train")
+    assert "pip install -r requirements-test.txt " in test and "pytest" in test
+    assert not TEST_ONLY & set(_pins("requirements.txt"))
+    assert TEST_ONLY <= set(_pins("requirements-test.txt"))
+    assert "-r requirements.txt" in _read("requirements-test.txt").splitlines()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    test = _readme_commands()[1]
+    ci = [line for line in _read(".ci/run").splitlines() if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci[0] == test
+
+
+def test_pyproject_declares_every_runtime_requirement():
+    project = tomllib.loads(_read("pyproject.toml"))["project"]
+    declared = {re.split(r"[<>=\[ ]", d)[0].lower() for d in project["dependencies"]}
+    # jaxlib comes with jax; matplotlib only draws the experiments' plots (the `experiments` extra).
+    assert set(_pins("requirements.txt")) - {"jaxlib", "matplotlib"} == declared
+    assert TEST_ONLY <= {re.split(r"[<>=\[ ]", d)[0].lower() for d in project["optional-dependencies"]["test"]}
+
+
+def test_one_jax_version_everywhere():
+    pins = _pins("requirements.txt")
+    assert pins["jax"] == pins["jaxlib"]
+    assert f'pip install -r requirements.txt "jax[cuda12]=={pins["jax"]}"' in _read("README.md")
+    newest = _pins("requirements-newest.txt")
+    assert newest["jax"] == newest["jaxlib"] and newest["jax"] != pins["jax"]
+    # The newest pins differ from the runtime pins in JAX only (plus the test runner).
+    assert {k: v for k, v in newest.items() if k not in ("jax", "jaxlib", "pytest", "pytest-xdist")} == \
+        {k: v for k, v in pins.items() if k not in ("jax", "jaxlib")}
