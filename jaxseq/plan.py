@@ -35,7 +35,7 @@ from jaxseq.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_
 from jaxseq.mesh import make_mesh
 from jaxseq.remat import POLICIES
 
-# Printed by --help and kept in agreement with README's "Planning memory" section.
+# Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
     "Where each figure comes from. From XLA's compiled program (per layer per device): stored (the stacked "
     "buffers the forward layer loop writes, / L), TFLOP and recompute (cost_analysis()), collectives (the "
