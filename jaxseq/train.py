@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
                "the shapes (the paper's model FLOPs, plus the forward matmuls the remat policy replays; "
                "tests hold them to XLA's cost analysis) divided by that time; memory_gib is the backend's "
-               "own count of device memory in use (null where it reports none, as on CPU).")
+               "own count of device memory in use (null where it reports none, as on CPU); a step refused as too "
+               "large for the device is measured by the compiled step's memory_analysis().")
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
