@@ -95,7 +95,8 @@ def test_a_checkpoint_written_mid_run_equals_a_run_stopped_there(tmp_path):
 
     mid, stopped = str(tmp_path / "mid"), str(tmp_path / "stopped")
     run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--run-dir", mid)
-    run(*TINY, "--steps", "4", "--checkpoint-every", "100", "--run-dir", stopped)
+    # The same learning-rate schedule (its length defaults to --steps), stopped after step 4.
+    run(*TINY, "--steps", "4", "--checkpoint-every", "100", "--run-dir", stopped, "decay_steps=6")
     assert sorted(os.listdir(os.path.join(mid, "checkpoints"))) == ["2", "4", "6"]
     assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["4"]
     (state, meta), (ref_state, ref_meta) = _saved(mid, 4), _saved(stopped, 4)
