@@ -61,11 +61,16 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh shape: data × tensor (a `pipe` axis will join later); sequence parallelism rides on `tensor`."""
+    """Mesh shape: data × tensor (a `pipe` axis will join later); sequence parallelism rides on `tensor`.
+
+    distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data`
+    (ZeRO-1, Megatron-LM's --use-distributed-optimizer); see train_step.master_specs.
+    """
 
     data: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
+    distributed_optimizer: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -198,6 +203,9 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
+    for name in ("sequence_parallel", "distributed_optimizer"):
+        if not isinstance(getattr(parallel, name), bool):
+            raise ConfigError(f"{name}={getattr(parallel, name)!r} must be true or false")
     t = parallel.tensor
     if model.heads % t:
         raise ConfigError(f"tensor={t} does not divide heads={model.heads}")

@@ -241,7 +241,7 @@ def _group_size(rest: str) -> int:
 
 
 def _mesh_group_size(rest: str) -> int:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)  # may hold device_ids=(…)
     sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1)))
     return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
 

@@ -32,8 +32,9 @@ class TrainingError(RuntimeError):
 
 
 def _eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh):
+    """The loss of the state's params as they are stored (split over data by the distributed optimizer)."""
     shard = Sharder(mesh, parallel.sequence_parallel)
-    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), T.param_specs(cfg, parallel))
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), T.master_specs(cfg, parallel))
     batch_sh = {"inputs": T.batch_sharding(mesh), "targets": T.batch_sharding(mesh)}
     return jax.jit(lambda p, b: M.loss_fn(p, b, cfg, shard, "none"), in_shardings=(param_sh, batch_sh),
                    out_shardings=NamedSharding(mesh, P()))
@@ -116,7 +117,8 @@ def train(run: RunConfig, corpus: Corpus) -> int:
         p = run.parallel
         print(f"jaxseq: {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
               f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh data={p.data} × tensor={p.tensor}"
-              f"{' + SP' if p.sequence_parallel else ''} on {len(devices)} {devices[0].platform} devices, "
+              f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
+              f" on {len(devices)} {devices[0].platform} devices, "
               f"remat={settings.remat}, steps {start}→{settings.steps}", flush=True)
 
     stop = StopFlag()

@@ -18,6 +18,7 @@ plus the non-layer part from shapes (`non_layer_activation_bytes`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -173,17 +174,41 @@ def _itemsize(cfg: ModelConfig) -> int:
 def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
     """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
     the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
-    is_shape = lambda x: isinstance(x, tuple)
-    shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=is_shape)
-    specs = jax.tree.leaves(T.param_specs(cfg, ParallelConfig(1, tensor, False)),
-                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     total = cast = 0
-    for shape, spec, is_cast in zip(shapes, specs, jax.tree.leaves(M.cast_mask())):
-        split = tensor ** sum(1 for axis in spec if axis == "tensor")
-        n = int(np.prod(shape, dtype=np.int64)) // split
-        total += n
-        cast += n if is_cast else 0
+    for leaf in _leaves(cfg, tensor, 1, False):
+        total += leaf.elements
+        cast += leaf.elements if leaf.cast else 0
     return total, cast
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    elements: int  # on one device, split by tensor
+    master_elements: int  # of its master weights and of each Adam moment on one device
+    cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
+    sharded: bool  # over data (distributed optimizer): the step gathers a full copy of it
+
+    def copy_bytes(self, cfg: ModelConfig) -> int:
+        """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
+        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf."""
+        e = _itemsize(cfg)
+        if self.sharded:
+            return self.elements * (e if self.cast else 4)
+        return self.elements * e if self.cast and cfg.dtype != "float32" else 0
+
+
+def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> list[_Leaf]:
+    """Every parameter's per-device elements under the train step's own specs (`T.master_specs`)."""
+    parallel = ParallelConfig(data, tensor, False, distributed_optimizer)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=is_spec)
+    out = []
+    for shape, spec, cast in zip(shapes, specs, jax.tree.leaves(M.cast_mask())):
+        n = int(np.prod(shape, dtype=np.int64)) // tensor ** sum(1 for axis in spec if axis == "tensor")
+        sharded = "data" in spec
+        out.append(_Leaf(n, n // data if sharded else n, cast, sharded))
+    return out
 
 
 def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool) -> int:
@@ -197,12 +222,14 @@ def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool) 
 
 @dataclass(frozen=True)
 class State:
-    """Per-device bytes of the training state: fp32 parameters, fp32 gradients, Adam's two fp32
-    moments, and the compute-dtype copy of the weights a step makes (none in float32)."""
+    """Per-device bytes of the training state: the fp32 master weights (the parameters the optimizer
+    updates), fp32 gradients, Adam's two fp32 moments, and the compute-dtype copy of the weights a
+    step makes. Without the distributed optimizer a float32 step reads the master weights directly
+    (no copy); with it every step gathers a full copy, LayerNorm parameters included (in f32)."""
 
-    params: int
+    params: int  # fp32 master weights
     gradients: int
-    optimizer: int
+    optimizer: int  # Adam moments
     weight_copy: int
 
     @property
@@ -210,10 +237,13 @@ class State:
         return self.params + self.gradients + self.optimizer + self.weight_copy
 
 
-def state_bytes(cfg: ModelConfig, tensor: int) -> State:
-    total, cast = parameter_elements_per_device(cfg, tensor)
-    copy = 0 if cfg.dtype == "float32" else cast * _itemsize(cfg)
-    return State(4 * total, 4 * total, 8 * total, copy)
+def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False) -> State:
+    """Per-device state bytes; the distributed optimizer divides master weights and moments by
+    `data` for every parameter with a dimension `data` divides (the others are counted whole)."""
+    leaves = _leaves(cfg, tensor, data, distributed_optimizer)
+    total = sum(l.elements for l in leaves)
+    master = sum(l.master_elements for l in leaves)
+    return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +282,9 @@ class Plan:
     forward_flops_per_layer: float  # measured, per device at `tensor`, no SP
     last_matmul_flops_per_layer: float  # the second MLP matmul's forward, per device
     pipeline: int = 1  # whole-model figures: the first of this many pipeline stages
+    data: int = 1  # data-parallel size d: divides master weights and moments with the distributed optimizer
+    distributed_optimizer: bool = False  # whether the rows' totals (and the budget) assume it
+    parameters_per_device: int = 0  # of the first stage, split by tensor
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -260,7 +293,7 @@ class Plan:
         cfg = self.config
         return {
             "model": self.model, "tensor": self.tensor, "seq_len": cfg.seq_len, "micro_batch": self.micro_batch,
-            "pipeline": self.pipeline,
+            "pipeline": self.pipeline, "data": self.data, "distributed_optimizer": self.distributed_optimizer,
             "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
@@ -268,7 +301,20 @@ class Plan:
             "last_matmul_flops_per_layer": self.last_matmul_flops_per_layer,
             "units": "bytes and FLOPs per device; *_per_layer: one transformer layer, forward + backward",
             "rows": [asdict(r) for r in self.rows],
+            "optimizer_state": self.optimizer_state(),
         }
+
+    def optimizer_state(self) -> dict:
+        """Per-device state bytes and bytes per parameter without and with the distributed optimizer."""
+        stage = replace(self.config, layers=-(-self.config.layers // self.pipeline))
+        out = {}
+        for key, distributed in (("without_distributed_optimizer", False), ("with_distributed_optimizer", True)):
+            state = state_bytes(stage, self.tensor, self.data, distributed)
+            parts = {"weight_copy": state.weight_copy, "gradients": state.gradients, "master_weights": state.params,
+                     "adam_moments": state.optimizer, "total": state.total}
+            out[key] = {"bytes_per_device": parts,
+                        "bytes_per_parameter": {k: v / self.parameters_per_device for k, v in parts.items()}}
+        return out
 
 
 def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
@@ -280,17 +326,21 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
 
 
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
-         pipeline: int = 1, policies=None) -> Plan:
+         pipeline: int = 1, policies=None, data: int = 1, distributed_optimizer: bool = False) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
     state of L/p layers (and the embedding) and, under 1F1B, activations of p micro-batches in
     flight, i.e. L layers' worth whatever p is (the paper's §4.2.3). `policies`: which registered
-    policies beyond the paper's rows (default all)."""
+    policies beyond the paper's rows (default all). data = d, distributed_optimizer: the state bytes of
+    each row (and so the budget) with the fp32 master weights and Adam moments split d ways; the
+    table reports both ways whatever is chosen."""
     for c in configurations(tensor, policies):
         validate(cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
         raise ConfigError(f"micro_batch={micro_batch!r} must be a positive integer")
+    if not isinstance(data, int) or data <= 0:
+        raise ConfigError(f"data={data!r} must be a positive integer")
     if not isinstance(pipeline, int) or not 0 < pipeline <= cfg.layers:
         raise ConfigError(f"pipeline={pipeline!r} must be a positive integer at most layers={cfg.layers}")
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
@@ -305,7 +355,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     rows = []
     for c, m in measured.items():
         formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
-        state = state_bytes(stage, c.tensor)
+        state = state_bytes(stage, c.tensor)  # with_optimizer below sets d and the distributed optimizer
         activations = m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel)
         base = baseline[(c.tensor, c.sequence_parallel)]
         rows.append(Row(
@@ -319,8 +369,26 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
             optimizer_bytes_per_device=state.optimizer, weight_copy_bytes_per_device=state.weight_copy,
             activation_bytes_per_device=activations, total_bytes_per_device=state.total + activations,
         ))
-    return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
-                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline)
+    p = Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
+             compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
+             parameters_per_device=parameter_elements_per_device(stage, tensor)[0])
+    return with_optimizer(p, data, distributed_optimizer)
+
+
+def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
+    """The same plan with every row's state bytes (and totals) for data size `data`, with or without
+    the distributed optimizer; activations are unchanged, nothing is recompiled."""
+    if not isinstance(data, int) or data <= 0:
+        raise ConfigError(f"data={data!r} must be a positive integer")
+    stage = replace(p.config, layers=-(-p.config.layers // p.pipeline))
+    rows = []
+    for r in p.rows:
+        state = state_bytes(stage, r.tensor, data, distributed_optimizer)
+        rows.append(dataclasses.replace(
+            r, params_bytes_per_device=state.params, gradient_bytes_per_device=state.gradients,
+            optimizer_bytes_per_device=state.optimizer, weight_copy_bytes_per_device=state.weight_copy,
+            total_bytes_per_device=state.total + r.activation_bytes_per_device))
+    return dataclasses.replace(p, rows=rows, data=data, distributed_optimizer=distributed_optimizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,21 +486,46 @@ def format_table(p: Plan) -> str:
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
                                         f"layers' state, {cfg.layers} layers' activations (1F1B)")
     lines.append(
-        f"whole model per device (t={t}{stage}): parameters {state.params_bytes_per_device / GIB:.1f} GiB fp32, gradients "
-        f"{state.gradient_bytes_per_device / GIB:.1f} GiB, Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, "
-        f"{cfg.dtype} weight copy {state.weight_copy_bytes_per_device / GIB:.1f} GiB; activations = stored/layer × L "
+        f"whole model per device (t={t}, d={p.data}{stage}"
+        f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
+        f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
+        f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, weight copy "
+        f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB; activations = stored/layer × L "
         f"+ embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks)")
+    lines += ["", *format_optimizer_state(p)]
     return "\n".join(lines)
+
+
+def format_optimizer_state(p: Plan) -> list[str]:
+    """The state per device without and with the distributed optimizer, in bytes per parameter
+    (of the parameters on one device) and in total."""
+    both = p.optimizer_state()
+    without, with_it = both["without_distributed_optimizer"], both["with_distributed_optimizer"]
+    unit, scale = _unit(without["bytes_per_device"]["total"], BYTES_MODEL)
+    used = "with" if p.distributed_optimizer else "without"
+    lines = [f"training state per device (t={p.tensor}, d={p.data}, {p.parameters_per_device / 1e6:,.1f}M parameters "
+             f"per device; the totals above use: {used}):",
+             f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
+    names = {"weight_copy": f"{p.config.dtype} weight copy", "gradients": "fp32 gradients",
+             "master_weights": "fp32 master weights", "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
+    for key, label in names.items():
+        lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}{with_it['bytes_per_parameter'][key]:>14.2f}"
+                     f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
+    lines.append("  with: master weights and moments split over data (--distributed-optimizer); the weight copy is "
+                 "gathered over data once per step; gradients are full during backward, then reduce-scattered")
+    return lines
 
 
 def format_recommendation(p: Plan, budget_gib: float) -> str:
     chosen, rejected = recommend(p, budget_gib * GIB)
-    lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, "
+    lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, data={p.data} "
+             f"{'with' if p.distributed_optimizer else 'without'} the distributed optimizer, "
              f"micro-batch={p.micro_batch}; least recompute first:"]
     for r, why in rejected:
         lines.append(f"  {r.config:<22} does not fit: {why} (recompute +{r.recompute_overhead_pct:.2f}%)")
     if chosen is None:
-        lines.append("  nothing fits: more tensor/pipeline parallelism or a smaller micro-batch is needed")
+        hint = "" if p.distributed_optimizer or p.data == 1 else ", or --distributed-optimizer"
+        lines.append(f"  nothing fits: more tensor/pipeline parallelism or a smaller micro-batch is needed{hint}")
     else:
         lines.append(f"  recommended: {chosen.config} (remat={chosen.remat}, sequence_parallel="
                      f"{chosen.sequence_parallel}): {chosen.total_bytes_per_device / GIB:.1f} GiB, recompute "
@@ -455,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", type=int, default=1,
                    help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, "
                         "L layers' activations under 1F1B); default 1")
+    p.add_argument("--data", type=int, default=1,
+                   help="data-parallel size d: splits the master weights and moments with --distributed-optimizer")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
+                        "(the state table shows both)")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
@@ -464,6 +562,8 @@ def resolve(args) -> ModelConfig:
     cfg = replace(preset(args.preset), attention=args.attention, dtype=args.dtype)
     if args.seq_len is not None:
         cfg = replace(cfg, seq_len=args.seq_len)
+    if args.data <= 0:
+        raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:
         raise ConfigError(f"budget_gib={args.budget_gib:g} must be positive")
     return cfg
@@ -484,7 +584,8 @@ def _plan(args) -> int:
     cfg = resolve(args)
     validate(cfg, ParallelConfig(1, args.tensor, False), "none")
     try:
-        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline)
+        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline,
+                 data=args.data, distributed_optimizer=args.distributed_optimizer)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

@@ -31,7 +31,9 @@ DEFAULT_PRESET = "stdlib-bytes"
 # ---------------------------------------------------------------------------------------------
 # Command line → RunConfig (the only place that reads argv)
 
-SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
+# The mesh is set by --mesh / --sequence-parallel once the devices are known, not as config fields.
+MESH_FIELDS = {"data", "tensor", "sequence_parallel"}
 
 
 def _coerce(name: str, value, annotation: str):
@@ -58,15 +60,22 @@ def _coerce(name: str, value, annotation: str):
     raise ConfigError(f"{name}={value!r} is not a valid {annotation}")
 
 
+def _fields(section: str) -> set[str]:
+    names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+    return names - MESH_FIELDS if section == "parallel" else names
+
+
 def _field_section(key: str) -> str:
     if "." in key:
         section, key = key.split(".", 1)
-        if section not in SECTIONS or key not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
+        if section == "parallel" and key in MESH_FIELDS:
+            raise ConfigError(f"parallel.{key} is set with --mesh / --sequence-parallel, not as a config field")
+        if section not in SECTIONS or key not in _fields(section):
             raise ConfigError(f"unknown config field {section}.{key!r}")
         return section
-    owners = [s for s, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    owners = [s for s in SECTIONS if key in _fields(s)]
     if not owners:
-        valid = sorted(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+        valid = sorted(name for s in SECTIONS for name in _fields(s))
         raise ConfigError(f"unknown config field {key!r}; valid: {', '.join(valid)}")
     return owners[0]
 
@@ -86,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m jaxseq.train",
         description="Train a GPT with tensor, sequence and data parallelism and named remat policies.",
-        epilog="Trailing key=value pairs override any config field (model, optimizer or train), e.g. "
+        epilog="Trailing key=value pairs override any config field (model, optimizer, train or parallel), e.g. "
                "hidden=256 layers=8 optimizer.b2=0.99. Precedence: preset < --config < flags < key=value. "
                "Where the printed figures come from: tokens_per_sec is measured (wall clock, compilation and "
                "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
@@ -100,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mesh", help="e.g. data=2,tensor=4 (default: data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
+    a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+      help="shard the fp32 master weights and Adam moments over data (ZeRO-1): 12/d bytes per parameter "
+           "instead of 12")
     a("--remat", help="remat policy: none, selective, lean, full, dots, dots_no_batch (default selective)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help="compute dtype: bfloat16 or float32 (parameters are float32)")
@@ -136,6 +148,7 @@ FLAG_FIELDS = {  # flag dest → config field
     "data": "data", "tokenizer": "tokenizer", "run_dir": "run_dir", "log_every": "log_every",
     "eval_every": "eval_every", "checkpoint_every": "checkpoint_every", "peak_tflops": "peak_tflops",
     "init_from": "init_from",
+    "distributed_optimizer": "distributed_optimizer",
 }
 
 
@@ -147,7 +160,7 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
     name = args.preset or DEFAULT_PRESET
     # The default run's small byte-level model learns fastest at a higher rate than GPT-2's 6e-4.
     optimizer = OptimizerConfig(lr=2e-3, warmup_steps=50) if name == DEFAULT_PRESET else OptimizerConfig()
-    configs = {"model": preset(name), "optimizer": optimizer, "train": TrainConfig()}
+    configs = {"model": preset(name), "optimizer": optimizer, "train": TrainConfig(), "parallel": ParallelConfig()}
     if name == DEFAULT_PRESET:
         # float32 compute: 1.5x the tokens/s of bfloat16 on a 2-core CPU (XLA:CPU converts bf16 dots
         # to f32 and back), and a 0.84M-parameter model gains nothing from bf16 on a GPU either.
@@ -251,8 +264,9 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
-                     sequence_parallel: bool | None) -> ParallelConfig:
-    """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh."""
+                     sequence_parallel: bool | None, configured: ParallelConfig = ParallelConfig()) -> ParallelConfig:
+    """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh;
+    the other parallel fields (the distributed optimizer) come from `configured`."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
     D.initialize(distributed)
     devices = available_devices()
@@ -260,7 +274,8 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
     data, tensor = parse_mesh(mesh_text, len(devices))
-    return ParallelConfig(data, tensor, tensor > 1 if sequence_parallel is None else sequence_parallel)
+    return replace(configured, data=data, tensor=tensor,
+                   sequence_parallel=tensor > 1 if sequence_parallel is None else sequence_parallel)
 
 
 def resolve(args) -> tuple[RunConfig, Corpus]:
@@ -274,7 +289,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
         optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
     validate_optimizer(optimizer)
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel)
+    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"])
     if changed and D.is_main_process():
         print(changed, flush=True)
     corpus = load_corpus(train.data, train.tokenizer)

@@ -44,14 +44,44 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Specs of the weights the layers compute with: split over `tensor` only, replicated over `data`."""
     rules = logical_rules(parallel.sequence_parallel)
     return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(),
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
-    """Optimizer moments follow their parameter's sharding; scalars are replicated."""
+def data_sharded_spec(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) -> P:
+    """`spec` plus `data` on the largest dimension that no mesh axis of size > 1 splits yet and that
+    |data| divides (the first such if several are equally large); `spec` unchanged when there is none."""
+    data = axis_sizes["data"]
+    axes = list(spec) + [None] * (len(shape) - len(spec))
+    free = [i for i, (n, axis) in enumerate(zip(shape, axes))
+            if (axis is None or axis_sizes.get(axis) == 1) and n % data == 0]
+    if data == 1 or not free:
+        return spec
+    axes[max(free, key=lambda i: shape[i])] = "data"
+    return P(*axes)
+
+
+def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Specs of the fp32 master weights (the TrainState's params) and of each Adam moment.
+
+    Without the distributed optimizer these are the compute specs. With it every leaf is also split
+    over `data` (`data_sharded_spec`): each data rank keeps and updates 1/d of the master weights and
+    moments. A leaf with no dimension that |data| divides (e.g. a [layers, mlp/t] bias when neither
+    is a multiple of d) stays replicated over `data`: `jaxseq.plan` counts it at full size.
+    """
     specs = param_specs(cfg, parallel)
+    if not parallel.distributed_optimizer:
+        return specs
+    sizes = {"data": parallel.data, "tensor": parallel.tensor}
+    return jax.tree.map(lambda shape, spec: data_sharded_spec(shape, spec, sizes), M.param_shapes(cfg, parallel.tensor),
+                        specs, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
+    """Master weights and optimizer moments follow `master_specs`; scalars are replicated."""
+    specs = master_specs(cfg, parallel)
     abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), M.param_shapes(cfg, parallel.tensor),
                                    is_leaf=lambda x: isinstance(x, tuple))
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
@@ -92,27 +122,43 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 
     With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
     are summed in a scan (gradient accumulation); activation memory is then that of one micro-batch.
+
+    The step differentiates with respect to the compute-dtype copy of the weights, made once per step
+    outside the accumulation scan and the layer scan (`M.cast_params`: LayerNorm parameters stay f32).
+    With the distributed optimizer that copy is cast on each rank's shard of the master weights and
+    then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients are
+    constrained back to the master shards (a reduce-scatter; XLA:CPU writes all-reduce + dynamic-slice),
+    so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
+    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, parallel))
+    master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
+    constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+    def to_master(grads):
+        """float32 gradients in the master weights' shards (a no-op without the distributed optimizer)."""
+        return constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
+        weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
         if micro_batches == 1:
-            loss, grads = loss_and_grad(state.params, batch, key=key)
+            loss, grads = loss_and_grad(weights, batch, key=key)
+            grads = to_master(grads)
         else:
             micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
             micro = jax.tree.map(lambda x: shard(x, None, "batch", None), micro)
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = constrain(jax.tree.map(jnp.zeros_like, state.params), master_sh)
 
             def accumulate(carry, inputs):
                 mb, i = inputs
-                loss, grads = loss_and_grad(state.params, mb, key=jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                loss, grads = loss_and_grad(weights, mb, key=jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (loss, to_master(grads))), None
 
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro, jnp.arange(micro_batches)))
             loss, grads = jax.tree.map(lambda x: x / micro_batches, (loss, grads))
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)

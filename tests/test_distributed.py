@@ -33,8 +33,11 @@ def launch(run_dir, steps, extra=()):
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
+    """The pair runs with the distributed optimizer (its state split over data across the two
+    processes), the single process without it: the same losses, and the pair's checkpoint resumes
+    in the single process without it."""
     pair_dir, single_dir = str(tmp_path / "pair"), str(tmp_path / "single")
-    procs = launch(pair_dir, 4)
+    procs = launch(pair_dir, 4, extra=["--distributed-optimizer"])
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -83,12 +83,57 @@ def test_budget_picks_least_recompute_that_fits(small_plan):
     assert chosen is None and len(rejected) == len([r for r in small_plan.rows if r.tensor == T])
 
 
+def test_distributed_optimizer_bytes_per_parameter_are_megatrons():
+    """bf16: 18 bytes per parameter (2 weight copy + 4 grads + 4 master + 8 moments) fall to 6 + 12/d;
+    float32: 16 to 8 + 12/d (the copy is then a gathered fp32 one). From GPT-3 175B's own shapes and
+    the train step's specs; LayerNorm parameters (no bf16 copy, gathered in f32) move it < 0.01%."""
+    cfg = P.preset("gpt3-175b")
+    elements, _ = P.parameter_elements_per_device(cfg, 8)
+    per_param = lambda state: state.total / elements
+    assert abs(per_param(P.state_bytes(cfg, 8, 64, False)) - 18) < 1e-3
+    for d in (2, 8, 64):
+        state = P.state_bytes(cfg, 8, d, True)
+        assert abs(per_param(state) - (6 + 12 / d)) < 1e-3, d
+        if d <= 8:  # every GPT-3 tensor then has a dimension d divides (at 64 the [96, f/t] MLP bias has none)
+            assert state.params * d == P.state_bytes(cfg, 8).params
+    f32 = P.replace(cfg, dtype="float32")
+    assert abs(per_param(P.state_bytes(f32, 8)) - 16) < 1e-9
+    assert abs(per_param(P.state_bytes(f32, 8, 8, True)) - (8 + 12 / 8)) < 1e-3
+    # A leaf with no dimension d divides is counted whole: tiny's [L=2, f/t=128] MLP bias at d=4, t=2.
+    tiny = P.preset("tiny")
+    b = 2 * 128
+    elements = P.parameter_elements_per_device(tiny, 2)[0]
+    assert P.state_bytes(tiny, 2, 4, True).optimizer == 8 * ((elements - b) // 4 + b)
+
+
+def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
+    sharded = P.with_optimizer(small_plan, 4, True)
+    r, s = small_plan.row("tp+sp+selective"), sharded.row("tp+sp+selective")
+    assert s.activation_bytes_per_device == r.activation_bytes_per_device
+    saved = r.total_bytes_per_device - s.total_bytes_per_device
+    assert saved == (r.params_bytes_per_device + r.optimizer_bytes_per_device) * 3 / 4 - (
+        s.weight_copy_bytes_per_device - r.weight_copy_bytes_per_device) > 0
+    # A budget between the two: the row fits only with the distributed optimizer.
+    budget = s.total_bytes_per_device + saved / 2
+    rejected_without = [row.config for row, _ in P.recommend(small_plan, budget)[1]]
+    chosen, rejected_with = P.recommend(sharded, budget)
+    assert r.config in rejected_without and r.config not in [row.config for row, _ in rejected_with]
+    assert chosen.recompute_overhead_pct <= s.recompute_overhead_pct
+    text = P.format_table(sharded)
+    assert "training state per device (t=4, d=4" in text and "the totals above use: with" in text
+    state = sharded.to_json()["optimizer_state"]
+    assert state["with_distributed_optimizer"]["bytes_per_device"]["total"] < state["without_distributed_optimizer"][
+        "bytes_per_device"]["total"]
+    assert "data=4 with the distributed optimizer" in P.format_recommendation(sharded, budget / P.GIB)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "gpt5"], "error: unknown preset 'gpt5'"),
     (["--preset", "gpt3-175b", "--tensor", "5"], "error: tensor=5 does not divide heads=96"),
     (["--preset", "tiny", "--budget-gib", "-1"], "error: budget_gib=-1 must be positive"),
     (["--preset", "tiny", "--budget-gib", "lots"], "error: argument --budget-gib: invalid float value: 'lots'"),
     (["--preset", "tiny", "--attention", "flash"], "error: attention='flash' is not valid"),
+    (["--preset", "tiny", "--tensor", "1", "--data", "0"], "error: data=0 must be a positive integer"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
