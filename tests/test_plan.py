@@ -89,6 +89,7 @@ def test_budget_picks_least_recompute_that_fits(small_plan):
     (["--preset", "tiny", "--budget-gib", "-1"], "error: budget_gib=-1 must be positive"),
     (["--preset", "tiny", "--budget-gib", "lots"], "error: argument --budget-gib: invalid float value: 'lots'"),
     (["--preset", "tiny", "--attention", "flash"], "error: attention='flash' is not valid"),
+    (["--preset", "tiny", "--dtype", "float16"], "error: dtype='float16' needs loss scaling"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
