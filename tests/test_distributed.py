@@ -82,6 +82,35 @@ def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     assert "another task died" in err or "error: the XLA runtime failed" in err, err[-3000:]
 
 
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """The checkpoint save is collective: a signal that reaches one process must stop every process
+    after the same step (it used to hang both, each saving a different step). The pair is started
+    with the environment srun gives two tasks and no coordinator flags: JAX's SLURM detection."""
+    run_dir = str(tmp_path)
+    procs = launch(run_dir, 100000, extra=["--checkpoint-every", "100000"], slurm=True)
+    try:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.time() + 240
+        while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 2):
+            time.sleep(0.5)
+        assert os.path.exists(path), procs[0].communicate(timeout=5)[1][-3000:]
+        procs[1].send_signal(signal.SIGTERM)  # the worker only; process 0 must learn of it
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    saved = sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit())
+    last = max(losses(run_dir))
+    assert saved == [last], (saved, last)
+    assert "data=2 × tensor=4" in outs[0][0] and "jaxseq:" not in outs[1][0]  # two processes, one mesh
+    assert f"SIGTERM: saved a checkpoint at step {last}" in outs[0][0]
+    run(*ARGS, "--host-devices", "8", "--steps", str(last + 1), "--run-dir", run_dir, "--resume")
+    assert sorted(losses(run_dir))[-2:] == [last, last + 1]
+
+
 def test_bad_distributed_flags_give_one_clear_line():
     from jaxseq.config import ConfigError, DistributedConfig
     from jaxseq.distributed import validate_distributed
@@ -166,13 +195,3 @@ def test_an_salloc_shell_trains_in_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: SLURM job without SLURM_STEP_NODELIST" in proc.stderr
     assert sorted(losses(str(tmp_path))) == [1]
-
-
-def test_two_srun_tasks_find_each_other_through_jax_detection(tmp_path):
-    """Two processes with the environment srun gives two tasks (no coordinator flags) train together."""
-    procs = launch(str(tmp_path), 2, slurm=True)
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert "jaxseq:" in outs[0][0] and "jaxseq:" not in outs[1][0]  # process 0 and 1: two processes
-    assert "data=2 × tensor=4" in outs[0][0] and sorted(losses(str(tmp_path))) == [1, 2]
