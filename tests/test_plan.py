@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from jaxseq import aot
+from jaxseq import formulas as F
 from jaxseq import plan as P
 from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.formulas import PAPER_CONFIGURATIONS
@@ -56,6 +57,10 @@ def test_table2_ratios_and_headlines(small_plan):
 
 def test_recompute_overheads_are_ordered(small_plan):
     over = {r.config: r.recompute_overhead_pct for r in small_plan.rows}
+    # The baseline's FLOPs (L=2 minus L=0, split 4 ways) against a hand count of its matmuls, three
+    # times each forward; softmax, LayerNorm, GELU and dropout's random bits add 59% at h=64.
+    matmuls = 3 * sum(F.layer_matmul_flops(CFG, B).values()) / T
+    assert matmuls < small_plan.row("tp").flops_per_layer < 1.8 * matmuls
     assert 0 < over["tp+selective"] < over["full"]
     # Full recompute adds less than one forward (the last matmul's output is never needed again);
     # at real widths it is forward − last matmul within 1% (see experiments/results).
@@ -107,11 +112,10 @@ def test_state_bytes_are_the_compiled_steps_arguments_and_a_hand_count():
 PEAK_MARGIN = 0.002
 
 
-@pytest.mark.parametrize("c", [P.RowSpec("tp+sp+selective", "selective", True, T, None),
-                               P.RowSpec("none", "none", False, 1, None)], ids=lambda c: c.name)
-def test_whole_model_peak_is_the_compiled_train_steps(c):
+def test_whole_model_peak_is_the_compiled_train_steps():
     """float32 (XLA:CPU's bf16 temporaries are not a GPU's): the plan's peak for 6 layers, measured
     at 2, against memory_analysis() of the real train step compiled with 6."""
+    c = P.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (README)
     cfg = replace(CFG, dtype="float32", layers=6)
     m = P.Compiler(cfg, B, jax.devices()).measure(c)
     ma = compile_step(cfg, c, B)
