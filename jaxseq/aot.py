@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq import model as M
 from jaxseq import train_step as T
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
+from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.mesh import Sharder
 
 
@@ -42,6 +42,17 @@ def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh
     fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
     return fn.lower(params, batch, key).compile()
+
+
+def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The real train step (AdamW, donated state) of one micro-batch, compiled for `mesh`."""
+    optimizer = T.make_optimizer(OptimizerConfig())
+    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+    _, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return T.make_train_step(cfg, parallel, remat, optimizer, mesh).lower(state, batch, key).compile()
 
 
 # ---------------------------------------------------------------------------------------------

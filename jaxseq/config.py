@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
-COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
 class ConfigError(ValueError):
@@ -190,6 +190,11 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"kv_channels={model.kv_channels!r} must be a positive integer")
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"dropout={model.dropout!r} must be in [0, 1)")
+    if model.dtype == "float16":
+        # float16's 5-bit exponent flushes small gradients to zero unless the loss is scaled, and
+        # jaxseq has no loss scaling; bfloat16 has float32's range at the same 2 bytes.
+        raise ConfigError("dtype='float16' needs loss scaling, which jaxseq does not implement; "
+                          "use bfloat16 (same memory, float32's exponent range) or float32")
     if model.dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"dtype={model.dtype!r} is not valid; valid: {', '.join(COMPUTE_DTYPES)}")
     if model.attention not in ATTENTION_IMPLEMENTATIONS:

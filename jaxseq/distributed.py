@@ -7,14 +7,24 @@ and Open MPI); everything below it sees a plain global mesh.
 from __future__ import annotations
 
 import os
+import sys
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, DistributedConfig
 
-# Environment variables by which JAX's own cluster detection recognises a launcher.
-LAUNCHERS = {"SLURM": "SLURM_JOB_ID", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+# What JAX 0.10.2's cluster detection requires of the environment (jax/_src/clusters: SlurmCluster and
+# OmpiCluster.is_env_present), and JAX's name for each. SLURM: an srun step, not only an allocation
+# (an salloc shell or a batch script has SLURM_JOB_ID but no step variables). Open MPI: mpirun's ORTE
+# URI, which Open MPI 5 (PRRTE) no longer sets.
+LAUNCHERS = {
+    "SLURM": ("slurm", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")),
+    "Open MPI": ("ompi", ("OMPI_MCA_orte_hnp_uri",)),
+}
+# Variables that say a launcher is around even when JAX could not use it.
+HINTS = {"SLURM": "SLURM_JOB_ID", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
 
 
 def validate_distributed(cfg: DistributedConfig) -> None:
@@ -33,9 +43,60 @@ def validate_distributed(cfg: DistributedConfig) -> None:
         raise ConfigError(f"heartbeat_timeout_s={cfg.heartbeat_timeout_s} must be at least 1")
 
 
+def _jax_detects(method: str) -> bool | None:
+    """JAX's own verdict on os.environ; None where its private cluster API has moved."""
+    try:
+        from jax._src import clusters
+
+        env = next(c for c in clusters.ClusterEnv._cluster_types if c.name == method)
+        return bool(env.is_env_present())
+    except Exception:  # a private API: any change falls back to the mirrored conditions
+        return None
+
+
 def detected_launcher(environ=None) -> str | None:
+    """The launcher whose environment JAX's cluster detection accepts, else None.
+
+    On the process's own environment JAX itself is asked; for another mapping (tests) or where JAX's
+    private API has changed, its conditions as mirrored in LAUNCHERS decide."""
+    for name, (method, required) in LAUNCHERS.items():
+        verdict = _jax_detects(method) if environ is None else None
+        if verdict is None:
+            verdict = all(var in (os.environ if environ is None else environ) for var in required)
+        if verdict:
+            return name
+    return None
+
+
+def incomplete_launcher(environ=None) -> str | None:
+    """One line for a launcher environment JAX cannot use, else None. Several processes started that
+    way would each train alone into the same run directory: a ConfigError. One process (an salloc
+    shell, a batch script without srun): a note, and the run goes on in one process."""
     environ = os.environ if environ is None else environ
-    return next((name for name, var in LAUNCHERS.items() if var in environ), None)
+    name = next((n for n, var in HINTS.items() if var in environ), None)
+    if name is None:
+        return None
+    missing = ", ".join(var for var in LAUNCHERS[name][1] if var not in environ)
+    if name == "Open MPI":
+        size = environ["OMPI_COMM_WORLD_SIZE"]
+        if size != "1":
+            raise ConfigError(
+                f"Open MPI started {size} processes without {missing} (Open MPI 5 no longer sets it), so JAX "
+                "cannot find the coordinator; pass --coordinator HOST:PORT --num-processes N --process-id I")
+        return f"Open MPI without {missing}: running as one process"
+    return (f"SLURM job without {missing} (an allocation, not an srun step): running as one process; "
+            "start one process per host with srun")
+
+
+def _alone_on_host(launcher: str, environ) -> bool:
+    """Whether the launcher started one process on this host. JAX's detection then still makes each
+    process drive only its local-rank device (one process per GPU), so a process per host would use
+    one of its GPUs."""
+    if launcher == "SLURM":
+        tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+        nodes = environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES"))
+        return tasks is not None and tasks == nodes  # every node has a task, so exactly one each
+    return environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
 
 
 def initialize(cfg: DistributedConfig, environ=None) -> bool:
@@ -44,19 +105,32 @@ def initialize(cfg: DistributedConfig, environ=None) -> bool:
     Must run before anything touches JAX's devices.
     """
     validate_distributed(cfg)
-    launcher = detected_launcher(environ)
+    launcher = None if cfg.explicit else detected_launcher(environ)
     if not cfg.explicit and launcher is None:
+        note = incomplete_launcher(environ)
+        if note:
+            print(f"note: {note}", file=sys.stderr, flush=True)
         return False
     if jax.config.jax_platforms in (None, "", "cpu"):
         # Cross-process collectives on CPU (tests, CPU clusters) go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**initialize_kwargs(cfg, launcher, os.environ if environ is None else environ))
+    return True
+
+
+def initialize_kwargs(cfg: DistributedConfig, launcher: str | None, environ) -> dict:
+    """jax.distributed.initialize's arguments: the explicit coordinates, or JAX's own detection of
+    `launcher` (coordinator, process count and index from its environment)."""
     kwargs = dict(heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
                   initialization_timeout=cfg.initialization_timeout_s)
     if cfg.explicit:
-        kwargs.update(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
-                      process_id=cfg.process_id)
-    jax.distributed.initialize(**kwargs)  # no coordinates: JAX's own SLURM / Open MPI detection
-    return True
+        return dict(kwargs, coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
+                    process_id=cfg.process_id)
+    kwargs["cluster_detection_method"] = LAUNCHERS[launcher][0]
+    if _alone_on_host(launcher, environ):
+        # An empty list: every local device. None would let JAX pick the local-rank device alone.
+        kwargs["local_device_ids"] = []
+    return kwargs
 
 
 def is_main_process() -> bool:

@@ -8,6 +8,7 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
@@ -50,15 +51,35 @@ def evaluate(eval_fn, params, batches: Batches, n: int, mesh, rows: slice) -> fl
 
 
 class StopFlag:
-    """SIGTERM / SIGINT ask the loop to checkpoint and exit at the end of the current step."""
+    """SIGTERM / SIGINT ask the run to checkpoint and exit.
 
-    def __init__(self):
-        self.signal = None
+    The checkpoint save is collective, so every process must stop after the same step, whichever
+    process the signal reached and at whichever step. After each step every process adds its flag
+    (the signal's number, 0 for none) to a max over all devices, and acts on the max of the step
+    before: by the time it is read, the next step is already queued, so the check never makes the
+    host wait for an idle device (docs/DESIGN.md)."""
+
+    def __init__(self, mesh):
+        self.local = 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._set)
+        self._size = mesh.size
+        self._sharding = NamedSharding(mesh, P(mesh.axis_names))  # one flag per device
+        self._local_devices = len(self._sharding.addressable_devices)
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        self._pending = None
 
     def _set(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        self.local = self.local or signum
+
+    def after_step(self) -> str | None:
+        """Called by every process once after dispatching each step: the signal all processes
+        agreed on one call earlier (its name), or None."""
+        flags = np.full((self._local_devices,), self.local, np.int32)
+        previous = self._pending
+        self._pending = self._max(jax.make_array_from_process_local_data(self._sharding, flags, (self._size,)))
+        agreed = 0 if previous is None else int(previous)
+        return signal.Signals(agreed).name if agreed else None
 
 
 def non_finite(step: int, loss: float, grad_norm: float, last_good: int | None) -> str | None:
@@ -121,7 +142,7 @@ def train(run: RunConfig, corpus: Corpus) -> int:
               f" on {len(devices)} {devices[0].platform} devices, "
               f"remat={settings.remat}, steps {start}→{settings.steps}", flush=True)
 
-    stop = StopFlag()
+    stop = StopFlag(mesh)
     key = jax.random.key(settings.seed + 1)
     schedule = T.learning_rate_schedule(run.optimizer)
     batch_at = lambda pos: _global(train_batches.rows(pos, rows), mesh, settings.batch_size)
@@ -139,6 +160,7 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     while step < settings.steps:
         state, out = step_fn(state, batch, key)
         step, position = step + 1, position + 1
+        stop_signal = stop.after_step()  # agreed by every process: all save the same step
         if step < settings.steps:
             batch = batch_at(position)  # the host reads the next batch while the device runs this step
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
@@ -165,14 +187,14 @@ def train(run: RunConfig, corpus: Corpus) -> int:
             metrics.write(record)
             if main:
                 bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
-        if step % settings.checkpoint_every == 0 or step == settings.steps or stop.signal:
+        if step % settings.checkpoint_every == 0 or step == settings.steps or stop_signal:
             C.save(mgr, step, state, rundir.checkpoint_meta(run, position), force=True)
             last_good = step
-        if stop.signal:
+        if stop_signal:
             bar.close()
             mgr.wait_until_finished()
             if main:
-                print(f"{stop.signal}: saved a checkpoint at step {step} in {ckpt_dir}; resume with --resume")
+                print(f"{stop_signal}: saved a checkpoint at step {step} in {ckpt_dir}; resume with --resume")
             metrics.close()
             return 0
     bar.close()

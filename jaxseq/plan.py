@@ -12,7 +12,11 @@ How the per-layer numbers are read (layers under `lax.scan`, so depth does not m
   and backward (plus the casts of that layer's weights outside the loop, < 0.1%);
 - collectives: those of one forward and one backward iteration of the layer loop.
 Whole-model bytes per device: parameter state from shapes and shardings, activations = per-layer × L
-plus the non-layer part from shapes (`non_layer_activation_bytes`).
+plus the non-layer part from shapes (`non_layer_activation_bytes`), and the step's working memory
+(transients: one layer's recomputation and gradients in flight, the logits' gradient, RNG bits),
+read from the compiled float32 train step at L=2 as its temporaries minus everything above; that
+remainder does not depend on depth, so the sum is the compiled step's peak at any L
+(`tests/test_plan.py` holds it to `memory_analysis()` at another depth).
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class Measured:
     stored_bytes_per_layer: int
     flops_per_layer: float  # per device, forward + backward of one layer
     collective_bytes_per_layer: dict  # kind → bytes of the buffers, forward + backward, activation dtype
+    working_bytes: int  # the train step's transients beyond state and stored activations (float32 step)
 
 
 def _flops(compiled) -> float:
@@ -109,7 +114,8 @@ class Compiler:
     def programs(c: RowSpec) -> list[tuple]:
         """(kind, layers, remat, tensor, sp) of the programs a row reads."""
         return [("grad", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel),
-                ("grad", 0, "none", c.tensor, c.sequence_parallel)]
+                ("grad", 0, "none", c.tensor, c.sequence_parallel),
+                ("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)]
 
     def compile_all(self, keys) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +128,8 @@ class Compiler:
     def _build(self, key: tuple):
         kind, layers, remat, tensor, sp = key
         parallel, mesh = _mesh(tensor, sp, self.devices)
+        if kind == "step":  # float32: XLA:CPU's bf16 temporaries are not what a GPU allocates
+            return aot.compile_train_step(replace(self.cfg, layers=layers, dtype="float32"), parallel, remat, mesh, self.b)
         fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
         return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
 
@@ -136,7 +144,15 @@ class Compiler:
         text = compiled.as_text()
         stored = hlo.stored_bytes_per_layer(text, L)
         flops = _flops(compiled) - _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
-        return Measured(stored, flops, self._collectives(text, c.tensor))
+        return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c))
+
+    def working_bytes(self, c: RowSpec) -> int:
+        """The float32 train step's temporaries at L=2 minus its gradients and stored activations."""
+        step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
+        cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype="float32")
+        accounted = (state_bytes(cfg, c.tensor).gradients + MEASURE_LAYERS * hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
+                     + non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel))
+        return step.memory_analysis().temp_size_in_bytes - accounted
 
     @staticmethod
     def forward_programs(tensor: int) -> list[tuple]:
@@ -168,7 +184,7 @@ class Compiler:
 
 
 def _itemsize(cfg: ModelConfig) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.dtype]
+    return {"bfloat16": 2, "float32": 4}[cfg.dtype]
 
 
 def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
@@ -246,6 +262,16 @@ def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimi
     return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
 
 
+def activation_bytes(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int) -> int:
+    """Stored activations of the whole model per device: per layer × L plus the non-layer part."""
+    return m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel)
+
+
+def peak_bytes(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int) -> int:
+    """The train step's peak per device (one pipeline stage): state + activations + working memory."""
+    return state_bytes(cfg, c.tensor).total + activation_bytes(cfg, c, m, micro_batch) + m.working_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # The plan
 
@@ -268,6 +294,7 @@ class Row:
     optimizer_bytes_per_device: int
     weight_copy_bytes_per_device: int
     activation_bytes_per_device: int
+    working_bytes_per_device: int
     total_bytes_per_device: int
 
 
@@ -355,8 +382,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     rows = []
     for c, m in measured.items():
         formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
-        state = state_bytes(stage, c.tensor)  # with_optimizer below sets d and the distributed optimizer
-        activations = m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel)
+        # with_optimizer below sets d and the distributed optimizer
+        state, activations = state_bytes(stage, c.tensor), activation_bytes(cfg, c, m, b)
         base = baseline[(c.tensor, c.sequence_parallel)]
         rows.append(Row(
             config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
@@ -367,7 +394,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
             collectives=m.collective_bytes_per_layer,
             params_bytes_per_device=state.params, gradient_bytes_per_device=state.gradients,
             optimizer_bytes_per_device=state.optimizer, weight_copy_bytes_per_device=state.weight_copy,
-            activation_bytes_per_device=activations, total_bytes_per_device=state.total + activations,
+            activation_bytes_per_device=activations, working_bytes_per_device=m.working_bytes,
+            total_bytes_per_device=state.total + activations + m.working_bytes,
         ))
     p = Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
              compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
@@ -387,7 +415,7 @@ def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
         rows.append(dataclasses.replace(
             r, params_bytes_per_device=state.params, gradient_bytes_per_device=state.gradients,
             optimizer_bytes_per_device=state.optimizer, weight_copy_bytes_per_device=state.weight_copy,
-            total_bytes_per_device=state.total + r.activation_bytes_per_device))
+            total_bytes_per_device=state.total + r.activation_bytes_per_device + r.working_bytes_per_device))
     return dataclasses.replace(p, rows=rows, data=data, distributed_optimizer=distributed_optimizer)
 
 
@@ -442,9 +470,10 @@ def format_table(p: Plan) -> str:
     cl, cu = _unit(max(r.collective_bytes_per_layer for r in p.rows), BYTES_LAYER)
     fl, fu = _unit(max(r.flops_per_layer for r in p.rows), FLOP_UNITS)
     al, au = _unit(max(r.activation_bytes_per_device for r in p.rows), BYTES_MODEL)
+    wl, wu = _unit(max(r.working_bytes_per_device for r in p.rows), BYTES_MODEL)
     tl, tu = _unit(max(r.total_bytes_per_device for r in p.rows), BYTES_MODEL)
     lines.append(f"{'config':<22}{'remat':<14}{'SP':<4}{'t':>3}{'stored ' + bl:>12}{'formula ' + bl:>13}{'ratio':>8}"
-                 f"{fl:>9}{'recompute':>11}{'coll. ' + cl:>11}{'activ. ' + al:>12}{'total ' + tl:>11}")
+                 f"{fl:>9}{'recompute':>11}{'coll. ' + cl:>11}{'activ. ' + al:>12}{'work. ' + wl:>11}{'total ' + tl:>11}")
     for r in p.rows:
         formula = None if r.formula_bytes_per_layer is None else r.formula_bytes_per_layer / bu
         lines.append(
@@ -452,7 +481,7 @@ def format_table(p: Plan) -> str:
             f"{r.measured_bytes_per_layer / bu:>12.1f}{_fmt(formula, '.1f'):>13}"
             f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / fu:>9.4f}{r.recompute_overhead_pct:>10.2f}%"
             f"{r.collective_bytes_per_layer / cu:>11.1f}{r.activation_bytes_per_device / au:>12.2f}"
-            f"{r.total_bytes_per_device / tu:>11.1f}")
+            f"{r.working_bytes_per_device / wu:>11.2f}{r.total_bytes_per_device / tu:>11.1f}")
     f = p.formula_flops_per_layer
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
@@ -489,9 +518,12 @@ def format_table(p: Plan) -> str:
         f"whole model per device (t={t}, d={p.data}{stage}"
         f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
         f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
-        f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, weight copy "
-        f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB; activations = stored/layer × L "
-        f"+ embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks)")
+        f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
+        f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
+        f"stored/layer × L + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
+        f"the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
+        + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU)"
+           if cfg.dtype != "float32" else ""))
     lines += ["", *format_optimizer_state(p)]
     return "\n".join(lines)
 
@@ -544,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch b (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s (default: the preset's)")
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
-    p.add_argument("--dtype", default="bfloat16", help="activation dtype (default bfloat16)")
+    p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (default) or float32")
     p.add_argument("--pipeline", type=int, default=1,
                    help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, "
                         "L layers' activations under 1F1B); default 1")

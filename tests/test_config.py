@@ -42,6 +42,7 @@ BAD = [
     (dict(model=replace(preset("tiny"), attention="flash")), "attention='flash' is not valid; valid: explicit, fused"),
     (dict(parallel=ParallelConfig(4, 1), batch_size=6), "data=4 does not divide batch_size=6"),
     (dict(model=replace(preset("tiny"), dtype="fp8")), "dtype='fp8' is not valid"),
+    (dict(model=replace(preset("tiny"), dtype="float16")), "dtype='float16' needs loss scaling"),
     (dict(model=replace(preset("tiny"), hidden=60)), "heads=8 does not divide hidden=60"),
 ]
 

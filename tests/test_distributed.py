@@ -23,13 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir, steps, extra=()):
+def launch(run_dir, steps, extra=(), slurm=False):
+    """Two processes, told their coordinates by flags or, with `slurm`, by the environment srun gives
+    two tasks on one node (JAX's own SLURM detection then finds them)."""
     port = free_port()
-    return [subprocess.Popen(
-        [sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "4", "--steps", str(steps),
-         "--run-dir", run_dir, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-         "--process-id", str(i), *extra],
-        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = []
+    for i in range(2):
+        argv = [sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "4", "--steps", str(steps),
+                "--run-dir", run_dir, *extra]
+        e = env()
+        if slurm:
+            e.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                     SLURM_PROCID=str(i), SLURM_LOCALID=str(i), JAX_COORDINATOR_PORT=str(port))
+        else:
+            argv += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
@@ -75,9 +85,38 @@ def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     assert "another task died" in err or "error: the XLA runtime failed" in err, err[-3000:]
 
 
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """The checkpoint save is collective: a signal that reaches one process must stop every process
+    after the same step (it used to hang both, each saving a different step). The pair is started
+    with the environment srun gives two tasks and no coordinator flags: JAX's SLURM detection."""
+    run_dir = str(tmp_path)
+    procs = launch(run_dir, 100000, extra=["--checkpoint-every", "100000"], slurm=True)
+    try:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.time() + 240
+        while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 2):
+            time.sleep(0.5)
+        assert os.path.exists(path), procs[0].communicate(timeout=5)[1][-3000:]
+        procs[1].send_signal(signal.SIGTERM)  # the worker only; process 0 must learn of it
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    saved = sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit())
+    last = max(losses(run_dir))
+    assert saved == [last], (saved, last)
+    assert "data=2 × tensor=4" in outs[0][0] and "jaxseq:" not in outs[1][0]  # two processes, one mesh
+    assert f"SIGTERM: saved a checkpoint at step {last}" in outs[0][0]
+    run(*ARGS, "--host-devices", "8", "--steps", str(last + 1), "--run-dir", run_dir, "--resume")
+    assert sorted(losses(run_dir))[-2:] == [last, last + 1]
+
+
 def test_bad_distributed_flags_give_one_clear_line():
     from jaxseq.config import ConfigError, DistributedConfig
-    from jaxseq.distributed import detected_launcher, validate_distributed
+    from jaxseq.distributed import validate_distributed
 
     for cfg, message in [(DistributedConfig("127.0.0.1:99", 2, None), "must be given together"),
                          (DistributedConfig("nohost", 2, 0), "coordinator='nohost' is not HOST:PORT"),
@@ -85,6 +124,77 @@ def test_bad_distributed_flags_give_one_clear_line():
         with pytest.raises(ConfigError) as err:
             validate_distributed(cfg)
         assert message in str(err.value)
-    assert detected_launcher({"SLURM_JOB_ID": "7"}) == "SLURM"
-    assert detected_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
-    assert detected_launcher({}) is None
+
+
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-04]", "SLURM_NTASKS": "4", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "4"}
+SALLOC = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "node[01-04]"}
+MPIRUN = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1:34911"}
+ENVIRONMENTS = [
+    ({}, None),
+    (SRUN_STEP, "SLURM"),
+    (SALLOC, None),  # an salloc shell or a batch script: an allocation, no srun step
+    ({k: v for k, v in SRUN_STEP.items() if k != "SLURM_LOCALID"}, None),
+    (MPIRUN, "Open MPI"),
+    ({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"}, None),  # Open MPI 5 (PRRTE)
+]
+
+
+@pytest.mark.parametrize("environ, launcher", ENVIRONMENTS)
+def test_launcher_detection_agrees_with_jax(environ, launcher, monkeypatch):
+    """jaxseq starts the distributed runtime exactly when JAX's own cluster detection would succeed."""
+    from jax._src import clusters
+
+    from jaxseq.distributed import LAUNCHERS, detected_launcher
+
+    assert detected_launcher(environ) == launcher
+    launcher_vars = {v for _, required in LAUNCHERS.values() for v in required} | {"OMPI_COMM_WORLD_SIZE"}
+    clean = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    monkeypatch.setattr(os, "environ", {**clean, **environ})
+    jax_says = {name for name, (method, _) in LAUNCHERS.items()
+                if next(c for c in clusters.ClusterEnv._cluster_types if c.name == method).is_env_present()}
+    assert jax_says == ({launcher} if launcher else set())
+    assert detected_launcher() == launcher  # asks JAX itself about os.environ
+
+
+def test_an_incomplete_launcher_environment_is_one_line():
+    from jaxseq.config import ConfigError
+    from jaxseq.distributed import incomplete_launcher
+
+    assert incomplete_launcher({}) is None
+    note = incomplete_launcher(SALLOC)
+    assert note.startswith("SLURM job without SLURM_STEP_NODELIST, SLURM_PROCID, SLURM_LOCALID") and "\n" not in note
+    assert "running as one process" in note
+    one = {"OMPI_COMM_WORLD_SIZE": "1"}
+    assert incomplete_launcher(one) == "Open MPI without OMPI_MCA_orte_hnp_uri: running as one process"
+    with pytest.raises(ConfigError, match="Open MPI started 4 processes without OMPI_MCA_orte_hnp_uri"):
+        incomplete_launcher({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"})
+
+
+def test_one_process_per_host_drives_every_local_device():
+    """JAX's SLURM and Open MPI detection make each process drive only its local-rank device (one
+    process per GPU); launched one per host, jaxseq asks for all of them."""
+    from jaxseq.config import DistributedConfig
+    from jaxseq.distributed import initialize_kwargs
+
+    cfg = DistributedConfig()
+    one_per_node = initialize_kwargs(cfg, "SLURM", SRUN_STEP)
+    assert one_per_node["cluster_detection_method"] == "slurm" and one_per_node["local_device_ids"] == []
+    per_gpu = dict(SRUN_STEP, SLURM_STEP_NUM_TASKS="32", SLURM_NTASKS="32")  # 8 tasks on each of 4 nodes
+    assert "local_device_ids" not in initialize_kwargs(cfg, "SLURM", per_gpu)
+    assert initialize_kwargs(cfg, "Open MPI", MPIRUN)["local_device_ids"] == []
+    assert "local_device_ids" not in initialize_kwargs(cfg, "Open MPI", dict(MPIRUN, OMPI_COMM_WORLD_LOCAL_SIZE="8"))
+    explicit = initialize_kwargs(DistributedConfig("h:1", 2, 1), None, SRUN_STEP)
+    assert (explicit["coordinator_address"], explicit["num_processes"], explicit["process_id"]) == ("h:1", 2, 1)
+    assert "cluster_detection_method" not in explicit
+
+
+def test_an_salloc_shell_trains_in_one_process(tmp_path):
+    """SLURM_JOB_ID without an srun step used to end in JAX's `coordinator_address should be defined`."""
+    e = dict(env(), **SALLOC)
+    proc = subprocess.run([sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "8", "--steps", "1",
+                           "--run-dir", str(tmp_path)], cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: SLURM job without SLURM_STEP_NODELIST" in proc.stderr
+    assert sorted(losses(str(tmp_path))) == [1]
