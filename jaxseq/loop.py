@@ -131,7 +131,6 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     start = int(state.step)
     if main:
         rundir.write_config(settings.run_dir, run)
-    metrics = MetricsLog(settings.run_dir, enabled=main)
     peak = settings.peak_tflops or peak_tflops()
     entropy = unigram_entropy(corpus.train, corpus.vocab_size)
     if main:
@@ -154,6 +153,9 @@ def train(run: RunConfig, corpus: Corpus) -> int:
         aot.check_fits(aot.step_bytes(step_fn), aot.device_bytes(devices))
         if main:
             print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s", flush=True)
+    # Opened once the step is known to fit: a TensorBoard writer left unused until interpreter exit
+    # fails in its atexit hook on Python 3.12 (a traceback after the one-line refusal).
+    metrics = MetricsLog(settings.run_dir, enabled=main)
     last_time, last_step, last_good = time.perf_counter(), start, None
     bar = tqdm(total=settings.steps, initial=start, disable=not main, unit="step", mininterval=2.0, dynamic_ncols=True)
     step = start
@@ -168,6 +170,7 @@ def train(run: RunConfig, corpus: Corpus) -> int:
         if problem:
             bar.close()
             mgr.wait_until_finished()
+            metrics.close()
             raise TrainingError(problem)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
