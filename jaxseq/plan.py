@@ -243,6 +243,12 @@ class Plan:
     forward_flops_per_layer: float  # measured, per device at `tensor`, no SP
     last_matmul_flops_per_layer: float  # the second MLP matmul's forward, per device
     pipeline: int = 1  # whole-model figures: the first of this many pipeline stages
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    in_flight_layers: float = 0  # layers' worth of activations the first stage holds (schedule tables)
+    bubble: float = 0.0  # idle / busy ticks of the lock-step schedule
+    paper_bubble: float = 0.0  # (p − 1)/m, or (p − 1)/(v·m) interleaved
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -251,7 +257,9 @@ class Plan:
         cfg = self.config
         return {
             "model": self.model, "tensor": self.tensor, "seq_len": cfg.seq_len, "micro_batch": self.micro_batch,
-            "pipeline": self.pipeline,
+            "pipeline": self.pipeline, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "microbatches": self.microbatches, "in_flight_layers": self.in_flight_layers,
+            "bubble": self.bubble, "paper_bubble": self.paper_bubble,
             "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
@@ -271,13 +279,17 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
 
 
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
-         pipeline: int = 1, policies=None) -> Plan:
+         pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
+         microbatches: int | None = None) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
     state of L/p layers (and the embedding) and, under 1F1B, activations of p micro-batches in
-    flight, i.e. L layers' worth whatever p is (the paper's §4.2.3). `policies`: which registered
-    policies beyond the paper's rows (default all)."""
+    flight, i.e. L layers' worth whatever p is (the paper's §4.2.3); under the interleaved schedule
+    p·v + p − 1 chunks of L/(p·v) layers, under GPipe m micro-batches of L/p layers. The count comes from
+    the schedule's tables (`jaxseq.schedule`), the bytes per layer from the compiled layer; the pipeline
+    executor's compiled stash equals their product (tests/test_pipeline.py). `policies`: which
+    registered policies beyond the paper's rows (default all). microbatches: m (default p)."""
     for c in configurations(tensor, policies):
         validate(cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
@@ -285,6 +297,15 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     if not isinstance(pipeline, int) or not 0 < pipeline <= cfg.layers:
         raise ConfigError(f"pipeline={pipeline!r} must be a positive integer at most layers={cfg.layers}")
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
+    n_micro = pipeline if microbatches is None else microbatches
+    in_flight_layers, bubble, paper_bubble = float(cfg.layers), 0.0, 0.0
+    if pipeline > 1 or virtual_stages > 1 or schedule != "1f1b":
+        from jaxseq.schedule import Schedule
+
+        sched = Schedule.make(schedule, pipeline, n_micro, virtual_stages, cfg.layers)
+        schedule = sched.name
+        in_flight_layers = sched.in_flight(0) * cfg.layers / (pipeline * virtual_stages)
+        bubble, paper_bubble = sched.bubble, sched.paper_bubble
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
     compiler = Compiler(cfg, micro_batch, devices)
@@ -297,7 +318,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     for c, m in measured.items():
         formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
         state = state_bytes(stage, c.tensor)
-        activations = m.stored_bytes_per_layer * cfg.layers + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel)
+        activations = (int(m.stored_bytes_per_layer * in_flight_layers)
+                       + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel))
         base = baseline[(c.tensor, c.sequence_parallel)]
         rows.append(Row(
             config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
@@ -311,7 +333,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
             activation_bytes_per_device=activations, total_bytes_per_device=state.total + activations,
         ))
     return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
-                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline)
+                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
+                schedule, virtual_stages, n_micro, in_flight_layers, bubble, paper_bubble)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,12 +430,20 @@ def format_table(p: Plan) -> str:
                          "internals here (untagged), and no attention-probs dropout is applied")
     state = next(r for r in p.rows if r.tensor == t)
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
-                                        f"layers' state, {cfg.layers} layers' activations (1F1B)")
+                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule})")
     lines.append(
         f"whole model per device (t={t}{stage}): parameters {state.params_bytes_per_device / GIB:.1f} GiB fp32, gradients "
         f"{state.gradient_bytes_per_device / GIB:.1f} GiB, Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, "
         f"{cfg.dtype} weight copy {state.weight_copy_bytes_per_device / GIB:.1f} GiB; activations = stored/layer × L "
         f"+ embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks)")
+    if p.pipeline > 1:
+        L, pp, v, m = cfg.layers, p.pipeline, p.virtual_stages, p.microbatches
+        formula = {"1f1b": ("L", L), "interleaved": ("L·(1 + (p−1)/(p·v))", L * (1 + (pp - 1) / (pp * v))),
+                   "gpipe": ("L·m/p", L * m / pp)}[p.schedule]
+        lines.append(
+            f"pipeline {p.schedule}: p={pp} v={v} m={m}; first stage holds {p.in_flight_layers:g} layers' activations "
+            f"(schedule tables) vs the paper's {formula[0]} = {formula[1]:g}; bubble {p.bubble:.4f} "
+            f"(idle/busy ticks) vs {'(p−1)/(v·m)' if p.schedule == 'interleaved' else '(p−1)/m'} = {p.paper_bubble:.4f}")
     return "\n".join(lines)
 
 
@@ -446,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", type=int, default=1,
                    help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, "
                         "L layers' activations under 1F1B); default 1")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved); default 1")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
@@ -475,7 +509,8 @@ def _plan(args) -> int:
     cfg = resolve(args)
     validate(cfg, ParallelConfig(1, args.tensor, False), "none")
     try:
-        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline)
+        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline,
+                 schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

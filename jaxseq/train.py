@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
-    a("--mesh", help="e.g. data=2,tensor=4 (default: data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
+    a("--mesh", help="e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2 (default: data=2,tensor=4 on simulated "
+                     "CPU devices, data=N on GPUs)")
+    a("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+      help="pipeline schedule when the mesh has pipe > 1 (default 1f1b; with --virtual-stages > 1: interleaved)")
+    a("--virtual-stages", type=int, default=1,
+      help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
     a("--remat", help="remat policy: none, selective, lean, full, dots, dots_no_batch (default selective)")
@@ -245,7 +250,7 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
-                     sequence_parallel: bool | None) -> ParallelConfig:
+                     sequence_parallel: bool | None, pipeline: tuple[str, int] = ("1f1b", 1)) -> ParallelConfig:
     """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
     D.initialize(distributed)
@@ -253,8 +258,9 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
-    data, tensor = parse_mesh(mesh_text, len(devices))
-    return ParallelConfig(data, tensor, tensor > 1 if sequence_parallel is None else sequence_parallel)
+    pipe, data, tensor = parse_mesh(mesh_text, len(devices))
+    return ParallelConfig(data, tensor, tensor > 1 if sequence_parallel is None else sequence_parallel, pipe,
+                          schedule=pipeline[0], virtual_stages=pipeline[1])
 
 
 def resolve(args) -> tuple[RunConfig, Corpus]:
@@ -268,7 +274,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
         optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
     validate_optimizer(optimizer)
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel)
+    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, (args.schedule, args.virtual_stages))
     if changed and D.is_main_process():
         print(changed, flush=True)
     corpus = load_corpus(train.data, train.tokenizer)

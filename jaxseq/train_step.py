@@ -44,7 +44,7 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    rules = logical_rules(parallel.sequence_parallel)
+    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
     return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(),
                         is_leaf=lambda x: isinstance(x, tuple))
 
@@ -92,13 +92,19 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 
     With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
     are summed in a scan (gradient accumulation); activation memory is then that of one micro-batch.
+    With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.pipeline).
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
-        if micro_batches == 1:
+        if parallel.pipe > 1:  # the pipeline runs the micro-batches itself (same keys as accumulation)
+            from jaxseq.pipeline import pipeline_loss_and_grad
+
+            loss, grads = pipeline_loss_and_grad(state.params, batch, key, cfg=cfg, parallel=parallel, remat=remat,
+                                                 mesh=mesh, microbatches=micro_batches)
+        elif micro_batches == 1:
             loss, grads = loss_and_grad(state.params, batch, key=key)
         else:
             micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
