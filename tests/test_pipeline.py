@@ -105,8 +105,8 @@ def test_pipeline_equals_unpipelined(case, devices, params, reference):
 def test_no_collective_permute_inside_a_branch(devices):
     """A collective that spans every stage inside a lax.switch branch deadlocks (only the stages taking
     that branch arrive): the only collective-permutes are the two ppermutes of the tick loop."""
-    hlo = _compiled(CASES[2], devices)[0].as_text()  # interleaved with data=2, tensor=2 + SP
-    permutes = [line for line in hlo.splitlines() if " collective-permute(" in line]
+    text = _compiled(CASES[2], devices)[0].as_text()  # interleaved with data=2, tensor=2 + SP
+    permutes = [line for line in text.splitlines() if " collective-permute(" in line]
     assert permutes and all("/cond/" not in line and "/ppermute" in line for line in permutes)
 
 
@@ -131,9 +131,9 @@ def test_stash_keeps_no_weights_or_keys(devices):
 # What the compiled program holds
 
 
-def _tick_loop(hlo: str, ticks: int):
+def _tick_loop(text: str, ticks: int):
     """The `while` whose known trip count is the schedule's tick count (exactly one)."""
-    loops = [ins for instrs in hlo.parse_hlo(hlo).values() for ins in instrs if ins.opcode == "while"
+    loops = [ins for instrs in hlo.parse_hlo(text).values() for ins in instrs if ins.opcode == "while"
              and re.search(r'"known_trip_count":\{"n":"' + str(ticks) + r'"\}', ins.rest)]
     assert len(loops) == 1, f"{len(loops)} loops with trip count {ticks}"
     return loops[0]
