@@ -61,7 +61,8 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh shape: data × tensor (a `pipe` axis will join later); sequence parallelism rides on `tensor`.
+    """Mesh shape: pipe × data × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the layers
+    split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see schedule.py).
 
     distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data`
     (ZeRO-1, Megatron-LM's --use-distributed-optimizer); see train_step.master_specs.
@@ -71,10 +72,16 @@ class ParallelConfig:
     tensor: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    pipe: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tensor
+        return self.pipe * self.data * self.tensor
+
+    def mesh_text(self) -> str:
+        return (f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × tensor={self.tensor}"
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,41 @@ def replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # pipeline schedules (jaxseq/schedule.py)
+
+
+def resolve_schedule(name: str, virtual_stages: int) -> str:
+    """The schedule a (name, v) pair means: 1F1B with v > 1 is the interleaved schedule (as in Megatron-LM)."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"schedule={name!r} is not valid; valid: {', '.join(SCHEDULES)}")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ConfigError(f"virtual_stages={virtual_stages!r} must be a positive integer")
+    if name == "gpipe" and virtual_stages > 1:
+        raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule, not gpipe")
+    if name == "interleaved" and virtual_stages == 1:
+        raise ConfigError("schedule=interleaved needs virtual_stages ≥ 2 (with 1 it is 1f1b)")
+    return "interleaved" if name == "1f1b" and virtual_stages > 1 else name
+
+
+def validate_pipeline(pipe: int, microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b",
+                      layers: int | None = None) -> str:
+    """One-line ConfigErrors for a pipeline that cannot run; returns the resolved schedule name."""
+    name = resolve_schedule(schedule, virtual_stages)
+    if not isinstance(pipe, int) or pipe < 1:
+        raise ConfigError(f"pipe={pipe!r} must be a positive integer")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches!r} must be a positive integer")
+    if layers is not None and layers % (pipe * virtual_stages):
+        raise ConfigError(f"layers={layers} is not divisible by pipe×virtual_stages = {pipe}×{virtual_stages}")
+    if pipe > 1 and microbatches < pipe:
+        raise ConfigError(f"microbatches={microbatches} is fewer than pipe={pipe} stages "
+                          "(m = batch_size / micro_batch_size must be ≥ p)")
+    if name == "interleaved" and microbatches % pipe:
+        raise ConfigError(f"microbatches={microbatches} is not a multiple of pipe={pipe} "
+                          "(the interleaved schedule needs m % p == 0)")
+    return name
+
+
 def validate_model(model: ModelConfig) -> None:
     positive = ("vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio")
     for name in positive:
@@ -204,7 +246,7 @@ def validate_model(model: ModelConfig) -> None:
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
-    for name in ("data", "tensor"):
+    for name in ("pipe", "data", "tensor"):
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -218,9 +260,17 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(f"tensor={t} does not divide mlp width={model.mlp_hidden}")
     if parallel.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
+    if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
+        resolve_schedule(parallel.schedule, parallel.virtual_stages)
+        stages = parallel.pipe * parallel.virtual_stages
+        if model.layers % stages:
+            raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
+                              f"{parallel.pipe}×{parallel.virtual_stages}")
     if num_devices is not None and parallel.num_devices != num_devices:
+        names = ("pipe", "data", "tensor") if parallel.pipe > 1 else ("data", "tensor")
         raise ConfigError(
-            f"data×tensor = {parallel.data}×{t} = {parallel.num_devices} does not equal the device count {num_devices}"
+            f"{'×'.join(names)} = {'×'.join(str(getattr(parallel, n)) for n in names)} = {parallel.num_devices} "
+            f"does not equal the device count {num_devices}"
         )
 
 
@@ -253,6 +303,9 @@ def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: 
             raise ConfigError(f"micro_batch_size={micro_batch_size} does not divide batch_size={batch_size}")
         if micro_batch_size % parallel.data:
             raise ConfigError(f"data={parallel.data} does not divide micro_batch_size={micro_batch_size}")
+    if parallel.pipe > 1:
+        m = batch_size // micro_batch_size if micro_batch_size else 1
+        validate_pipeline(parallel.pipe, m, parallel.virtual_stages, parallel.schedule)
 
 
 def validate(

@@ -136,10 +136,10 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     if main:
         p = run.parallel
         print(f"jaxseq: {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
-              f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh data={p.data} × tensor={p.tensor}"
+              f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
               f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
-              f" on {len(devices)} {devices[0].platform} devices, "
-              f"remat={settings.remat}, steps {start}→{settings.steps}", flush=True)
+              f"{_pipeline_text(p, micro)} on {len(devices)} "
+              f"{devices[0].platform} devices, remat={settings.remat}, steps {start}→{settings.steps}", flush=True)
 
     stop = StopFlag(mesh)
     key = jax.random.key(settings.seed + 1)
@@ -212,6 +212,16 @@ def train(run: RunConfig, corpus: Corpus) -> int:
                   f"({corpus.name}); checkpoint: {ckpt_dir}")
             print("sample:\n" + prompt + decode_tokens(ids, corpus.tokenizer))
     return 0
+
+
+def _pipeline_text(p: ParallelConfig, micro: int) -> str:
+    if p.pipe == 1:
+        return ""
+    from jaxseq.schedule import Schedule
+
+    sched = Schedule.make(p.schedule, p.pipe, micro, p.virtual_stages)
+    return (f", {sched.name} schedule (v={sched.v}, m={micro} micro-batches, {sched.ticks} ticks, "
+            f"bubble {sched.bubble:.3f})")
 
 
 def _fmt(v) -> str:

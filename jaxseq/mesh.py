@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ParallelConfig
 
-MESH_AXES = ("data", "tensor")
+MESH_AXES = ("pipe", "data", "tensor")
 
 
 def available_devices() -> list:
@@ -24,40 +24,45 @@ def available_devices() -> list:
     return accelerators or jax.devices("cpu")
 
 
-def parse_mesh(text: str, num_devices: int) -> tuple[int, int]:
-    """'data=2,tensor=4' (an axis left out takes the remaining devices) → (data, tensor)."""
+def parse_mesh(text: str, num_devices: int) -> tuple[int, int, int]:
+    """'pipe=2,data=2,tensor=2' (pipe defaults to 1; data or tensor left out takes the remaining
+    devices) → (pipe, data, tensor)."""
     axes = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4")
+            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2")
         axes[name.strip()] = int(value)
+    pipe = axes.get("pipe", 1)
     if "data" not in axes:
-        axes["data"] = max(num_devices // axes.get("tensor", 1), 1)
+        axes["data"] = max(num_devices // (pipe * axes.get("tensor", 1)), 1)
     if "tensor" not in axes:
-        axes["tensor"] = max(num_devices // axes["data"], 1)
-    return axes["data"], axes["tensor"]
+        axes["tensor"] = max(num_devices // (pipe * axes["data"]), 1)
+    return pipe, axes["data"], axes["tensor"]
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A data × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
+    """A pipe × data × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
 
     Tensor ranks are the fastest-varying axis: consecutive devices (one host's GPUs) form a tensor
-    group, data parallelism spans hosts, as the Megatron-LM papers recommend.
+    group, data parallelism spans hosts, pipeline stages are the slowest axis, as the Megatron-LM
+    papers recommend (PTD-P: t within a node, then d, then p).
     """
     devices = jax.devices() if devices is None else list(devices)
     if parallel.num_devices != len(devices):
         raise ConfigError(
-            f"data×tensor = {parallel.data}×{parallel.tensor} = {parallel.num_devices} "
+            f"pipe×data×tensor = {parallel.pipe}×{parallel.data}×{parallel.tensor} = {parallel.num_devices} "
             f"does not equal the device count {len(devices)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(parallel.data, parallel.tensor)
+    grid = np.asarray(devices, dtype=object).reshape(parallel.pipe, parallel.data, parallel.tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def logical_rules(sequence_parallel: bool) -> dict[str, str | None]:
-    """Logical axis → mesh axis. Axes not listed are replicated."""
+def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, str | None]:
+    """Logical axis → mesh axis. Axes not listed are replicated. With a pipeline the stacked layers
+    split over `pipe` in natural order (stage s holds the s-th block of L/p layers)."""
     return {
+        "layers": "pipe" if pipeline else None,
         "batch": "data",
         "heads": "tensor",
         "mlp": "tensor",

@@ -312,6 +312,12 @@ class Plan:
     data: int = 1  # data-parallel size d: divides master weights and moments with the distributed optimizer
     distributed_optimizer: bool = False  # whether the rows' totals (and the budget) assume it
     parameters_per_device: int = 0  # of the first stage, split by tensor
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    in_flight_layers: float = 0  # layers' worth of activations the first stage holds (schedule tables)
+    bubble: float = 0.0  # idle / busy ticks of the lock-step schedule
+    paper_bubble: float = 0.0  # (p − 1)/m, or (p − 1)/(v·m) interleaved
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -321,6 +327,9 @@ class Plan:
         return {
             "model": self.model, "tensor": self.tensor, "seq_len": cfg.seq_len, "micro_batch": self.micro_batch,
             "pipeline": self.pipeline, "data": self.data, "distributed_optimizer": self.distributed_optimizer,
+            "pipeline": self.pipeline, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "microbatches": self.microbatches, "in_flight_layers": self.in_flight_layers,
+            "bubble": self.bubble, "paper_bubble": self.paper_bubble,
             "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
@@ -353,15 +362,19 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
 
 
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
-         pipeline: int = 1, policies=None, data: int = 1, distributed_optimizer: bool = False) -> Plan:
+         pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
+         microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
     state of L/p layers (and the embedding) and, under 1F1B, activations of p micro-batches in
-    flight, i.e. L layers' worth whatever p is (the paper's §4.2.3). `policies`: which registered
-    policies beyond the paper's rows (default all). data = d, distributed_optimizer: the state bytes of
-    each row (and so the budget) with the fp32 master weights and Adam moments split d ways; the
-    table reports both ways whatever is chosen."""
+    flight, i.e. L layers' worth whatever p is (the paper's §4.2.3); under the interleaved schedule
+    p·v + p − 1 chunks of L/(p·v) layers, under GPipe m micro-batches of L/p layers. The count comes from
+    the schedule's tables (`jaxseq.schedule`), the bytes per layer from the compiled layer; the pipeline
+    executor's compiled stash equals their product (tests/test_pipeline.py). `policies`: which
+    registered policies beyond the paper's rows (default all). microbatches: m (default p).
+    data = d, distributed_optimizer: the state bytes of each row (and so the budget) with the fp32
+    master weights and Adam moments split d ways; the table reports both ways whatever is chosen."""
     for c in configurations(tensor, policies):
         validate(cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
@@ -371,6 +384,15 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     if not isinstance(pipeline, int) or not 0 < pipeline <= cfg.layers:
         raise ConfigError(f"pipeline={pipeline!r} must be a positive integer at most layers={cfg.layers}")
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
+    n_micro = pipeline if microbatches is None else microbatches
+    in_flight_layers, bubble, paper_bubble = float(cfg.layers), 0.0, 0.0
+    if pipeline > 1 or virtual_stages > 1 or schedule != "1f1b":
+        from jaxseq.schedule import Schedule
+
+        sched = Schedule.make(schedule, pipeline, n_micro, virtual_stages, cfg.layers)
+        schedule = sched.name
+        in_flight_layers = sched.in_flight(0) * cfg.layers / (pipeline * virtual_stages)
+        bubble, paper_bubble = sched.bubble, sched.paper_bubble
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
     compiler = Compiler(cfg, micro_batch, devices)
@@ -382,8 +404,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     rows = []
     for c, m in measured.items():
         formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
-        # with_optimizer below sets d and the distributed optimizer
-        state, activations = state_bytes(stage, c.tensor), activation_bytes(cfg, c, m, b)
+        state = state_bytes(stage, c.tensor)  # with_optimizer below sets d and the distributed optimizer
+        activations = (int(m.stored_bytes_per_layer * in_flight_layers)
+                       + non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel))
         base = baseline[(c.tensor, c.sequence_parallel)]
         rows.append(Row(
             config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
@@ -399,6 +422,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
         ))
     p = Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
              compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
+             schedule=schedule, virtual_stages=virtual_stages, microbatches=n_micro,
+             in_flight_layers=in_flight_layers, bubble=bubble, paper_bubble=paper_bubble,
              parameters_per_device=parameter_elements_per_device(stage, tensor)[0])
     return with_optimizer(p, data, distributed_optimizer)
 
@@ -513,17 +538,25 @@ def format_table(p: Plan) -> str:
                          "internals here (untagged), and no attention-probs dropout is applied")
     state = next(r for r in p.rows if r.tensor == t)
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
-                                        f"layers' state, {cfg.layers} layers' activations (1F1B)")
+                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule})")
     lines.append(
         f"whole model per device (t={t}, d={p.data}{stage}"
         f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
         f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
         f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
         f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
-        f"stored/layer × L + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
+        f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
         f"the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
         + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU)"
            if cfg.dtype != "float32" else ""))
+    if p.pipeline > 1:
+        L, pp, v, m = cfg.layers, p.pipeline, p.virtual_stages, p.microbatches
+        formula = {"1f1b": ("L", L), "interleaved": ("L·(1 + (p−1)/(p·v))", L * (1 + (pp - 1) / (pp * v))),
+                   "gpipe": ("L·m/p", L * m / pp)}[p.schedule]
+        lines.append(
+            f"pipeline {p.schedule}: p={pp} v={v} m={m}; first stage holds {p.in_flight_layers:g} layers' activations "
+            f"(schedule tables) vs the paper's {formula[0]} = {formula[1]:g}; bubble {p.bubble:.4f} "
+            f"(idle/busy ticks) vs {'(p−1)/(v·m)' if p.schedule == 'interleaved' else '(p−1)/m'} = {p.paper_bubble:.4f}")
     lines += ["", *format_optimizer_state(p)]
     return "\n".join(lines)
 
@@ -585,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
                         "(the state table shows both)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved); default 1")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
@@ -617,6 +653,7 @@ def _plan(args) -> int:
     validate(cfg, ParallelConfig(1, args.tensor, False), "none")
     try:
         p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline,
+                 schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                  data=args.data, distributed_optimizer=args.distributed_optimizer)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None

@@ -32,8 +32,9 @@ DEFAULT_PRESET = "stdlib-bytes"
 # Command line → RunConfig (the only place that reads argv)
 
 SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
-# The mesh is set by --mesh / --sequence-parallel once the devices are known, not as config fields.
-MESH_FIELDS = {"data", "tensor", "sequence_parallel"}
+# The mesh and the pipeline schedule are set by --mesh / --sequence-parallel / --schedule /
+# --virtual-stages once the devices are known, not as config fields.
+MESH_FIELDS = {"pipe", "data", "tensor", "sequence_parallel", "schedule", "virtual_stages"}
 
 
 def _coerce(name: str, value, annotation: str):
@@ -106,7 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
-    a("--mesh", help="e.g. data=2,tensor=4 (default: data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
+    a("--mesh", help="e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2 (default: data=2,tensor=4 on simulated "
+                     "CPU devices, data=N on GPUs)")
+    a("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+      help="pipeline schedule when the mesh has pipe > 1 (default 1f1b; with --virtual-stages > 1: interleaved)")
+    a("--virtual-stages", type=int, default=1,
+      help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
     a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
@@ -264,18 +270,21 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
-                     sequence_parallel: bool | None, configured: ParallelConfig = ParallelConfig()) -> ParallelConfig:
+                     sequence_parallel: bool | None, configured: ParallelConfig = ParallelConfig(),
+                     pipeline: tuple[str, int] = ("1f1b", 1)) -> ParallelConfig:
     """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh;
-    the other parallel fields (the distributed optimizer) come from `configured`."""
+    the other parallel fields (the distributed optimizer) come from `configured`, the pipeline
+    schedule and virtual stages from `pipeline`."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
     D.initialize(distributed)
     devices = available_devices()
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
-    data, tensor = parse_mesh(mesh_text, len(devices))
-    return replace(configured, data=data, tensor=tensor,
-                   sequence_parallel=tensor > 1 if sequence_parallel is None else sequence_parallel)
+    pipe, data, tensor = parse_mesh(mesh_text, len(devices))
+    return replace(configured, pipe=pipe, data=data, tensor=tensor,
+                   sequence_parallel=tensor > 1 if sequence_parallel is None else sequence_parallel,
+                   schedule=pipeline[0], virtual_stages=pipeline[1])
 
 
 def resolve(args) -> tuple[RunConfig, Corpus]:
@@ -289,7 +298,8 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
         optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
     validate_optimizer(optimizer)
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"])
+    parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
+                                (args.schedule, args.virtual_stages))
     if changed and D.is_main_process():
         print(changed, flush=True)
     corpus = load_corpus(train.data, train.tokenizer)

@@ -44,8 +44,9 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    """Specs of the weights the layers compute with: split over `tensor` only, replicated over `data`."""
-    rules = logical_rules(parallel.sequence_parallel)
+    """Specs of the weights the layers compute with: split over `tensor` (and layers over `pipe`),
+    replicated over `data`."""
+    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
     return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(),
                         is_leaf=lambda x: isinstance(x, tuple))
 
@@ -74,7 +75,7 @@ def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     specs = param_specs(cfg, parallel)
     if not parallel.distributed_optimizer:
         return specs
-    sizes = {"data": parallel.data, "tensor": parallel.tensor}
+    sizes = {"pipe": parallel.pipe, "data": parallel.data, "tensor": parallel.tensor}
     return jax.tree.map(lambda shape, spec: data_sharded_spec(shape, spec, sizes), M.param_shapes(cfg, parallel.tensor),
                         specs, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -129,6 +130,9 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients are
     constrained back to the master shards (a reduce-scatter; XLA:CPU writes all-reduce + dynamic-slice),
     so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
+
+    With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.pipeline),
+    which makes its own compute-dtype copy; its gradients go to the master shards the same way.
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
@@ -142,11 +146,18 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
-        weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
-        if micro_batches == 1:
+        if parallel.pipe > 1:  # the pipeline runs the micro-batches itself (same keys as accumulation)
+            from jaxseq.pipeline import pipeline_loss_and_grad
+
+            loss, grads = pipeline_loss_and_grad(state.params, batch, key, cfg=cfg, parallel=parallel, remat=remat,
+                                                 mesh=mesh, microbatches=micro_batches)
+            grads = to_master(grads)
+        elif micro_batches == 1:
+            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
             loss, grads = loss_and_grad(weights, batch, key=key)
             grads = to_master(grads)
         else:
+            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
             micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
             micro = jax.tree.map(lambda x: shard(x, None, "batch", None), micro)
             zeros = constrain(jax.tree.map(jnp.zeros_like, state.params), master_sh)

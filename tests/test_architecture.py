@@ -18,7 +18,9 @@ ALLOWED = {
     "remat": set(),
     "mesh": {"config"},
     "model": {"config", "mesh", "remat"},
-    "train_step": {"config", "mesh", "model"},
+    "train_step": {"config", "mesh", "model", "pipeline"},
+    "schedule": {"cli", "config"},
+    "pipeline": {"config", "mesh", "model", "remat", "schedule"},
     # accounting: the paper's formulas, XLA's compiled programs read back
     "formulas": {"config", "remat"},
     "hlo": set(),
@@ -33,11 +35,11 @@ ALLOWED = {
     "metrics": {"config", "formulas"},
     # the training loop, then the commands
     "loop": {"aot", "checkpoint", "config", "data", "distributed", "generate", "mesh", "metrics", "model", "rundir",
-             "train_step"},
+             "schedule", "train_step"},
     "generate": {"cli", "config", "data", "mesh", "model", "rundir"},
     "train": {"cli", "config", "data", "distributed", "loop", "mesh", "rundir"},
     "convert": {"checkpoint", "cli", "config", "hf", "mesh", "model", "rundir", "train_step"},
-    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "remat", "train_step"},
+    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "remat", "schedule", "train_step"},
 }
 
 

@@ -49,7 +49,8 @@ def check_metrics_and_config(run_dir):
         assert r["tokens_per_sec"] > 0 and r["tflops_per_device"] > 0
     assert "val_loss" in records[4] and "val_loss" in records[9]
     config = json.load(open(os.path.join(run_dir, "config.json")))
-    assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True, "distributed_optimizer": False}
+    assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True, "distributed_optimizer": False,
+                                  "pipe": 1, "schedule": "1f1b", "virtual_stages": 1}
     assert config["model"]["hidden"] == 64 and config["train"]["steps"] == 10
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
 

@@ -1,0 +1,189 @@
+"""The pipeline executor equals the unpipelined model: loss and every gradient, float32, dropout on."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq import aot
+from jaxseq import hlo
+from jaxseq import model as M
+from jaxseq import pipeline as PL
+from jaxseq import train_step as T
+from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.mesh import make_mesh
+
+# 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
+CFG = replace(preset("tiny"), hidden=32, heads=4, seq_len=16, layers=8, dtype="float32", dropout=0.1)
+MICRO = 2
+REMAT = "selective"
+
+# (schedule, p, v, m, data, tensor, sequence parallel): every schedule at (2,1,4), (4,1,8), (2,2,4), (4,2,8),
+# tensor=2 + SP inside the stages, and data=2.
+CASES = [
+    ("1f1b", 2, 1, 4, 1, 1, False),
+    ("gpipe", 2, 1, 4, 1, 1, False),
+    ("interleaved", 2, 2, 4, 2, 2, True),
+    ("1f1b", 4, 1, 8, 2, 1, False),
+    ("gpipe", 4, 1, 8, 1, 2, False),
+    ("interleaved", 4, 2, 8, 1, 2, True),
+]
+
+
+def _batch(m, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, (MICRO * m, CFG.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return M.init_params(jax.random.key(0), CFG)
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    """Gradient accumulation on one device: mean over micro-batch i of loss_and_grad(key = fold_in(key, i))."""
+    parallel = ParallelConfig()
+    fn = T.make_loss_and_grad(CFG, parallel, REMAT, make_mesh(parallel, devices[:1]))
+    cache = {}
+
+    def run(params, batch, key, m):
+        if m not in cache:
+            losses, grads = [], []
+            for i in range(m):
+                mb = {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}
+                loss, g = fn(params, mb, jax.random.fold_in(key, i))
+                losses.append(float(loss))
+                grads.append(jax.device_get(g))
+            cache[m] = (np.mean(losses), jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *grads))
+        return cache[m]
+
+    return run
+
+
+def _assert_close(loss, grads, ref_loss, ref_grads, rtol=1e-5):
+    assert abs(float(loss) - ref_loss) <= rtol * abs(ref_loss)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
+        scale = np.max(np.abs(r))
+        assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
+        np.testing.assert_allclose(g, r, rtol=0, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
+
+
+_COMPILED = {}
+
+
+def _parallel(case) -> ParallelConfig:
+    schedule, p, v, m, data, tensor, sp = case
+    return ParallelConfig(data, tensor, sp, pipe=p, schedule=schedule, virtual_stages=v)
+
+
+def _compiled(case, devices):
+    """The pipelined loss-and-gradient program of a case, compiled once per module (pipeline compiles are
+    the slow part of these tests)."""
+    if case not in _COMPILED:
+        parallel = _parallel(case)
+        mesh = make_mesh(parallel, devices[:parallel.num_devices])
+        params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+        fn = PL.make_loss_and_grad(CFG, parallel, REMAT, mesh, case[3])
+        _COMPILED[case] = (fn.lower(params, batch, key).compile(), params)
+    return _COMPILED[case]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
+def test_pipeline_equals_unpipelined(case, devices, params, reference):
+    compiled, abstract = _compiled(case, devices)
+    m = case[3]
+    batch, key = _batch(m), jax.random.key(7)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
+    loss, grads = compiled(placed, batch, key)
+    _assert_close(loss, grads, *reference(params, batch, key, m))
+
+
+def test_no_collective_permute_inside_a_branch(devices):
+    """A collective that spans every stage inside a lax.switch branch deadlocks (only the stages taking
+    that branch arrive): the only collective-permutes are the two ppermutes of the tick loop."""
+    text = _compiled(CASES[2], devices)[0].as_text()  # interleaved with data=2, tensor=2 + SP
+    permutes = [line for line in text.splitlines() if " collective-permute(" in line]
+    assert permutes and all("/cond/" not in line and "/ppermute" in line for line in permutes)
+
+
+def test_stash_keeps_no_weights_or_keys(devices):
+    """One stash slot holds only activations ([k, b, s, …] per leaf); the weights and dropout keys the
+    chunk's vjp also lists as residuals are taken from the live arrays at backward (this leans on the
+    layout of jax.vjp's residuals, hence the test)."""
+    parallel = ParallelConfig(pipe=2)
+    mesh = make_mesh(parallel, devices[:2])
+    k = CFG.layers // 2
+    stash, reused = PL.stash_layout(CFG, parallel, "full", mesh, 4, MICRO)
+    # Full recompute: each layer keeps only its input.
+    assert [(a.shape, a.dtype) for a in stash] == [((k, MICRO, CFG.seq_len, CFG.hidden), np.float32)]
+    stash, reused = PL.stash_layout(CFG, parallel, REMAT, mesh, 4, MICRO)
+    weight_shapes = {(k, *a.shape[1:]) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
+    assert all(a.shape[:3] == (k, MICRO, CFG.seq_len) for a in stash)
+    assert {a.shape for a in reused} <= weight_shapes | {(k,)}  # weights and the k layer keys
+    assert any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in reused)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the compiled program holds
+
+
+def _tick_loop(text: str, ticks: int):
+    """The `while` whose known trip count is the schedule's tick count (exactly one)."""
+    loops = [ins for instrs in hlo.parse_hlo(text).values() for ins in instrs if ins.opcode == "while"
+             and re.search(r'"known_trip_count":\{"n":"' + str(ticks) + r'"\}', ins.rest)]
+    assert len(loops) == 1, f"{len(loops)} loops with trip count {ticks}"
+    return loops[0]
+
+
+def _table_bytes(sched) -> int:
+    return sched.ticks * sched.p * len(PL.FIELDS) * 4
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=lambda c: c[0])
+def test_trip_count_is_the_schedule_tick_count(case, devices):
+    sched = PL.schedule_of(_parallel(case), case[3], CFG.layers)
+    assert sched.ticks == 2 * sched.m * sched.v + 2 * (sched.p - 1)
+    _tick_loop(_compiled(case, devices)[0].as_text(), sched.ticks)
+
+
+def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices):
+    """Compiled temp bytes from m = 2p to m = 4p (p = 2): 1F1B grows by the tick table alone; GPipe by one
+    stash slot and one loss-gradient slot per extra micro-batch (plus the table)."""
+    slot = _stash_slot_bytes(devices)
+    act = MICRO * CFG.seq_len * CFG.hidden * 4
+    growth = {}
+    for schedule in ("1f1b", "gpipe"):
+        small, large = (schedule, 2, 1, 4, 1, 1, False), (schedule, 2, 1, 8, 1, 1, False)
+        temp = [_compiled(c, devices)[0].memory_analysis().temp_size_in_bytes for c in (small, large)]
+        tables = [_table_bytes(PL.schedule_of(_parallel(c), c[3], CFG.layers)) for c in (small, large)]
+        growth[schedule] = (temp[1] - temp[0], tables[1] - tables[0])
+    grown, table = growth["1f1b"]
+    assert 0 <= grown <= table, growth
+    grown, table = growth["gpipe"]
+    assert 4 * slot <= grown <= 4 * (slot + act) + table, (growth, slot)
+
+
+def _stash_slot_bytes(devices) -> int:
+    stash, _ = PL.stash_layout(CFG, ParallelConfig(pipe=2), REMAT, make_mesh(ParallelConfig(pipe=2), devices[:2]), 4, MICRO)
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash)
+
+
+@pytest.mark.parametrize("case,held", [(CASES[0], 2), (CASES[5], 4 * 2 + 4 - 1)], ids=["1f1b-p2", "interleaved-p4v2"])
+def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, devices):
+    """The stash in the compiled tick loop: 1F1B holds p micro-batches, interleaved p·v + p − 1 chunk
+    inputs, each k layers at the per-layer bytes the unpipelined program stores (what jaxseq.plan reads)."""
+    schedule, p, v, m, data, tensor, sp = case
+    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    k = CFG.layers // (p * v)
+    assert sched.depths["stash"] == sched.in_flight(0) == held
+    loop = _tick_loop(_compiled(case, devices)[0].as_text(), sched.ticks)
+    stash = [(dt, dims) for dt, dims in hlo._tuple_elements(loop.shape) if dims[:2] == (held, k) and len(dims) > 3]
+    stored = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
+    plain = ParallelConfig(data, tensor, sp)
+    per_layer = hlo.stored_bytes_per_layer(
+        aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
+    assert stored == held * k * per_layer
