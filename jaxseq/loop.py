@@ -94,6 +94,12 @@ def non_finite(step: int, loss: float, grad_norm: float, last_good: int | None) 
             f"the last good checkpoint is kept ({where})")
 
 
+def fetch_metrics(pending: list) -> list[tuple[int, tuple[float, float]]]:
+    """(step, (loss, grad_norm)) on the host for every pending step, in one device→host transfer."""
+    values = jax.device_get([out for _, out in pending])
+    return [(step, (float(v["loss"]), float(v["grad_norm"]))) for (step, _), v in zip(pending, values)]
+
+
 def train(run: RunConfig, corpus: Corpus) -> int:
     """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`)."""
     settings = run.train
@@ -159,45 +165,86 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     last_time, last_step, last_good = time.perf_counter(), start, None
     bar = tqdm(total=settings.steps, initial=start, disable=not main, unit="step", mininterval=2.0, dynamic_ncols=True)
     step = start
-    while step < settings.steps:
-        state, out = step_fn(state, batch, key)
-        step, position = step + 1, position + 1
-        stop_signal = stop.after_step()  # agreed by every process: all save the same step
-        if step < settings.steps:
-            batch = batch_at(position)  # the host reads the next batch while the device runs this step
-        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
-        problem = non_finite(step, loss, grad_norm, last_good)
-        if problem:
-            bar.close()
-            mgr.wait_until_finished()
-            metrics.close()
-            raise TrainingError(problem)
-        bar.update(1)
+    pending = []  # (step, its metrics still on the device): read at the next log/checkpoint boundary
+    late_log = None  # a logged step whose record is written while the next step runs
+
+    def read(upto: int) -> tuple[float, float]:
+        """Every pending step up to `upto` on the host, checked in order for non-finite values (so a
+        bad step between two logs is caught before any checkpoint can hold it); upto's values."""
+        nonlocal pending
+        done = [p for p in pending if p[0] <= upto]
+        pending = [p for p in pending if p[0] > upto]
+        for at, (loss, grad_norm) in fetch_metrics(done):
+            problem = non_finite(at, loss, grad_norm, last_good)
+            if problem:
+                bar.close()
+                mgr.wait_until_finished()
+                metrics.close()
+                raise TrainingError(problem)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        record = None
+        return loss, grad_norm
+
+    def log_record(at: int, loss: float, grad_norm: float) -> dict:
+        nonlocal last_time, last_step
+        now = time.perf_counter()
+        record = {"step": at, "loss": loss, "lr": float(schedule(at - 1)), "grad_norm": grad_norm,
+                  **throughput(run.model, settings.remat, settings.batch_size, at - last_step, now - last_time,
+                               len(devices), peak),
+                  "memory_gib": memory_gib()}
+        last_time, last_step = now, at
+        return record
+
+    def write(record: dict) -> None:
+        metrics.write(record)
+        if main:
+            bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+
+    while step < settings.steps:
+        # Between boundaries nothing on the host waits for the device: the step is dispatched, the
+        # next batch built while it runs, and its loss and gradient norm stay on the device. On a
+        # GPU, whose step is short, a per-step fetch would leave it idle while the host catches up.
+        with jax.transfer_guard_device_to_host("disallow"):
+            state, out = step_fn(state, batch, key)
+            step, position = step + 1, position + 1
+            if step < settings.steps:
+                batch = batch_at(position)  # the host reads the next batch while the device runs this step
+            pending.append((step, out))
+            if len(pending) >= 2:
+                # At most two steps in flight, one running and one queued: enough to keep the device
+                # busy, and XLA:CPU's in-process collectives deadlock (a 40 s rendezvous timeout, seen
+                # with 50 steps queued) when many executions hold its threads. Waits, reads nothing.
+                jax.block_until_ready(pending[-2][1])
+            bar.update(1)
+        # Agreed by every process (all save the same step); it reads the previous step's flag, so by
+        # then this step is queued and the device is not left waiting.
+        stopping = stop.after_step()
+        if late_log is not None:  # the previous step's record, written while this step runs
+            write(log_record(late_log, *read(late_log)))
+            late_log = None
         evaluate_now = step % settings.eval_every == 0 or step == settings.steps
-        if step % settings.log_every == 0 or evaluate_now:  # an evaluated step is a full record too
-            now = time.perf_counter()
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": grad_norm,
-                      **throughput(run.model, settings.remat, settings.batch_size, step - last_step, now - last_time,
-                                   len(devices), peak),
-                      "memory_gib": memory_gib()}
-            last_time, last_step = now, step
+        log_now = step % settings.log_every == 0 or evaluate_now  # an evaluated step is a full record too
+        save_now = step % settings.checkpoint_every == 0 or step == settings.steps or stopping
+        if not (save_now or evaluate_now):
+            # A log-only step is read one step late, once the next step is queued: reading it now
+            # would drain the device's queue and leave it idle while the host writes the record.
+            late_log = step if log_now else None
+            continue
+        # Saving or evaluating uses this step's state, which the next step would consume (donated).
+        loss, grad_norm = read(step)
+        record = log_record(step, loss, grad_norm) if log_now else None
         if evaluate_now:
             record["val_loss"] = evaluate(eval_fn, state.params, val_batches, settings.eval_batches, mesh, rows)
             last_time = time.perf_counter()  # evaluation is not training time
         if record:
-            metrics.write(record)
-            if main:
-                bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
-        if step % settings.checkpoint_every == 0 or step == settings.steps or stop_signal:
+            write(record)
+        if save_now:
             C.save(mgr, step, state, rundir.checkpoint_meta(run, position), force=True)
             last_good = step
-        if stop_signal:
+        if stopping:
             bar.close()
             mgr.wait_until_finished()
             if main:
-                print(f"{stop_signal}: saved a checkpoint at step {step} in {ckpt_dir}; resume with --resume")
+                print(f"{stopping}: saved a checkpoint at step {step} in {ckpt_dir}; resume with --resume")
             metrics.close()
             return 0
     bar.close()
