@@ -218,6 +218,30 @@ def _softmax_bwd(scale, probs, g):
 causal_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_bias(x, bias, bias_ndim):
+    return x + bias
+
+
+def _add_bias_fwd(x, bias, bias_ndim):
+    return x + bias, None
+
+
+def _add_bias_bwd(bias_ndim, _, g):
+    axes = tuple(range(g.ndim - bias_ndim))
+    return g, jnp.sum(g.astype(jnp.float32), axis=axes).astype(g.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def add_bias(x, bias):
+    """x + bias over x's trailing axes. Backward sums the bias gradient in float32 explicitly (the
+    sum any backend accumulates in f32 anyway): left to autodiff, a bf16 sum over every token
+    becomes a slow pairwise reduce-window on XLA:CPU."""
+    return _add_bias(x, bias.astype(x.dtype), bias.ndim)
+
+
 def dropout(x, rate: float, key, mask_name: str):
     """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`)."""
     if rate == 0.0 or key is None:
@@ -251,8 +275,8 @@ def _drop_layer_axis(axes: dict) -> dict:
 LAYER_AXES = _drop_layer_axis(param_axes()["layers"])
 
 
-def _linear(spec: str):
-    return lambda x, p: jnp.einsum(spec, x, p["kernel"]) + p["bias"]
+def _matmul(spec: str):
+    return lambda x, p: jnp.einsum(spec, x, p["kernel"])
 
 
 def block(x, p, key, cfg: ModelConfig, shard: Sharder):
@@ -263,22 +287,26 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
     y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
-    qkv = shard.column_parallel(_linear("bsh,hcad->bscad"), y, p["attn"]["qkv"], LAYER_AXES["attn"]["qkv"],
-                                ("batch", None, None, "heads", None))
-    q = checkpoint_name(qkv[:, :, 0], R.QUERY)
-    k = checkpoint_name(qkv[:, :, 1], R.KEY)
-    v = checkpoint_name(qkv[:, :, 2], R.VALUE)
+    qkv = shard.column_parallel(_matmul("bsh,hcad->bscad"), y, {"kernel": p["attn"]["qkv"]["kernel"]},
+                                {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", None, None, "heads", None))
+    qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
+    # One split (backward: one concatenate), not three slices (backward: three zero-padded full-size
+    # gradients summed).
+    q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
     ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
-    out = jnp.einsum("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"]) + p["attn"]["out"]["bias"]
+    out = add_bias(jnp.einsum("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"]), p["attn"]["out"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
     x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
-    hid = shard.column_parallel(_linear("bsh,hf->bsf"), y, p["mlp"]["wi"], LAYER_AXES["mlp"]["wi"], ("batch", None, "mlp"))
+    hid = shard.column_parallel(_matmul("bsh,hf->bsf"), y, {"kernel": p["mlp"]["wi"]["kernel"]},
+                                {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", None, "mlp"))
+    hid = add_bias(hid, p["mlp"]["wi"]["bias"])
     hid = checkpoint_name(shard(hid, "batch", None, "mlp"), R.MLPWI)
-    out = jnp.einsum("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"]) + p["mlp"]["wo"]["bias"]
+    out = add_bias(jnp.einsum("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"]), p["mlp"]["wo"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
     x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
     return shard(x, "batch", "seq_sp", None)
