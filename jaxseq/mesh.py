@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -115,3 +116,28 @@ class Sharder:
         return jax.shard_map(
             local, mesh=self.mesh, in_specs=(self.spec("batch", "seq_sp", None), specs), out_specs=self.spec(*out_axes)
         )(x, params)
+
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Vocab-parallel lookup of tokens [b, s] in table [V, h] (rows split over `tensor`) → [b, s(/t), h].
+
+        Megatron's: each rank looks up the tokens that fall in its rows (zeros elsewhere) and the
+        partial embeddings are all-reduced, or reduce-scattered along the sequence under sequence
+        parallelism. Left to the partitioner, XLA all-gathers the whole table instead (V·h per step,
+        and an all-reduce of its gradient)."""
+        if self.mesh is None:
+            return jnp.take(table, tokens, axis=0)
+
+        def local(tab, tok):
+            rows = tab.shape[0]
+            ids = tok - jax.lax.axis_index("tensor") * rows
+            mine = (ids >= 0) & (ids < rows)
+            x = jnp.where(mine[..., None], jnp.take(tab, jnp.clip(ids, 0, rows - 1), axis=0), jnp.zeros((), tab.dtype))
+            if self.sequence_parallel:
+                return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+            return jax.lax.psum(x, "tensor")
+
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(self.spec("vocab", None), self.spec("batch", None)),
+            out_specs=self.spec("batch", "seq_sp", None),
+        )(table, tokens)
+

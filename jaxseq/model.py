@@ -341,9 +341,9 @@ def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, 
     dtype = jnp.dtype(cfg.dtype)
     params = cast_params(params, dtype)
     k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
-    # Vocab-parallel lookup: XLA masks each rank's rows and reduces (reduce-scatter with SP).
-    x = jnp.take(params["embed"]["token"], tokens, axis=0) + params["embed"]["position"][: tokens.shape[1]]
-    x = shard(x, "batch", "seq_sp", None)
+    # Vocab-parallel lookup: each rank masks its rows and the ranks reduce (reduce-scatter with SP).
+    x = shard.embed(params["embed"]["token"], tokens)
+    x = shard(x + params["embed"]["position"][: tokens.shape[1]], "batch", "seq_sp", None)
     x = dropout(x, cfg.dropout, k_embed, R.EMBED_DROPOUT_MASK)
     x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
     return layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps)
