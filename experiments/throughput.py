@@ -1,0 +1,389 @@
+"""Throughput of the training loop: tokens/s and TFLOP/s per device, and where a step's time goes.
+
+    python experiments/throughput.py issue                  # issue 15's configuration, bf16 and f32, 3 rounds
+    python experiments/throughput.py issue --baseline DIR   # … interleaved with another checkout (A B A B …)
+    python experiments/throughput.py grid                   # dtype × remat × mesh × attention
+    python experiments/throughput.py default                # `python -m jaxseq.train` (shortened to 200 steps)
+
+Every measurement runs the real command (`python -m jaxseq.train …`, the loop with its data, metrics,
+progress bar and checkpoints) in a fresh child process, with `jax.stages.Compiled.__call__` wrapped so
+that each train step's dispatch time is recorded and a watcher thread records when its outputs are
+ready. From those timestamps, per step:
+
+- period: step start to next step start (what tokens/s is made of);
+- device: the compiled step's own time, end of the previous step (or this step's start, if later)
+  to the end of this one;
+- host: the device idle between the end of one step and the start of the next (data, metrics,
+  logging, progress bar: anything the loop does while the device has nothing queued).
+
+Steps that evaluate or checkpoint are left out of the medians (they are reported apart). After the
+loop the same compiled step runs back-to-back (nothing else on the host) under `jax.profiler.trace`;
+the trace's per-HLO-op events give the share of thread time in collectives, matmuls, converts,
+copies/transposes and other fusions. On 8 simulated devices sharing a few cores a collective's time
+is mostly waiting for the slowest peer, so the collective share says how much of the step is
+synchronisation, not how many bytes moved.
+
+Results go to experiments/results/throughput_*.json and are summarised in experiments/results/README.md
+by hand (with the load average at the time: this machine is shared, so runs are interleaved and
+medians are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+
+# Issue 15: GPT hidden 256, 4 heads × 64, MLP 1024, 2 layers, sequence 256, the 256-byte vocabulary
+# (padded to 512), global batch 8, dropout 0, data=2 × tensor=4 + SP, full recompute, 8 CPU devices.
+ISSUE_ARGS = ["--preset", "tiny", "--mesh", "data=2,tensor=4", "--sequence-parallel", "--remat", "full",
+              "--steps", "30", "--batch-size", "8", "--seq-len", "256", "--log-every", "5",
+              "--eval-every", "100000", "--checkpoint-every", "100000",
+              "hidden=256", "heads=4", "layers=2", "mlp_ratio=4", "kv_channels=64", "dropout=0.0"]
+GRID = {
+    "dtype": ("bfloat16", "float32"),
+    "remat": ("full", "selective"),
+    "mesh": ("data=2,tensor=4", "data=8,tensor=1"),
+    "attention": ("explicit", "fused"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: run the command with timestamps around every train step
+
+
+class StepClock:
+    """Wraps jax.stages.Compiled.__call__: dispatch time of each train-step call and, from a watcher
+    thread, the time its outputs are ready."""
+
+    def __init__(self):
+        import jax
+
+        self.starts: list[float] = []
+        self.cpu: list[float] = []  # process CPU seconds (all threads) at each step start
+        self.ends: dict[int, float] = {}
+        self.last = None  # (compiled, outputs, args) of the latest step
+        self._queue: list = []
+        self._cv = threading.Condition()
+        original = jax.stages.Compiled.__call__
+        clock = self
+
+        def timed(compiled, *args, **kwargs):
+            if not _is_train_step(args):
+                return original(compiled, *args, **kwargs)
+            index = len(clock.starts)
+            clock.starts.append(time.perf_counter())
+            clock.cpu.append(time.process_time())
+            out = original(compiled, *args, **kwargs)
+            clock.last = (compiled, out, args)
+            with clock._cv:
+                clock._queue.append((index, out[1]))  # the metrics: never donated
+                clock._cv.notify()
+            return out
+
+        jax.stages.Compiled.__call__ = timed
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        import jax
+
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                index, value = self._queue.pop(0)
+            jax.block_until_ready(value)
+            self.ends[index] = time.perf_counter()
+
+    def wait(self):
+        while len(self.ends) < len(self.starts):
+            time.sleep(0.01)
+
+    def steps(self) -> list[dict]:
+        """Per step: period (to the next start), device (busy) and host (device idle before the next start)."""
+        out = []
+        for i in range(len(self.starts) - 1):
+            begin = max(self.starts[i], self.ends.get(i - 1, self.starts[i]))
+            out.append({
+                "period": self.starts[i + 1] - self.starts[i],
+                "device": self.ends[i] - begin,
+                "host": max(0.0, self.starts[i + 1] - self.ends[i]),
+            })
+        return out
+
+
+def _is_train_step(args) -> bool:
+    return len(args) == 3 and type(args[0]).__name__ == "TrainState"
+
+
+def _categorise(hlo_text: str):
+    """HLO op name → category, from the optimized HLO of the profiled executable."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+        elif current:
+            comps[current].append(line)
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", line)
+        if not m:
+            continue
+        name, opcode = m.groups()
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        body = "\n".join(comps.get(called.group(1), [])) if called else ""
+        inner = set(re.findall(r" ([a-z][a-z0-9\-]*)\(", body)) - {"parameter", "bitcast", "constant"}
+        if opcode.removesuffix("-start") in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                                             "all-to-all"):
+            kind = "collective"
+        elif opcode in ("while", "call", "conditional"):
+            kind = None  # containers: their ops are counted themselves
+        elif opcode == "dot" or "dot" in inner:
+            kind = "matmul"
+        elif (opcode == "convert" or inner == {"convert"}) and opcode != "copy":
+            kind = "convert"
+        elif opcode in ("copy", "transpose") or (inner and inner <= {"copy", "transpose", "convert", "broadcast"}):
+            kind = "copy/transpose"
+        else:
+            kind = "other"
+        kinds[name] = kind
+    return kinds
+
+
+def profile_step(compiled, state, batch, key, steps: int) -> dict:
+    """Back-to-back steps: wall time per step, and each op category's share of thread time in a trace."""
+    import jax
+
+    for _ in range(2):
+        state, out = compiled(state, batch, key)
+    jax.block_until_ready(out)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        state, out = compiled(state, batch, key)
+    jax.block_until_ready(out)
+    alone = (time.perf_counter() - start) / steps
+    alone_cpu = (time.process_time() - cpu) / steps
+    kinds = _categorise(compiled.as_text())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(3):
+                state, out = compiled(state, batch, key)
+            jax.block_until_ready(out)
+        data = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
+    ns, top = collections.Counter(), collections.Counter()
+    for line in data.find_plane_with_name("/host:CPU").lines:
+        for e in line.events:
+            stats = dict(e.stats)
+            if "hlo_op" not in stats or not str(stats.get("hlo_module", "")).startswith("jit_step"):
+                continue
+            kind = kinds.get(e.name, "other")
+            if kind:
+                ns[kind] += e.duration_ns
+                top[e.name] += e.duration_ns
+    total = sum(ns.values()) or 1
+    return {
+        "step_alone_s": alone,
+        "step_alone_cpu_s": alone_cpu,
+        "thread_time_share": {k: v / total for k, v in ns.most_common()},
+        "top_ops": [(name, kinds.get(name), round(v / total, 4)) for name, v in top.most_common(12)],
+        "hlo_op_counts": dict(collections.Counter(
+            m for m in re.findall(r"= (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", compiled.as_text())).most_common(12)),
+    }
+
+
+def child(argv: list[str], profile: bool) -> dict:
+    import jax
+
+    clock = StepClock()
+    from jaxseq import train
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        t0 = time.perf_counter()
+        rc = train.main(argv + ["--run-dir", run_dir])
+        wall = time.perf_counter() - t0
+        clock.wait()
+        records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+        config = json.load(open(os.path.join(run_dir, "config.json")))
+    t = config["train"]
+    steps = clock.steps()
+    special = {i for i in range(len(steps)) if (i + 1) % t["eval_every"] == 0 or (i + 1) % t["checkpoint_every"] == 0}
+    plain = [s for i, s in enumerate(steps) if i not in special and i >= 2]  # skip 2 warm-up steps
+    med = {k: statistics.median(s[k] for s in plain) for k in ("period", "device", "host")}
+    # CPU seconds per step over the steps after warm-up (evaluation/checkpoint steps included): unlike
+    # wall time it hardly moves with other jobs' load on a shared machine.
+    cpu_per_step = (clock.cpu[-1] - clock.cpu[2]) / (len(clock.cpu) - 3)
+    tot = {k: sum(s[k] for s in plain) for k in ("period", "device", "host")}
+    from jaxseq import metrics as Mx
+    from jaxseq.config import ModelConfig
+
+    cfg = ModelConfig(**config["model"])
+    tps = Mx.throughput(cfg, t["remat"], t["batch_size"], 1, med["period"], jax.device_count(), None)
+    result = {
+        "argv": argv, "rc": rc, "wall_s": wall, "steps_timed": len(plain),
+        "median_period_s": med["period"], "median_device_s": med["device"], "median_host_s": med["host"],
+        "host_share": tot["host"] / tot["period"],
+        "cpu_s_per_step": cpu_per_step,
+        "tokens_per_sec": tps["tokens_per_sec"], "tflops_per_device": tps["tflops_per_device"],
+        "hardware_tflops_per_device": tps["hardware_tflops_per_device"],
+        "logged_tokens_per_sec": [r["tokens_per_sec"] for r in records],
+        "special_steps_s": [steps[i]["period"] for i in sorted(special) if i < len(steps)],
+        "load_average": os.getloadavg(),
+    }
+    if profile and clock.last is not None:
+        compiled, out, args = clock.last
+        result["profile"] = profile_step(compiled, out[0], args[1], args[2], steps=5)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: runs children (optionally against another checkout), interleaved
+
+
+def run_child(argv: list[str], code: Path, profile: bool = False) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(code))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "child", "--code", str(code)]
+    cmd += ["--profile"] if profile else []
+    cmd += ["--", *argv]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(code))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _summary(r: dict) -> str:
+    return (f"{r['tokens_per_sec']:8.0f} tokens/s  {r['tflops_per_device'] * 1e3:6.2f} GFLOP/s/device  "
+            f"step {r['median_period_s'] * 1e3:6.1f} ms (device {r['median_device_s'] * 1e3:6.1f}, "
+            f"host {r['median_host_s'] * 1e3:5.2f}; host share {r['host_share'] * 100:4.1f}%)  "
+            f"CPU {r['cpu_s_per_step'] * 1e3:6.1f} ms/step  "
+            f"load {r['load_average'][0]:.1f}")
+
+
+def issue(args) -> dict:
+    codes = {"new": ROOT}
+    if args.baseline:
+        codes["baseline"] = Path(args.baseline).resolve()
+    out = {"command": " ".join(sys.argv), "issue_args": ISSUE_ARGS, "rounds": []}
+    for r in range(args.rounds):
+        for dtype in args.dtypes:
+            for name, code in (codes.items() if r % 2 == 0 else reversed(list(codes.items()))):
+                res = run_child(ISSUE_ARGS + ["--dtype", dtype], code, profile=args.profile and r == 0)
+                res.update(code=name, dtype=dtype, round=r)
+                out["rounds"].append(res)
+                print(f"round {r} {name:8s} {dtype:8s} {_summary(res)}", flush=True)
+    out["medians"] = {}
+    for dtype in args.dtypes:
+        for name in codes:
+            runs = [x for x in out["rounds"] if x["code"] == name and x["dtype"] == dtype]
+            out["medians"][f"{name}/{dtype}"] = {k: statistics.median(x[k] for x in runs) for k in
+                                                 ("tokens_per_sec", "tflops_per_device", "median_device_s",
+                                                  "median_host_s", "host_share", "cpu_s_per_step")}
+        if args.baseline:
+            ratio = out["medians"][f"new/{dtype}"]["tokens_per_sec"] / out["medians"][f"baseline/{dtype}"]["tokens_per_sec"]
+            out["medians"][f"speedup/{dtype}"] = ratio
+            cpu = out["medians"][f"baseline/{dtype}"]["cpu_s_per_step"] / out["medians"][f"new/{dtype}"]["cpu_s_per_step"]
+            out["medians"][f"cpu_speedup/{dtype}"] = cpu
+            print(f"{dtype}: new / baseline tokens/s (medians) = {ratio:.3f}; baseline / new CPU s per step = {cpu:.3f}")
+    return out
+
+
+def grid(args) -> dict:
+    out = {"command": " ".join(sys.argv), "runs": []}
+    base = [a for a in ISSUE_ARGS]
+    for dtype in GRID["dtype"]:
+        for remat in GRID["remat"]:
+            for mesh in GRID["mesh"]:
+                for attention in GRID["attention"]:
+                    argv = _set(base, {"--remat": remat, "--mesh": mesh}) + ["--dtype", dtype, "--attention", attention]
+                    if mesh.endswith("tensor=1"):
+                        argv = [a for a in argv if a != "--sequence-parallel"] + ["--no-sequence-parallel"]
+                    res = run_child(argv, ROOT, profile=args.profile)
+                    res.update(dtype=dtype, remat=remat, mesh=mesh, attention=attention)
+                    out["runs"].append(res)
+                    print(f"{dtype:8s} {remat:9s} {mesh:15s} {attention:8s} {_summary(res)}", flush=True)
+    return out
+
+
+def default(args) -> dict:
+    argv = ["--steps", str(args.steps)]
+    res = run_child(argv, ROOT, profile=args.profile)
+    print(f"default run ({args.steps} steps): {_summary(res)}", flush=True)
+    return {"command": " ".join(sys.argv), "run": res}
+
+
+def _set(argv: list[str], values: dict) -> list[str]:
+    argv = list(argv)
+    for flag, value in values.items():
+        argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    labels = [f"{r['dtype'][:4]} {r['remat'][:4]}\n{r['mesh'].replace('data=', 'd').replace(',tensor=', 't')} {r['attention'][:4]}"
+              for r in runs]
+    device = [r["median_device_s"] * 1e3 for r in runs]
+    host = [r["median_host_s"] * 1e3 for r in runs]
+    fig, ax = plt.subplots(figsize=(13, 4.5))
+    ax.bar(range(len(runs)), device, label="device (compiled step)")
+    ax.bar(range(len(runs)), host, bottom=device, label="host between steps")
+    for i, r in enumerate(runs):
+        ax.text(i, device[i] + host[i], f"{r['tokens_per_sec'] / 1e3:.1f}k", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(runs)), labels, fontsize=7)
+    ax.set_ylabel("median ms per step")
+    ax.set_title("Step time per configuration (labels: tokens/s), 8 simulated CPU devices")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=("issue", "grid", "default", "child"))
+    p.add_argument("--baseline", help="issue: another checkout to interleave with (its root, used as PYTHONPATH)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--steps", type=int, default=200, help="default: steps of the default run")
+    p.add_argument("--profile", action="store_true", help="also profile the compiled step (op categories)")
+    p.add_argument("--out", help="JSON output (default experiments/results/throughput_MODE.json)")
+    p.add_argument("--code", help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[: len(argv) - len(rest) - (1 if "--" in argv else 0)])
+    args.argv = rest
+    if args.mode == "child":
+        sys.path.insert(0, args.code)
+        print("RESULT " + json.dumps(child(args.argv, args.profile)), flush=True)
+        return 0
+    result = {"issue": issue, "grid": grid, "default": default}[args.mode](args)
+    result["load_average_end"] = os.getloadavg()
+    out = Path(args.out) if args.out else RESULTS / f"throughput_{args.mode}.json"
+    out.write_text(json.dumps(result, indent=1))
+    if args.mode == "grid":
+        plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
