@@ -113,14 +113,15 @@ class StepClock:
             time.sleep(0.01)
 
     def steps(self) -> list[dict]:
-        """Per step: period (to the next start), device (busy) and host (device idle before the next start)."""
+        """Per step i ≥ 1: period (end of step i−1 to end of step i: what tokens/s is made of; start
+        times are no measure, since the host dispatches ahead of the device), device (its own busy
+        time) and host (the device idle before step i was dispatched)."""
         out = []
-        for i in range(len(self.starts) - 1):
-            begin = max(self.starts[i], self.ends.get(i - 1, self.starts[i]))
+        for i in range(1, len(self.starts)):
             out.append({
-                "period": self.starts[i + 1] - self.starts[i],
-                "device": self.ends[i] - begin,
-                "host": max(0.0, self.starts[i + 1] - self.ends[i]),
+                "period": self.ends[i] - self.ends[i - 1],
+                "device": self.ends[i] - max(self.starts[i], self.ends[i - 1]),
+                "host": max(0.0, self.starts[i] - self.ends[i - 1]),
             })
         return out
 
@@ -221,8 +222,10 @@ def child(argv: list[str], profile: bool) -> dict:
         config = json.load(open(os.path.join(run_dir, "config.json")))
     t = config["train"]
     steps = clock.steps()
-    special = {i for i in range(len(steps)) if (i + 1) % t["eval_every"] == 0 or (i + 1) % t["checkpoint_every"] == 0}
-    plain = [s for i, s in enumerate(steps) if i not in special and i >= 2]  # skip 2 warm-up steps
+    # steps[j] is training step j + 2, the one after step j + 1: the idle before it follows step j + 1.
+    boundary = lambda n: n % t["eval_every"] == 0 or n % t["checkpoint_every"] == 0
+    special = {j for j in range(len(steps)) if boundary(j + 1) or boundary(j + 2)}
+    plain = [s for j, s in enumerate(steps) if j not in special and j >= 2]  # skip 2 warm-up steps
     med = {k: statistics.median(s[k] for s in plain) for k in ("period", "device", "host")}
     # CPU seconds per step over the steps after warm-up (evaluation/checkpoint steps included): unlike
     # wall time it hardly moves with other jobs' load on a shared machine.
@@ -240,7 +243,7 @@ def child(argv: list[str], profile: bool) -> dict:
         "cpu_s_per_step": cpu_per_step,
         "tokens_per_sec": tps["tokens_per_sec"], "tflops_per_device": tps["tflops_per_device"],
         "hardware_tflops_per_device": tps["hardware_tflops_per_device"],
-        "logged_tokens_per_sec": [r["tokens_per_sec"] for r in records],
+        "logged_tokens_per_sec": [r["tokens_per_sec"] for r in records],  # the loop's own, per log window
         "special_steps_s": [steps[i]["period"] for i in sorted(special) if i < len(steps)],
         "load_average": os.getloadavg(),
     }
