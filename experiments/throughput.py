@@ -4,6 +4,7 @@
     python experiments/throughput.py issue --baseline DIR   # … interleaved with another checkout (A B A B …)
     python experiments/throughput.py grid                   # dtype × remat × mesh × attention
     python experiments/throughput.py default                # `python -m jaxseq.train` (shortened to 200 steps)
+    python experiments/throughput.py report                 # results/throughput_tables.md from the JSON files
 
 Every measurement runs the real command (`python -m jaxseq.train …`, the loop with its data, metrics,
 progress bar and checkpoints) in a fresh child process, with `jax.stages.Compiled.__call__` wrapped so
@@ -360,9 +361,52 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _shares(r: dict) -> str:
+    shares = r.get("profile", {}).get("thread_time_share", {})
+    return " / ".join(f"{shares.get(k, 0) * 100:.0f}" for k in ("collective", "matmul", "convert", "copy/transpose", "other"))
+
+
+def report(args) -> dict:
+    """experiments/results/throughput_tables.md from the JSON results present."""
+    lines = []
+    issue_path, grid_path, default_path = (RESULTS / f"throughput_{m}.json" for m in ("issue", "grid", "default"))
+    head = ("| tokens/s | GFLOP/s per device (model) | step, ms | device, ms | host, ms | host share | CPU s per step "
+            "| thread time: collective / matmul / convert / copy / other, % | load |")
+    rule = "| " + " | ".join(["---"] * 9) + " |"
+    row = lambda r: (f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device'] * 1e3:.2f} | {r['median_period_s'] * 1e3:.0f} | "
+                     f"{r['median_device_s'] * 1e3:.0f} | {r['median_host_s'] * 1e3:.1f} | {r['host_share'] * 100:.1f}% | "
+                     f"{r['cpu_s_per_step']:.3f} | {_shares(r) if 'profile' in r else ''} | {r['load_average'][0]:.1f} |")
+    if issue_path.exists():
+        res = json.loads(issue_path.read_text())
+        lines += ["## Issue 15's configuration, interleaved runs", "", f"`{res['command']}`", "",
+                  "| run | code | dtype " + head, "| --- | --- | --- " + rule]
+        lines += [f"| {r['round']} | {r['code']} | {r['dtype']} | " + row(r) for r in res["rounds"]]
+        lines += ["", "| medians | tokens/s | CPU s per step | host share |", "| --- | --- | --- | --- |"]
+        for k, m in res["medians"].items():
+            if isinstance(m, dict):
+                lines.append(f"| {k} | {m['tokens_per_sec']:.0f} | {m['cpu_s_per_step']:.3f} | {m['host_share'] * 100:.1f}% |")
+        for k, m in res["medians"].items():
+            if not isinstance(m, dict):
+                lines.append(f"\n{k}: **{m:.3f}**")
+        lines.append("")
+    if default_path.exists():
+        r = json.loads(default_path.read_text())["run"]
+        lines += ["## The default run (`python -m jaxseq.train`, first 200 steps)", "", "| " + head[2:], rule,
+                  "| " + row(r), ""]
+    if grid_path.exists():
+        res = json.loads(grid_path.read_text())
+        lines += ["## Grid (issue 15's model, 30 steps each)", "", f"`{res['command']}`", "",
+                  "| dtype | remat | mesh | attention " + head, "| --- | --- | --- | --- " + rule]
+        lines += [f"| {r['dtype']} | {r['remat']} | {r['mesh']} | {r['attention']} | " + row(r) for r in res["runs"]]
+        lines.append("")
+    (RESULTS / "throughput_tables.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return {}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("issue", "grid", "default", "child"))
+    p.add_argument("mode", choices=("issue", "grid", "default", "report", "child"))
     p.add_argument("--baseline", help="issue: another checkout to interleave with (its root, used as PYTHONPATH)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -377,6 +421,9 @@ def main() -> int:
     if args.mode == "child":
         sys.path.insert(0, args.code)
         print("RESULT " + json.dumps(child(args.argv, args.profile)), flush=True)
+        return 0
+    if args.mode == "report":
+        report(args)
         return 0
     result = {"issue": issue, "grid": grid, "default": default}[args.mode](args)
     result["load_average_end"] = os.getloadavg()
