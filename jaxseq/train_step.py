@@ -149,7 +149,10 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
         if parallel.pipe > 1:  # the pipeline runs the micro-batches itself (same keys as accumulation)
             from jaxseq.pipeline import pipeline_loss_and_grad
 
-            loss, grads = pipeline_loss_and_grad(state.params, batch, key, cfg=cfg, parallel=parallel, remat=remat,
+            # The weights enter the pipeline in their compute layout (gathered over `data` here, once,
+            # under the distributed optimizer): a gather inside a tick's branch would deadlock.
+            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
+            loss, grads = pipeline_loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat,
                                                  mesh=mesh, microbatches=micro_batches)
             grads = to_master(grads)
         elif micro_batches == 1:

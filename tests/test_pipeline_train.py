@@ -17,13 +17,13 @@ PIPE4 = ["--host-devices", "8", "--mesh", "pipe=4,data=2,tensor=1", "--schedule"
 
 
 def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(tmp_path):
-    """pipe=2 (1F1B, data=2, tensor=2 + SP) trains 2 steps with the losses of pipe=1 (gradient
-    accumulation over the same 4 micro-batches); its checkpoint resumes on pipe=1 and on pipe=4 (GPipe)
-    with the reference's losses for steps 3 and 4."""
+    """pipe=2 (1F1B, data=2, tensor=2 + SP, with the distributed optimizer) trains 2 steps with the
+    losses of pipe=1 (gradient accumulation over the same 4 micro-batches, no distributed optimizer);
+    its checkpoint resumes on pipe=1 and on pipe=4 (GPipe) with the reference's losses for steps 3 and 4."""
     ref, piped, to_pipe1, to_pipe4 = (str(tmp_path / n) for n in ("ref", "piped", "to1", "to4"))
     run(*BASE, *PIPE1, "--steps", "4", "--run-dir", ref)
-    out = run(*BASE, *PIPE2, "--steps", "2", "--run-dir", piped)
-    assert "mesh pipe=2 × data=2 × tensor=2 + SP, 1f1b schedule (v=1, m=4 micro-batches, 10 ticks" in out.stdout
+    out = run(*BASE, *PIPE2, "--distributed-optimizer", "--steps", "2", "--run-dir", piped)
+    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule (v=1, m=4 micro-batches, 10 ticks" in out.stdout
     shutil.copytree(piped, to_pipe1)
     shutil.copytree(piped, to_pipe4)
     run(*BASE, *PIPE1, "--steps", "4", "--run-dir", to_pipe1, "--resume")
