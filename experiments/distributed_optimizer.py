@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -48,26 +47,12 @@ GIB = 2**30
 def data_all_gathers(hlo: str, data: int, weight_shapes: set) -> dict:
     """Floating-point all-gathers over a group of `data` devices: those of a weight's compute shape
     outside every loop, of a weight shape inside a loop (none expected), and any other (named by op)."""
-    comps = A.parse_hlo(hlo)
-    loops = set()
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "while":
-                loops.update(A._called(comps, ins.attr("body")))
     out = {"weights_outside_loops": 0, "weights_inside_loops": 0, "other": []}
-    for comp, instrs in comps.items():
-        for ins in instrs:
-            if ins.opcode.removesuffix("-start") != "all-gather" or A._group_size(ins.rest) != data:
-                continue
-            for dt, dims in ins.arrays():
-                if not dt.startswith(("f", "bf")):
-                    continue
-                if dims in weight_shapes:
-                    out["weights_inside_loops" if comp in loops else "weights_outside_loops"] += 1
-                else:
-                    op = re.search(r'op_name="([^"]*)"', ins.rest)
-                    out["other"].append(f"{dt}{list(dims)} {'in a loop' if comp in loops else 'outside loops'}: "
-                                        f"{op.group(1) if op else '?'}")
+    for g in A.all_gathers(hlo, data):
+        if g.dims in weight_shapes:
+            out["weights_inside_loops" if g.in_loop else "weights_outside_loops"] += 1
+        else:
+            out["other"].append(f"{g.dtype}{list(g.dims)} {'in a loop' if g.in_loop else 'outside loops'}: {g.op_name}")
     return out
 
 

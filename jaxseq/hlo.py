@@ -228,6 +228,35 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
     return out
 
 
+@dataclass(frozen=True)
+class Gather:
+    """One floating-point all-gather result of a compiled program."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    in_loop: bool  # inside a while loop's body (a scan), i.e. run once per iteration
+    op_name: str  # the JAX op it came from, "?" when the HLO does not say
+
+
+def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
+    """Every floating-point all-gather over groups of `group_size` devices, and whether it runs in a loop."""
+    comps = parse_hlo(hlo_text)
+    in_loops = set()
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode == "while":
+                in_loops.update(_called(comps, ins.attr("body")))
+    out = []
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            if ins.opcode.removesuffix("-start") != "all-gather" or _group_size(ins.rest) != group_size:
+                continue
+            op = re.search(r'op_name="([^"]*)"', ins.rest)
+            out += [Gather(dt, dims, comp in in_loops, op.group(1) if op else "?")
+                    for dt, dims in ins.arrays() if dt.startswith(("f", "bf"))]
+    return out
+
+
 def _group_size(rest: str) -> int:
     groups = re.search(r"replica_groups=\{\{([0-9,]+)\}", rest)
     if groups:

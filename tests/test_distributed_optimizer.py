@@ -141,18 +141,7 @@ def test_without_it_every_data_rank_holds_everything(devices):
 
 def _data_all_gathers(hlo: str, data: int):
     """(result dims, inside a loop?) of every floating-point all-gather over a group of `data` devices."""
-    comps = A.parse_hlo(hlo)
-    in_loops = set()
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "while":
-                in_loops.update(A._called(comps, ins.attr("body")))
-    out = []
-    for comp, instrs in comps.items():
-        for ins in instrs:
-            if ins.opcode.removesuffix("-start") == "all-gather" and A._group_size(ins.rest) == data:
-                out += [(dims, comp in in_loops) for dt, dims in ins.arrays() if dt.startswith(("f", "bf"))]
-    return out
+    return [(g.dims, g.in_loop) for g in A.all_gathers(hlo, data)]
 
 
 def test_each_weight_is_all_gathered_once_per_step(devices):
