@@ -246,6 +246,7 @@ def child(argv: list[str], profile: bool) -> dict:
         "hardware_tflops_per_device": tps["hardware_tflops_per_device"],
         "logged_tokens_per_sec": [r["tokens_per_sec"] for r in records],  # the loop's own, per log window
         "special_steps_s": [steps[i]["period"] for i in sorted(special) if i < len(steps)],
+        "host_ms_per_step": [round(s["host"] * 1e3, 2) for s in steps],
         "load_average": os.getloadavg(),
     }
     if profile and clock.last is not None:

@@ -63,6 +63,31 @@ def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monke
     assert fetched == [[1, 2, 3], [4, 5, 6]]
 
 
+def test_nothing_compiles_between_train_steps(tmp_path, devices, monkeypatch):
+    """Between the first and the last train step the loop compiles nothing: a compilation in the log
+    path (the learning rate once took 0.45 s at the first log) or the stop flag idles the device."""
+    events = []
+    original_call = jax.stages.Compiled.__call__
+
+    def call(compiled, *args, **kwargs):
+        if len(args) == 3 and type(args[0]).__name__ == "TrainState":
+            events.append("step")
+        return original_call(compiled, *args, **kwargs)
+
+    def compiled(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append("compile")
+
+    monkeypatch.setattr(jax.stages.Compiled, "__call__", call)
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    try:
+        assert loop.train(*_run(tmp_path, steps=6, log_every=2, checkpoint_every=10_000)) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled)
+    between = events[events.index("step"): len(events) - events[::-1].index("step")]
+    assert between.count("step") == 6 and "compile" not in between, between
+
+
 def test_a_non_finite_step_between_logs_stops_before_any_checkpoint(tmp_path, devices):
     with pytest.raises(loop.TrainingError, match=r"non-finite .* at step [123] .*none written"):
         loop.train(*_run(tmp_path, steps=8, log_every=4, checkpoint_every=4, lr=1e30))
