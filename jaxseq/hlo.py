@@ -140,6 +140,9 @@ def _called(comps, name, seen=None) -> list[str]:
             callee = ins.attr(key)
             if callee:
                 out += _called(comps, callee, seen)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)  # a lax.switch / lax.cond
+        for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+            out += _called(comps, callee, seen)
     return out
 
 
@@ -254,6 +257,57 @@ def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
             op = re.search(r'op_name="([^"]*)"', ins.rest)
             out += [Gather(dt, dims, comp in in_loops, op.group(1) if op else "?")
                     for dt, dims in ins.arrays() if dt.startswith(("f", "bf"))]
+    return out
+
+
+def replica_groups(rest: str) -> list[tuple[int, ...]] | None:
+    """The device groups of a collective, from its explicit ({{0,2},{1,3}}) or iota
+    ([4,2]<=[2,2,2]T(0,2,1)) replica_groups; None for another form."""
+    m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", rest)
+    if m:
+        return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", rest)
+    if not m:
+        return None
+    ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")]))).reshape(
+        [int(d) for d in m.group(3).split(",")])
+    if m.group(4):
+        ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+    return [tuple(int(i) for i in g) for g in ids.reshape(int(m.group(1)), int(m.group(2)))]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One floating-point all-reduce or reduce-scatter of a compiled program."""
+
+    kind: str  # all-reduce | reduce-scatter (as the HLO names it)
+    elements: int  # of its result, per device
+    groups: tuple[tuple[int, ...], ...] | None  # device groups (mesh device ids); None: not read
+    in_loop: bool  # inside a while loop's body, a conditional's branch in it included
+    op_name: str
+
+
+def reductions(hlo_text: str) -> list[Reduction]:
+    """Every floating-point all-reduce and reduce-scatter, with its device groups and whether it runs in a
+    loop (so that a caller can tell, say, the `data`-axis gradient reductions inside a pipeline's tick loop
+    from those after it)."""
+    comps = parse_hlo(hlo_text)
+    in_loops = set()
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode == "while":
+                in_loops.update(_called(comps, ins.attr("body")))
+    out = []
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            kind = ins.opcode.removesuffix("-start")
+            if kind not in ("all-reduce", "reduce-scatter"):
+                continue
+            groups = replica_groups(ins.rest)
+            elements = sum(int(np.prod(dims, dtype=np.int64)) for dt, dims in ins.arrays() if dt.startswith(("f", "bf")))
+            if elements:
+                out.append(Reduction(kind, elements, tuple(groups) if groups else None, comp in in_loops,
+                                     _op_name(ins.rest)))
     return out
 
 

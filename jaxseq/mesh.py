@@ -8,6 +8,7 @@ knows that `heads` lives on the mesh axis `tensor`. Sequence parallelism is a ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -126,18 +127,19 @@ class Sharder:
         and an all-reduce of its gradient)."""
         if self.mesh is None:
             return jnp.take(table, tokens, axis=0)
-
-        def local(tab, tok):
-            rows = tab.shape[0]
-            ids = tok - jax.lax.axis_index("tensor") * rows
-            mine = (ids >= 0) & (ids < rows)
-            x = jnp.where(mine[..., None], jnp.take(tab, jnp.clip(ids, 0, rows - 1), axis=0), jnp.zeros((), tab.dtype))
-            if self.sequence_parallel:
-                return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
-            return jax.lax.psum(x, "tensor")
-
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(self.spec("vocab", None), self.spec("batch", None)),
-            out_specs=self.spec("batch", "seq_sp", None),
+            partial(vocab_parallel_lookup, sequence_parallel=self.sequence_parallel), mesh=self.mesh,
+            in_specs=(self.spec("vocab", None), self.spec("batch", None)), out_specs=self.spec("batch", "seq_sp", None),
         )(table, tokens)
 
+
+def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):
+    """One tensor rank's part of the vocab-parallel lookup (inside shard_map, manual over `tensor`): its
+    rows' embeddings (zeros for other ids), all-reduced, or reduce-scattered along the sequence under SP."""
+    rows = table.shape[0]
+    ids = tokens - jax.lax.axis_index("tensor") * rows
+    mine = (ids >= 0) & (ids < rows)
+    x = jnp.where(mine[..., None], jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0), jnp.zeros((), table.dtype))
+    if sequence_parallel:
+        return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+    return jax.lax.psum(x, "tensor")

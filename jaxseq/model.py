@@ -17,6 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.random import threefry2x32_p
 
 from jaxseq import remat as R
 from jaxseq.config import ModelConfig
@@ -243,11 +244,60 @@ def add_bias(x, bias):
 
 
 def dropout(x, rate: float, key, mask_name: str):
-    """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`)."""
+    """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`).
+
+    The mask is `jax.random.bernoulli(key, 1 − rate, global shape)`, whatever the sharding: inside a region
+    manual over `data` (the pipeline executor) x holds one data rank's rows of the batch, and the rank draws
+    exactly those rows of the global mask (`bernoulli_rows`)."""
     if rate == 0.0 or key is None:
         return x
-    keep = checkpoint_name(jax.random.bernoulli(key, 1.0 - rate, x.shape), mask_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and "data" in mesh.manual_axes:
+        keep = bernoulli_rows(key, 1.0 - rate, x.shape, jax.lax.axis_index("data") * x.shape[0])
+    else:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = checkpoint_name(keep, mask_name)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _mul_u32(x, c: int):
+    """(high, low) uint32 words of the 64-bit product x · c (x: uint32 array, 0 ≤ c < 2³²)."""
+    u = lambda v: jnp.asarray(v, jnp.uint32)
+    x_lo, x_hi, c_lo, c_hi = x & u(0xFFFF), x >> u(16), c & 0xFFFF, c >> 16
+    ll, lh, hl, hh = x_lo * u(c_lo), x_lo * u(c_hi), x_hi * u(c_lo), x_hi * u(c_hi)
+    mid = (ll >> u(16)) + (lh & u(0xFFFF)) + (hl & u(0xFFFF))
+    return hh + (lh >> u(16)) + (hl >> u(16)) + (mid >> u(16)), (ll & u(0xFFFF)) | (mid << u(16))
+
+
+def bernoulli_rows(key, p: float, shape, first_row):
+    """Rows first_row … first_row + shape[0] − 1 of `jax.random.bernoulli(key, p, (R, *shape[1:]))` for any
+    R past them, computing only those rows.
+
+    Why: `jax_threefry_partitionable` (on by default) makes element i of a random array threefry(key, i),
+    i its row-major index as two uint32 words, and a float32 uniform is the top 23 bits as a mantissa in
+    [1, 2) minus 1; that is what this recomputes at an offset (jax.random offers no offset). It leans on
+    JAX's implementation: tests/test_pipeline.py compares it with jax.random.bernoulli."""
+    u = lambda v: jnp.asarray(v, jnp.uint32)
+    row_size = math.prod(shape[1:])
+    if str(jax.random.key_impl(key)) != "threefry2x32" or row_size >= 2**32:
+        raise ValueError(f"bernoulli_rows needs a threefry2x32 key and rows under 2³² elements, got "
+                         f"{str(jax.random.key_impl(key))}, {row_size}")
+    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_row).astype(jnp.uint32)
+    within, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in range(len(shape) - 1, 0, -1):
+        within = within + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * u(stride)
+        stride *= shape[axis]
+    hi, lo = _mul_u32(rows, row_size)
+    index_lo = lo + within
+    index_hi = hi + (index_lo < lo).astype(jnp.uint32)  # the carry
+    words = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(words[0], words[1], index_hi, index_lo)
+    bits = bits1 ^ bits2
+    # The primitive's type drops the manual axes its inputs vary over (inside shard_map): restore them.
+    varying = (jax.typeof(words).mat.varying | jax.typeof(index_lo).mat.varying) - jax.typeof(bits).mat.varying
+    bits = jax.lax.pcast(bits, tuple(sorted(varying)), to="varying") if varying else bits
+    mantissa = (bits >> u(9)) | u(0x3F800000)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0) < jnp.float32(p)
 
 
 # ---------------------------------------------------------------------------------------------

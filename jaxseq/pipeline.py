@@ -5,7 +5,8 @@ Why not `jax.grad` of a forward pipeline: autodiff keeps every micro-batch's act
 backward loop (GPipe's memory, whatever the forward order). Here each micro-batch chunk gets its own
 `jax.vjp`; its residuals wait in a stash slot until the schedule's backward of that chunk runs.
 
-The program (inside `jax.shard_map`, manual over `pipe`, `data` and `tensor` left to XLA):
+The program (inside `jax.shard_map`, manual over `pipe` and `data`, `tensor` left to XLA; each data rank
+runs its rows of every micro-batch, dropout masks drawn as the rows of the global mask):
 - one `lax.scan` over the ticks of `schedule.Schedule.tables`; at each tick every stage reads its row
   (op kind, micro-batch, chunk, buffer slots) and runs one `lax.switch` branch: idle, forward (first chunk:
   embedding first; last chunk: final LayerNorm, logits, loss and the loss gradient), backward (first chunk:
@@ -14,9 +15,10 @@ The program (inside `jax.shard_map`, manual over `pipe`, `data` and `tensor` lef
   stage s − 1 (cyclic: the last stage feeds stage 0's next chunk under the interleaved schedule);
 - the stash keeps only the residuals that are not the chunk's weights or dropout keys (those are the same
   arrays at backward time), so a slot costs what the remat policy stores for k layers;
-- weights are cast to `pipe`-varying before the loop, gradients accumulate per stage in the loop, and
-  the embedding's two gradients (first stage's lookup, last stage's logits) are summed over `pipe` once
-  after it (Megatron's embedding group).
+- weights are cast to `pipe`- and `data`-varying before the loop, so each stage and data rank accumulates
+  its own gradients over the micro-batches; after the loop they are summed over `data` once (Megatron's
+  one data-parallel reduction per step), and the embedding's two gradients (first stage's lookup, last
+  stage's logits) and the final LayerNorm's over `pipe` too (Megatron's embedding group).
 
 Layers are stored in natural order, sharded over `pipe` in L/p blocks; stage s, chunk c runs layers
 (c·p + s)·k … + k − 1 (k = L/(p·v)). For v = 1 that is the stored block (no data moves); for v > 1 the
@@ -37,7 +39,7 @@ from jaxseq import model as M
 from jaxseq import remat as R
 from jaxseq import schedule as S
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.mesh import Sharder, logical_rules, logical_to_spec
+from jaxseq.mesh import Sharder, logical_rules, logical_to_spec, vocab_parallel_lookup
 
 # lax.switch branches
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST = range(6)
@@ -74,10 +76,15 @@ def tick_rows(sched: S.Schedule) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StageSharder(Sharder):
-    """Sharder for code running inside the pipeline's shard_map: shardings name the abstract mesh (a
-    concrete-mesh NamedSharding fails in a partial-manual region), and the sequence-parallel all-gather
-    is a custom_vjp whose forward and backward are forward-only nested shard_maps (autodiff through a
-    nested shard_map fails to lower)."""
+    """Sharder for code running inside the pipeline's shard_map, manual over `pipe` and `data` (one data
+    rank's rows of the batch: constraints never name `data`): shardings name the abstract mesh (a
+    concrete-mesh NamedSharding fails in a partial-manual region), and the collectives over `tensor`
+    (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose forward and backward are
+    forward-only nested shard_maps (autodiff through a nested shard_map fails to lower)."""
+
+    @property
+    def rules(self) -> dict[str, str | None]:
+        return {**logical_rules(self.sequence_parallel), "batch": None}
 
     def named(self, *axes: str | None) -> NamedSharding:
         return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
@@ -90,7 +97,7 @@ class StageSharder(Sharder):
         p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
         out_spec = self.spec(*out_axes)
         gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
-        nested = partial(jax.shard_map, mesh=mesh, axis_names={"data", "tensor"})
+        nested = partial(jax.shard_map, mesh=mesh, axis_names={"tensor"})
 
         def forward(x, p):
             return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
@@ -110,52 +117,41 @@ class StageSharder(Sharder):
         column.defvjp(lambda x, p: (forward(x, p), (x, p)), lambda res, g: backward(*res, g))
         return column(x, params)
 
-    def lookup(self, table, ids):
-        """Megatron's vocab-parallel embedding lookup, written out: each tensor rank looks up the ids in its
-        vocabulary rows, then a reduce-scatter over the sequence (SP) or an all-reduce. Why not jnp.take
-        under sharding constraints: XLA then emits collective-permutes spanning every stage, and a stage
-        that runs the first chunk while the others run something else would wait for them forever."""
+    def embed(self, table, tokens):
+        """`Sharder.embed` (the same `vocab_parallel_lookup` per tensor rank) as a custom_vjp whose backward
+        scatter-adds the gradient into this rank's rows. Why not jnp.take under sharding constraints: XLA
+        then emits collective-permutes spanning every stage, and a stage that runs the first chunk while
+        the others run something else would wait for them forever. The table gradient stays this data
+        rank's partial sum (reduced over `data` once per step, after the tick loop)."""
         if self.mesh is None:
-            return jnp.take(table, ids, axis=0)
-        mesh = jax.sharding.get_abstract_mesh()
-        nested = partial(jax.shard_map, mesh=mesh, axis_names={"data", "tensor"})
+            return jnp.take(table, tokens, axis=0)
+        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tensor"})
         t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", None), self.spec("batch", "seq_sp", None)
         sp = self.sequence_parallel
 
-        def local_ids(table, ids):
-            rows = table.shape[0]
-            local = ids - jax.lax.axis_index("tensor") * rows
-            mine = (local >= 0) & (local < rows)
-            return jnp.where(mine, local, 0), mine
+        def forward(table, tokens):
+            return nested(partial(vocab_parallel_lookup, sequence_parallel=sp), in_specs=(t_spec, id_spec),
+                          out_specs=x_spec)(table, tokens)
 
-        def forward(table, ids):
-            def local(table, ids):
-                idx, mine = local_ids(table, ids)
-                x = jnp.take(table, idx, axis=0) * mine[..., None].astype(table.dtype)
-                if sp:
-                    return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
-                return jax.lax.psum(x, "tensor")
-
-            return nested(local, in_specs=(t_spec, id_spec), out_specs=x_spec)(table, ids)
-
-        def backward(table, ids, g):
-            def local(table, ids, g):
+        def backward(table, tokens, g):
+            def local(table, tokens, g):
                 if sp:
                     g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
-                idx, mine = local_ids(table, ids)
+                rows = table.shape[0]
+                ids = tokens - jax.lax.axis_index("tensor") * rows
+                mine = (ids >= 0) & (ids < rows)
                 g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                d = jnp.zeros_like(table).at[idx.reshape(-1)].add(g)
-                return jax.lax.psum(d, "data")
+                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
 
-            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, ids, g)
+            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
 
         @jax.custom_vjp
-        def vocab_lookup(table, ids):
-            return forward(table, ids)
+        def lookup(table, tokens):
+            return forward(table, tokens)
 
-        vocab_lookup.defvjp(lambda table, ids: (forward(table, ids), (table, ids)),
-                            lambda res, g: (backward(*res, g), None))
-        return vocab_lookup(table, ids)
+        lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
+                      lambda res, g: (backward(*res, g), None))
+        return lookup(table, tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +160,7 @@ class StageSharder(Sharder):
 
 def embed(params, tokens, key, cfg: ModelConfig, shard: Sharder):
     """model.hidden_states up to the layers: lookup + positions, then the embedding dropout."""
-    lookup = shard.lookup if isinstance(shard, StageSharder) else partial(jnp.take, axis=0)
-    x = lookup(params["token"], tokens) + params["position"][: tokens.shape[1]]
+    x = shard.embed(params["token"], tokens) + params["position"][: tokens.shape[1]]
     x = shard(x, "batch", "seq_sp", None)
     return M.dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK)
 
@@ -204,11 +199,12 @@ def from_stages(layers):
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), layers)
 
 
-def _varying(x, axis="pipe"):
-    """pcast to varying over `axis` unless already so (pcast of a varying value raises)."""
-    if axis in jax.typeof(x).mat.varying:
-        return x
-    return jax.lax.pcast(x, axis, to="varying")
+def _varying(x, axes=("pipe", "data")):
+    """pcast to varying over `axes` where not already so (pcast of a varying value raises). Weights cast
+    to varying over `data` before the loop get per-rank gradients: autodiff then inserts no psum (the
+    transpose of the implicit cast) in the ticks, and the step reduces over `data` once, after the loop."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
@@ -234,14 +230,14 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     others = {"embed": cast["embed"], "final_ln": cast["final_ln"]}
     micro = jax.tree.map(lambda a: shard(a.reshape(m, -1, *a.shape[1:]), None, "batch", None), batch)
     key_data = jax.random.key_data(key)
-    b = micro["inputs"].shape[1]
+    b = micro["inputs"].shape[1] // parallel.data  # one data rank's rows of a micro-batch
     act_shape = (b, cfg.seq_len, cfg.hidden)
     act_dtype = jnp.dtype(cfg.dtype)
 
     def stage_program(layers, others, micro, key_data, rows):
         s = jax.lax.axis_index("pipe")
         key = jax.random.wrap_key_data(key_data)
-        layers = jax.tree.map(lambda a: a[0], layers)  # this stage's [v, k, …]
+        layers = jax.tree.map(lambda a: _varying(a[0]), layers)  # this stage's [v, k, …]
         others = jax.tree.map(_varying, others)
         rows = rows[:, s]  # [ticks, fields]: this stage's column of the tick table
 
@@ -318,7 +314,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
             # activation-sized slot), not the logits.
             loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=cfg, shard=inner), argnums=(0, 1))(
                 y, others, micro["targets"][mb])
-            scale = 1.0 / m
+            scale = 1.0 / (m * parallel.data)  # the mean over micro-batches and data ranks
             return (no_act, no_act, slot, (gy * scale).astype(act_dtype), no_dw,
                     jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh), loss * scale)
 
@@ -360,15 +356,17 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
             return carry, None
 
         carry, _ = jax.lax.scan(tick, carry, rows)
+        # The step's one data-parallel gradient reduction (Megatron's), and the embedding group's over `pipe`.
         grads = carry["grads"]
-        loss = jax.lax.psum(carry["loss"], "pipe")
-        others_grads = jax.tree.map(lambda g: jax.lax.psum(g, "pipe"), grads["others"])
-        return loss, jax.tree.map(lambda a: a[None], grads["layers"]), others_grads
+        loss = jax.lax.psum(carry["loss"], ("pipe", "data"))
+        others_grads = jax.tree.map(lambda g: jax.lax.psum(g, ("pipe", "data")), grads["others"])
+        layer_grads = jax.tree.map(lambda g: jax.lax.psum(g, "data")[None], grads["layers"])
+        return loss, layer_grads, others_grads
 
     layer_specs = jax.tree.map(lambda _: P("pipe"), stage_layers)
     fn = jax.shard_map(
-        stage_program, mesh=mesh, axis_names={"pipe"},
-        in_specs=(layer_specs, P(), P(), P(), P()),
+        stage_program, mesh=mesh, axis_names={"pipe", "data"},
+        in_specs=(layer_specs, P(), P(None, "data"), P(), P()),
         out_specs=(P(), layer_specs, P()),
     )
     loss, layer_grads, other_grads = fn(stage_layers, others, micro, key_data, rows)
@@ -396,7 +394,8 @@ def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
 def stash_layout(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int,
                  micro_batch_size: int):
     """(avals of one stash slot, avals of the residuals taken from the weights and keys instead): what
-    one micro-batch chunk keeps between its forward and its backward, per stage (global over data/tensor)."""
+    one micro-batch chunk keeps between its forward and its backward, per stage and data rank (global over
+    tensor)."""
     seen = {}
     params = jax.eval_shape(lambda: M.init_params(jax.random.key(0), cfg, parallel.tensor))
     tokens = jax.ShapeDtypeStruct((micro_batch_size * microbatches, cfg.seq_len), jnp.int32)

@@ -44,21 +44,24 @@ def params():
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    """Gradient accumulation on one device: mean over micro-batch i of loss_and_grad(key = fold_in(key, i))."""
+    """Gradient accumulation on one device: mean over micro-batch i of loss_and_grad(key = fold_in(key, i)).
+    The remat policy does not change the values (the pipelined runs of every policy compare to this one)."""
     parallel = ParallelConfig()
-    fn = T.make_loss_and_grad(CFG, parallel, REMAT, make_mesh(parallel, devices[:1]))
-    cache = {}
+    mesh = make_mesh(parallel, devices[:1])
+    fns, cache = {}, {}
 
-    def run(params, batch, key, m):
-        if m not in cache:
+    def run(params, batch, key, m, dtype="float32"):
+        if (m, dtype) not in cache:
+            if dtype not in fns:
+                fns[dtype] = T.make_loss_and_grad(replace(CFG, dtype=dtype), parallel, REMAT, mesh)
             losses, grads = [], []
             for i in range(m):
                 mb = {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}
-                loss, g = fn(params, mb, jax.random.fold_in(key, i))
+                loss, g = fns[dtype](params, mb, jax.random.fold_in(key, i))
                 losses.append(float(loss))
                 grads.append(jax.device_get(g))
-            cache[m] = (np.mean(losses), jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *grads))
-        return cache[m]
+            cache[m, dtype] = (np.mean(losses), jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *grads))
+        return cache[m, dtype]
 
     return run
 
@@ -79,27 +82,91 @@ def _parallel(case) -> ParallelConfig:
     return ParallelConfig(data, tensor, sp, pipe=p, schedule=schedule, virtual_stages=v)
 
 
-def _compiled(case, devices):
+def _compiled(case, devices, remat=REMAT, dtype="float32"):
     """The pipelined loss-and-gradient program of a case, compiled once per module (pipeline compiles are
     the slow part of these tests)."""
-    if case not in _COMPILED:
+    if (case, remat, dtype) not in _COMPILED:
         parallel = _parallel(case)
         mesh = make_mesh(parallel, devices[:parallel.num_devices])
-        params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+        cfg = replace(CFG, dtype=dtype)
+        params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * case[3])
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-        fn = PL.make_loss_and_grad(CFG, parallel, REMAT, mesh, case[3])
-        _COMPILED[case] = (fn.lower(params, batch, key).compile(), params)
-    return _COMPILED[case]
+        fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, case[3])
+        _COMPILED[case, remat, dtype] = (fn.lower(params, batch, key).compile(), params)
+    return _COMPILED[case, remat, dtype]
+
+
+def _run(case, devices, params, remat=REMAT, dtype="float32"):
+    """(loss, grads, batch, key) of the compiled pipelined program on the test batch."""
+    compiled, abstract = _compiled(case, devices, remat, dtype)
+    batch, key = _batch(case[3]), jax.random.key(7)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
+    loss, grads = compiled(placed, batch, key)
+    return loss, grads, batch, key
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
 def test_pipeline_equals_unpipelined(case, devices, params, reference):
-    compiled, abstract = _compiled(case, devices)
-    m = case[3]
-    batch, key = _batch(m), jax.random.key(7)
-    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
-    loss, grads = compiled(placed, batch, key)
-    _assert_close(loss, grads, *reference(params, batch, key, m))
+    loss, grads, batch, key = _run(case, devices, params)
+    _assert_close(loss, grads, *reference(params, batch, key, case[3]))
+
+
+# Tensor=2 + SP inside the stages: the SP all-gather (a custom_vjp in the stage) under each policy.
+REMAT_CASE = ("1f1b", 2, 1, 4, 1, 2, True)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_remat_policies_inside_a_stage(remat, devices, params, reference):
+    """What a stage stashes and recomputes follows the policy (test_stash_keeps_no_weights_or_keys checks
+    the stash of `full`); the values do not change: loss and gradients equal the unpipelined model.
+    `none`, `selective` (above) and `full` span the name whitelists (`lean` is another whitelist), `dots`
+    JAX's by-primitive policies (as `dots_no_batch`); each compile costs ~10 s, so not all six."""
+    loss, grads, batch, key = _run(REMAT_CASE, devices, params, remat)
+    _assert_close(loss, grads, *reference(params, batch, key, REMAT_CASE[3]))
+
+
+def test_bfloat16_pipeline_matches_bfloat16_unpipelined(devices, params, reference):
+    """The bf16 pipeline against bf16 gradient accumulation on one device (same parameters, batch and keys).
+
+    The tolerance (see test_bfloat16.py for the bf16-vs-f32 argument, u = 2⁻⁸): both programs round the
+    same activations and cotangents to bf16 at the same op boundaries and send bf16 activations between
+    stages as the scanned stack carries bf16 between layers; the loss gradient's 1/m (m = 4) is exact. They
+    differ only where XLA fuses or orders an f32 accumulation differently (the two partitions differ: TP+SP
+    and data=2 here, one device there) and a rounding to bf16 then falls the other way. Each such flip is
+    ≤ u relative on one element, so a leaf differs by far less than test_bfloat16's 8 u; allowed: 8 u for
+    the gradients (relative norm, as there) and u/8 for the loss. What it catches: a cast, scale or mask
+    that the bf16 pipeline gets wrong (e.g. loss gradient or stage boundary in the wrong dtype), which
+    shows as an O(1) or ≥ u-per-element systematic error."""
+    u = 2.0 ** -8
+    case = CASES[2]  # interleaved p=2, v=2, data=2, tensor=2 + SP
+    loss, grads, batch, key = _run(case, devices, params, dtype="bfloat16")
+    ref_loss, ref_grads = reference(params, batch, key, case[3], "bfloat16")
+    assert abs(float(loss) - ref_loss) <= u / 8 * abs(ref_loss), (float(loss), ref_loss)
+    f32_loss, f32_grads = reference(params, batch, key, case[3])
+    for (path, g), r, r32 in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(ref_grads),
+                                 jax.tree.leaves(f32_grads)):
+        assert g.dtype == np.float32 and np.isfinite(g).all()
+        err = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert err <= 8 * u, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+    # Guard: the reference really ran in bf16 (else the comparison would be an f32 one).
+    assert abs(ref_loss - f32_loss) > 0 and any(
+        np.linalg.norm(r - r32) / np.linalg.norm(r32) > u / 8 for r, r32 in zip(jax.tree.leaves(ref_grads),
+                                                                                jax.tree.leaves(f32_grads)))
+
+
+def test_bernoulli_rows_are_rows_of_the_global_mask():
+    """A data rank's dropout mask inside the executor (manual over `data`) equals its rows of
+    jax.random.bernoulli of the global shape: the pipeline's masks are the unpipelined model's."""
+    key = jax.random.key(3)
+    for shape, ranks in (((8, 5, 7), 4), ((4, 3, 16, 16), 2), ((6, 100, 300), 3)):
+        full = np.asarray(jax.random.bernoulli(key, 0.9, shape))
+        rows = shape[0] // ranks
+        for r in range(ranks):
+            part = M.bernoulli_rows(key, 0.9, (rows, *shape[1:]), r * rows)
+            np.testing.assert_array_equal(part, full[r * rows:(r + 1) * rows])
+    # The 64-bit element index: rows beyond 2³² elements.
+    hi, lo = M._mul_u32(jax.numpy.asarray([1, 5000, 2**32 - 1], jax.numpy.uint32), 3_000_000_000)
+    assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * 3_000_000_000, 2**32) for x in (1, 5000, 2**32 - 1)]
 
 
 def test_no_collective_permute_inside_a_branch(devices):
@@ -108,6 +175,29 @@ def test_no_collective_permute_inside_a_branch(devices):
     text = _compiled(CASES[2], devices)[0].as_text()  # interleaved with data=2, tensor=2 + SP
     permutes = [line for line in text.splitlines() if " collective-permute(" in line]
     assert permutes and all("/cond/" not in line and "/ppermute" in line for line in permutes)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["interleaved-d2t2sp", "1f1b-p4-d2"])
+def test_one_data_gradient_reduction_per_step(case, devices):
+    """As Megatron: the stages accumulate their gradients over the micro-batches locally and reduce them
+    over `data` once per step, after the tick loop. No reduction inside the loop (a tick's branch included)
+    spans two data ranks (one there would move the stage's gradients m·v times per step), and the
+    reductions over the `data` groups after it carry each of the stage's layer weights' gradients once."""
+    schedule, p, v, m, data, tensor, sp = case
+    reductions = hlo.reductions(_compiled(case, devices)[0].as_text())
+    data_of = np.arange(p * data * tensor).reshape(p, data, tensor) // tensor % data  # device id → data rank
+    spans_data = lambda r: r.groups is None or any(len({int(data_of.flat[i]) for i in g}) > 1 for g in r.groups)
+    assert not [r.op_name for r in reductions if r.in_loop and spans_data(r)]
+    ids = np.arange(p * data * tensor).reshape(p, data, tensor)
+    data_groups = {tuple(int(i) for i in ids[s, :, t]) for s in range(p) for t in range(tensor)}
+    reduced = sum(r.elements for r in reductions if r.groups and set(r.groups) == data_groups)
+    sizes = {"pipe": p, "tensor": tensor, None: 1}
+    stage_layers = sum(int(np.prod(shape)) // int(np.prod([sizes[a] for a in spec]))
+                       for shape, spec in zip(jax.tree.leaves(M.param_shapes(CFG, tensor)["layers"],
+                                                              is_leaf=lambda x: isinstance(x, tuple)),
+                                              jax.tree.leaves(T.param_specs(CFG, _parallel(case))["layers"],
+                                                              is_leaf=lambda x: isinstance(x, P))))
+    assert reduced == stage_layers
 
 
 def test_stash_keeps_no_weights_or_keys(devices):

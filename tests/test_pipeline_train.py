@@ -1,11 +1,17 @@
 """`python -m jaxseq.train` with a pipeline: the same losses as pipe=1, resume across pipe sizes, one-line errors."""
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
-from test_train import losses, run
+from test_train import ROOT, env, losses, run
 
 # 4 layers (divisible by p = 2 and 4), m = 8 / 2 = 4 micro-batches, dropout on (the tiny preset's 0.1).
 BASE = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--micro-batch-size", "2", "layers=4",
@@ -16,22 +22,58 @@ PIPE2 = ["--host-devices", "8", "--mesh", "pipe=2,data=2,tensor=2", "--schedule"
 PIPE4 = ["--host-devices", "8", "--mesh", "pipe=4,data=2,tensor=1", "--schedule", "gpipe"]
 
 
-def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(tmp_path):
-    """pipe=2 (1F1B, data=2, tensor=2 + SP, with the distributed optimizer) trains 2 steps with the
-    losses of pipe=1 (gradient accumulation over the same 4 micro-batches, no distributed optimizer);
-    its checkpoint resumes on pipe=1 and on pipe=4 (GPipe) with the reference's losses for steps 3 and 4."""
-    ref, piped, to_pipe1, to_pipe4 = (str(tmp_path / n) for n in ("ref", "piped", "to1", "to4"))
-    run(*BASE, *PIPE1, "--steps", "4", "--run-dir", ref)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """pipe=1 for 4 steps (the reference, a checkpoint every 2 steps); pipe=2 (1F1B, data=2, tensor=2 + SP,
+    the distributed optimizer) for 2 steps; that run resumed on pipe=1 and on pipe=4 (GPipe) to step 4."""
+    tmp = tmp_path_factory.mktemp("pipetrain")
+    ref, piped, to_pipe1, to_pipe4 = (str(tmp / n) for n in ("ref", "piped", "to1", "to4"))
+    run(*BASE, *PIPE1, "--steps", "4", "--checkpoint-every", "2", "--run-dir", ref)
     out = run(*BASE, *PIPE2, "--distributed-optimizer", "--steps", "2", "--run-dir", piped)
-    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule (v=1, m=4 micro-batches, 10 ticks" in out.stdout
     shutil.copytree(piped, to_pipe1)
     shutil.copytree(piped, to_pipe4)
     run(*BASE, *PIPE1, "--steps", "4", "--run-dir", to_pipe1, "--resume")
     run(*BASE, *PIPE4, "--steps", "4", "--run-dir", to_pipe4, "--resume")
-    reference = losses(ref)
-    for got, steps in ((losses(piped), (1, 2)), (losses(to_pipe1), (3, 4)), (losses(to_pipe4), (3, 4))):
+    return {"ref": ref, "piped": piped, "to1": to_pipe1, "to4": to_pipe4, "piped_stdout": out.stdout}
+
+
+def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(runs):
+    """pipe=2 trains 2 steps with the losses of pipe=1 (gradient accumulation over the same 4 micro-batches,
+    no distributed optimizer); its checkpoint resumes on pipe=1 and on pipe=4 with the reference's losses
+    for steps 3 and 4."""
+    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule (v=1, m=4 micro-batches, 10 ticks" \
+        in runs["piped_stdout"]
+    reference = losses(runs["ref"])
+    for got, steps in ((losses(runs["piped"]), (1, 2)), (losses(runs["to1"]), (3, 4)), (losses(runs["to4"]), (3, 4))):
         for step in steps:
             assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got[step], reference[step])
+
+
+def _module(*args):
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_generate_and_convert_on_a_pipelined_run(runs, tmp_path):
+    """`python -m jaxseq.generate` and `python -m jaxseq.convert to-hf` read the pipe=2 run directory (saved
+    with the distributed optimizer, config.json saying pipe=2): the same text and the same HF tensors as
+    from the same checkpoint under the pipe=1 config (its copy resumed on pipe=1), and HF tensors equal to
+    the pipe=1 reference's step-2 weights (trained without a pipeline) within f32 training noise."""
+    piped, same_on_pipe1, ref = runs["piped"], os.path.join(runs["to1"], "checkpoints", "2"), \
+        os.path.join(runs["ref"], "checkpoints", "2")
+    assert json.load(open(os.path.join(runs["to1"], "config.json")))["parallel"]["pipe"] == 1
+    texts = [_module("jaxseq.generate", "--run-dir", d, "--prompt", "def ", "--max-tokens", "12") for d in (piped, same_on_pipe1)]
+    assert texts[0] == texts[1] and texts[0].startswith("# step 2\ndef ")
+    tensors = []
+    for name, d in (("piped", piped), ("pipe1", same_on_pipe1), ("ref", ref)):
+        _module("jaxseq.convert", "to-hf", d, str(tmp_path / name))
+        tensors.append(load_file(str(tmp_path / name / "model.safetensors")))
+    assert tensors[0].keys() == tensors[1].keys() == tensors[2].keys()
+    for k in tensors[0]:
+        np.testing.assert_array_equal(tensors[0][k], tensors[1][k], err_msg=k)
+        scale = np.max(np.abs(tensors[2][k])) or 1.0
+        np.testing.assert_allclose(tensors[0][k], tensors[2][k], rtol=0, atol=1e-5 * scale, err_msg=k)
 
 
 @pytest.mark.parametrize("parallel,layers,batch,micro,message", [
