@@ -261,8 +261,22 @@ def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
 
 
 def replica_groups(rest: str) -> list[tuple[int, ...]] | None:
-    """The device groups of a collective, from its explicit ({{0,2},{1,3}}) or iota
-    ([4,2]<=[2,2,2]T(0,2,1)) replica_groups; None for another form."""
+    """The device groups of a collective, from its explicit ({{0,2},{1,3}}), iota ([4,2]<=[2,2,2]T(0,2,1))
+    or mesh (mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, optionally with device_ids=([2,2]T(1,0))) replica_groups;
+    None for another form."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}",
+                  rest)
+    if m:
+        names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group(2):
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+        ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
+        return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
     m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", rest)
     if m:
         return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
@@ -282,6 +296,7 @@ class Reduction:
 
     kind: str  # all-reduce | reduce-scatter (as the HLO names it)
     elements: int  # of its result, per device
+    shapes: tuple[tuple[int, ...], ...]  # of its floating-point results (a tuple all-reduce has several)
     groups: tuple[tuple[int, ...], ...] | None  # device groups (mesh device ids); None: not read
     in_loop: bool  # inside a while loop's body, a conditional's branch in it included
     op_name: str
@@ -304,10 +319,10 @@ def reductions(hlo_text: str) -> list[Reduction]:
             if kind not in ("all-reduce", "reduce-scatter"):
                 continue
             groups = replica_groups(ins.rest)
-            elements = sum(int(np.prod(dims, dtype=np.int64)) for dt, dims in ins.arrays() if dt.startswith(("f", "bf")))
-            if elements:
-                out.append(Reduction(kind, elements, tuple(groups) if groups else None, comp in in_loops,
-                                     _op_name(ins.rest)))
+            shapes = tuple(dims for dt, dims in ins.arrays() if dt.startswith(("f", "bf")))
+            if shapes:
+                out.append(Reduction(kind, sum(int(np.prod(d, dtype=np.int64)) for d in shapes), shapes,
+                                     tuple(groups) if groups else None, comp in in_loops, _op_name(ins.rest)))
     return out
 
 

@@ -207,12 +207,28 @@ def _varying(x, axes=("pipe", "data")):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _reduce_over_data(g, dim: int, tensor_spec: P):
+    """A gradient summed over `data`: all-reduced (dim −1), or reduce-scattered onto dimension `dim`.
+    The scatter runs manual over `tensor` too (`tensor_spec`: the gradient's split): left to the
+    partitioner, XLA gathered a tensor-split gradient whole before scattering it over `data`."""
+    if dim < 0:
+        return jax.lax.psum(g, "data")
+    scatter = lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=dim, tiled=True)
+    if "tensor" not in tensor_spec:
+        return scatter(g)
+    return jax.shard_map(scatter, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
+                         axis_names={"tensor"})(g)
+
+
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
-                           microbatches: int, inspect=None):
+                           microbatches: int, grad_specs=None, inspect=None):
     """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
-    To be called under jit with the mesh's shardings. `inspect`, if given, is called at trace time with
-    the avals of one stash slot and of every residual leaf the stash leaves out (see `stash_layout`)."""
+    To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
+    the parameters'); a leaf whose spec names `data` (the distributed optimizer's master shards) is
+    reduce-scattered over `data` onto that dimension instead of all-reduced. `inspect`, if given, is called
+    at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
+    `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
     p, v, m = sched.p, sched.v, sched.m
     k = cfg.layers // (p * v)
@@ -228,6 +244,11 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
             a, NamedSharding(mesh, P("pipe", None, None, *shard.spec(*axes[1:])))),
         to_stages(cast["layers"], p, v), layer_axes, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], str))
     others = {"embed": cast["embed"], "final_ln": cast["final_ln"]}
+    # Where each gradient is split over `data` (−1: all-reduced), as an index into the parameter's shape.
+    data_dim = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1,
+                            grad_specs if grad_specs is not None else M.param_axes(),
+                            is_leaf=lambda x: isinstance(x, (P, tuple)))
+    tensor_specs = jax.tree.map(lambda axes: shard.spec(*axes), M.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
     micro = jax.tree.map(lambda a: shard(a.reshape(m, -1, *a.shape[1:]), None, "batch", None), batch)
     key_data = jax.random.key_data(key)
     b = micro["inputs"].shape[1] // parallel.data  # one data rank's rows of a micro-batch
@@ -356,18 +377,30 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
             return carry, None
 
         carry, _ = jax.lax.scan(tick, carry, rows)
-        # The step's one data-parallel gradient reduction (Megatron's), and the embedding group's over `pipe`.
+        # The step's one data-parallel gradient reduction (Megatron's: a reduce-scatter onto the master
+        # shards under the distributed optimizer), and the embedding group's over `pipe`.
         grads = carry["grads"]
         loss = jax.lax.psum(carry["loss"], ("pipe", "data"))
-        others_grads = jax.tree.map(lambda g: jax.lax.psum(g, ("pipe", "data")), grads["others"])
-        layer_grads = jax.tree.map(lambda g: jax.lax.psum(g, "data")[None], grads["layers"])
+        others_grads = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
+                                    jax.lax.psum(_reduce_over_data(g, dim, spec), "pipe"),
+                                    grads["others"], others_dim, {"embed": tensor_specs["embed"],
+                                                                  "final_ln": tensor_specs["final_ln"]})
+        layer_grads = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
+            lambda g, dim, spec: _reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
+            grads["layers"], data_dim["layers"], tensor_specs["layers"])
         return loss, layer_grads, others_grads
 
+    # layers' gradients in the stage layout [p, v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 2
+    assert all(d != 0 for d in jax.tree.leaves(data_dim["layers"])), "layers are split over pipe, not data"
+    others_dim = {"embed": data_dim["embed"], "final_ln": data_dim["final_ln"]}
     layer_specs = jax.tree.map(lambda _: P("pipe"), stage_layers)
+    layer_grad_specs = jax.tree.map(lambda dim: P("pipe", *[None] * (dim + 1), "data") if dim >= 0 else P("pipe"),
+                                    data_dim["layers"])
+    others_specs = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), others_dim)
     fn = jax.shard_map(
         stage_program, mesh=mesh, axis_names={"pipe", "data"},
         in_specs=(layer_specs, P(), P(None, "data"), P(), P()),
-        out_specs=(P(), layer_specs, P()),
+        out_specs=(P(), layer_grad_specs, others_specs),
     )
     loss, layer_grads, other_grads = fn(stage_layers, others, micro, key_data, rows)
     grads = {"layers": from_stages(layer_grads), **other_grads}

@@ -132,7 +132,8 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
 
     With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.pipeline),
-    which makes its own compute-dtype copy; its gradients go to the master shards the same way.
+    which makes its own compute-dtype copy and returns the gradients in the master shards (one
+    reduce-scatter over `data` per step after its tick loop; an all-reduce without the distributed optimizer).
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
@@ -153,7 +154,8 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
             # under the distributed optimizer): a gather inside a tick's branch would deadlock.
             weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
             loss, grads = pipeline_loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat,
-                                                 mesh=mesh, microbatches=micro_batches)
+                                                 mesh=mesh, microbatches=micro_batches,
+                                                 grad_specs=master_specs(cfg, parallel))
             grads = to_master(grads)
         elif micro_batches == 1:
             weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)

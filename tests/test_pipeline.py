@@ -12,7 +12,7 @@ from jaxseq import hlo
 from jaxseq import model as M
 from jaxseq import pipeline as PL
 from jaxseq import train_step as T
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
@@ -158,11 +158,12 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
     """A data rank's dropout mask inside the executor (manual over `data`) equals its rows of
     jax.random.bernoulli of the global shape: the pipeline's masks are the unpipelined model's."""
     key = jax.random.key(3)
+    rows_of = jax.jit(M.bernoulli_rows, static_argnums=(1, 2))  # one compile per shape, not per op
     for shape, ranks in (((8, 5, 7), 4), ((4, 3, 16, 16), 2), ((6, 100, 300), 3)):
         full = np.asarray(jax.random.bernoulli(key, 0.9, shape))
         rows = shape[0] // ranks
         for r in range(ranks):
-            part = M.bernoulli_rows(key, 0.9, (rows, *shape[1:]), r * rows)
+            part = rows_of(key, 0.9, (rows, *shape[1:]), r * rows)
             np.testing.assert_array_equal(part, full[r * rows:(r + 1) * rows])
     # The 64-bit element index: rows beyond 2³² elements.
     hi, lo = M._mul_u32(jax.numpy.asarray([1, 5000, 2**32 - 1], jax.numpy.uint32), 3_000_000_000)
@@ -177,27 +178,68 @@ def test_no_collective_permute_inside_a_branch(devices):
     assert permutes and all("/cond/" not in line and "/ppermute" in line for line in permutes)
 
 
+def _over_data(text: str, p: int, data: int, tensor: int):
+    """(reductions inside a loop whose groups span two data ranks, reductions over the `data` groups
+    outside any loop) of a compiled program on a pipe × data × tensor mesh."""
+    ids = np.arange(p * data * tensor).reshape(p, data, tensor)
+    data_of = ids // tensor % data
+    data_groups = {tuple(int(i) for i in ids[s, :, t]) for s in range(p) for t in range(tensor)}
+    reductions = hlo.reductions(text)
+    spans_data = lambda r: r.groups is None or any(len({int(data_of.flat[i]) for i in g}) > 1 for g in r.groups)
+    return ([r for r in reductions if r.in_loop and spans_data(r)],
+            [r for r in reductions if not r.in_loop and r.groups and set(r.groups) == data_groups])
+
+
+def _elements_per_device(tree, parallel: ParallelConfig) -> int:
+    """Elements per device of the gradients of `tree` (a part of the parameters) split over pipe and tensor."""
+    sizes = {"pipe": parallel.pipe, "tensor": parallel.tensor, "data": 1, None: 1}
+    shapes, specs = M.param_shapes(CFG, parallel.tensor), T.param_specs(CFG, parallel)
+    return sum(int(np.prod(shape)) // int(np.prod([sizes[a] for a in spec]))
+               for shape, spec in zip(jax.tree.leaves(tree(shapes), is_leaf=lambda x: isinstance(x, tuple)),
+                                      jax.tree.leaves(tree(specs), is_leaf=lambda x: isinstance(x, P))))
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["interleaved-d2t2sp", "1f1b-p4-d2"])
 def test_one_data_gradient_reduction_per_step(case, devices):
     """As Megatron: the stages accumulate their gradients over the micro-batches locally and reduce them
     over `data` once per step, after the tick loop. No reduction inside the loop (a tick's branch included)
     spans two data ranks (one there would move the stage's gradients m·v times per step), and the
-    reductions over the `data` groups after it carry each of the stage's layer weights' gradients once."""
+    all-reduces over the `data` groups after it carry each of the stage's layer gradients once (the
+    embedding's and final LayerNorm's are reduced over pipe × data together)."""
     schedule, p, v, m, data, tensor, sp = case
-    reductions = hlo.reductions(_compiled(case, devices)[0].as_text())
-    data_of = np.arange(p * data * tensor).reshape(p, data, tensor) // tensor % data  # device id → data rank
-    spans_data = lambda r: r.groups is None or any(len({int(data_of.flat[i]) for i in g}) > 1 for g in r.groups)
-    assert not [r.op_name for r in reductions if r.in_loop and spans_data(r)]
-    ids = np.arange(p * data * tensor).reshape(p, data, tensor)
-    data_groups = {tuple(int(i) for i in ids[s, :, t]) for s in range(p) for t in range(tensor)}
-    reduced = sum(r.elements for r in reductions if r.groups and set(r.groups) == data_groups)
-    sizes = {"pipe": p, "tensor": tensor, None: 1}
-    stage_layers = sum(int(np.prod(shape)) // int(np.prod([sizes[a] for a in spec]))
-                       for shape, spec in zip(jax.tree.leaves(M.param_shapes(CFG, tensor)["layers"],
-                                                              is_leaf=lambda x: isinstance(x, tuple)),
-                                              jax.tree.leaves(T.param_specs(CFG, _parallel(case))["layers"],
-                                                              is_leaf=lambda x: isinstance(x, P))))
-    assert reduced == stage_layers
+    in_loop, after = _over_data(_compiled(case, devices)[0].as_text(), p, data, tensor)
+    assert not [r.op_name for r in in_loop]
+    assert {r.kind for r in after} == {"all-reduce"}
+    assert sum(r.elements for r in after) == _elements_per_device(lambda t: t["layers"], _parallel(case))
+
+
+def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
+    """The real train step with a pipeline and the distributed optimizer (p=2, data=2, tensor=2 + SP):
+    the gradients leave the executor in the master shards, reduce-scattered over `data` once per step
+    (Megatron's distributed optimizer: half an all-reduce's bytes), all-reduced only where a leaf has no
+    dimension |data| divides (kept whole by `train_step.master_specs`); nothing over `data` in the loop."""
+    parallel = ParallelConfig(2, 2, True, True, pipe=2, schedule="1f1b")
+    m = 4
+    mesh = make_mesh(parallel, devices)
+    optimizer = T.make_optimizer(OptimizerConfig())
+    shardings = T.state_shardings(CFG, parallel, optimizer, mesh)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+    _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    text = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile().as_text()
+    in_loop, after = _over_data(text, 2, 2, 2)
+    assert not [r.op_name for r in in_loop]
+    scattered = [r for r in after if r.kind == "reduce-scatter"]
+    whole = [r for r in after if r.kind == "all-reduce"]
+    master = T.master_specs(CFG, parallel)
+    split = lambda has_data: lambda t: jax.tree.map(lambda leaf, spec: leaf if ("data" in spec) == has_data else None,
+                                                    t, master, is_leaf=lambda x: isinstance(x, tuple))
+    assert sum(r.elements for r in scattered) * 2 == _elements_per_device(split(True), parallel)
+    # Layers without such a dimension (the embedding's and final LayerNorm's go over pipe × data at once).
+    # (The grad-norm's scalar partial sums may share those all-reduces: not counted.)
+    assert sum(int(np.prod(d)) for r in whole for d in r.shapes if d) == \
+        _elements_per_device(lambda t: split(False)(t)["layers"], parallel)
 
 
 def test_stash_keeps_no_weights_or_keys(devices):
