@@ -243,13 +243,14 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
     slot_avals, _ = PL.stash_layout(small, parallel, c.remat, mesh, m, micro_batch)
 
-    def is_stash_of(dt, dims, aval):  # [slots, k_c, b, …] per device; the aval is one global slot [k_c, b, …]
-        return (len(dims) == aval.ndim + 1 and dims[1:3] == (k_c, micro_batch) and hlo.array_bytes(dt, ()) ==
+    depth = sched.depths["stash"]
+
+    def is_stash_of(dt, dims, aval):  # [depth, k_c, b, …] per device; the aval is one global slot [k_c, b, …]
+        return (len(dims) == aval.ndim + 1 and dims[:3] == (depth, k_c, micro_batch) and hlo.array_bytes(dt, ()) ==
                 aval.dtype.itemsize and all(g % d == 0 for g, d in zip(aval.shape, dims[1:])))
 
     stash = [(dt, dims) for dt, dims in carry if any(is_stash_of(dt, dims, a) for a in slot_avals)]
-    slots = {dims[0] for _, dims in stash}
-    if len(stash) != len(slot_avals) or slots != {sched.depths["stash"]}:
+    if len(stash) != len(slot_avals):
         raise RuntimeError(f"the compiled tick loop's stash ({stash}) does not match one slot's residuals "
                            f"({[(a.dtype, a.shape) for a in slot_avals]}) × {sched.depths['stash']} slots")
     depths = {sched.depths["x"] + 1, sched.depths["g"] + 1}
