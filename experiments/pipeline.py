@@ -133,5 +133,241 @@ def main() -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The executor's own overhead: `python experiments/pipeline.py overhead`
+
+OVERHEAD_M = 8
+OVERHEAD_SIZES = {  # name → model overrides on the tiny preset (float32, 8 layers, selective remat)
+    "h64-s64": {},
+    "h256-s256": {"hidden": 256, "seq_len": 256},
+}
+
+
+def _dims_bytes(shape: str) -> int:
+    from jaxseq import hlo
+
+    return sum(hlo.array_bytes(dt, dims) for dt, dims in hlo.Instr("", shape, "", "").arrays())
+
+
+def dot_flops(comps, comp: str, memo=None) -> float:
+    """FLOPs of the dots `comp` runs (2 × output elements × contracted size), following fusions and calls,
+    a `while` × its known trip count, a `conditional` at its most expensive branch. Dots are the matmuls:
+    the FLOPs that matter on a GPU (elementwise work is not counted)."""
+    import re
+
+    import numpy as np
+
+    from jaxseq import hlo
+
+    memo = {} if memo is None else memo
+    if comp in memo:
+        return memo[comp]
+    shapes = {ins.name: ins.shape for ins in comps[comp]}
+    total = 0.0
+    for ins in comps[comp]:
+        if ins.opcode == "dot":
+            (_, out), = ins.arrays()
+            lhs = hlo.Instr("", shapes[ins.operands()[0]], "", "").arrays()[0][1]
+            contracting = [int(i) for i in re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1).split(",") if i]
+            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[i] for i in contracting]))
+        elif ins.opcode in ("fusion", "call"):
+            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
+        elif ins.opcode == "while":
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest)
+            total += int(n.group(1)) * dot_flops(comps, ins.attr("body"), memo) if n else float("nan")
+        elif ins.opcode == "conditional":
+            total += max(dot_flops(comps, b, memo) for b in _branches(ins))
+    memo[comp] = total
+    return total
+
+
+def _branches(ins) -> list[str]:
+    import re
+
+    return re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.rest).group(1))
+
+
+def tick_loop_anatomy(text: str, ticks: int) -> dict:
+    """What one tick runs outside its lax.switch, read from the compiled tick loop's body: bytes written per
+    tick by kind (ppermute sends, stash/receive-buffer slot writes, slot reads, gradient accumulation), and
+    the dot FLOPs of each switch branch."""
+    import re
+
+    from jaxseq import hlo
+
+    comps = hlo.parse_hlo(text)
+    loop, = [ins for instrs in comps.values() for ins in instrs if ins.opcode == "while"
+             and re.search(r'"known_trip_count":\{"n":"' + str(ticks) + r'"\}', ins.rest)]
+    body = loop.attr("body")
+    out = {"ppermute": 0, "slot_writes": 0, "slot_reads": 0, "grad_accumulation": 0, "other": 0}
+    counts = dict.fromkeys(out, 0)
+    branches = None
+    for ins in comps[body]:
+        if ins.opcode == "conditional":
+            memo = {}
+            branches = [dot_flops(comps, b, memo) for b in _branches(ins)]
+            continue
+        if ins.opcode in ("get-tuple-element", "constant", "tuple", "parameter", "copy", "bitcast"):
+            continue
+        kind, nbytes = "other", _dims_bytes(ins.shape)
+        if ins.opcode == "collective-permute":
+            kind = "ppermute"
+        elif ins.opcode == "fusion":
+            fused = comps[ins.attr("calls")]
+            ops = {i.opcode for i in fused}
+            root = fused[-1]
+            if root.opcode == "dynamic-update-slice":
+                update = {i.name: i.shape for i in fused}[root.operands()[1]]
+                kind, nbytes = "slot_writes", _dims_bytes(update)
+            elif "dynamic-slice" in ops and not ins.shape.startswith(("s32", "pred")):
+                kind = "slot_reads"
+            elif ins.shape.startswith("f") and ops & {"add"}:
+                kind = "grad_accumulation"
+        if kind == "other" and ins.shape.startswith(("s32[", "pred[", "u32[")) and nbytes <= 64:
+            continue  # the tick's index arithmetic
+        out[kind] += nbytes
+        counts[kind] += 1
+    return {"bytes_per_tick": out, "ops_per_tick": counts, "branch_dot_flops": branches}
+
+
+def overhead() -> int:
+    """The executor's own cost, three ways: (a) dot FLOPs executed (per branch × the tick table) against the
+    same micro-batches unpipelined; (b) CPU time of the compiled train step, pipelined vs pipe=1 on the same
+    batch, per tick; (c) what a tick does outside its switch branch, from the compiled HLO."""
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as PS
+
+    from jaxseq import aot
+    from jaxseq import hlo
+    from jaxseq import pipeline as PL
+    from jaxseq import train_step as T
+    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.mesh import make_mesh
+
+    devices, m, remat = jax.devices(), OVERHEAD_M, "selective"
+    results = {"micro_batch": MICRO, "microbatches": m, "remat": remat, "sizes": {},
+               "load_average_start": os.getloadavg(),
+               "units": "FLOPs per data rank (sum over stages) per step; bytes per device per tick; CPU seconds "
+                        "per step (process time, all threads; 8 simulated devices on 2 shared cores)"}
+    for size, overrides in OVERHEAD_SIZES.items():
+        cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
+        plain = ParallelConfig(2, 1, False)
+        unpiped = aot.compile_loss_and_grad(cfg, plain, remat, make_mesh(plain, devices[:2]), MICRO)
+        one_mb = dot_flops(hlo.parse_hlo(unpiped.as_text()), _entry(unpiped.as_text()))
+        rows = []
+        configs = [("pipe=1 data=2 (2 devices)", plain, devices[:2]),
+                   ("pipe=1 data=2 tensor=4", ParallelConfig(2, 4, False), devices)]
+        configs += [(f"pipe={P} data=2 {n} v={v}", ParallelConfig(2, 1, False, pipe=P, schedule=n, virtual_stages=v),
+                     devices) for n, v in SCHEDULES]
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (MICRO * m, cfg.seq_len + 1), dtype=np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        for label, parallel, devs in configs:
+            mesh = make_mesh(parallel, devs)
+            row = {"config": label}
+            if parallel.pipe > 1:
+                sched = PL.schedule_of(parallel, m, cfg.layers)
+                params, abstract_batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+                key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
+                compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, abstract_batch, key).compile()
+                text = compiled.as_text()
+                anatomy = tick_loop_anatomy(text, sched.ticks)
+                branch = anatomy["branch_dot_flops"]
+                table = PL.tick_rows(sched)[:, :, 0]  # [ticks, p]: the branch each stage takes
+                per_stage = [float(sum(branch[b] for b in table[:, s])) for s in range(sched.p)]
+                comps = hlo.parse_hlo(text)
+                everything = dot_flops(comps, _entry(text))  # the tick loop at its dearest branch × ticks
+                loop_max = sched.ticks * max(branch)
+                outside = everything - loop_max
+                cost = compiled.cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                row.update({
+                    "ticks": sched.ticks, "idle_ticks_per_stage": sched.idle_ticks, "busy_ticks_per_stage": sched.busy_ticks,
+                    "branch_dot_flops": dict(zip(("idle", "forward", "forward_first", "forward_last", "backward",
+                                                  "backward_first"), branch)),
+                    "executed_dot_flops_per_stage": per_stage,
+                    "outside_loop_dot_flops_per_device": outside,
+                    "executed_dot_flops": sum(per_stage) + sched.p * outside,
+                    "unpipelined_dot_flops": m * one_mb,
+                    "cost_analysis_flops": float(cost["flops"]),
+                    **anatomy,
+                })
+                row["flop_overhead_pct"] = 100 * (row["executed_dot_flops"] / row["unpipelined_dot_flops"] - 1)
+            # CPU time of the train step on the real batch (sgd(0): the optimizer is the same for every row).
+            opt = optax.sgd(0.0)
+            state = T.init_state(jax.random.key(0), cfg, parallel, opt, mesh)
+            step = T.make_train_step(cfg, parallel, remat, opt, mesh, micro_batches=m, donate=False)
+            jax.block_until_ready(step(state, batch, jax.random.key(1))[1])  # compile + warm up
+            cpu, wall = [], []
+            for _ in range(5):
+                c0, w0 = time.process_time(), time.perf_counter()
+                out = step(state, batch, jax.random.key(1))[1]
+                jax.block_until_ready(out)
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+            row.update({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall), "loss": float(out["loss"]),
+                        "load_average": os.getloadavg()})
+            rows.append(row)
+            print(size, json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+        base = rows[0]["cpu_s"]
+        for row in rows:
+            row["cpu_over_unpipelined"] = row["cpu_s"] / base
+            if "ticks" in row:
+                row["extra_cpu_s_per_tick"] = (row["cpu_s"] - base) / row["ticks"]
+        results["sizes"][size] = {"model": f"tiny preset, {overrides or 'h=64 s=64'}, 8 layers, float32, V=256",
+                                  "one_microbatch_dot_flops": one_mb, "rows": rows}
+    results["load_average_end"] = os.getloadavg()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "pipeline_overhead.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "pipeline_overhead.md").write_text(overhead_markdown(results))
+    print(overhead_markdown(results))
+    return 0
+
+
+def _entry(text: str) -> str:
+    from jaxseq import hlo
+
+    line = next(line for line in text.splitlines() if line.startswith("ENTRY"))
+    return line.split()[1].lstrip("%")
+
+
+def overhead_markdown(r: dict) -> str:
+    lines = [f"# Pipeline executor overhead (p={P}, data=2, m={r['microbatches']}, micro-batch {r['micro_batch']}, "
+             f"{r['remat']} remat)", "",
+             "Written by `python experiments/pipeline.py overhead`. 8 simulated CPU devices share 2 cores: the CPU "
+             "time is the total work of all stages, not a GPU step time (a GPU pipeline runs stages concurrently, and "
+             "idle ticks cost time there, not work). "
+             f"Load average: {r['load_average_start'][0]:.2f} at start, {r['load_average_end'][0]:.2f} at end.", ""]
+    for size, s in r["sizes"].items():
+        lines += [f"## {s['model']}", "",
+                  "| config | ticks | idle/stage | dot FLOPs executed / unpipelined | CPU s/step | × pipe=1 (2 dev) "
+                  "| extra CPU ms/tick | wall s | loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in s["rows"]:
+            flops = (f"{row['executed_dot_flops'] / 1e9:.4f} / {row['unpipelined_dot_flops'] / 1e9:.4f} GFLOP "
+                     f"({row['flop_overhead_pct']:+.3f}%)" if "ticks" in row else "-")
+            lines.append(f"| {row['config']} | {row.get('ticks', '-')} | {row.get('idle_ticks_per_stage', '-')} | {flops} "
+                         f"| {row['cpu_s']:.3f} | {row['cpu_over_unpipelined']:.2f} | "
+                         + (f"{1e3 * row['extra_cpu_s_per_tick']:.2f}" if "ticks" in row else "-")
+                         + f" | {row['wall_s']:.3f} | {row['loss']:.6f} |")
+        lines += ["", "What one tick does outside its switch branch (per device, from the compiled tick loop):", "",
+                  "| config | ppermute sends | stash/receive slot writes | slot reads | gradient accumulation "
+                  "| forward branch dot FLOPs | backward branch dot FLOPs |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in s["rows"]:
+            if "ticks" not in row:
+                continue
+            b, n, br = row["bytes_per_tick"], row["ops_per_tick"], row["branch_dot_flops"]
+            lines.append(f"| {row['config']} | {n['ppermute']} × = {b['ppermute'] / 1024:.1f} KiB | "
+                         f"{n['slot_writes']} = {b['slot_writes'] / 1024:.1f} KiB | {n['slot_reads']} = "
+                         f"{b['slot_reads'] / 1024:.1f} KiB | {n['grad_accumulation']} = "
+                         f"{b['grad_accumulation'] / 1024:.1f} KiB | {br['forward'] / 1e6:.2f} M | "
+                         f"{br['backward'] / 1e6:.2f} M |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(overhead() if sys.argv[1:] == ["overhead"] else main())
