@@ -2,6 +2,9 @@
 memory of the compiled program vs the number of micro-batches m, and CPU step time next to pipe=1.
 
     python experiments/pipeline.py        # writes experiments/results/pipeline.{json,txt,png} (~15 min on 2 cores)
+    python experiments/pipeline.py overhead   # the executor's own cost: pipeline_overhead.{json,md} (~17 min)
+    python experiments/pipeline.py anatomy    # one tick of GPT-3 175B's pipelined step (compiled only, ~30 s)
+    python experiments/pipeline.py report     # pipeline_overhead.md again from the json files
 
 What carries the claims: the tick counts (from the schedule tables, equal to the compiled loop's trip
 count) and the compiled memory (XLA's own accounting). Simulated devices share the machine's cores, so
@@ -371,7 +374,7 @@ def overhead_markdown(r: dict) -> str:
             b, n = row["bytes_per_tick"], row["ops_per_tick"]
             br = row["branch_dot_flops"]
             br = br if isinstance(br, dict) else dict(zip(BRANCHES, br))
-            lines.append(f"| {row['config']} | {n['ppermute']} × = {b['ppermute'] / 1024:.1f} KiB | "
+            lines.append(f"| {row['config']} | {n['ppermute']} = {b['ppermute'] / 1024:.1f} KiB | "
                          f"{n['slot_writes']} = {b['slot_writes'] / 1024:.1f} KiB | {n['slot_reads']} = "
                          f"{b['slot_reads'] / 1024:.1f} KiB | {n['grad_accumulation']} = "
                          f"{b['grad_accumulation'] / 1024:.1f} KiB ({b.get('grad_accumulation_non_layer', 0) / 1024:.1f}) | "
