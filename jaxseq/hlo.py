@@ -350,3 +350,13 @@ def traffic_bytes(c: Collective, itemsize: int) -> float:
         return 0.0
     frac = (c.group_size - 1) / c.group_size
     return (2 if c.kind == "all-reduce" else 1) * c.elements * itemsize * frac
+
+
+def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, per-device dims) of every array in the carry of the one `while` whose known trip count is
+    `trip_count` (the pipeline's tick loop: its stash and receive buffers are carry elements)."""
+    loops = [ins for instrs in parse_hlo(hlo_text).values() for ins in instrs if ins.opcode == "while"
+             and re.search(r'"known_trip_count":\{"n":"' + str(trip_count) + r'"\}', ins.rest)]
+    if len(loops) != 1:
+        raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
+    return loops[0].arrays()

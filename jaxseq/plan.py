@@ -50,6 +50,7 @@ SOURCES = (
     "embedding/logits part of the activations; activ. = stored (compiled) × L + that part; total = "
     "state + activ.")
 MIB, GIB = 2**20, 2**30
+MAX_SIMULATED_DEVICES = 1024  # pipeline × tensor: 512 (megatron-1t, p=64, t=8) compiles in ~30 s
 MEASURE_LAYERS = 2  # a scan of 2 keeps the layer loop (1 would be inlined); depth does not matter
 
 @dataclass(frozen=True)
@@ -177,6 +178,97 @@ class Compiler:
                 if c.group_size > 1 and c.elements >= shard:
                     out[c.kind] = out.get(c.kind, 0) + c.elements * itemsize
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The first pipeline stage's in-flight activations, from the compiled pipelined step
+
+PIPELINE_LAYERS_PER_CHUNK = 2  # k_c: layers per chunk the pipelined step is compiled with
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Stage 0's in-flight activations under a pipeline schedule. Compiled: the real pipeline executor
+    (`pipeline.make_loss_and_grad`) on p × t simulated devices at the plan's shapes, but with k_c layers per
+    chunk; the stash slots and their bytes are read from its tick loop's carry. Scaled: a slot holds one
+    chunk's residuals stacked [k, …], so the real k = L/(p·v) layers per chunk multiply its bytes by k/k_c."""
+
+    source: str  # what was compiled, in words
+    config: str  # the plan row whose remat policy and SP the pipelined step was compiled with
+    slots: int  # stash slots in the compiled tick loop (compiled)
+    compiled_layers_per_chunk: int  # k_c
+    layers_per_chunk: int  # k = L/(p·v)
+    compiled_stash_bytes: int  # every slot at k_c layers (compiled)
+    stash_bytes: int  # scaled to k layers: compiled_stash_bytes · k / k_c
+    receive_bytes: int  # received activation and gradient buffers (compiled; independent of k)
+    formula: str  # the paper's in-flight layers, symbolic
+    formula_layers: float
+
+    @property
+    def layers(self) -> int:
+        """Layers' worth of activations stage 0 holds: slots × k."""
+        return self.slots * self.layers_per_chunk
+
+    @property
+    def per_layer_bytes(self) -> float:
+        return self.compiled_stash_bytes / (self.slots * self.compiled_layers_per_chunk)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "layers": self.layers, "per_layer_bytes": self.per_layer_bytes}
+
+
+def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -> tuple[str, float]:
+    """The paper's layers' worth of activations on the first stage (§4.2.3 and Narayanan et al.)."""
+    return {"1f1b": ("L", float(layers)), "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
+            "gpipe": ("L·m/p", layers * m / p)}[schedule]
+
+
+def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, schedule: str, p: int, v: int,
+                       m: int) -> InFlight:
+    """Compile the pipelined step for row `c` at p stages × c.tensor and read stage 0's stash (see InFlight)."""
+    from jaxseq import pipeline as PL
+
+    k_c, k = PIPELINE_LAYERS_PER_CHUNK, cfg.layers // (p * v)
+    small = replace(cfg, layers=p * v * k_c)
+    parallel = ParallelConfig(1, c.tensor, c.sequence_parallel, pipe=p, schedule=schedule, virtual_stages=v)
+    n = parallel.num_devices
+    if len(devices) < n:
+        raise ConfigError(f"the pipelined step at pipeline={p} × tensor={c.tensor} compiles on {n} simulated "
+                          f"devices; {len(devices)} available")
+    mesh = make_mesh(parallel, devices[:n])
+    sched = PL.schedule_of(parallel, m, small.layers)
+    params, batch = aot.abstract_inputs(small, parallel, mesh, micro_batch * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    compiled = PL.make_loss_and_grad(small, parallel, c.remat, mesh, m).lower(params, batch, key).compile()
+    carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
+    slot_avals, _ = PL.stash_layout(small, parallel, c.remat, mesh, m, micro_batch)
+
+    depth = sched.depths["stash"]
+
+    def is_stash_of(dt, dims, aval):  # [depth, k_c, b, …] per device; the aval is one global slot [k_c, b, …]
+        return (len(dims) == aval.ndim + 1 and dims[:3] == (depth, k_c, micro_batch) and hlo.array_bytes(dt, ()) ==
+                aval.dtype.itemsize and all(g % d == 0 for g, d in zip(aval.shape, dims[1:])))
+
+    stash = [(dt, dims) for dt, dims in carry if any(is_stash_of(dt, dims, a) for a in slot_avals)]
+    if len(stash) != len(slot_avals):
+        raise RuntimeError(f"the compiled tick loop's stash ({stash}) does not match one slot's residuals "
+                           f"({[(a.dtype, a.shape) for a in slot_avals]}) × {sched.depths['stash']} slots")
+    depths = {sched.depths["x"] + 1, sched.depths["g"] + 1}
+    receive = [(dt, dims) for dt, dims in carry if len(dims) == 4 and dims[0] in depths
+               and dims[1] == micro_batch and dims[3] == cfg.hidden]
+    compiled_bytes = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
+    formula, formula_layers = paper_in_flight_layers(sched.name, cfg.layers, p, v, m)
+    source = (f"compiled: the pipelined {sched.name} step ({c.name}, pipe={p} × tensor={c.tensor} = {n} simulated "
+              f"devices, {k_c} layers per chunk), stash read from its tick loop; scaled ×{k}/{k_c} to {k} layers "
+              "per chunk")
+    return InFlight(source, c.name, sched.depths["stash"], k_c, k, compiled_bytes, compiled_bytes * k // k_c,
+                    sum(hlo.array_bytes(dt, dims) for dt, dims in receive), formula, formula_layers)
+
+
+def pipeline_row(rows: list[RowSpec]) -> RowSpec:
+    """The row the pipelined step is compiled for: Megatron's recommendation (TP+SP+selective), else the first."""
+    names = {c.name: c for c in rows}
+    return names.get("tp+sp+selective") or names.get("selective") or rows[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,9 +407,10 @@ class Plan:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     microbatches: int = 1
-    in_flight_layers: float = 0  # layers' worth of activations the first stage holds (schedule tables)
+    in_flight_layers: float = 0  # layers' worth of activations the first stage holds (compiled pipelined step)
     bubble: float = 0.0  # idle / busy ticks of the lock-step schedule
     paper_bubble: float = 0.0  # (p − 1)/m, or (p − 1)/(v·m) interleaved
+    in_flight: InFlight | None = None  # pipeline > 1: stage 0's stash, from the compiled pipelined step
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -330,6 +423,7 @@ class Plan:
             "pipeline": self.pipeline, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "microbatches": self.microbatches, "in_flight_layers": self.in_flight_layers,
             "bubble": self.bubble, "paper_bubble": self.paper_bubble,
+            "in_flight": self.in_flight and self.in_flight.to_json(),
             "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
@@ -369,9 +463,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
     state of L/p layers (and the embedding) and, under 1F1B, activations of p micro-batches in
     flight, i.e. L layers' worth whatever p is (the paper's §4.2.3); under the interleaved schedule
-    p·v + p − 1 chunks of L/(p·v) layers, under GPipe m micro-batches of L/p layers. The count comes from
-    the schedule's tables (`jaxseq.schedule`), the bytes per layer from the compiled layer; the pipeline
-    executor's compiled stash equals their product (tests/test_pipeline.py). `policies`: which
+    p·v + p − 1 chunks of L/(p·v) layers, under GPipe m micro-batches of L/p layers. That count is read
+    from the compiled pipelined step (`compiled_in_flight`: p × t simulated devices, `devices` must hold
+    them), the bytes per layer of each row from its compiled layer. `policies`: which
     registered policies beyond the paper's rows (default all). microbatches: m (default p).
     data = d, distributed_optimizer: the state bytes of each row (and so the budget) with the fp32
     master weights and Adam moments split d ways; the table reports both ways whatever is chosen."""
@@ -395,11 +489,19 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
         bubble, paper_bubble = sched.bubble, sched.paper_bubble
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
+    if pipeline > 1 and len(devices) < pipeline * tensor:
+        raise ConfigError(f"pipeline={pipeline} × tensor={tensor}: compiling the pipelined step needs "
+                          f"{pipeline * tensor} simulated devices; {len(devices)} available")
     compiler = Compiler(cfg, micro_batch, devices)
     s, h, a, b = cfg.seq_len, cfg.hidden, cfg.heads, micro_batch
     configs = configurations(tensor, policies)
     compiler.compile_all([k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor))
     measured = {c: compiler.measure(c) for c in configs}
+    in_flight = None
+    if pipeline > 1:
+        in_flight = compiled_in_flight(cfg, pipeline_row(configs), b, devices, schedule, pipeline, virtual_stages,
+                                       n_micro)
+        in_flight_layers = float(in_flight.layers)
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = []
     for c, m in measured.items():
@@ -423,7 +525,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     p = Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
              compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
              schedule=schedule, virtual_stages=virtual_stages, microbatches=n_micro,
-             in_flight_layers=in_flight_layers, bubble=bubble, paper_bubble=paper_bubble,
+             in_flight_layers=in_flight_layers, bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight,
              parameters_per_device=parameter_elements_per_device(stage, tensor)[0])
     return with_optimizer(p, data, distributed_optimizer)
 
@@ -538,7 +640,7 @@ def format_table(p: Plan) -> str:
                          "internals here (untagged), and no attention-probs dropout is applied")
     state = next(r for r in p.rows if r.tensor == t)
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
-                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule})")
+                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule}, compiled)")
     lines.append(
         f"whole model per device (t={t}, d={p.data}{stage}"
         f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
@@ -549,16 +651,32 @@ def format_table(p: Plan) -> str:
         f"the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
         + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU)"
            if cfg.dtype != "float32" else ""))
-    if p.pipeline > 1:
-        L, pp, v, m = cfg.layers, p.pipeline, p.virtual_stages, p.microbatches
-        formula = {"1f1b": ("L", L), "interleaved": ("L·(1 + (p−1)/(p·v))", L * (1 + (pp - 1) / (pp * v))),
-                   "gpipe": ("L·m/p", L * m / pp)}[p.schedule]
-        lines.append(
-            f"pipeline {p.schedule}: p={pp} v={v} m={m}; first stage holds {p.in_flight_layers:g} layers' activations "
-            f"(schedule tables) vs the paper's {formula[0]} = {formula[1]:g}; bubble {p.bubble:.4f} "
-            f"(idle/busy ticks) vs {'(p−1)/(v·m)' if p.schedule == 'interleaved' else '(p−1)/m'} = {p.paper_bubble:.4f}")
+    if p.in_flight is not None:
+        lines += format_in_flight(p)
     lines += ["", *format_optimizer_state(p)]
     return "\n".join(lines)
+
+
+def format_in_flight(p: Plan) -> list[str]:
+    """The first stage's in-flight activations: compiled, scaled, and the paper's formula; and the bubble."""
+    f, pp, v, m = p.in_flight, p.pipeline, p.virtual_stages, p.microbatches
+    row = p.row(f.config)
+    unit, u = _unit(f.compiled_stash_bytes, BYTES_MODEL)
+    big, bu = _unit(f.stash_bytes, BYTES_MODEL)
+    layer, lu = _unit(row.measured_bytes_per_layer, BYTES_LAYER)
+    formula = "(p−1)/(v·m)" if p.schedule == "interleaved" else "(p−1)/m"
+    return [
+        f"pipeline {p.schedule}: p={pp} v={v} m={m}, first stage's in-flight activations ({f.config}):",
+        f"  compiled  {f.slots} stash slots × {f.compiled_layers_per_chunk} layers = "
+        f"{f.compiled_stash_bytes / u:.2f} {unit} ({f.per_layer_bytes / lu:.2f} {layer} per layer; the unpipelined "
+        f"layer stores {row.measured_bytes_per_layer / lu:.2f} {layer}); received-activation/gradient buffers "
+        f"{f.receive_bytes / u:.2f} {unit}",
+        f"  scaled    to {f.layers_per_chunk} layers per chunk: {f.slots} × {f.layers_per_chunk} = {f.layers} layers' "
+        f"worth = {f.stash_bytes / bu:.2f} {big} (the activ. column: each row's stored/layer × {f.layers})",
+        f"  formula   the paper's {f.formula} = {f.formula_layers:g} layers",
+        f"  source    {f.source}",
+        f"  bubble    {p.bubble:.4f} (idle/busy ticks of the lock-step tick table) vs {formula} = {p.paper_bubble:.4f}",
+    ]
 
 
 def format_optimizer_state(p: Plan) -> list[str]:
@@ -611,8 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (default) or float32")
     p.add_argument("--pipeline", type=int, default=1,
-                   help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, "
-                        "L layers' activations under 1F1B); default 1")
+                   help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, its "
+                        "in-flight activations read from the pipelined step compiled on p × t simulated devices); "
+                        "default 1")
     p.add_argument("--data", type=int, default=1,
                    help="data-parallel size d: splits the master weights and moments with --distributed-optimizer")
     p.add_argument("--distributed-optimizer", action="store_true",
@@ -651,8 +770,12 @@ def main(argv=None) -> int:
 def _plan(args) -> int:
     cfg = resolve(args)
     validate(cfg, ParallelConfig(1, args.tensor, False), "none")
+    pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
+    if args.tensor * pipe > MAX_SIMULATED_DEVICES:
+        raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
+                          f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")
     try:
-        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor), args.preset, args.pipeline,
+        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor * pipe), args.preset, args.pipeline,
                  schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                  data=args.data, distributed_optimizer=args.distributed_optimizer)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line

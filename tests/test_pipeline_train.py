@@ -106,18 +106,20 @@ def test_cli_rejects_a_mesh_that_does_not_fit(tmp_path):
 
 def test_plan_prices_the_first_stage_by_the_schedule(devices):
     """jaxseq.plan --pipeline 2 --schedule interleaved --virtual-stages 2 --microbatches 4: the first stage
-    holds L·(1 + (p−1)/(p·v)) layers' activations (5 of 4 layers) and the bubble is (p−1)/(v·m)."""
+    holds L·(1 + (p−1)/(p·v)) layers' activations (5 of 4 layers), read from the pipelined step compiled on
+    p × t = 2 devices, and the bubble is (p−1)/(v·m)."""
     from jaxseq import plan as P
 
     cfg = replace(preset("tiny"), layers=4, dtype="float32")
-    p = P.plan(cfg, 1, 2, devices[:1], "tiny", pipeline=2, policies=["selective"], schedule="interleaved",
+    p = P.plan(cfg, 1, 2, devices[:2], "tiny", pipeline=2, policies=["selective"], schedule="interleaved",
                virtual_stages=2, microbatches=4)
     assert p.in_flight_layers == 4 * (1 + 1 / 4) == 5
     assert p.bubble == p.paper_bubble == 1 / 8
     row = p.row("selective")
     assert row.activation_bytes_per_device == 5 * row.measured_bytes_per_layer + P.non_layer_activation_bytes(
         cfg, 2, 1, False)
-    assert "first stage holds 5 layers' activations (schedule tables) vs the paper's L·(1 + (p−1)/(p·v)) = 5" in \
-        P.format_table(p)
+    text = P.format_table(p)
+    assert "scaled    to 1 layers per chunk: 5 × 1 = 5 layers' worth" in text
+    assert "formula   the paper's L·(1 + (p−1)/(p·v)) = 5 layers" in text
     with pytest.raises(ConfigError, match="not a multiple of pipe=2"):
         P.plan(cfg, 1, 2, devices[:1], pipeline=2, schedule="interleaved", virtual_stages=2, microbatches=3)

@@ -1,6 +1,7 @@
 """`python -m jaxseq.plan`: the JSON schema, Table-2 ratios at one small shape, whole-model memory
 against the compiled train step and a hand count, the budget recommendation, and one-line errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -194,6 +195,8 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     (["--preset", "tiny", "--attention", "flash"], "error: attention='flash' is not valid"),
     (["--preset", "tiny", "--tensor", "1", "--data", "0"], "error: data=0 must be a positive integer"),
     (["--preset", "tiny", "--dtype", "float16"], "error: dtype='float16' needs loss scaling"),
+    (["--preset", "gpt3-175b", "--tensor", "16", "--pipeline", "96"],
+     "error: pipeline=96 × tensor=16 = 1536 simulated devices to compile the pipelined step; at most 1024"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -201,3 +204,36 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+# (schedule, v, m) at p = 2, tensor = 4 + SP (8 devices), L = 8: k = 4, 4, 2 layers per chunk (compiled with 2).
+PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4)]
+
+
+@pytest.mark.parametrize("schedule, v, m", PIPELINED, ids=[c[0] for c in PIPELINED])
+def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v, m, small_plan):
+    """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's
+    in-flight count × k × the bytes the unpipelined layer stores (the plan's per-layer figure), and equals the
+    paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled."""
+    from jaxseq.schedule import Schedule
+
+    cfg, p = replace(CFG, layers=8), 2
+    row = P.pipeline_row(P.configurations(T, policies=[]))
+    assert (row.name, row.remat, row.sequence_parallel, row.tensor) == ("tp+sp+selective", "selective", True, T)
+    f = P.compiled_in_flight(cfg, row, B, jax.devices(), schedule, p, v, m)
+    sched, k = Schedule.make(schedule, p, m, v, cfg.layers), cfg.layers // (p * v)
+    per_layer = small_plan.row(row.name).measured_bytes_per_layer  # the unpipelined program's, at L = 4
+    assert f.slots == sched.in_flight(0) and f.layers_per_chunk == k and f.compiled_layers_per_chunk == 2
+    assert f.compiled_stash_bytes == f.slots * 2 * per_layer
+    assert f.stash_bytes == sched.in_flight(0) * k * per_layer
+    assert f.layers == f.formula_layers == {"1f1b": 8, "gpipe": 16, "interleaved": 10}[schedule]
+    act = B * CFG.seq_len * CFG.hidden * 2 // T  # one received bf16 activation shard (SP)
+    assert f.receive_bytes >= 2 * act and f.receive_bytes % act == 0
+    planned = dataclasses.replace(small_plan, config=cfg, pipeline=p, schedule=sched.name, virtual_stages=v,
+                                  microbatches=m, in_flight=f, in_flight_layers=float(f.layers),
+                                  bubble=sched.bubble, paper_bubble=sched.paper_bubble)
+    text = P.format_table(planned)
+    assert f"compiled  {f.slots} stash slots × 2 layers" in text and f"scaled    to {k} layers per chunk" in text
+    assert f"source    compiled: the pipelined {sched.name} step (tp+sp+selective, pipe=2 × tensor=4" in text
+    out = json.loads(json.dumps(planned.to_json()))["in_flight"]
+    assert out["source"].startswith("compiled:") and out["stash_bytes"] == f.stash_bytes
