@@ -362,9 +362,18 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
             slot = [buf[row[3]] for buf in carry["stash"]]
             x, g = carry["x"][row[4]], carry["g"][row[5]]
             send_x, send_g, slot, g, dw, d_others, loss = jax.lax.switch(row[0], branches, row, x, g, slot)
+            # Only the ticks whose branch has gradients touch the f32 accumulators (a read-add-write of
+            # the chunk's weight gradients on every tick, idle and forward ones included, was the
+            # executor's largest per-tick traffic: experiments/results/pipeline_overhead.md).
             grads = carry["grads"]
-            grads = {"layers": jax.tree.map(lambda a, u: a.at[row[2]].add(u), grads["layers"], dw),
-                     "others": jax.tree.map(jnp.add, grads["others"], d_others)}
+            grads = {"layers": jax.lax.cond(
+                         (row[0] == BACKWARD) | (row[0] == BACKWARD_FIRST),
+                         lambda acc: jax.tree.map(lambda a, u: a.at[row[2]].add(u), acc, dw),
+                         lambda acc: acc, grads["layers"]),
+                     "others": jax.lax.cond(
+                         (row[0] == FORWARD_LAST) | (row[0] == BACKWARD_FIRST),
+                         lambda acc: jax.tree.map(jnp.add, acc, d_others),
+                         lambda acc: acc, grads["others"])}
             got_x = jax.lax.ppermute(send_x, "pipe", [(i, (i + 1) % p) for i in range(p)])
             got_g = jax.lax.ppermute(send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
             carry = {
