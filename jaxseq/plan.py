@@ -33,6 +33,7 @@ import numpy as np
 from jaxseq import aot
 from jaxseq import cli
 from jaxseq import hlo
+from jaxseq import search as S
 from jaxseq import model as M
 from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
@@ -547,6 +548,55 @@ def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
 
 
 # ---------------------------------------------------------------------------------------------
+# What `--search` (jaxseq.search) reads from the compiled programs
+
+
+class SearchCosts:
+    """jaxseq.search's costs, measured once per (t, SP, remat) for one layer shape (any depth): the
+    training computation at micro-batch 1 (stored bytes, FLOPs, activation collectives, the
+    embedding/logits FLOPs: proportional to b) and the float32 train step at micro-batch 1 and 2 (the
+    working memory: affine in b). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
+
+    def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None):
+        self.cfg = cfg
+        self.one, self.two = Compiler(cfg, 1, devices, workers), Compiler(cfg, 2, devices, workers)
+        self.measured = dict(measured or {})
+        self._states: dict = {}
+
+    @staticmethod
+    def key(tensor: int, sequence_parallel: bool, remat: str) -> str:
+        return f"t={tensor} sp={int(sequence_parallel)} {remat}"
+
+    def prepare(self, keys) -> None:
+        rows = [RowSpec("search", remat, sp, t, None) for t, sp, remat in keys
+                if self.key(t, sp, remat) not in self.measured]
+        for c in rows:
+            validate(self.cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
+        self.one.compile_all([k for c in rows for k in self.one.programs(c)])  # grad at L=2 and 0, the step
+        self.two.compile_all([("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel) for c in rows])
+        for c in rows:
+            m = self.one.measure(c)
+            self.measured[self.key(c.tensor, c.sequence_parallel, c.remat)] = {
+                **asdict(m), "working_bytes_b2": self.two.working_bytes(c),
+                "head_flops": _flops(self.one._compile("grad", 0, "none", c.tensor, c.sequence_parallel))}
+
+    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> S.LayerCost:
+        m, b = self.measured[self.key(tensor, sequence_parallel, remat)], micro_batch
+        return S.LayerCost(
+            b * m["stored_bytes_per_layer"], b * m["flops_per_layer"], b * m["head_flops"],
+            {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
+            m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"]),
+            non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel))
+
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> S.StateCost:
+        key = (stage, tensor, data, distributed_optimizer)
+        if key not in self._states:
+            state = state_bytes(stage, tensor, data, distributed_optimizer)
+            self._states[key] = S.StateCost(state.total, parameter_elements_per_device(stage, tensor)[0], state.params)
+        return self._states[key]
+
+
+# ---------------------------------------------------------------------------------------------
 # Recommending under a memory budget
 
 
@@ -742,6 +792,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    g = p.add_argument_group("--search", "choose t, p, v, d, micro-batch, remat, SP and the distributed optimizer "
+                             "for a cluster (jaxseq/search.py states the memory and time model)")
+    g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
+    g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    g.add_argument("--hardware", default="a100", help=f"node defaults: {', '.join(S.HARDWARE)} (default a100)")
+    g.add_argument("--gpu-memory-gib", type=float, help="memory budget per GPU (default: the hardware's, 80)")
+    g.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: a100 312, h100 989)")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node; t stays within one (default 8)")
+    g.add_argument("--intra-node-gb-per-s", type=float, help="NVLink GB/s per direction per GPU (a100 300, h100 450)")
+    g.add_argument("--inter-node-gbit-per-s", type=float, help="InfiniBand Gb/s per GPU (a100 200, h100 400)")
+    g.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try (default 1,2,4,8)")
+    g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
+    g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
+                   help=f"achieved fraction of peak for the measured FLOPs (default {S.COMPUTE_EFFICIENCY}, "
+                        "calibrated on Korthikanti et al. Table 5, 175B)")
+    g.add_argument("--link-efficiency", type=float, default=S.LINK_EFFICIENCY,
+                   help=f"achieved fraction of link bandwidth (default {S.LINK_EFFICIENCY})")
+    g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
     return p
 
 
@@ -764,7 +833,34 @@ def host_devices(n: int):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return cli.run(lambda: _plan(args))
+    return cli.run(lambda: _search(args) if args.search else _plan(args))
+
+
+def search_request(args) -> S.Request:
+    """The cluster and the search space from the command line (one-line ConfigErrors)."""
+    if args.gpus is None or args.global_batch is None:
+        raise ConfigError("--search needs --gpus and --global-batch")
+    if args.hardware not in S.HARDWARE:
+        raise ConfigError(f"hardware={args.hardware!r} is not known; valid: {', '.join(S.HARDWARE)}")
+    overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops,
+                 "gpus_per_node": args.gpus_per_node, "intra_node_gb_per_s": args.intra_node_gb_per_s,
+                 "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
+    hardware = replace(S.HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
+    return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batches),
+                     S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency))
+
+
+def _search(args) -> int:
+    cfg = resolve(args)
+    validate(cfg, ParallelConfig(), "none")
+    request = search_request(args)
+    S.validate_request(cfg, request)
+    if not isinstance(args.top, int) or args.top <= 0:
+        raise ConfigError(f"top={args.top} must be a positive integer")
+    costs = SearchCosts(cfg, host_devices(max(S.tensor_sizes(request.hardware))))
+    result = S.search(cfg, request, costs, args.preset)
+    print(json.dumps(S.to_json(result, args.top), indent=1) if args.json else S.format_result(result, args.top))
+    return 0
 
 
 def _plan(args) -> int:

@@ -39,7 +39,8 @@ ALLOWED = {
     "generate": {"cli", "config", "data", "mesh", "model", "rundir"},
     "train": {"cli", "config", "data", "distributed", "loop", "mesh", "rundir"},
     "convert": {"checkpoint", "cli", "config", "hf", "mesh", "model", "rundir", "train_step"},
-    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "remat", "schedule", "train_step"},
+    "search": {"config", "formulas", "remat", "schedule"},
+    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "remat", "schedule", "search", "train_step"},
 }
 
 

@@ -1,0 +1,489 @@
+"""`python -m jaxseq.plan --search`: choose the 3D configuration for a cluster before renting it.
+
+Enumerates every valid (t, p, v, d, micro-batch b, remat policy, SP, distributed optimizer) for G GPUs
+and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
+step, drops those over the memory budget, and ranks the rest by predicted time.
+
+Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads; t·p·d = G;
+p·v divides the layers; d·b divides B, m = B/(d·b) micro-batches per step; with p > 1, m ≥ p, and the
+interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP needs t > 1, the
+distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
+m micro-batches for the same bubble, so it never wins and is not enumerated).
+
+Memory per device of the first stage (which holds the embedding and the most activations):
+  state of L/p layers + embedding (fp32 master weights, gradients, Adam moments, the compute copy; with
+  the distributed optimizer master weights and moments split d ways), from shapes
+  + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
+    `Schedule.in_flight(0)` chunks of L/(p·v) layers; L layers without a pipeline)
+  + the embedding/logits activations (shapes) + the step's working memory (compiled float32 step)
+  + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step.
+
+Time per step (a stated model; the slowest stage is the last, which also runs the logits):
+  per micro-batch on a stage: compute = (L/p · FLOPs per layer + FLOPs of embedding/logits/loss)
+      / (compute_efficiency · peak)  — FLOPs per device measured from the compiled program, recompute
+      included; + TP/SP collectives = L/p · ring traffic of the layer's collectives (compiled HLO)
+      / (link_efficiency · intra-node bandwidth); + pipeline p2p = 2·v sends of s·b·h/t activations
+      (Megatron's scatter/gather over the t ranks) / (link_efficiency · p2p bandwidth).
+  pipeline = m · per micro-batch · (1 + bubble), bubble = idle/busy ticks of the schedule
+      ((p − 1)/m, interleaved (p − 1)/(v·m)).
+  data-parallel gradient reduction after the flush: fp32 gradients of the stage's parameters, ring
+      all-reduce 2(d − 1)/d · 4N bytes, or with the distributed optimizer a reduce-scatter (d − 1)/d · 4N
+      plus the all-gather of the compute copy (d − 1)/d · 2N, / (link_efficiency · d's bandwidth).
+  Nothing overlaps (as in Megatron-LM 2021–22): TP collectives sit between the matmuls that need them,
+  p2p blocks the 1F1B step, the gradient reduction follows the pipeline flush.
+  Links: a group inside one node uses the intra-node bandwidth, otherwise the inter-node one (ranks
+  ordered tensor fastest, then data, then pipe, as Megatron-LM). Ignored: the optimizer update, the
+  tied-embedding gradient reduction between the first and last stage, kernel launch and host overheads,
+  efficiency differences between matmul shapes (one constant for all FLOPs).
+
+Per-layer programs are compiled once per (t, SP, remat) and shape, at micro-batch 1 (and the float32
+step also at 2): stored bytes, FLOPs and activation collectives are proportional to b, the working
+memory affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
+itself lives in `jaxseq.plan` (`SearchCosts`); this module is arithmetic on what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Protocol
+
+from jaxseq.config import ConfigError, ModelConfig, replace
+from jaxseq.formulas import paper_hardware_flops, train_flops
+from jaxseq.remat import POLICIES
+from jaxseq.schedule import Schedule
+
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster and the model's constants
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One node type: dense bf16 peak, memory, NVLink per direction per GPU, InfiniBand per GPU."""
+
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    gpus_per_node: int
+    intra_node_gb_per_s: float  # GB/s per direction per GPU (NVLink)
+    inter_node_gbit_per_s: float  # Gb/s per GPU (InfiniBand)
+
+    @property
+    def inter_node_gb_per_s(self) -> float:
+        return self.inter_node_gbit_per_s / 8
+
+
+# DGX A100 80 GB (NVLink 3: 600 GB/s both directions, 8× HDR 200 Gb/s) and DGX H100 (NVLink 4: 900 GB/s,
+# 8× NDR 400 Gb/s); the papers' runs are on the former.
+HARDWARE = {
+    "a100": Hardware("a100", 312.0, 80.0, 8, 300.0, 200.0),
+    "h100": Hardware("h100", 989.0, 80.0, 8, 450.0, 400.0),
+}
+
+# Achieved fraction of peak for the FLOPs XLA counts (matmuls and the elementwise rest), calibrated on
+# ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8, v = 3, 64 GPUs, batch 64, SP + selective,
+# 13.75 s per iteration); experiments/autoconfig.py recomputes it and reports the error on every other row.
+COMPUTE_EFFICIENCY = 0.623
+# Achieved fraction of a link's bandwidth by NCCL rings (stated, not fitted: nccl-tests' bus bandwidth on
+# DGX A100 is about 230–240 GB/s of NVLink's 300).
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    link_efficiency: float = LINK_EFFICIENCY
+
+
+# ---------------------------------------------------------------------------------------------
+# What the compiled programs say (supplied by jaxseq.plan.SearchCosts, or by hand in tests)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per device, one micro-batch of b sequences, for one (t, SP, remat)."""
+
+    stored_bytes: float  # per layer, kept for backward
+    flops: float  # per layer, forward + backward + recompute
+    head_flops: float  # embedding, final LayerNorm, logits and loss, forward + backward
+    collective_bytes: dict  # kind → bytes of the buffers per layer (forward + backward), activation dtype
+    working_bytes: float  # the step's transients beyond state and stored activations
+    non_layer_activation_bytes: float  # embedding/logits activations
+
+
+@dataclass(frozen=True)
+class StateCost:
+    """Per device, for one stage's layers (+ embedding)."""
+
+    total_bytes: float  # master weights + gradients + moments + compute copy
+    parameters: int  # parameter elements on the device
+    master_bytes: float  # fp32 master weights (split d ways with the distributed optimizer)
+
+
+class Costs(Protocol):
+    def prepare(self, keys: list[tuple[int, bool, str]]) -> None: ...  # compile every (t, SP, remat) at once
+    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> LayerCost: ...
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> StateCost: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The request and the candidates
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int
+    global_batch: int
+    hardware: Hardware
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    remats: tuple[str, ...] = ("none", "selective", "full")
+    time_model: TimeModel = TimeModel()
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.hardware.memory_gib * GIB
+
+
+def validate_request(cfg: ModelConfig, r: Request) -> None:
+    hw = r.hardware
+    for name, value in (("gpus", r.gpus), ("global_batch", r.global_batch), ("gpus_per_node", hw.gpus_per_node)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    for name in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gbit_per_s"):
+        if not getattr(hw, name) > 0:
+            raise ConfigError(f"{name}={getattr(hw, name)!r} must be positive")
+    if r.gpus % hw.gpus_per_node and hw.gpus_per_node % r.gpus:
+        raise ConfigError(f"gpus={r.gpus} is not a multiple of gpus_per_node={hw.gpus_per_node} "
+                          "(nor a part of one node)")
+    for b in r.micro_batches:
+        if not isinstance(b, int) or b <= 0:
+            raise ConfigError(f"micro-batch {b!r} must be a positive integer")
+    for remat in r.remats:
+        if remat not in POLICIES:
+            raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
+    tm = r.time_model
+    for name in ("compute_efficiency", "link_efficiency"):
+        if not 0 < getattr(tm, name) <= 1:
+            raise ConfigError(f"{name}={getattr(tm, name)!r} must be in (0, 1]")
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    tensor: int
+    pipe: int
+    virtual: int
+    data: int
+    micro_batch: int
+    remat: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    microbatches: int  # m = B / (d·b)
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.virtual > 1 else "1f1b"
+
+    @property
+    def family(self) -> tuple[int, int]:
+        return self.tensor, self.pipe
+
+    def label(self) -> str:
+        return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} m={self.microbatches} "
+                f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tensor_sizes(hw: Hardware) -> list[int]:
+    """t within a node: the divisors of the GPUs per node."""
+    return divisors(hw.gpus_per_node)
+
+
+def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
+    """Why no candidate of mesh family (t, p) is valid, or None if some are."""
+    if cfg.heads % t or cfg.mlp_hidden % t:
+        return f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t else f"t={t} does not divide mlp={cfg.mlp_hidden}"
+    if r.gpus % (t * p):
+        return f"t·p={t * p} does not divide {r.gpus} GPUs"
+    if cfg.layers % p:
+        return f"p={p} does not divide layers={cfg.layers}"
+    d = r.gpus // (t * p)
+    if r.global_batch % d:
+        return f"d={d} does not divide the global batch {r.global_batch}"
+    if p > 1 and all(r.global_batch % (d * b) or r.global_batch // (d * b) < p for b in r.micro_batches):
+        return f"m = B/(d·b) < p={p} for every micro-batch {list(r.micro_batches)}"
+    return None
+
+
+def families(cfg: ModelConfig, r: Request) -> list[tuple[int, int]]:
+    """Every (t, p) with t dividing a node and p dividing G/t: the grid the search reports on."""
+    return [(t, p) for t in tensor_sizes(r.hardware) if r.gpus % t == 0 for p in divisors(r.gpus // t)]
+
+
+def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
+    """Every valid configuration (see the module docstring)."""
+    out = []
+    for t, p in families(cfg, r):
+        if family_reason(cfg, r, t, p):
+            continue
+        d = r.gpus // (t * p)
+        sps = (False, True) if t > 1 and cfg.seq_len % t == 0 else (False,)
+        vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
+        for b in r.micro_batches:
+            if r.global_batch % (d * b):
+                continue
+            m = r.global_batch // (d * b)
+            if p > 1 and m < p:
+                continue
+            for v in vs:
+                if v > 1 and m % p:
+                    continue
+                for remat in r.remats:
+                    for sp in sps:
+                        for dist in ((False, True) if d > 1 else (False,)):
+                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and time of one candidate
+
+
+@lru_cache(maxsize=None)
+def schedule_figures(p: int, m: int, v: int) -> tuple[int, float]:
+    """(chunks stage 0 holds at once, bubble = idle/busy ticks) from the schedule's own tables."""
+    if p == 1:
+        return 1, 0.0
+    sched = Schedule.make("interleaved" if v > 1 else "1f1b", p, m, v)
+    return sched.in_flight(0), sched.bubble
+
+
+@dataclass(frozen=True)
+class Memory:
+    state_bytes: float
+    activation_bytes: float  # stored per layer × layers in flight + the embedding/logits part
+    working_bytes: float
+    accumulator_bytes: float
+    in_flight_layers: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes + self.working_bytes + self.accumulator_bytes
+
+
+def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
+    held, _ = schedule_figures(c.pipe, c.microbatches, c.virtual)
+    in_flight_layers = cfg.layers if c.pipe == 1 else held * cfg.layers // (c.pipe * c.virtual)
+    activations = layer.stored_bytes * in_flight_layers + layer.non_layer_activation_bytes
+    accumulator = state.master_bytes if c.pipe == 1 and c.microbatches > 1 else 0.0
+    return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers)
+
+
+def ring_traffic(kind: str, nbytes: float, group: int) -> float:
+    """Bytes each device sends in a ring collective over `group` devices on a buffer of `nbytes`."""
+    if group <= 1:
+        return 0.0
+    return (2 if kind == "all-reduce" else 1) * nbytes * (group - 1) / group
+
+
+@dataclass(frozen=True)
+class Time:
+    """Seconds per step, and the parts (compute, tp, p2p include their share of the bubble)."""
+
+    compute_s: float
+    tp_s: float
+    p2p_s: float
+    bubble_s: float  # of compute + tp + p2p: the idle ticks
+    dp_s: float
+    bubble: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s
+
+
+def links(c: Candidate, hw: Hardware) -> dict[str, float]:
+    """Bandwidth (GB/s) each group's collectives see: inside a node if the group's ranks fit in one
+    (tensor fastest, then data, then pipe)."""
+    intra, inter = hw.intra_node_gb_per_s, hw.inter_node_gb_per_s
+    n = hw.gpus_per_node
+    return {"tensor": intra if c.tensor <= n else inter,
+            "data": intra if c.tensor * c.data <= n else inter,
+            "pipe": intra if c.tensor * c.data * c.pipe <= n else inter}
+
+
+def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
+              tm: TimeModel) -> Time:
+    layers = cfg.layers // c.pipe
+    bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
+    compute = (layers * layer.flops + layer.head_flops) / (tm.compute_efficiency * hw.peak_tflops * 1e12)
+    tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
+    itemsize = {"bfloat16": 2, "float32": 4}[cfg.dtype]
+    message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
+    p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
+    _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual)
+    m = c.microbatches
+    n = state.parameters
+    if c.distributed_optimizer:
+        dp_bytes = ring_traffic("reduce-scatter", 4 * n, c.data) + ring_traffic("all-gather", itemsize * n, c.data)
+    else:
+        dp_bytes = ring_traffic("all-reduce", 4 * n, c.data)
+    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p) * bubble, dp_bytes / bw["data"], bubble)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    candidate: Candidate
+    memory: Memory
+    time: Time
+    model_tflops_per_gpu: float  # model FLOPs per step (no recompute) / step time / GPUs
+    mfu: float
+    fits: bool
+
+    def to_json(self) -> dict:
+        c, mem, t = self.candidate, self.memory, self.time
+        return {**asdict(c), "schedule": c.schedule,
+                "memory_gib": {"total": mem.total_bytes / GIB, "state": mem.state_bytes / GIB,
+                               "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
+                               "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers},
+                "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
+                           "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s},
+                "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
+                "fits": self.fits}
+
+
+def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
+    mem = memory(cfg, c, layer, state)
+    t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
+    tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
+    return Evaluated(c, mem, t, tflops, tflops / r.hardware.peak_tflops, mem.total_bytes <= r.budget_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class Result:
+    model: str
+    config: ModelConfig
+    request: Request
+    ranked: list[Evaluated]  # those that fit, fastest first
+    evaluated: int
+    rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "reason"}
+    compiled: int = 0  # (t, SP, remat) measured
+
+    def rank_of(self, match) -> int | None:
+        """1-based rank of the first fitting configuration `match(candidate)` accepts, or None."""
+        return next((i + 1 for i, e in enumerate(self.ranked) if match(e.candidate)), None)
+
+
+def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") -> Result:
+    """Every valid configuration, evaluated; ConfigError (one line) when none fits."""
+    validate_request(cfg, r)
+    candidates = enumerate_candidates(cfg, r)
+    reasons = {f: family_reason(cfg, r, *f) for f in families(cfg, r)}
+    if not candidates:
+        raise ConfigError(f"no valid configuration of {r.gpus} GPUs for {model}: "
+                          + "; ".join(sorted(set(filter(None, reasons.values())))[:3]))
+    keys = sorted({(c.tensor, c.sequence_parallel, c.remat) for c in candidates})
+    costs.prepare(keys)
+    evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
+    ranked = sorted((e for e in evaluated if e.fits), key=lambda e: (e.time.total_s, e.memory.total_bytes, e.candidate))
+    rejected = []
+    for f, reason in reasons.items():
+        if reason is None:
+            fam = [e for e in evaluated if e.candidate.family == f]
+            if any(e.fits for e in fam):
+                continue
+            least = min(fam, key=lambda e: e.memory.total_bytes)
+            reason = (f"over memory: least {least.memory.total_bytes / GIB:.1f} GiB > {r.hardware.memory_gib:g} GiB "
+                      f"({least.candidate.label()})")
+        rejected.append({"tensor": f[0], "pipe": f[1], "data": r.gpus // (f[0] * f[1]), "reason": reason})
+    if not ranked:
+        least = min(evaluated, key=lambda e: e.memory.total_bytes)
+        raise ConfigError(f"no configuration of {model} fits in {r.hardware.memory_gib:g} GiB per GPU on {r.gpus} GPUs: "
+                          f"the least memory is {least.memory.total_bytes / GIB:.1f} GiB ({least.candidate.label()})")
+    return Result(model, cfg, r, ranked, len(evaluated), rejected, len(keys))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def format_result(res: Result, top: int = 10) -> str:
+    cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
+    lines = [
+        f"{res.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
+        f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
+        f"NVLink {hw.intra_node_gb_per_s:g} GB/s, IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
+        f"time model: compute at {tm.compute_efficiency:g} of peak (FLOPs measured per layer, recompute included), "
+        f"links at {tm.link_efficiency:g} of bandwidth, nothing overlapped; memory of the first pipeline stage",
+        f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} (t, SP, remat) measured "
+        f"from compiled programs",
+        "",
+        f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
+        f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}",
+    ]
+    for i, e in enumerate(res.ranked[:top]):
+        c, t = e.candidate, e.time
+        lines.append(
+            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.data:>4} {c.micro_batch:>2} {c.microbatches:>5} "
+            f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
+            f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
+            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}")
+    lines += ["", "TFLOP/s: model FLOPs per GPU (72·B·s·L·h²·(1 + s/(6h) + V/(12hL)), no recompute) / predicted step time; "
+                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share"]
+    if res.rejected_families:
+        lines += ["", "mesh families (t, p) with no configuration that fits:"]
+        lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
+    return "\n".join(lines)
+
+
+def to_json(res: Result, top: int = 10) -> dict:
+    r = res.request
+    return {
+        "model": res.model, "hidden": res.config.hidden, "heads": res.config.heads, "layers": res.config.layers,
+        "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
+        "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
+        "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
+        "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
+        "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
+        "ranked": [e.to_json() for e in res.ranked[:top]],
+        "rejected_families": res.rejected_families,
+    }
+
+
+def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float, accounting: str) -> float:
+    """TFLOP/s per GPU as a paper counts it: `model` (Korthikanti's MFU numerator) or `full`
+    (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute)."""
+    flops = (paper_hardware_flops(batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size, "full")
+             if accounting == "full" else train_flops(cfg, batch))
+    return flops / seconds / gpus / 1e12
+
+
+def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs, seconds: float) -> float:
+    """The compute efficiency that makes candidate c's predicted step time equal `seconds` (the model
+    is linear in 1/efficiency: time = compute·(1 + bubble)/eff + the rest)."""
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
+    at_one = step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=1.0))
+    compute = at_one.compute_s * (1 + at_one.bubble)
+    rest = at_one.total_s - compute
+    if seconds <= rest:
+        raise ConfigError(f"{seconds:g} s is less than the non-compute time {rest:.3f} s: cannot calibrate")
+    return compute / (seconds - rest)
+
+
+def parse_list(text: str, kind=int) -> tuple:
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
