@@ -567,21 +567,28 @@ class SearchCosts:
     def key(tensor: int, sequence_parallel: bool, remat: str) -> str:
         return f"t={tensor} sp={int(sequence_parallel)} {remat}"
 
-    def prepare(self, keys) -> None:
-        rows = [RowSpec("search", remat, sp, t, None) for t, sp, remat in keys
-                if self.key(t, sp, remat) not in self.measured]
+    def prepare(self, keys, micro_batches=(1, 2)) -> None:
+        rows = [RowSpec("search", remat, sp, t, None) for t, sp, remat in keys]
         for c in rows:
             validate(self.cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
-        self.one.compile_all([k for c in rows for k in self.one.programs(c)])  # grad at L=2 and 0, the step
-        self.two.compile_all([("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel) for c in rows])
-        for c in rows:
-            m = self.one.measure(c)
-            self.measured[self.key(c.tensor, c.sequence_parallel, c.remat)] = {
-                **asdict(m), "working_bytes_b2": self.two.working_bytes(c),
+        name = lambda c: self.key(c.tensor, c.sequence_parallel, c.remat)
+        todo = [c for c in rows if name(c) not in self.measured]
+        # The working memory at b = 2 too, unless b = 1 is all that is asked for.
+        affine = [c for c in rows if max(micro_batches) > 1 and self.measured.get(name(c), {}).get("working_bytes_b2") is None]
+        self.one.compile_all([k for c in todo for k in self.one.programs(c)])  # grad at L=2 and 0, the step
+        self.two.compile_all([("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel) for c in affine])
+        for c in todo:
+            self.measured[name(c)] = {
+                **asdict(self.one.measure(c)), "working_bytes_b2": None,
                 "head_flops": _flops(self.one._compile("grad", 0, "none", c.tensor, c.sequence_parallel))}
+        for c in affine:
+            self.measured[name(c)]["working_bytes_b2"] = self.two.working_bytes(c)
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> S.LayerCost:
         m, b = self.measured[self.key(tensor, sequence_parallel, remat)], micro_batch
+        if b > 1 and m["working_bytes_b2"] is None:
+            self.prepare([(tensor, sequence_parallel, remat)], (b,))  # measured at b = 1 only so far
+            m = self.measured[self.key(tensor, sequence_parallel, remat)]
         return S.LayerCost(
             b * m["stored_bytes_per_layer"], b * m["flops_per_layer"], b * m["head_flops"],
             {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
@@ -805,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-gbit-per-s", type=float, help="InfiniBand Gb/s per GPU (a100 200, h100 400)")
     g.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try (default 1,2,4,8)")
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
+    g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
                    help=f"achieved fraction of peak for the measured FLOPs (default {S.COMPUTE_EFFICIENCY}, "
                         "calibrated on Korthikanti et al. Table 5, 175B)")
@@ -847,7 +855,8 @@ def search_request(args) -> S.Request:
                  "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(S.HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
     return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batches),
-                     S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency))
+                     S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency),
+                     S.parse_list(args.tensor_sizes) if args.tensor_sizes else None)
 
 
 def _search(args) -> int:
@@ -857,7 +866,7 @@ def _search(args) -> int:
     S.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
-    costs = SearchCosts(cfg, host_devices(max(S.tensor_sizes(request.hardware))))
+    costs = SearchCosts(cfg, host_devices(max(S.tensor_sizes(request))))
     result = S.search(cfg, request, costs, args.preset)
     print(json.dumps(S.to_json(result, args.top), indent=1) if args.json else S.format_result(result, args.top))
     return 0

@@ -124,7 +124,7 @@ class StateCost:
 
 
 class Costs(Protocol):
-    def prepare(self, keys: list[tuple[int, bool, str]]) -> None: ...  # compile every (t, SP, remat) at once
+    def prepare(self, keys: list[tuple[int, bool, str]], micro_batches: tuple[int, ...]) -> None: ...  # compile all at once
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> LayerCost: ...
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> StateCost: ...
 
@@ -141,6 +141,7 @@ class Request:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     remats: tuple[str, ...] = ("none", "selective", "full")
     time_model: TimeModel = TimeModel()
+    tensor_sizes: tuple[int, ...] | None = None  # None: every divisor of the GPUs per node
 
     @property
     def budget_bytes(self) -> float:
@@ -164,6 +165,9 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for remat in r.remats:
         if remat not in POLICIES:
             raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
+    for t in r.tensor_sizes or ():
+        if not isinstance(t, int) or t <= 0 or hw.gpus_per_node % t:
+            raise ConfigError(f"tensor size {t!r} must divide gpus_per_node={hw.gpus_per_node}")
     tm = r.time_model
     for name in ("compute_efficiency", "link_efficiency"):
         if not 0 < getattr(tm, name) <= 1:
@@ -199,9 +203,9 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def tensor_sizes(hw: Hardware) -> list[int]:
-    """t within a node: the divisors of the GPUs per node."""
-    return divisors(hw.gpus_per_node)
+def tensor_sizes(r: Request) -> list[int]:
+    """t within a node: the divisors of the GPUs per node (or those the request names)."""
+    return sorted(r.tensor_sizes) if r.tensor_sizes else divisors(r.hardware.gpus_per_node)
 
 
 def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
@@ -222,7 +226,7 @@ def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
 
 def families(cfg: ModelConfig, r: Request) -> list[tuple[int, int]]:
     """Every (t, p) with t dividing a node and p dividing G/t: the grid the search reports on."""
-    return [(t, p) for t in tensor_sizes(r.hardware) if r.gpus % t == 0 for p in divisors(r.gpus // t)]
+    return [(t, p) for t in tensor_sizes(r) if r.gpus % t == 0 for p in divisors(r.gpus // t)]
 
 
 def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
@@ -394,7 +398,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
         raise ConfigError(f"no valid configuration of {r.gpus} GPUs for {model}: "
                           + "; ".join(sorted(set(filter(None, reasons.values())))[:3]))
     keys = sorted({(c.tensor, c.sequence_parallel, c.remat) for c in candidates})
-    costs.prepare(keys)
+    costs.prepare(keys, r.micro_batches)
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
     ranked = sorted((e for e in evaluated if e.fits), key=lambda e: (e.time.total_s, e.memory.total_bytes, e.candidate))
     rejected = []
