@@ -592,7 +592,7 @@ class SearchCosts:
         return S.LayerCost(
             b * m["stored_bytes_per_layer"], b * m["flops_per_layer"], b * m["head_flops"],
             {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
-            m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"]),
+            m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
             non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel))
 
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> S.StateCost:
