@@ -583,6 +583,7 @@ class SearchCosts:
                 "head_flops": _flops(self.one._compile("grad", 0, "none", c.tensor, c.sequence_parallel))}
         for c in affine:
             self.measured[name(c)]["working_bytes_b2"] = self.two.working_bytes(c)
+        self.one._cache.clear(), self.two._cache.clear()  # the numbers are read: free the executables' memory
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> S.LayerCost:
         m, b = self.measured[self.key(tensor, sequence_parallel, remat)], micro_batch
