@@ -215,4 +215,5 @@ def test_memory_is_the_compiled_steps(candidate, costs):
     predicted = S.memory(F32, c, layer, state).total_bytes
     parallel = ParallelConfig(c.data, c.tensor, c.sequence_parallel, c.distributed_optimizer, pipe=c.pipe)
     compiled = compiled_step_bytes(parallel, c.microbatches, c.data * c.micro_batch * c.microbatches)
+    print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
     assert abs(predicted / compiled - 1) <= 0.05, (predicted, compiled)
