@@ -40,7 +40,8 @@ ALLOWED = {
     "train": {"cli", "config", "data", "distributed", "loop", "mesh", "rundir"},
     "convert": {"checkpoint", "cli", "config", "hf", "mesh", "model", "rundir", "train_step"},
     "search": {"config", "formulas", "remat", "schedule"},
-    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "remat", "schedule", "search", "train_step"},
+    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "pipeline", "remat", "schedule", "search",
+             "train_step"},
 }
 
 

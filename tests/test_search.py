@@ -3,7 +3,7 @@ the hand computation, the memory prediction is the compiled train step's (with a
 and bad requests answer in one line.
 
 Not held to 5%: jaxseq's own pipelined step, whose executor keeps buffers the model leaves out
-(1.46× the prediction for p=2 at this shape: README, "Choosing the configuration")."""
+(1.44× the prediction for p=2 at this shape: README, "Choosing the configuration")."""
 
 import itertools
 
