@@ -241,14 +241,16 @@ class Gather:
     op_name: str  # the JAX op it came from, "?" when the HLO does not say
 
 
+def _loop_bodies(comps) -> set[str]:
+    """Every computation a while loop's body runs (its callees and conditional branches included)."""
+    return {c for instrs in comps.values() for ins in instrs if ins.opcode == "while"
+            for c in _called(comps, ins.attr("body"))}
+
+
 def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
     """Every floating-point all-gather over groups of `group_size` devices, and whether it runs in a loop."""
     comps = parse_hlo(hlo_text)
-    in_loops = set()
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "while":
-                in_loops.update(_called(comps, ins.attr("body")))
+    in_loops = _loop_bodies(comps)
     out = []
     for comp, instrs in comps.items():
         for ins in instrs:
@@ -307,11 +309,7 @@ def reductions(hlo_text: str) -> list[Reduction]:
     loop (so that a caller can tell, say, the `data`-axis gradient reductions inside a pipeline's tick loop
     from those after it)."""
     comps = parse_hlo(hlo_text)
-    in_loops = set()
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "while":
-                in_loops.update(_called(comps, ins.attr("body")))
+    in_loops = _loop_bodies(comps)
     out = []
     for comp, instrs in comps.items():
         for ins in instrs:
