@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
 COMPUTE_DTYPES = ("bfloat16", "float32")
+ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes per element of each compute dtype
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,11 @@ class ModelConfig:
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the compute dtype (activations, the weight copy)."""
+        return ITEMSIZE[self.dtype]
 
     @property
     def mlp_hidden(self) -> int:

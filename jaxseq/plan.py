@@ -169,7 +169,7 @@ class Compiler:
         activation dtype: XLA:CPU computes bf16 collectives in f32, so HLO byte counts would be
         doubled; elements × itemsize is what a GPU moves. Parameter-gradient reductions (LayerNorm
         weights under SP, a few h elements) are left out: smaller than one activation shard."""
-        itemsize = _itemsize(self.cfg)
+        itemsize = self.cfg.itemsize
         shard = self.b * self.cfg.seq_len * self.cfg.hidden // tensor
         out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
         if tensor == 1:
@@ -276,10 +276,6 @@ def pipeline_row(rows: list[RowSpec]) -> RowSpec:
 # Whole-model bytes per device
 
 
-def _itemsize(cfg: ModelConfig) -> int:
-    return {"bfloat16": 2, "float32": 4}[cfg.dtype]
-
-
 def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
     """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
     the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
@@ -300,7 +296,7 @@ class _Leaf:
     def copy_bytes(self, cfg: ModelConfig) -> int:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
         parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf."""
-        e = _itemsize(cfg)
+        e = cfg.itemsize
         if self.sharded:
             return self.elements * (e if self.cast else 4)
         return self.elements * e if self.cast and cfg.dtype != "float32" else 0
@@ -324,7 +320,7 @@ def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool) 
     """Activations outside the layers, from shapes (the paper's §4.3 terms): the embedding dropout
     mask (1 byte), the final LayerNorm's input and its f32 mean/rstd, the logits matmul's input
     (sequence-sharded under SP), and the float32 logits the cross-entropy keeps, 4·s·b·V/t."""
-    s, h, e = cfg.seq_len, cfg.hidden, _itemsize(cfg)
+    s, h, e = cfg.seq_len, cfg.hidden, cfg.itemsize
     per_token = (1 if cfg.dropout > 0 else 0) * h + e * h + 8 + e * h
     return s * b * per_token // (tensor if sp else 1) + 4 * s * b * cfg.padded_vocab(tensor) // tensor
 
@@ -583,7 +579,9 @@ class SearchCosts:
                 "head_flops": _flops(self.one._compile("grad", 0, "none", c.tensor, c.sequence_parallel))}
         for c in affine:
             self.measured[name(c)]["working_bytes_b2"] = self.two.working_bytes(c)
-        self.one._cache.clear(), self.two._cache.clear()  # the numbers are read: free the executables' memory
+        # The numbers are read: free the executables' memory.
+        self.one._cache.clear()
+        self.two._cache.clear()
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> S.LayerCost:
         m, b = self.measured[self.key(tensor, sequence_parallel, remat)], micro_batch

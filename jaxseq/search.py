@@ -327,7 +327,7 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
     compute = (layers * layer.flops + layer.head_flops) / (tm.compute_efficiency * hw.peak_tflops * 1e12)
     tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
-    itemsize = {"bfloat16": 2, "float32": 4}[cfg.dtype]
+    itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
     _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual)
