@@ -4,6 +4,7 @@
     python experiments/throughput.py issue --baseline DIR   # … interleaved with another checkout (A B A B …)
     python experiments/throughput.py grid                   # dtype × remat × mesh × attention
     python experiments/throughput.py default                # `python -m jaxseq.train` (shortened to 200 steps)
+    python experiments/throughput.py ceiling --baseline DIR # the issue's run with the attention deleted: an upper bound
     python experiments/throughput.py report                 # results/throughput_tables.md from the JSON files
 
 Every measurement runs the real command (`python -m jaxseq.train …`, the loop with its data, metrics,
@@ -208,9 +209,13 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
     }
 
 
-def child(argv: list[str], profile: bool) -> dict:
+def child(argv: list[str], profile: bool, without_attention: bool = False) -> dict:
     import jax
 
+    if without_attention:  # the ceiling: each layer's attention replaced by its values (no QKᵀ, softmax, ×V)
+        from jaxseq import model
+
+        model.attention = lambda q, k, v, *args, **kwargs: v
     clock = StepClock()
     from jaxseq import train
 
@@ -259,10 +264,11 @@ def child(argv: list[str], profile: bool) -> dict:
 # The parent: runs children (optionally against another checkout), interleaved
 
 
-def run_child(argv: list[str], code: Path, profile: bool = False) -> dict:
+def run_child(argv: list[str], code: Path, profile: bool = False, without_attention: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code))
     cmd = [sys.executable, str(Path(__file__).resolve()), "child", "--code", str(code)]
     cmd += ["--profile"] if profile else []
+    cmd += ["--without-attention"] if without_attention else []
     cmd += ["--", *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(code))
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -304,6 +310,39 @@ def issue(args) -> dict:
             cpu = out["medians"][f"baseline/{dtype}"]["cpu_s_per_step"] / out["medians"][f"new/{dtype}"]["cpu_s_per_step"]
             out["medians"][f"cpu_speedup/{dtype}"] = cpu
             print(f"{dtype}: new / baseline tokens/s (medians) = {ratio:.3f}; baseline / new CPU s per step = {cpu:.3f}")
+    return out
+
+
+def ceiling(args) -> dict:
+    """How fast the issue's run could get by removing work from the attention alone: the same command
+    with each layer's attention replaced by its values (`attention(q, k, v) = v`: no QKᵀ, mask, softmax
+    or ×V, forward, replay or backward), interleaved with the code as it is and the baseline. Not a
+    model anyone should train: an upper bound on what any attention kernel (causal block skipping,
+    other layouts) could buy on this CPU."""
+    runs = {"new": (ROOT, False), "new_without_attention": (ROOT, True)}
+    if args.baseline:
+        runs["baseline"] = (Path(args.baseline).resolve(), False)
+    out = {"command": " ".join(sys.argv), "issue_args": ISSUE_ARGS, "rounds": []}
+    for r in range(args.rounds):
+        for dtype in args.dtypes:
+            for name, (code, without) in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
+                res = run_child(ISSUE_ARGS + ["--dtype", dtype], code, without_attention=without)
+                res.update(code=name, dtype=dtype, round=r)
+                out["rounds"].append(res)
+                print(f"round {r} {name:22s} {dtype:8s} {_summary(res)}", flush=True)
+    out["medians"] = {}
+    for dtype in args.dtypes:
+        for name in runs:
+            xs = [x for x in out["rounds"] if x["code"] == name and x["dtype"] == dtype]
+            out["medians"][f"{name}/{dtype}"] = {k: statistics.median(x[k] for x in xs)
+                                                 for k in ("tokens_per_sec", "cpu_s_per_step")}
+        top = out["medians"][f"new_without_attention/{dtype}"]
+        for name in (n for n in runs if n != "new_without_attention"):
+            ref = out["medians"][f"{name}/{dtype}"]
+            ratio = top["tokens_per_sec"] / ref["tokens_per_sec"]
+            out["medians"][f"ceiling_over_{name}/{dtype}"] = ratio
+            print(f"{dtype}: without attention / {name} tokens/s (medians) = {ratio:.3f}, "
+                  f"CPU s per step {ref['cpu_s_per_step'] / top['cpu_s_per_step']:.3f}")
     return out
 
 
@@ -414,7 +453,7 @@ def report(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("issue", "grid", "default", "report", "child"))
+    p.add_argument("mode", choices=("issue", "ceiling", "grid", "default", "report", "child"))
     p.add_argument("--baseline", help="issue: another checkout to interleave with (its root, used as PYTHONPATH)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -422,18 +461,19 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="also profile the compiled step (op categories)")
     p.add_argument("--out", help="JSON output (default experiments/results/throughput_MODE.json)")
     p.add_argument("--code", help=argparse.SUPPRESS)
+    p.add_argument("--without-attention", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[: len(argv) - len(rest) - (1 if "--" in argv else 0)])
     args.argv = rest
     if args.mode == "child":
         sys.path.insert(0, args.code)
-        print("RESULT " + json.dumps(child(args.argv, args.profile)), flush=True)
+        print("RESULT " + json.dumps(child(args.argv, args.profile, args.without_attention)), flush=True)
         return 0
     if args.mode == "report":
         report(args)
         return 0
-    result = {"issue": issue, "grid": grid, "default": default}[args.mode](args)
+    result = {"issue": issue, "ceiling": ceiling, "grid": grid, "default": default}[args.mode](args)
     result["load_average_end"] = os.getloadavg()
     out = Path(args.out) if args.out else RESULTS / f"throughput_{args.mode}.json"
     out.write_text(json.dumps(result, indent=1))
