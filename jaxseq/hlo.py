@@ -324,6 +324,30 @@ def reductions(hlo_text: str) -> list[Reduction]:
     return out
 
 
+@dataclass(frozen=True)
+class Dot:
+    """One dot of a compiled program (a fused one included), with the element types it computes in."""
+
+    operands: tuple[str, str]  # element types of its two operands, as the dot itself takes them
+    result: str
+    batched: bool  # has batch dimensions (attention's QKᵀ and scores × V)
+    op_name: str
+
+
+def dots(hlo_text: str) -> list[Dot]:
+    """Every dot of a compiled program. Why the operands' types: a bf16 matmul that XLA runs by first
+    converting its operands to float32 (XLA:CPU's plain bf16 dots) shows f32 operands here."""
+    out = []
+    for instrs in parse_hlo(hlo_text).values():
+        types = {ins.name: ins.arrays()[0][0] for ins in instrs if not ins.shape.startswith("(") and ins.arrays()}
+        for ins in instrs:
+            if ins.opcode == "dot":
+                a, b = ins.operands()[:2]
+                out.append(Dot((types.get(a), types.get(b)), ins.arrays()[0][0], "lhs_batch_dims" in ins.rest,
+                               _op_name(ins.rest)))
+    return out
+
+
 def _group_size(rest: str) -> int:
     groups = re.search(r"replica_groups=\{\{([0-9,]+)\}", rest)
     if groups:

@@ -88,6 +88,12 @@ class Sharder:
     def rules(self) -> dict[str, str | None]:
         return logical_rules(self.sequence_parallel)
 
+    @property
+    def platform(self) -> str:
+        """Where the program runs ("cpu", "gpu", "tpu"): the mesh's devices, the default backend without
+        a mesh. The model writes its bf16 matmuls for it (`model.matmul`)."""
+        return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+
     def spec(self, *axes: str | None) -> P:
         return logical_to_spec(axes, self.rules)
 

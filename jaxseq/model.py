@@ -301,6 +301,83 @@ def bernoulli_rows(key, p: float, shape, first_row):
 
 
 # ---------------------------------------------------------------------------------------------
+# Matmuls: bf16 operands, float32 accumulation, one rounding of the output
+
+
+def matmul(spec: str, x, w, platform: str):
+    """jnp.einsum(spec, x, w) for activations x times a weight w, written for the platform so that a
+    bf16 matmul runs as one.
+
+    A bf16 GEMM accumulates in float32 and rounds its output once; cuBLAS runs a plain bf16 einsum so,
+    and off CPU this is just that einsum. XLA:CPU instead runs every plain bf16 dot (forward and both
+    backward) by converting its operands to float32: float32 speed, plus the converts. Asked for a
+    float32 result, the same dot runs natively (AVX512-BF16, AMX): twice the float32 rate here
+    (docs/DESIGN.md, "Throughput"). So on CPU a bf16 matmul is that dot and one rounding, under a
+    custom VJP whose two backward dots are written the same way. The numbers are the same (a bf16
+    product is exact in float32; only the order of the float32 sums may differ), and so is what a
+    layer stores: JAX's dot policies cannot see a dot inside a custom VJP, so its output carries the
+    name R.MATMUL, which the `dots` policies save too."""
+    if platform != "cpu" or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        return jnp.einsum(spec, x, w)
+    (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    if set(xs) & set(ws) & set(out) or not set(xs) <= set(ws + out) or not set(ws) <= set(xs + out):
+        raise ValueError(f"matmul {spec!r}: not activations × weight (a batch index, or one summed within an operand)")
+    return checkpoint_name(_matmul_f32_accumulated(spec, x, w), R.MATMUL)
+
+
+def _transposed(x, perm):
+    """x transposed by perm, as its own op: an optimization barrier keeps XLA from folding the transpose
+    into the dot that consumes it (or, for a result, produces it)."""
+    return x if list(perm) == sorted(perm) else jax.lax.optimization_barrier(jnp.transpose(x, perm))
+
+
+def _dot_rounded(spec: str, a, b, dtype):
+    """einsum(spec, a, b) (no batch indices) accumulated in float32 and rounded to dtype, written as a
+    dot of [m, k] × [k, n] operands: the form XLA:CPU's bf16 kernels (YNNPACK) take, while its generic
+    dot kernel runs no bf16 × bf16 → f32 dot at all. Left to itself, XLA folds a weight gradient's
+    transposes into its dot, which then fails to run ("Unsupported element type for DotThunk")."""
+    (sa, sb), so = spec.split("->")[0].split(","), spec.split("->")[1]
+    contract = [i for i in sa if i in sb]
+    m, n = [i for i in sa if i not in sb], [i for i in sb if i not in sa]
+    a = _transposed(a, [sa.index(i) for i in m + contract])
+    b = _transposed(b, [sb.index(i) for i in contract + n])
+    k = tuple(range(len(contract)))
+    y = jax.lax.dot_general(a, b, ((tuple(len(m) + i for i in k), k), ((), ())), preferred_element_type=jnp.float32)
+    perm = [(m + n).index(i) for i in so]
+    y = y.astype(dtype)
+    return y if perm == sorted(perm) else jnp.transpose(jax.lax.optimization_barrier(y), perm)
+
+
+def _einsum_rounded(spec: str, a, b, like):
+    """einsum(spec, a, b) accumulated in float32, rounded to like's dtype, and summed over the manual
+    mesh axes (inside shard_map) that it varies over and `like` does not: the psum JAX's own transpose
+    adds for an operand that was replicated over them."""
+    y = _dot_rounded(spec, a, b, like.dtype)
+    extra = tuple(sorted(jax.typeof(y).mat.varying - jax.typeof(like).mat.varying))
+    return jax.lax.psum(y, extra) if extra else y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul_f32_accumulated(spec, x, w):
+    with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which hlo.py's readers report
+        return _dot_rounded(spec, x, w, x.dtype)
+
+
+def _matmul_fwd(spec, x, w):
+    return _matmul_f32_accumulated(spec, x, w), (x, w)
+
+
+def _matmul_bwd(spec, res, g):
+    x, w = res
+    (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    with jax.named_scope(spec):  # named after the forward matmul, as JAX names an einsum's transposes
+        return _einsum_rounded(f"{out},{ws}->{xs}", g, w, like=x), _einsum_rounded(f"{xs},{out}->{ws}", x, g, like=w)
+
+
+_matmul_f32_accumulated.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
 # The transformer block
 
 
@@ -325,8 +402,8 @@ def _drop_layer_axis(axes: dict) -> dict:
 LAYER_AXES = _drop_layer_axis(param_axes()["layers"])
 
 
-def _matmul(spec: str):
-    return lambda x, p: jnp.einsum(spec, x, p["kernel"])
+def _linear(spec: str, platform: str):
+    return lambda x, p: matmul(spec, x, p["kernel"], platform)
 
 
 def block(x, p, key, cfg: ModelConfig, shard: Sharder):
@@ -337,7 +414,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
     y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
-    qkv = shard.column_parallel(_matmul("bsh,hcad->bscad"), y, {"kernel": p["attn"]["qkv"]["kernel"]},
+    qkv = shard.column_parallel(_linear("bsh,hcad->bscad", shard.platform), y, {"kernel": p["attn"]["qkv"]["kernel"]},
                                 {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", None, None, "heads", None))
     qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
     # One split (backward: one concatenate), not three slices (backward: three zero-padded full-size
@@ -346,17 +423,17 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
     ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
-    out = add_bias(jnp.einsum("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"]), p["attn"]["out"]["bias"])
+    out = add_bias(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], shard.platform), p["attn"]["out"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
     x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
-    hid = shard.column_parallel(_matmul("bsh,hf->bsf"), y, {"kernel": p["mlp"]["wi"]["kernel"]},
+    hid = shard.column_parallel(_linear("bsh,hf->bsf", shard.platform), y, {"kernel": p["mlp"]["wi"]["kernel"]},
                                 {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", None, "mlp"))
     hid = add_bias(hid, p["mlp"]["wi"]["bias"])
     hid = checkpoint_name(shard(hid, "batch", None, "mlp"), R.MLPWI)
-    out = add_bias(jnp.einsum("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"]), p["mlp"]["wo"]["bias"])
+    out = add_bias(matmul("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"], shard.platform), p["mlp"]["wo"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
     x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
     return shard(x, "batch", "seq_sp", None)
@@ -403,7 +480,7 @@ def logits_fn(params, x, cfg: ModelConfig, shard: Sharder):
     """Tied-embedding logits [b, s, V] sharded over vocab; padded vocabulary entries are -inf.
     A column-parallel matmul over the vocabulary (all-gathering the sequence under SP)."""
     emb = {"token": params["embed"]["token"].astype(x.dtype)}
-    logits = shard.column_parallel(lambda y, p: jnp.einsum("bsh,vh->bsv", y, p["token"]), x, emb,
+    logits = shard.column_parallel(lambda y, p: matmul("bsh,vh->bsv", y, p["token"], shard.platform), x, emb,
                                    {"token": ("vocab", None)}, ("batch", None, "vocab"))
     logits = shard(logits.astype(jnp.float32), "batch", None, "vocab")
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)

@@ -39,6 +39,9 @@ GELU_OUTPUT = "gelu_output"  # second MLP matmul input, 8, split t ways
 MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
 MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)
 EMBED_DROPOUT_MASK = "embed_dropout_mask"  # outside the layers: not subject to the layer policy
+# A weight matmul's output where `model.matmul` hides the dot in a custom VJP (bf16 on CPU): the `dots`
+# policies save it there as JAX's dot policies save a plain dot.
+MATMUL = "matmul"
 
 CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
 
@@ -83,6 +86,11 @@ def _names(names) -> Callable:
     return jax.checkpoint_policies.save_only_these_names(*names)
 
 
+def _dots_or_names(dots_policy, names) -> Callable:
+    """A JAX dot policy, also saving the same matmuls where they are tagged rather than plain dots."""
+    return jax.checkpoint_policies.save_from_both_policies(dots_policy, _names(names))
+
+
 POLICIES: dict[str, RematPolicy] = {
     p.name: p
     for p in (
@@ -117,13 +125,13 @@ POLICIES: dict[str, RematPolicy] = {
         ),
         RematPolicy(
             "dots",
-            jax.checkpoint_policies.dots_saveable,
+            _dots_or_names(jax.checkpoint_policies.dots_saveable, (MATMUL,)),
             "every matmul output (JAX's dots_saveable), attention scores and context included",
             "everything between matmuls: LayerNorms, GELU, softmax, dropout",
         ),
         RematPolicy(
             "dots_no_batch",
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            _dots_or_names(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, (MATMUL,)),
             "the outputs of the weight matmuls (q/k/v, projection, both MLP matmuls) — MaxText's 'minimal'",
             "the attention matmuls, softmax, LayerNorms, GELU, dropout",
             replays=("scores", "context"),

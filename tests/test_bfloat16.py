@@ -17,9 +17,11 @@ computed in bf16 stay within 8 u at these shapes; test_ops_grad.py checks each o
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxseq import hlo as HLO
 from jaxseq import model as M
 from jaxseq import train_step as T
 from jaxseq.config import ParallelConfig, preset, replace
@@ -58,3 +60,45 @@ def test_bfloat16_step_matches_float32(parallel, devices):
         worst = max(worst, err)
     # Guard: the bf16 path really computed in bf16 (else the comparison would be vacuous).
     assert worst > U / 8
+
+
+# The weight matmuls as model.py writes them: QKV, projection, MLP up and down, tied logits.
+WEIGHT_MATMULS = [("bsh,hcad->bscad", (2, 16, 32), (32, 3, 2, 8)), ("bsad,adh->bsh", (2, 16, 2, 8), (2, 8, 32)),
+                  ("bsh,hf->bsf", (2, 16, 32), (32, 64)), ("bsf,fh->bsh", (2, 16, 64), (64, 32)),
+                  ("bsh,vh->bsv", (2, 16, 32), (48, 32))]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", WEIGHT_MATMULS, ids=[m[0] for m in WEIGHT_MATMULS])
+def test_cpu_bf16_matmul_and_its_gradients_are_the_float32_einsum_rounded_once(spec, x_shape, w_shape):
+    """Outside reference: jnp.einsum in float32 of the same bf16 values (their products are exact in
+    float32). The CPU form's output and both gradients must be that, rounded once to bf16: within the
+    unit roundoff u of each element, plus float32 summation-order noise."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, jnp.bfloat16)
+    w = jax.random.normal(kw, w_shape, jnp.bfloat16)
+    y, vjp = jax.vjp(lambda x, w: M.matmul(spec, x, w, "cpu"), x, w)
+    g = jax.random.normal(kg, y.shape, jnp.bfloat16)
+    dx, dw = vjp(g)
+    f32 = lambda a: np.asarray(a, np.float32)
+    y_ref, vjp_ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), f32(x), f32(w))
+    dx_ref, dw_ref = vjp_ref(f32(g))
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert got.dtype == jnp.bfloat16
+        ref = f32(ref)
+        np.testing.assert_allclose(f32(got), ref, rtol=U, atol=1e-5 * np.abs(ref).max())
+
+
+def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
+    """XLA:CPU runs a plain bf16 dot by converting its operands to float32; model.matmul hands it bf16
+    operands and asks for a float32 result, which it runs natively (twice the float32 rate). Read from
+    the compiled step: every weight matmul (forward, replay, both gradients, the logits) takes bf16."""
+    parallel = ParallelConfig(2, 4, True)
+    mesh = make_mesh(parallel, devices[: parallel.num_devices])
+    cfg = replace(CFG, dtype="bfloat16")
+    fn = T.make_loss_and_grad(cfg, parallel, "full", mesh)
+    params = M.init_params(jax.random.key(1), cfg, tensor=4)
+    text = fn.lower(params, _batch(), jax.random.key(2)).compile().as_text()
+    weight_dots = [d for d in HLO.dots(text) if not d.batched]
+    # 5 matmuls forward, 3 replayed under full recompute (not MLP-down), 2 gradients of each of the 5.
+    assert len(weight_dots) >= 5 + 3 + 2 * 5, weight_dots
+    assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in weight_dots), weight_dots
