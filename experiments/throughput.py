@@ -5,6 +5,7 @@
     python experiments/throughput.py grid                   # dtype × remat × mesh × attention
     python experiments/throughput.py default                # `python -m jaxseq.train` (shortened to 200 steps)
     python experiments/throughput.py ceiling --baseline DIR # the issue's run with the attention deleted: an upper bound
+    python experiments/throughput.py matmul                 # one dot, bf16 written three ways and f32: CPU s per dot
     python experiments/throughput.py report                 # results/throughput_tables.md from the JSON files
 
 Every measurement runs the real command (`python -m jaxseq.train …`, the loop with its data, metrics,
@@ -346,6 +347,57 @@ def ceiling(args) -> dict:
     return out
 
 
+def matmul(args) -> dict:
+    """One weight matmul of issue 15's step per device ([b·s, h] × [h, n] at data=2 × tensor=4: 1024 tokens,
+    h = 256) on one CPU device, written as a plain bf16 dot, as a bf16 × bf16 → f32 dot, as that dot
+    rounded to bf16 (model.matmul's CPU form) and in f32; CPU seconds per dot (median of 5 × 50 calls)
+    and whether XLA ran it on its YNNPACK kernels with bf16 operands (hlo.dots on the optimized HLO)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    from jaxseq import hlo
+
+    forms = {
+        "bf16 dot (plain einsum)": lambda a, b: a @ b,
+        "bf16 x bf16 -> f32": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+        "bf16 x bf16 -> f32 -> bf16 (model.matmul on CPU)":
+            lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+        "f32 dot": lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32),
+    }
+    out = {"command": " ".join(sys.argv), "cpu": _cpu_name(), "shapes": []}
+    for m, k, n in ((1024, 256, 192), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256)):
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.bfloat16)
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n)), jnp.bfloat16)
+        row = {"m": m, "k": k, "n": n, "forms": {}}
+        for name, fn in forms.items():
+            f = jax.jit(fn)
+            dots = hlo.dots(f.lower(a, b).compile().as_text())
+            jax.block_until_ready(f(a, b))
+            cpu = []
+            for _ in range(5):
+                c = time.process_time()
+                for _ in range(50):
+                    r = f(a, b)
+                jax.block_until_ready(r)
+                cpu.append((time.process_time() - c) / 50)
+            s = statistics.median(cpu)
+            row["forms"][name] = {"cpu_ms": s * 1e3, "gflop_per_cpu_s": 2 * m * k * n / s / 1e9,
+                                  "dot_operands": [list(d.operands) for d in dots]}
+            print(f"{m}x{k}x{n} {name:48s} {s * 1e3:6.3f} ms CPU  {2 * m * k * n / s / 1e9:6.1f} GFLOP per CPU-s  "
+                  f"operands {[d.operands for d in dots]}", flush=True)
+        out["shapes"].append(row)
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
+
+
 def grid(args) -> dict:
     out = {"command": " ".join(sys.argv), "runs": []}
     base = [a for a in ISSUE_ARGS]
@@ -453,7 +505,7 @@ def report(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("issue", "ceiling", "grid", "default", "report", "child"))
+    p.add_argument("mode", choices=("issue", "ceiling", "grid", "default", "matmul", "report", "child"))
     p.add_argument("--baseline", help="issue: another checkout to interleave with (its root, used as PYTHONPATH)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -473,7 +525,7 @@ def main() -> int:
     if args.mode == "report":
         report(args)
         return 0
-    result = {"issue": issue, "ceiling": ceiling, "grid": grid, "default": default}[args.mode](args)
+    result = {"issue": issue, "ceiling": ceiling, "grid": grid, "default": default, "matmul": matmul}[args.mode](args)
     result["load_average_end"] = os.getloadavg()
     out = Path(args.out) if args.out else RESULTS / f"throughput_{args.mode}.json"
     out.write_text(json.dumps(result, indent=1))
