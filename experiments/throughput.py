@@ -357,6 +357,7 @@ def matmul(args) -> dict:
     import numpy as np
 
     jax.config.update("jax_num_cpu_devices", 1)
+    sys.path.insert(0, str(ROOT))
     from jaxseq import hlo
 
     forms = {
