@@ -312,17 +312,24 @@ def matmul(spec: str, x, w, platform: str):
     and off CPU this is just that einsum. XLA:CPU instead runs every plain bf16 dot (forward and both
     backward) by converting its operands to float32: float32 speed, plus the converts. Asked for a
     float32 result, the same dot runs natively (AVX512-BF16, AMX): twice the float32 rate here
-    (docs/DESIGN.md, "Throughput"). So on CPU a bf16 matmul is that dot and one rounding, under a
+    (docs/DESIGN.md, "bf16 matmuls on CPU"). So on CPU a bf16 matmul is that dot and one rounding, under a
     custom VJP whose two backward dots are written the same way. The numbers are the same (a bf16
     product is exact in float32; only the order of the float32 sums may differ), and so is what a
     layer stores: JAX's dot policies cannot see a dot inside a custom VJP, so its output carries the
     name R.MATMUL, which the `dots` policies save too."""
     if platform != "cpu" or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return jnp.einsum(spec, x, w)
-    (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    xs, ws, out = _indices(spec)
     if set(xs) & set(ws) & set(out) or not set(xs) <= set(ws + out) or not set(ws) <= set(xs + out):
         raise ValueError(f"matmul {spec!r}: not activations × weight (a batch index, or one summed within an operand)")
     return checkpoint_name(_matmul_f32_accumulated(spec, x, w), R.MATMUL)
+
+
+def _indices(spec: str) -> tuple[str, str, str]:
+    """"bsh,hf->bsf" → ("bsh", "hf", "bsf")."""
+    operands, out = spec.split("->")
+    a, b = operands.split(",")
+    return a, b, out
 
 
 def _transposed(x, perm):
@@ -336,7 +343,7 @@ def _dot_rounded(spec: str, a, b, dtype):
     dot of [m, k] × [k, n] operands: the form XLA:CPU's bf16 kernels (YNNPACK) take, while its generic
     dot kernel runs no bf16 × bf16 → f32 dot at all. Left to itself, XLA folds a weight gradient's
     transposes into its dot, which then fails to run ("Unsupported element type for DotThunk")."""
-    (sa, sb), so = spec.split("->")[0].split(","), spec.split("->")[1]
+    sa, sb, so = _indices(spec)
     contract = [i for i in sa if i in sb]
     m, n = [i for i in sa if i not in sb], [i for i in sb if i not in sa]
     a = _transposed(a, [sa.index(i) for i in m + contract])
@@ -369,7 +376,7 @@ def _matmul_fwd(spec, x, w):
 
 def _matmul_bwd(spec, res, g):
     x, w = res
-    (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    xs, ws, out = _indices(spec)
     with jax.named_scope(spec):  # named after the forward matmul, as JAX names an einsum's transposes
         return _einsum_rounded(f"{out},{ws}->{xs}", g, w, like=x), _einsum_rounded(f"{xs},{out}->{ws}", x, g, like=w)
 
