@@ -1,6 +1,7 @@
 """The bfloat16 compute path (every GPU preset's default) against the float32 one: same parameters,
 batch and dropout key, loss and every gradient within a stated bf16 tolerance, on 1 device and on
-data=2 × tensor=4 + SP.
+data=2 × tensor=4 + SP. Then the weight matmuls' CPU form (`model.matmul`): each against the float32
+einsum rounded once, and, read from the compiled step, every one taking bf16 operands.
 
 The tolerance. bfloat16 keeps 8 significant bits: unit roundoff u = 2⁻⁸ ≈ 3.9e-3. Parameters stay
 float32 and are cast once; matmuls accumulate in f32; LayerNorm statistics, softmax, GELU and the
