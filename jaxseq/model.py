@@ -333,8 +333,9 @@ def _indices(spec: str) -> tuple[str, str, str]:
 
 
 def _transposed(x, perm):
-    """x transposed by perm, as its own op: an optimization barrier keeps XLA from folding the transpose
-    into the dot that consumes it (or, for a result, produces it)."""
+    """An operand x transposed by perm, as its own op: an optimization barrier keeps XLA from folding the
+    transpose into the dot that consumes it. (A result's transpose needs the barrier on the other
+    side, between the dot and the transpose: `_dot_rounded` writes that one.)"""
     return x if list(perm) == sorted(perm) else jax.lax.optimization_barrier(jnp.transpose(x, perm))
 
 
