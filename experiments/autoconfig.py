@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxseq import plan as P  # noqa: E402
-from jaxseq import search as S  # noqa: E402
 from jaxseq.config import ModelConfig, replace  # noqa: E402
+from jaxseq.planning import plan as P  # noqa: E402
+from jaxseq.planning import search as S  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

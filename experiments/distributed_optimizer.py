@@ -31,13 +31,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxseq import hlo as A  # noqa: E402
-from jaxseq import model as M  # noqa: E402
-from jaxseq import plan as P  # noqa: E402
-from jaxseq import train_step as T  # noqa: E402
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models import gpt as M  # noqa: E402
+from jaxseq.planning import hlo as A  # noqa: E402
+from jaxseq.planning import plan as P  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
+from jaxseq.training import train_step as T  # noqa: E402
 
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))
 MESHES = [(8, 1, False), (4, 2, True), (2, 4, True)]

@@ -38,9 +38,9 @@ def main() -> int:
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from jaxseq import aot
-    from jaxseq import pipeline as PL
-    from jaxseq import train_step as T
+    from jaxseq.training import aot
+    from jaxseq.parallel import pipeline as PL
+    from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 
@@ -147,7 +147,7 @@ OVERHEAD_SIZES = {  # name → model overrides on the tiny preset (float32, 8 la
 
 
 def _dims_bytes(shape: str) -> int:
-    from jaxseq import hlo
+    from jaxseq.planning import hlo
 
     return sum(hlo.array_bytes(dt, dims) for dt, dims in hlo.Instr("", shape, "", "").arrays())
 
@@ -160,7 +160,7 @@ def dot_flops(comps, comp: str, memo=None) -> float:
 
     import numpy as np
 
-    from jaxseq import hlo
+    from jaxseq.planning import hlo
 
     memo = {} if memo is None else memo
     if comp in memo:
@@ -196,7 +196,7 @@ def tick_loop_anatomy(text: str, ticks: int) -> dict:
     the dot FLOPs of each switch branch."""
     import re
 
-    from jaxseq import hlo
+    from jaxseq.planning import hlo
 
     comps = hlo.parse_hlo(text)
     loop, = [ins for instrs in comps.values() for ins in instrs if ins.opcode == "while"
@@ -249,10 +249,10 @@ def overhead() -> int:
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from jaxseq import aot
-    from jaxseq import hlo
-    from jaxseq import pipeline as PL
-    from jaxseq import train_step as T
+    from jaxseq.training import aot
+    from jaxseq.planning import hlo
+    from jaxseq.parallel import pipeline as PL
+    from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 
@@ -338,7 +338,7 @@ BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "bac
 
 
 def _entry(text: str) -> str:
-    from jaxseq import hlo
+    from jaxseq.planning import hlo
 
     line = next(line for line in text.splitlines() if line.startswith("ENTRY"))
     return line.split()[1].lstrip("%")
@@ -479,8 +479,8 @@ def refresh_anatomy() -> int:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from jaxseq import aot
-    from jaxseq import pipeline as PL
+    from jaxseq.training import aot
+    from jaxseq.parallel import pipeline as PL
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 
@@ -518,8 +518,8 @@ def paper_anatomy() -> int:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from jaxseq import aot
-    from jaxseq import pipeline as PL
+    from jaxseq.training import aot
+    from jaxseq.parallel import pipeline as PL
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 

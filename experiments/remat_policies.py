@@ -39,7 +39,7 @@ def run_plans(models: dict[str, int], devices, cache: Path) -> dict:
     `--render-only`) does not compile again."""
     import pickle
 
-    from jaxseq import plan as P
+    from jaxseq.planning import plan as P
     from jaxseq.config import preset
 
     plans = {}
@@ -67,8 +67,8 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     rotates every round) so that machine drift and other load fall on all of them alike."""
     import jax
 
-    from jaxseq import model as M
-    from jaxseq import train_step as T
+    from jaxseq.models import gpt as M
+    from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, ParallelConfig
     from jaxseq.mesh import make_mesh
     from jaxseq.remat import POLICIES
@@ -151,7 +151,7 @@ def markdown(plans: dict, times: dict[str, list[float]], repeats: int) -> str:
 
 
 def P_CONFIGS():
-    from jaxseq.formulas import PAPER_CONFIGURATIONS
+    from jaxseq.models.formulas import PAPER_CONFIGURATIONS
 
     return list(PAPER_CONFIGURATIONS)
 

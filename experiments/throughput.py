@@ -214,7 +214,7 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
     import jax
 
     if without_attention:  # the ceiling: each layer's attention replaced by its values (no QKᵀ, softmax, ×V)
-        from jaxseq import model
+        from jaxseq.models import gpt as model
 
         model.attention = lambda q, k, v, *args, **kwargs: v
     clock = StepClock()
@@ -238,7 +238,7 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
     # wall time it hardly moves with other jobs' load on a shared machine.
     cpu_per_step = (clock.cpu[-1] - clock.cpu[2]) / (len(clock.cpu) - 3)
     tot = {k: sum(s[k] for s in plain) for k in ("period", "device", "host")}
-    from jaxseq import metrics as Mx
+    from jaxseq.training import metrics as Mx
     from jaxseq.config import ModelConfig
 
     cfg = ModelConfig(**config["model"])
@@ -358,7 +358,7 @@ def matmul(args) -> dict:
 
     jax.config.update("jax_num_cpu_devices", 1)
     sys.path.insert(0, str(ROOT))
-    from jaxseq import hlo
+    from jaxseq.planning import hlo
 
     forms = {
         "bf16 dot (plain einsum)": lambda a, b: a @ b,

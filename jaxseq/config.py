@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxseq.remat import POLICIES
+
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes per element of each compute dtype
@@ -68,7 +70,7 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 @dataclass(frozen=True)
 class ParallelConfig:
     """Mesh shape: pipe × data × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the layers
-    split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see schedule.py).
+    split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see parallel/schedule.py).
 
     distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data`
     (ZeRO-1, Megatron-LM's --use-distributed-optimizer); see train_step.master_specs.
@@ -191,7 +193,7 @@ def replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # pipeline schedules (jaxseq/schedule.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # pipeline schedules (jaxseq/parallel/schedule.py)
 
 
 def resolve_schedule(name: str, virtual_stages: int) -> str:
@@ -323,8 +325,6 @@ def validate(
     micro_batch_size: int | None = None,
 ) -> None:
     """Check everything once, at the edge; the core then trusts its inputs."""
-    from jaxseq.remat import POLICIES  # local: remat imports nothing from here, keep the graph acyclic
-
     validate_model(model)
     validate_parallel(model, parallel, num_devices)
     if remat not in POLICIES:

@@ -2,9 +2,9 @@
 and a small Python API (`load_hf_gpt2`, `load`, `logits`) to compute logits on any mesh.
 
 Why the converted checkpoint is a jaxseq run directory (config.json + an orbax checkpoint at step 0,
-written by `jaxseq.checkpoint`): then one reader serves converted weights and trained runs alike,
+written by `jaxseq.training.checkpoint`): then one reader serves converted weights and trained runs alike,
 restoring onto any mesh re-pads the vocabulary (`checkpoint.resize_vocab`), and `to-hf` of a trained
-run is the same code path as the round trip; the directory's format belongs to `jaxseq.rundir`. OUT also keeps `hf/` (the original config, tokenizer files,
+run is the same code path as the round trip; the directory's format belongs to `jaxseq.training.rundir`. OUT also keeps `hf/` (the original config, tokenizer files,
 tensor names/dtypes and buffers) so that from-hf → to-hf reproduces every tensor exactly.
 """
 
@@ -18,15 +18,16 @@ from functools import lru_cache
 import jax
 import numpy as np
 
-from jaxseq import checkpoint as C
 from jaxseq import cli
-from jaxseq import hf
-from jaxseq import model as M
-from jaxseq import rundir
-from jaxseq import train_step as T
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
-from jaxseq.mesh import Sharder, make_mesh
+from jaxseq.interop import hf
+from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
+from jaxseq.sharding import Sharder
+from jaxseq.training import checkpoint as C
+from jaxseq.training import rundir
+from jaxseq.training import train_step as T
 
 HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-hf
 

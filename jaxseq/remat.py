@@ -1,6 +1,6 @@
 """Named remat policies: which tensors a layer keeps for backward, and which it recomputes.
 
-Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in model.py, and
+Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in models/gpt.py, and
 every policy is a *whitelist* over those names (`save_only_these_names`). Why a whitelist: a
 blacklist (`save_anything_except_these_names`) silently recomputes nothing, because autodiff saves
 the untagged producer of a tagged value instead (measured: docs/DESIGN.md). Untagged values (the

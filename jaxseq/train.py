@@ -17,13 +17,12 @@ import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq import distributed as D
-from jaxseq import loop
-from jaxseq import rundir
 from jaxseq.config import (PRESETS, ConfigError, DistributedConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                            RunConfig, TrainConfig, preset, replace, validate, validate_optimizer)
-from jaxseq.data import Corpus, load_corpus
 from jaxseq.mesh import available_devices, parse_mesh
+from jaxseq.parallel import distributed as D
+from jaxseq.training import loop, rundir
+from jaxseq.training.data import Corpus, load_corpus
 
 DEFAULT_PRESET = "stdlib-bytes"
 

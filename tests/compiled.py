@@ -4,9 +4,9 @@ from functools import lru_cache
 
 import jax
 
-from jaxseq import aot
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.mesh import make_mesh
+from jaxseq.training import aot
 
 # The paper's attention-score term 5as/h = 5·8·128/64 = 80 (GPT-3 175B has 5·96·2048/12288 = 80).
 S, B, H, A_HEADS, T, L = 128, 2, 64, 8, 4, 2

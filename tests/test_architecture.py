@@ -1,7 +1,9 @@
 """The module graph of docs/DESIGN.md ("Architecture"), checked by parsing jaxseq's imports.
 
 Every import of a jaxseq module counts, at the top of a file or inside a function: a local import
-is still a dependency (and was how the old cycle train → loop → train hid)."""
+is still a dependency (and was how the old cycle train → loop → train hid). Two rules: each module
+imports only the modules ALLOWED lists for it, and each folder imports only from itself and from the
+layers below it (LAYERS), so no folder imports from a folder that imports it."""
 
 import ast
 import os
@@ -10,58 +12,93 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxseq")
 
+# The layers, lowest first: the shared vocabulary at the base (jaxseq/*.py that are not commands), the
+# model family, the parallel machinery, training, planning; Hugging Face interop beside the models; the
+# commands users type on top. A module may import its own folder and any folder of a lower layer.
+LAYERS = {"base": 0, "models": 1, "interop": 1, "parallel": 2, "training": 3, "planning": 4, "commands": 5}
+COMMANDS = {"train", "plan", "generate", "convert", "data", "schedule"}  # python -m jaxseq.<name>
+
 # Which jaxseq modules each module may import. A new module must be added here (and to the graph
 # in docs/DESIGN.md); an edge that is not listed fails the test.
 ALLOWED = {
-    # the core: configuration, the paper's ideas, the model and its step
+    # base: configuration, the mesh and its sharding rules, the remat policies, the command-line edge
     "config": {"remat"},
     "remat": set(),
     "mesh": {"config"},
-    "model": {"config", "mesh", "remat"},
-    "train_step": {"config", "mesh", "model", "pipeline"},
-    "schedule": {"cli", "config"},
-    "pipeline": {"config", "mesh", "model", "remat", "schedule"},
-    # accounting: the paper's formulas, XLA's compiled programs read back
-    "formulas": {"config", "remat"},
-    "hlo": set(),
-    "aot": {"config", "mesh", "model", "train_step"},
-    # formats and the outside world
+    "sharding": {"mesh"},
     "cli": {"config"},
-    "checkpoint": {"config"},
-    "rundir": {"checkpoint", "config", "mesh", "train_step"},
-    "hf": {"config"},
-    "data": {"cli", "config"},
-    "distributed": {"config"},
-    "metrics": {"config", "formulas"},
-    # the training loop, then the commands
-    "loop": {"aot", "checkpoint", "config", "data", "distributed", "generate", "mesh", "metrics", "model", "rundir",
-             "schedule", "train_step"},
-    "generate": {"cli", "config", "data", "mesh", "model", "rundir"},
-    "train": {"cli", "config", "data", "distributed", "loop", "mesh", "rundir"},
-    "convert": {"checkpoint", "cli", "config", "hf", "mesh", "model", "rundir", "train_step"},
-    "search": {"config", "formulas", "remat", "schedule"},
-    "plan": {"aot", "cli", "config", "formulas", "hlo", "mesh", "model", "pipeline", "remat", "schedule", "search",
-             "train_step"},
+    # the model family and the paper's formulas
+    "models.gpt": {"config", "remat", "sharding"},
+    "models.formulas": {"config", "remat"},
+    # formats from the outside world
+    "interop.hf": {"config"},
+    # the parallel machinery beyond sharding rules: schedules, the pipeline executor, multi-process
+    "parallel.schedule": {"config"},
+    "parallel.pipeline": {"config", "mesh", "models.gpt", "parallel.schedule", "remat", "sharding"},
+    "parallel.distributed": {"config"},
+    # training: the step, the loop and what it reads and writes
+    "training.train_step": {"config", "mesh", "models.gpt", "parallel.pipeline", "sharding"},
+    "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
+    "training.checkpoint": {"config"},
+    "training.rundir": {"config", "mesh", "training.checkpoint", "training.train_step"},
+    "training.data": {"config"},
+    "training.metrics": {"config", "models.formulas"},
+    "training.sampling": {"config", "models.gpt", "sharding"},
+    "training.loop": {"config", "mesh", "models.gpt", "parallel.distributed", "parallel.schedule", "sharding",
+                      "training.aot", "training.checkpoint", "training.data", "training.metrics", "training.rundir",
+                      "training.sampling", "training.train_step"},
+    # planning: XLA's compiled programs read back, the plan, the configurator
+    "planning.hlo": set(),
+    "planning.search": {"config", "models.formulas", "parallel.schedule", "remat"},
+    "planning.plan": {"config", "mesh", "models.formulas", "models.gpt", "parallel.pipeline", "parallel.schedule",
+                      "planning.hlo", "planning.search", "remat", "training.aot", "training.train_step"},
+    # the commands
+    "train": {"cli", "config", "mesh", "parallel.distributed", "training.data", "training.loop", "training.rundir"},
+    "plan": {"cli", "config", "planning.plan", "planning.search"},
+    "generate": {"cli", "config", "training.data", "training.rundir", "training.sampling"},
+    "convert": {"cli", "config", "interop.hf", "mesh", "models.gpt", "sharding", "training.checkpoint",
+                "training.rundir", "training.train_step"},
+    "data": {"cli", "config", "training.data"},
+    "schedule": {"cli", "config", "parallel.schedule"},
 }
 
 
-def jaxseq_imports(path: str) -> set[str]:
-    """The jaxseq modules a source file imports, anywhere in it."""
+def _is_package(dotted: str, package: str) -> bool:
+    return os.path.isdir(os.path.join(package, *dotted.split(".")))
+
+
+def jaxseq_imports(path: str, package: str = PACKAGE) -> set[str]:
+    """The jaxseq modules a source file imports, anywhere in it, as dotted names below `jaxseq`."""
     found = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("jaxseq.")}
+            found |= {a.name[len("jaxseq."):] for a in node.names if a.name.startswith("jaxseq.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "jaxseq":
                 found |= {a.name for a in node.names}
             elif node.module.startswith("jaxseq."):
-                found.add(node.module.split(".")[1])
+                below = node.module[len("jaxseq."):]
+                if _is_package(below, package):  # from jaxseq.training import loop
+                    found |= {f"{below}.{a.name}" for a in node.names}
+                else:  # from jaxseq.training.loop import train
+                    found.add(below)
     return found
 
 
 def module_graph(package: str = PACKAGE) -> dict[str, set[str]]:
-    return {name[:-3]: jaxseq_imports(os.path.join(package, name))
-            for name in sorted(os.listdir(package)) if name.endswith(".py") and name != "__init__.py"}
+    graph = {}
+    for folder, _, files in os.walk(package):
+        for name in sorted(files):
+            if name.endswith(".py") and name != "__init__.py":
+                path = os.path.join(folder, name)
+                graph[os.path.relpath(path, package)[:-3].replace(os.sep, ".")] = jaxseq_imports(path, package)
+    return graph
+
+
+def layer(module: str) -> str:
+    if "." in module:
+        return module.split(".")[0]
+    return "commands" if module in COMMANDS else "base"
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -94,8 +131,24 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a module in another folder of the same or a higher layer."""
+    return [f"{m} ({layer(m)}) imports {d} ({layer(d)})" for m in sorted(graph) for d in sorted(graph[m])
+            if layer(d) != layer(m) and LAYERS[layer(d)] >= LAYERS[layer(m)]]
+
+
 def test_every_import_is_an_allowed_edge():
     assert forbidden_edges(module_graph()) == []
+
+
+def test_every_module_is_in_a_known_layer():
+    assert {layer(m) for m in module_graph()} <= set(LAYERS)
+    assert COMMANDS <= set(module_graph())
+
+
+def test_folders_import_only_from_layers_below():
+    assert layering_violations(module_graph()) == []
+    assert layering_violations(ALLOWED) == []
 
 
 def test_the_allowed_graph_itself_has_no_cycle():
@@ -108,17 +161,29 @@ def test_no_import_cycle():
 
 @pytest.mark.parametrize("graph, cycle", [
     # The cycle this test was written against: loop.setup_devices imported train.parse_mesh.
-    ({"train": {"loop", "config"}, "loop": {"train", "config"}, "config": set()}, ["loop", "train", "loop"]),
+    ({"train": {"training.loop", "config"}, "training.loop": {"train", "config"}, "config": set()},
+     ["train", "training.loop", "train"]),
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
     ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
 ])
 def test_the_checks_catch_a_cycle_and_a_forbidden_edge(graph, cycle):
     assert find_cycle(graph) == cycle
-    if cycle and "loop" in graph:
-        assert "loop imports train" in forbidden_edges(graph)
+    if cycle and "training.loop" in graph:
+        assert "training.loop imports train" in forbidden_edges(graph)
+        assert layering_violations(graph) == ["training.loop (training) imports train (commands)"]
+
+
+def test_a_lower_layer_importing_a_higher_one_is_caught():
+    graph = {"models.gpt": {"training.train_step"}, "training.train_step": {"models.gpt"},
+             "interop.hf": {"models.gpt"}}
+    assert layering_violations(graph) == ["interop.hf (interop) imports models.gpt (models)",
+                                          "models.gpt (models) imports training.train_step (training)"]
 
 
 def test_local_imports_count(tmp_path):
+    (tmp_path / "training").mkdir()
     (tmp_path / "m.py").write_text("def f():\n    from jaxseq.train import parse_mesh\n    import jaxseq.data\n"
-                                   "from jaxseq import model as M, mesh\n")
-    assert jaxseq_imports(str(tmp_path / "m.py")) == {"train", "data", "model", "mesh"}
+                                   "from jaxseq import config as C, mesh\nfrom jaxseq.training import loop\n"
+                                   "from jaxseq.training.data import Batches\n")
+    assert jaxseq_imports(str(tmp_path / "m.py"), str(tmp_path)) == {
+        "train", "data", "config", "mesh", "training.loop", "training.data"}

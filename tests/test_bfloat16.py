@@ -5,7 +5,7 @@ einsum rounded once, and, read from the compiled step, every one taking bf16 ope
 
 The tolerance. bfloat16 keeps 8 significant bits: unit roundoff u = 2⁻⁸ ≈ 3.9e-3. Parameters stay
 float32 and are cast once; matmuls accumulate in f32; LayerNorm statistics, softmax, GELU and the
-cross-entropy compute in f32 (model.py); so the bf16 error is the rounding of each stored activation
+cross-entropy compute in f32 (models/gpt.py); so the bf16 error is the rounding of each stored activation
 and cotangent to bf16 at the op boundaries, ≤ u/2 each. A gradient leaf passes through roughly a
 dozen such roundings (embedding, 2 layers × LN/QKV/softmax/context/projection/MLP, their cotangents);
 their errors are independent, so a leaf's relative error (‖g_bf16 − g_f32‖ / ‖g_f32‖) is a few u
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxseq import hlo as HLO
-from jaxseq import model as M
-from jaxseq import train_step as T
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
+from jaxseq.planning import hlo as HLO
+from jaxseq.training import train_step as T
 
 U = 2.0**-8  # bfloat16 unit roundoff
 GRAD_TOL, LOSS_TOL = 8 * U, U / 8
@@ -63,7 +63,7 @@ def test_bfloat16_step_matches_float32(parallel, devices):
     assert worst > U / 8
 
 
-# The weight matmuls as model.py writes them: QKV, projection, MLP up and down, tied logits.
+# The weight matmuls as models/gpt.py writes them: QKV, projection, MLP up and down, tied logits.
 WEIGHT_MATMULS = [("bsh,hcad->bscad", (2, 16, 32), (32, 3, 2, 8)), ("bsad,adh->bsh", (2, 16, 2, 8), (2, 8, 32)),
                   ("bsh,hf->bsf", (2, 16, 32), (32, 64)), ("bsf,fh->bsh", (2, 16, 64), (64, 32)),
                   ("bsh,vh->bsv", (2, 16, 32), (48, 32))]

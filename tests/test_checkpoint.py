@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq import checkpoint as C
-from jaxseq import train_step as T
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.training import checkpoint as C
+from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), vocab_size=300, dtype="float32")  # padded to 512 rows at t=4 and t=2, 384 at t=1
 OPT = T.make_optimizer(OptimizerConfig())

@@ -10,7 +10,7 @@ dynamic-sliced, or the fused op); hlo.loop_collectives reads both as a reduce-sc
 import re
 from collections import Counter
 
-from jaxseq import hlo as HLO
+from jaxseq.planning import hlo as HLO
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
 

@@ -4,9 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxseq import train_step as T
-from jaxseq.config import PRESETS, ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, PRESETS, ParallelConfig, preset, replace, validate
 from jaxseq.mesh import make_mesh
+from jaxseq.training import train_step as T
 
 
 def test_paper_presets():

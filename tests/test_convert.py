@@ -19,8 +19,8 @@ except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 from safetensors.numpy import load_file  # noqa: E402
 
-from jaxseq import convert  # noqa: E402
 from jaxseq.config import ParallelConfig  # noqa: E402
+from jaxseq import convert  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 
 VOCAB, POSITIONS = 300, 32  # 300: not a multiple of 128, so vocabulary padding is exercised
@@ -109,8 +109,8 @@ def test_to_hf_loads_in_transformers(hf_model, converted, tmp_path):
 
 def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     """What `train --init-from` uses: the saved weights placed on data=2 × tensor=4 + SP, padded for it."""
-    from jaxseq import rundir
-    from jaxseq import train_step as T
+    from jaxseq.training import rundir
+    from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, OptimizerConfig
 
     model = rundir.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
@@ -147,7 +147,7 @@ def test_refuses_what_jaxseq_cannot_represent(tmp_path, capsys, change, named):
 
 
 def test_mlp_ratio_from_n_inner():
-    from jaxseq.hf import model_config
+    from jaxseq.interop.hf import model_config
 
     assert model_config({**gpt2_config(n_inner=128).to_dict()}).mlp_ratio == 2
 
@@ -236,7 +236,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
     """A random GPT-2 (vocabulary 300, padded to 384 in jaxseq; layer_norm_epsilon 1e-3) converted
     with from-hf: jaxseq's greedy continuation equals transformers' `generate(do_sample=False)`,
     token for token (the prompt holds ids past 256, the padded table has 384 rows)."""
-    from jaxseq.generate import sample
+    from jaxseq.training.sampling import sample
 
     torch.manual_seed(1)
     config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=4,

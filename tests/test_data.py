@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxseq.config import ConfigError
-from jaxseq.data import Batches, embedded_corpus, load_corpus, load_tokenizer, unigram_entropy
+from jaxseq.training.data import Batches, embedded_corpus, load_corpus, load_tokenizer, unigram_entropy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n"

@@ -116,7 +116,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
 
 def test_bad_distributed_flags_give_one_clear_line():
     from jaxseq.config import ConfigError, DistributedConfig
-    from jaxseq.distributed import validate_distributed
+    from jaxseq.parallel.distributed import validate_distributed
 
     for cfg, message in [(DistributedConfig("127.0.0.1:99", 2, None), "must be given together"),
                          (DistributedConfig("nohost", 2, 0), "coordinator='nohost' is not HOST:PORT"),
@@ -146,7 +146,7 @@ def test_launcher_detection_agrees_with_jax(environ, launcher, monkeypatch):
     """jaxseq starts the distributed runtime exactly when JAX's own cluster detection would succeed."""
     from jax._src import clusters
 
-    from jaxseq.distributed import LAUNCHERS, detected_launcher
+    from jaxseq.parallel.distributed import LAUNCHERS, detected_launcher
 
     assert detected_launcher(environ) == launcher
     launcher_vars = {v for _, required in LAUNCHERS.values() for v in required} | {"OMPI_COMM_WORLD_SIZE"}
@@ -160,7 +160,7 @@ def test_launcher_detection_agrees_with_jax(environ, launcher, monkeypatch):
 
 def test_an_incomplete_launcher_environment_is_one_line():
     from jaxseq.config import ConfigError
-    from jaxseq.distributed import incomplete_launcher
+    from jaxseq.parallel.distributed import incomplete_launcher
 
     assert incomplete_launcher({}) is None
     note = incomplete_launcher(SALLOC)
@@ -176,7 +176,7 @@ def test_one_process_per_host_drives_every_local_device():
     """JAX's SLURM and Open MPI detection make each process drive only its local-rank device (one
     process per GPU); launched one per host, jaxseq asks for all of them."""
     from jaxseq.config import DistributedConfig
-    from jaxseq.distributed import initialize_kwargs
+    from jaxseq.parallel.distributed import initialize_kwargs
 
     cfg = DistributedConfig()
     one_per_node = initialize_kwargs(cfg, "SLURM", SRUN_STEP)

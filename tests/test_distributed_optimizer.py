@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq import hlo as A
-from jaxseq import checkpoint as C
-from jaxseq import plan
-from jaxseq import train_step as T
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.planning import hlo as A
+from jaxseq.planning import plan
+from jaxseq.training import checkpoint as C
+from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), dtype="float32")  # dropout 0.1: masks do not depend on the sharding
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))

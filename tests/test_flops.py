@@ -6,12 +6,12 @@ from functools import lru_cache
 import jax
 import pytest
 
-from jaxseq import aot
-from jaxseq import formulas as F
 from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.metrics import throughput
+from jaxseq.models import formulas as F
 from jaxseq.remat import MATMULS, POLICIES
+from jaxseq.training import aot
+from jaxseq.training.metrics import throughput
 
 # Wide heads (d = 128) and no dropout, so that matmuls dominate the elementwise work XLA also counts.
 CFG = ModelConfig(vocab_size=512, seq_len=128, hidden=256, heads=2, layers=2, dtype="float32", dropout=0.0)

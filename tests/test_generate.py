@@ -4,10 +4,11 @@ decoding against transformers' `generate` is in test_convert.py, beside the othe
 import jax
 import numpy as np
 
-from jaxseq import model as M
 from jaxseq.config import preset, replace
-from jaxseq.generate import decode_tokens, encode_text, sample
-from jaxseq.mesh import Sharder
+from jaxseq.models import gpt as M
+from jaxseq.sharding import Sharder
+from jaxseq.training.data import decode_tokens, encode_text
+from jaxseq.training.sampling import sample
 
 # A vocabulary that needs padding (300 → 384 rows) and a non-default LayerNorm epsilon.
 CFG = replace(preset("tiny"), seq_len=16, vocab_size=300, ln_eps=1e-3, dtype="float32", dropout=0.0)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxseq import formulas as F
-from jaxseq import hlo as HLO
+from jaxseq.models import formulas as F
+from jaxseq.planning import hlo as HLO
 from jaxseq.remat import POLICIES
 
 from compiled import A_HEADS, B, H, L, S, T, hlo

@@ -1,4 +1,4 @@
-"""The hand-written backward passes of model.py (LayerNorm, GELU, causal softmax, dropout) against
+"""The hand-written backward passes of models/gpt.py (LayerNorm, GELU, causal softmax, dropout) against
 plain `jax.grad` of independent reference implementations written here, and against central finite
 differences at a few points.
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxseq import model as M
+from jaxseq.models import gpt as M
 
 BF16_TOL = 2.0**-7
 EPS_LN = 1e-3  # not the default 1e-5: a VJP that ignored eps would show

@@ -4,11 +4,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq import model as M
-from jaxseq import train_step as T
 from jaxseq.config import ParallelConfig, preset, replace
-from jaxseq.mesh import Sharder, make_mesh
+from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
 from jaxseq.remat import POLICIES
+from jaxseq.sharding import Sharder
+from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), dtype="float32", dropout=0.1)
 MESHES = {

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq import aot
-from jaxseq import hlo
-from jaxseq import model as M
-from jaxseq import pipeline as PL
-from jaxseq import train_step as T
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
+from jaxseq.parallel import pipeline as PL
+from jaxseq.planning import hlo
+from jaxseq.training import aot
+from jaxseq.training import train_step as T
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
 CFG = replace(preset("tiny"), hidden=32, heads=4, seq_len=16, layers=8, dtype="float32", dropout=0.1)

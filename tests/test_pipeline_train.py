@@ -108,7 +108,7 @@ def test_plan_prices_the_first_stage_by_the_schedule(devices):
     """jaxseq.plan --pipeline 2 --schedule interleaved --virtual-stages 2 --microbatches 4: the first stage
     holds L·(1 + (p−1)/(p·v)) layers' activations (5 of 4 layers), read from the pipelined step compiled on
     p × t = 2 devices, and the bubble is (p−1)/(v·m)."""
-    from jaxseq import plan as P
+    from jaxseq.planning import plan as P
 
     cfg = replace(preset("tiny"), layers=4, dtype="float32")
     p = P.plan(cfg, 1, 2, devices[:2], "tiny", pipeline=2, policies=["selective"], schedule="interleaved",

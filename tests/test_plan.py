@@ -7,12 +7,14 @@ import json
 import jax
 import pytest
 
-from jaxseq import aot
-from jaxseq import formulas as F
-from jaxseq import plan as P
-from jaxseq.config import ModelConfig, ParallelConfig, replace
-from jaxseq.formulas import PAPER_CONFIGURATIONS
+from jaxseq import plan as plan_command
+from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import formulas as F
+from jaxseq.models.formulas import PAPER_CONFIGURATIONS
+from jaxseq.planning import plan as P
+from jaxseq.remat import POLICIES
+from jaxseq.training import aot
 
 # 5as/h = 5·8·128/64 = 80, as at GPT-3 175B; t = 4.
 CFG = ModelConfig(vocab_size=1500, seq_len=128, hidden=64, heads=8, layers=4, dtype="bfloat16", dropout=0.1)
@@ -43,9 +45,9 @@ def test_json_schema(small_plan):
 def test_every_registered_policy_is_planned_with_and_without_sp():
     rows = P.configurations(8)
     assert {(c.remat, c.sequence_parallel) for c in rows if c.tensor == 8} == {
-        (p, sp) for p in P.POLICIES for sp in (False, True)}
+        (p, sp) for p in POLICIES for sp in (False, True)}
     assert [c.name for c in rows if c.tensor == 1] == ["none"]
-    assert [c.name for c in P.configurations(1)] == list(P.POLICIES)
+    assert [c.name for c in P.configurations(1)] == list(POLICIES)
 
 
 def test_table2_ratios_and_headlines(small_plan):
@@ -147,7 +149,7 @@ def test_distributed_optimizer_bytes_per_parameter_are_megatrons():
     """bf16: 18 bytes per parameter (2 weight copy + 4 grads + 4 master + 8 moments) fall to 6 + 12/d;
     float32: 16 to 8 + 12/d (the copy is then a gathered fp32 one). From GPT-3 175B's own shapes and
     the train step's specs; LayerNorm parameters (no bf16 copy, gathered in f32) move it < 0.01%."""
-    cfg = P.preset("gpt3-175b")
+    cfg = preset("gpt3-175b")
     elements, _ = P.parameter_elements_per_device(cfg, 8)
     per_param = lambda state: state.total / elements
     assert abs(per_param(P.state_bytes(cfg, 8, 64, False)) - 18) < 1e-3
@@ -156,11 +158,11 @@ def test_distributed_optimizer_bytes_per_parameter_are_megatrons():
         assert abs(per_param(state) - (6 + 12 / d)) < 1e-3, d
         if d <= 8:  # every GPT-3 tensor then has a dimension d divides (at 64 the [96, f/t] MLP bias has none)
             assert state.params * d == P.state_bytes(cfg, 8).params
-    f32 = P.replace(cfg, dtype="float32")
+    f32 = replace(cfg, dtype="float32")
     assert abs(per_param(P.state_bytes(f32, 8)) - 16) < 1e-9
     assert abs(per_param(P.state_bytes(f32, 8, 8, True)) - (8 + 12 / 8)) < 1e-3
     # A leaf with no dimension d divides is counted whole: tiny's [L=2, f/t=128] MLP bias at d=4, t=2.
-    tiny = P.preset("tiny")
+    tiny = preset("tiny")
     b = 2 * 128
     elements = P.parameter_elements_per_device(tiny, 2)[0]
     assert P.state_bytes(tiny, 2, 4, True).optimizer == 8 * ((elements - b) // 4 + b)
@@ -200,7 +202,7 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        raise SystemExit(P.main(argv))
+        raise SystemExit(plan_command.main(argv))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -215,7 +217,7 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's
     in-flight count × k × the bytes the unpipelined layer stores (the plan's per-layer figure), and equals the
     paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled."""
-    from jaxseq.schedule import Schedule
+    from jaxseq.parallel.schedule import Schedule
 
     cfg, p = replace(CFG, layers=8), 2
     row = P.pipeline_row(P.configurations(T, policies=[]))

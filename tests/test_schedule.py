@@ -2,8 +2,9 @@
 
 import pytest
 
-from jaxseq import schedule as S
+from jaxseq import schedule as schedule_command
 from jaxseq.config import ConfigError
+from jaxseq.parallel import schedule as S
 
 CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
          ("1f1b", 3, 5, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 2),
@@ -121,9 +122,9 @@ def test_1f1b_with_virtual_stages_is_interleaved():
 
 
 def test_cli_prints_timeline_and_bubble(capsys):
-    assert S.main(["--pipe", "4", "--microbatches", "8", "--virtual-stages", "2"]) == 0
+    assert schedule_command.main(["--pipe", "4", "--microbatches", "8", "--virtual-stages", "2"]) == 0
     out = capsys.readouterr().out
     assert "bubble idle/busy = 0.1875 vs the paper's (p−1)/(v·m) = 0.1875" in out
     assert "ticks 38" in out and out.count("stage ") >= 4
-    assert S.main(["--pipe", "4", "--microbatches", "6", "--virtual-stages", "2"]) == 2
+    assert schedule_command.main(["--pipe", "4", "--microbatches", "6", "--virtual-stages", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: microbatches=6")

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as PS
 
-from jaxseq import aot
-from jaxseq import plan as P
-from jaxseq import search as S
-from jaxseq import train_step as T
+from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
 from jaxseq.mesh import make_mesh
+from jaxseq.planning import plan as P
+from jaxseq.planning import search as S
+from jaxseq.training import aot
+from jaxseq.training import train_step as T
 
 CFG = ModelConfig(vocab_size=512, seq_len=64, hidden=64, heads=8, layers=4, dtype="bfloat16")
 NODE = S.Hardware("test", peak_tflops=100.0, memory_gib=1.0, gpus_per_node=4, intra_node_gb_per_s=200.0,
@@ -169,7 +170,7 @@ def test_bad_search_requests_are_one_line(argv, message, capsys):
         if flag not in argv:
             argv = argv + [flag, value]
     with pytest.raises(SystemExit) as e:
-        raise SystemExit(P.main(["--search", *argv]))
+        raise SystemExit(plan_command.main(["--search", *argv]))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err

@@ -7,9 +7,9 @@ import jax
 import pytest
 from jax._src.array import ArrayImpl
 
-from jaxseq import loop
 from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
-from jaxseq.data import load_corpus
+from jaxseq.training.data import load_corpus
+from jaxseq.training import loop
 
 
 def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3):

@@ -110,7 +110,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
 
 
 def test_non_finite_gradients_under_a_finite_loss_stop_too():
-    from jaxseq.loop import non_finite
+    from jaxseq.training.loop import non_finite
 
     assert non_finite(3, 2.5, 0.7, 2) is None
     message = non_finite(3, 2.5, float("inf"), 2)
@@ -216,7 +216,7 @@ def test_resume_keeps_the_saved_optimizer_unless_asked():
 
 
 def test_extending_a_finished_run_stays_at_the_final_learning_rate():
-    from jaxseq import train_step as T
+    from jaxseq.training import train_step as T
     from jaxseq.config import OptimizerConfig
 
     schedule = T.learning_rate_schedule(OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800))
@@ -267,7 +267,7 @@ def test_optimizer_ranges_are_checked_at_the_edge(capsys, flag, message):
 
 
 def test_a_step_that_cannot_fit_is_refused_with_both_numbers():
-    from jaxseq import aot
+    from jaxseq.training import aot
     from jaxseq.config import ConfigError
 
     aot.check_fits(2 * 2**30, 3 * 2**30)

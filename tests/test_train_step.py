@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import optax
 
-from jaxseq import train_step as T
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.training import train_step as T
 
 PARALLEL = ParallelConfig(2, 4, True)
 

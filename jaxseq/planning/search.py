@@ -49,9 +49,9 @@ from functools import lru_cache
 from typing import Protocol
 
 from jaxseq.config import ConfigError, ModelConfig, replace
-from jaxseq.formulas import paper_hardware_flops, train_flops
+from jaxseq.models.formulas import paper_hardware_flops, train_flops
+from jaxseq.parallel.schedule import Schedule
 from jaxseq.remat import POLICIES
-from jaxseq.schedule import Schedule
 
 GIB = 2**30
 

@@ -14,8 +14,8 @@ import os
 
 import jax
 
-from jaxseq.formulas import train_flops
 from jaxseq.config import ModelConfig
+from jaxseq.models.formulas import train_flops
 
 # Dense bf16 peak TFLOP/s by device kind.
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}

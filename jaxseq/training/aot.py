@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq import model as M
-from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.mesh import Sharder
+from jaxseq.models import gpt as M
+from jaxseq.sharding import Sharder
+from jaxseq.training import train_step as T
 
 
 def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):

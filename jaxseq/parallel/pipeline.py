@@ -35,11 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq import model as M
-from jaxseq import remat as R
-from jaxseq import schedule as S
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.mesh import Sharder, logical_rules, logical_to_spec, vocab_parallel_lookup
+from jaxseq.mesh import logical_rules, logical_to_spec
+from jaxseq.models import gpt as M
+from jaxseq.parallel import schedule as S
+from jaxseq import remat as R
+from jaxseq.sharding import Sharder, vocab_parallel_lookup
 
 # lax.switch branches
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST = range(6)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.random import threefry2x32_p
 
-from jaxseq import remat as R
 from jaxseq.config import ModelConfig
-from jaxseq.mesh import Sharder
+from jaxseq import remat as R
+from jaxseq.sharding import Sharder
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once; shapes, logical axes, init, weight decay and cast derive from it
@@ -367,7 +367,7 @@ def _einsum_rounded(spec: str, a, b, like):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _matmul_f32_accumulated(spec, x, w):
-    with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which hlo.py's readers report
+    with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which planning/hlo.py's readers report
         return _dot_rounded(spec, x, w, x.dtype)
 
 

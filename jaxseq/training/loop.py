@@ -13,17 +13,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxseq import aot
-from jaxseq import checkpoint as C
-from jaxseq import distributed as D
-from jaxseq import model as M
-from jaxseq import rundir
-from jaxseq import train_step as T
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig
-from jaxseq.data import Batches, Corpus, unigram_entropy
-from jaxseq.generate import decode_tokens, encode_text, sample
-from jaxseq.mesh import Sharder, available_devices, make_mesh
-from jaxseq.metrics import MetricsLog, memory_gib, peak_tflops, throughput
+from jaxseq.mesh import available_devices, make_mesh
+from jaxseq.models import gpt as M
+from jaxseq.parallel import distributed as D
+from jaxseq.parallel.schedule import Schedule
+from jaxseq.sharding import Sharder
+from jaxseq.training import aot, rundir
+from jaxseq.training import checkpoint as C
+from jaxseq.training.data import Batches, Corpus, decode_tokens, encode_text, unigram_entropy
+from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
+from jaxseq.training.sampling import sample
+from jaxseq.training import train_step as T
 
 log = logging.getLogger("jaxseq")
 
@@ -280,8 +281,6 @@ def train(run: RunConfig, corpus: Corpus) -> int:
 def _pipeline_text(p: ParallelConfig, micro: int) -> str:
     if p.pipe == 1:
         return ""
-    from jaxseq.schedule import Schedule
-
     sched = Schedule.make(p.schedule, p.pipe, micro, p.virtual_stages)
     return (f", {sched.name} schedule (v={sched.v}, m={micro} micro-batches, {sched.ticks} ticks, "
             f"bubble {sched.bubble:.3f})")

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq import model as M
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.mesh import Sharder, logical_rules, logical_to_spec
+from jaxseq.mesh import logical_rules, logical_to_spec
+from jaxseq.models import gpt as M
+from jaxseq.parallel.pipeline import pipeline_loss_and_grad
+from jaxseq.sharding import Sharder
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
@@ -131,7 +133,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     constrained back to the master shards (a reduce-scatter; XLA:CPU writes all-reduce + dynamic-slice),
     so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
 
-    With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.pipeline),
+    With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.parallel.pipeline),
     which makes its own compute-dtype copy and returns the gradients in the master shards (one
     reduce-scatter over `data` per step after its tick loop; an all-reduce without the distributed optimizer).
     """
@@ -148,8 +150,6 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
         if parallel.pipe > 1:  # the pipeline runs the micro-batches itself (same keys as accumulation)
-            from jaxseq.pipeline import pipeline_loss_and_grad
-
             # The weights enter the pipeline in their compute layout (gathered over `data` here, once,
             # under the distributed optimizer): a gather inside a tick's branch would deadlock.
             weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq import checkpoint as C
-from jaxseq import train_step as T
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.training import checkpoint as C
+from jaxseq.training import train_step as T
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
