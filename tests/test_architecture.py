@@ -39,7 +39,7 @@ ALLOWED = {
     # training: the step, the loop and what it reads and writes
     "training.train_step": {"config", "mesh", "models.gpt", "parallel.pipeline", "sharding"},
     "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
-    "training.checkpoint": {"config"},
+    "training.checkpoint": {"config", "models.gpt"},
     "training.rundir": {"config", "mesh", "training.checkpoint", "training.train_step"},
     "training.data": {"config"},
     "training.metrics": {"config", "models.formulas"},

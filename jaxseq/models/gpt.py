@@ -104,6 +104,11 @@ def cast_mask() -> dict:
     return _derive(lambda p: p.cast)
 
 
+def vocab_mask() -> dict:
+    """True where a parameter's rows are the padded vocabulary V (re-padded when the tensor size changes)."""
+    return _derive(lambda p: p.dims[0] == "V")
+
+
 def init_params(key: jax.Array, cfg: ModelConfig, tensor: int = 1) -> dict:
     """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases, unit LN."""
     std = {"normal": 0.02, "residual": 0.02 / math.sqrt(2 * cfg.layers)}

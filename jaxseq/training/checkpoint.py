@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
+from jaxseq.models import gpt as M
 
 log = logging.getLogger("jaxseq")
 
@@ -31,9 +32,19 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, force: bool =
     return mgr.save(step, args=args, force=force)
 
 
-def _saved_token_rows(mgr, step) -> int:
-    """Rows of the token embedding as saved (the vocabulary is padded per tensor size)."""
-    return mgr.item_metadata(step)["state"]["params"]["embed"]["token"].shape[0]
+def _vocab_rows(params) -> int:
+    """Rows of the parameters' vocabulary leaves (the vocabulary is padded per tensor size)."""
+    return next(x.shape[0] for v, x in zip(jax.tree.leaves(M.vocab_mask()), jax.tree.leaves(params)) if v)
+
+
+def _map_vocab_leaves(fn, tree):
+    """`tree` with fn(leaf) at every vocabulary leaf (`M.vocab_mask`) of each parameter-shaped subtree:
+    the params themselves and each Adam moment."""
+    mask = M.vocab_mask()
+    structure = jax.tree.structure(mask)
+    params_like = lambda x: jax.tree.structure(x) == structure
+    at = lambda params: jax.tree.map(lambda v, x: fn(x) if v else x, mask, params)
+    return jax.tree.map(lambda x: at(x) if params_like(x) else x, tree, is_leaf=params_like)
 
 
 def _abstract(state_shardings, shapes_like):
@@ -45,12 +56,12 @@ def resize_vocab(tree, rows: int, shardings):
     Adam moments) to `rows`, placed on `shardings`. Rows past the real vocabulary are never used
     (their logits are masked), so this loses nothing."""
 
-    def resize(path, x):
-        if jax.tree_util.keystr(path).endswith("['embed']['token']") and x.shape[0] != rows:
+    def resize(x):
+        if x.shape[0] != rows:
             return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: min(rows, x.shape[0])].set(x[:rows])
         return x
 
-    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(resize, t), out_shardings=shardings)(tree)
+    return jax.jit(lambda t: _map_vocab_leaves(resize, t), out_shardings=shardings)(tree)
 
 
 def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, check=None):
@@ -69,18 +80,17 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
         if check is not None:
             check(meta)
         try:
-            rows = _saved_token_rows(mgr, step)
-            shapes = jax.tree_util.tree_map_with_path(
-                lambda p, x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
-                if jax.tree_util.keystr(p).endswith("['embed']['token']") else x, abstract_state)
+            rows = _vocab_rows(mgr.item_metadata(step)["state"]["params"])
+            shapes = _map_vocab_leaves(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), abstract_state)
             shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
             state = mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
         except Exception as e:
             _warn_unreadable(step, e)
             continue
-        if rows != abstract_state.params["embed"]["token"].shape[0]:
-            state = resize_vocab(state, abstract_state.params["embed"]["token"].shape[0], state_shardings)
+        wanted = _vocab_rows(abstract_state.params)
+        if rows != wanted:
+            state = resize_vocab(state, wanted, state_shardings)
         return state, meta
     return None
 
