@@ -6,11 +6,15 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig
@@ -117,126 +121,213 @@ def host_learning_rate(opt: OptimizerConfig):
     return at
 
 
-def train(run: RunConfig, corpus: Corpus) -> int:
-    """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`)."""
+@dataclass(frozen=True, kw_only=True)
+class Session:
+    """What a run trains with, built once from its configuration (`set_up`)."""
+
+    run: RunConfig
+    devices: list
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    micro_batches: int
+    step_fn: Callable  # jit(step)(state, batch, key) → (state, metrics), compiled by `compile_step`
+    eval_fn: Callable
+    key: jax.Array  # the dropout key of every step
+    rows: slice  # this process's rows of each global batch
+    train_batches: Batches
+    val_batches: Batches
+    checkpoints: ocp.CheckpointManager
+    checkpoint_dir: str
+
+    def batch(self, position: int) -> dict:
+        return _global(self.train_batches.rows(position, self.rows), self.mesh, self.run.train.batch_size)
+
+    def evaluate(self, params) -> float:
+        return evaluate(self.eval_fn, params, self.val_batches, self.run.train.eval_batches, self.mesh, self.rows)
+
+    def save(self, step: int, state, position: int) -> None:
+        C.save(self.checkpoints, step, state, rundir.checkpoint_meta(self.run, position), force=True)
+
+
+def set_up(run: RunConfig, corpus: Corpus) -> Session:
     settings = run.train
-    main = D.is_main_process()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     devices = available_devices()
     mesh = make_mesh(run.parallel, devices)
     optimizer = T.make_optimizer(run.optimizer)
     micro = (settings.batch_size // settings.micro_batch_size) if settings.micro_batch_size else 1
-    step_fn = T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro)
-    eval_fn = _eval_fn(run.model, run.parallel, mesh)
-    rows = D.local_batch_rows(T.batch_sharding(mesh), settings.batch_size, run.model.seq_len)
-    train_batches = Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed)
-    val_batches = Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1)
+    checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
+    return Session(
+        run=run, devices=devices, mesh=mesh, optimizer=optimizer, micro_batches=micro,
+        step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
+        eval_fn=_eval_fn(run.model, run.parallel, mesh), key=jax.random.key(settings.seed + 1),
+        rows=D.local_batch_rows(T.batch_sharding(mesh), settings.batch_size, run.model.seq_len),
+        train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
+        val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
+        checkpoints=C.manager(checkpoint_dir, keep=settings.keep_checkpoints), checkpoint_dir=checkpoint_dir)
 
-    ckpt_dir = rundir.checkpoint_dir(settings.run_dir)
-    mgr = C.manager(ckpt_dir, keep=settings.keep_checkpoints)
-    shardings = T.state_shardings(run.model, run.parallel, optimizer, mesh)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(settings.seed), run.model, run.parallel, optimizer, mesh))
+
+def initial_state(session: Session) -> tuple[T.TrainState, int]:
+    """The state to start from and its data position: the newest checkpoint (--resume), else the
+    weights of --init-from or a fresh initialisation at position 0."""
+    run, settings, optimizer, mesh = session.run, session.run.train, session.optimizer, session.mesh
     if settings.resume:
-        restored = C.restore(mgr, abstract, shardings, mesh,
-                             check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]))
-        if restored is None:
-            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
-        state, meta = restored
-        position = int(meta["data_position"])
-    else:
-        if mgr.all_steps():
-            raise ConfigError(f"run_dir={settings.run_dir!r} already holds checkpoints; pass --resume or another --run-dir")
-        if settings.init_from:
-            state = rundir.init_state(settings.init_from, run.model, run.parallel, optimizer, mesh)
-        else:
-            state = T.init_state(jax.random.key(settings.seed), run.model, run.parallel, optimizer, mesh)
-        position = 0
-    start = int(state.step)
-    if main:
-        rundir.write_config(settings.run_dir, run)
-    peak = settings.peak_tflops or peak_tflops()
-    entropy = unigram_entropy(corpus.train, corpus.vocab_size)
-    if main:
-        p = run.parallel
-        print(f"jaxseq: {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
-              f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
-              f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
-              f"{_pipeline_text(p, micro)} on {len(devices)} "
-              f"{devices[0].platform} devices, remat={settings.remat}, steps {start}→{settings.steps}", flush=True)
+        return _resumed_state(session)
+    if session.checkpoints.all_steps():
+        raise ConfigError(f"run_dir={settings.run_dir!r} already holds checkpoints; pass --resume or another --run-dir")
+    if settings.init_from:
+        return rundir.init_state(settings.init_from, run.model, run.parallel, optimizer, mesh), 0
+    return T.init_state(jax.random.key(settings.seed), run.model, run.parallel, optimizer, mesh), 0
 
-    stop = StopFlag(mesh)
-    key = jax.random.key(settings.seed + 1)
-    learning_rate = host_learning_rate(run.optimizer)
-    batch_at = lambda pos: _global(train_batches.rows(pos, rows), mesh, settings.batch_size)
-    # Compile ahead so that no throughput figure includes compilation.
-    if start < settings.steps:
-        compile_start = time.perf_counter()
-        batch = batch_at(position)
-        step_fn = step_fn.lower(state, batch, key).compile()
-        aot.check_fits(aot.step_bytes(step_fn), aot.device_bytes(devices))
-        if main:
-            print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s", flush=True)
-    # Opened once the step is known to fit: a TensorBoard writer left unused until interpreter exit
-    # fails in its atexit hook on Python 3.12 (a traceback after the one-line refusal).
-    metrics = MetricsLog(settings.run_dir, enabled=main)
-    last_time, last_step, last_good = time.perf_counter(), start, None
-    bar = tqdm(total=settings.steps, initial=start, disable=not main, unit="step", mininterval=2.0, dynamic_ncols=True)
-    step = start
-    pending = []  # (step, its metrics still on the device): read at the next log/checkpoint boundary
-    late_log = None  # a logged step whose record is written while the next step runs
 
-    def read(upto: int) -> tuple[float, float]:
+def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
+    run, optimizer, mesh = session.run, session.optimizer, session.mesh
+    shardings = T.state_shardings(run.model, run.parallel, optimizer, mesh)
+    abstract = jax.eval_shape(
+        lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
+    restored = C.restore(session.checkpoints, abstract, shardings, mesh,
+                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]))
+    if restored is None:
+        raise ConfigError(f"--resume: no checkpoint in {session.checkpoint_dir}")
+    state, meta = restored
+    return state, int(meta["data_position"])
+
+
+def compile_step(session: Session, state, position: int):
+    """The train step compiled ahead (no throughput figure includes compilation) and refused if it
+    does not fit the device; with the first batch."""
+    compile_start = time.perf_counter()
+    batch = session.batch(position)
+    step_fn = session.step_fn.lower(state, batch, session.key).compile()
+    aot.check_fits(aot.step_bytes(step_fn), aot.device_bytes(session.devices))
+    if D.is_main_process():
+        print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s", flush=True)
+    return step_fn, batch
+
+
+class PendingMetrics:
+    """Each step's loss and gradient norm, left on the device until a log or checkpoint boundary reads
+    every pending step in one transfer (docs/DESIGN.md)."""
+
+    def __init__(self):
+        self._steps = []  # (step, its metrics still on the device)
+
+    def add(self, step: int, out: dict) -> None:
+        self._steps.append((step, out))
+        if len(self._steps) >= 2:
+            # At most two steps in flight, one running and one queued: enough to keep the device
+            # busy, and XLA:CPU's in-process collectives deadlock (a 40 s rendezvous timeout, seen
+            # with 50 steps queued) when many executions hold its threads. Waits, reads nothing.
+            jax.block_until_ready(self._steps[-2][1])
+
+    def read(self, upto: int, last_good: int | None) -> tuple[float, float]:
         """Every pending step up to `upto` on the host, checked in order for non-finite values (so a
         bad step between two logs is caught before any checkpoint can hold it); upto's values."""
-        nonlocal pending
-        done = [p for p in pending if p[0] <= upto]
-        pending = [p for p in pending if p[0] > upto]
+        done = [p for p in self._steps if p[0] <= upto]
+        self._steps = [p for p in self._steps if p[0] > upto]
         for at, (loss, grad_norm) in fetch_metrics(done):
             problem = non_finite(at, loss, grad_norm, last_good)
             if problem:
-                bar.close()
-                mgr.wait_until_finished()
-                metrics.close()
                 raise TrainingError(problem)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         return loss, grad_norm
 
-    def log_record(at: int, loss: float, grad_norm: float) -> dict:
-        nonlocal last_time, last_step
+
+class Progress:
+    """The run's progress as the user sees it: the bar, and the metric records (each with the
+    throughput since the previous one) written to the metrics log and, on process 0, above the bar."""
+
+    def __init__(self, run: RunConfig, devices: list, learning_rate, start: int):
+        self._run, self._devices, self._learning_rate = run, devices, learning_rate
+        self._peak = run.train.peak_tflops or peak_tflops()
+        self._main = D.is_main_process()
+        # Opened once the step is known to fit: a TensorBoard writer left unused until interpreter exit
+        # fails in its atexit hook on Python 3.12 (a traceback after the one-line refusal).
+        self.metrics = MetricsLog(run.train.run_dir, enabled=self._main)
+        self._last_time, self._last_step = time.perf_counter(), start
+        self.bar = tqdm(total=run.train.steps, initial=start, disable=not self._main, unit="step",
+                        mininterval=2.0, dynamic_ncols=True)
+
+    def read(self, pending: PendingMetrics, upto: int, last_good: int | None) -> tuple[float, float]:
+        """`pending.read`, the loss shown on the bar."""
+        loss, grad_norm = pending.read(upto, last_good)
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        return loss, grad_norm
+
+    def record(self, at: int, loss: float, grad_norm: float) -> dict:
         now = time.perf_counter()
-        record = {"step": at, "loss": loss, "lr": learning_rate(at - 1), "grad_norm": grad_norm,
-                  **throughput(run.model, settings.remat, settings.batch_size, at - last_step, now - last_time,
-                               len(devices), peak),
+        settings = self._run.train
+        record = {"step": at, "loss": loss, "lr": self._learning_rate(at - 1), "grad_norm": grad_norm,
+                  **throughput(self._run.model, settings.remat, settings.batch_size, at - self._last_step,
+                               now - self._last_time, len(self._devices), self._peak),
                   "memory_gib": memory_gib()}
-        last_time, last_step = now, at
+        self._last_time, self._last_step = now, at
         return record
 
-    def write(record: dict) -> None:
-        metrics.write(record)
-        if main:
-            bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+    def restart_clock(self) -> None:
+        """Evaluation is not training time."""
+        self._last_time = time.perf_counter()
 
+    def write(self, record: dict) -> None:
+        self.metrics.write(record)
+        if self._main:
+            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+
+    def close(self, checkpoints) -> None:
+        """The bar closed, every checkpoint written, the metrics log closed."""
+        self.bar.close()
+        checkpoints.wait_until_finished()
+        self.metrics.close()
+
+
+def train(run: RunConfig, corpus: Corpus) -> int:
+    """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    session = set_up(run, corpus)
+    state, position = initial_state(session)
+    start = int(state.step)
+    if D.is_main_process():
+        rundir.write_config(run.train.run_dir, run)
+        print(_banner(session, corpus, start), flush=True)
+    stop = StopFlag(session.mesh)
+    learning_rate = host_learning_rate(run.optimizer)
+    step_fn, batch = compile_step(session, state, position) if start < run.train.steps else (None, None)
+    progress = Progress(run, session.devices, learning_rate, start)
+    try:
+        state, step, stopping = _run_steps(session, step_fn, batch, state, start, position, stop, progress)
+    except TrainingError:
+        progress.close(session.checkpoints)
+        raise
+    progress.close(session.checkpoints)
+    if stopping:
+        if D.is_main_process():
+            print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume")
+    elif start < run.train.steps:
+        _closing_report(session, corpus, state)
+    return 0
+
+
+def _run_steps(session: Session, step_fn, batch, state, step: int, position: int, stop: StopFlag,
+               progress: Progress):
+    """The steps after `step` (with `batch` the first one's) to the last, or to the one a signal
+    stops the run at: (state, step, the signal's name or None). Logs, evaluates and checkpoints on
+    the boundaries."""
+    settings = session.run.train
+    pending, last_good, late_log = PendingMetrics(), None, None
     while step < settings.steps:
         # Between boundaries nothing on the host waits for the device: the step is dispatched, the
         # next batch built while it runs, and its loss and gradient norm stay on the device. On a
         # GPU, whose step is short, a per-step fetch would leave it idle while the host catches up.
         with jax.transfer_guard_device_to_host("disallow"):
-            state, out = step_fn(state, batch, key)
+            state, out = step_fn(state, batch, session.key)
             step, position = step + 1, position + 1
-            if step < settings.steps:
-                batch = batch_at(position)  # the host reads the next batch while the device runs this step
-            pending.append((step, out))
-            if len(pending) >= 2:
-                # At most two steps in flight, one running and one queued: enough to keep the device
-                # busy, and XLA:CPU's in-process collectives deadlock (a 40 s rendezvous timeout, seen
-                # with 50 steps queued) when many executions hold its threads. Waits, reads nothing.
-                jax.block_until_ready(pending[-2][1])
-            bar.update(1)
+            if step < settings.steps:  # the host reads the next batch while the device runs this step
+                batch = session.batch(position)
+            pending.add(step, out)
+            progress.bar.update(1)
         # Agreed by every process (all save the same step); it reads the previous step's flag, so by
         # then this step is queued and the device is not left waiting.
         stopping = stop.after_step()
         if late_log is not None:  # the previous step's record, written while this step runs
-            write(log_record(late_log, *read(late_log)))
+            progress.write(progress.record(late_log, *progress.read(pending, late_log, last_good)))
             late_log = None
         evaluate_now = step % settings.eval_every == 0 or step == settings.steps
         log_now = step % settings.log_every == 0 or evaluate_now  # an evaluated step is a full record too
@@ -247,35 +338,43 @@ def train(run: RunConfig, corpus: Corpus) -> int:
             late_log = step if log_now else None
             continue
         # Saving or evaluating uses this step's state, which the next step would consume (donated).
-        loss, grad_norm = read(step)
-        record = log_record(step, loss, grad_norm) if log_now else None
+        loss, grad_norm = progress.read(pending, step, last_good)
+        record = progress.record(step, loss, grad_norm) if log_now else None
         if evaluate_now:
-            record["val_loss"] = evaluate(eval_fn, state.params, val_batches, settings.eval_batches, mesh, rows)
-            last_time = time.perf_counter()  # evaluation is not training time
+            record["val_loss"] = session.evaluate(state.params)
+            progress.restart_clock()
         if record:
-            write(record)
+            progress.write(record)
         if save_now:
-            C.save(mgr, step, state, rundir.checkpoint_meta(run, position), force=True)
+            session.save(step, state, position)
             last_good = step
         if stopping:
-            bar.close()
-            mgr.wait_until_finished()
-            if main:
-                print(f"{stopping}: saved a checkpoint at step {step} in {ckpt_dir}; resume with --resume")
-            metrics.close()
-            return 0
-    bar.close()
-    mgr.wait_until_finished()
-    metrics.close()
-    if start < settings.steps:  # every process computes (the arrays span them all); process 0 prints
-        val = evaluate(eval_fn, state.params, val_batches, settings.eval_batches, mesh, rows)
-        prompt = "def "
-        ids = sample(state.params, run.model, encode_text(prompt, corpus.tokenizer), settings.sample_tokens, seed=settings.seed)
-        if main:
-            print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
-                  f"({corpus.name}); checkpoint: {ckpt_dir}")
-            print("sample:\n" + prompt + decode_tokens(ids, corpus.tokenizer))
-    return 0
+            return state, step, stopping
+    return state, step, None
+
+
+def _banner(session: Session, corpus: Corpus, start: int) -> str:
+    run, p = session.run, session.run.parallel
+    return (f"jaxseq: {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
+            f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
+            f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
+            f"{_pipeline_text(p, session.micro_batches)} on {len(session.devices)} "
+            f"{session.devices[0].platform} devices, remat={run.train.remat}, steps {start}→{run.train.steps}")
+
+
+def _closing_report(session: Session, corpus: Corpus, state) -> None:
+    """The validation loss against the data's unigram entropy, and a sample. Every process computes
+    (the arrays span them all); process 0 prints."""
+    settings = session.run.train
+    val = session.evaluate(state.params)
+    prompt = "def "
+    ids = sample(state.params, session.run.model, encode_text(prompt, corpus.tokenizer), settings.sample_tokens,
+                 seed=settings.seed)
+    if D.is_main_process():
+        entropy = unigram_entropy(corpus.train, corpus.vocab_size)
+        print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
+              f"({corpus.name}); checkpoint: {session.checkpoint_dir}")
+        print("sample:\n" + prompt + decode_tokens(ids, corpus.tokenizer))
 
 
 def _pipeline_text(p: ParallelConfig, micro: int) -> str:
