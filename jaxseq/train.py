@@ -17,10 +17,12 @@ import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (PRESETS, ConfigError, DistributedConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                           RunConfig, TrainConfig, preset, replace, validate, validate_optimizer)
+from jaxseq.config import (COMPUTE_DTYPES, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+                           OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
+                           validate_optimizer)
 from jaxseq.mesh import available_devices, parse_mesh
 from jaxseq.parallel import distributed as D
+from jaxseq.remat import POLICIES
 from jaxseq.training import loop, rundir
 from jaxseq.training.data import Corpus, load_corpus
 
@@ -91,35 +93,38 @@ def apply_overrides(configs: dict, overrides: dict) -> dict:
     return configs
 
 
+EPILOG = ("Trailing key=value pairs override any config field (model, optimizer, train or parallel), e.g. "
+          "hidden=256 layers=8 optimizer.b2=0.99. Precedence: preset < --config < flags < key=value. "
+          "Where the printed figures come from: tokens_per_sec is measured (wall clock, compilation and "
+          "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
+          "the shapes (the paper's model FLOPs, plus the forward matmuls the remat policy replays; "
+          "tests hold them to XLA's cost analysis) divided by that time; memory_gib is the backend's "
+          "own count of device memory in use (null where it reports none, as on CPU); a step refused as too "
+          "large for the device is measured by the compiled step's memory_analysis().")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m jaxseq.train",
-        description="Train a GPT with tensor, sequence and data parallelism and named remat policies.",
-        epilog="Trailing key=value pairs override any config field (model, optimizer, train or parallel), e.g. "
-               "hidden=256 layers=8 optimizer.b2=0.99. Precedence: preset < --config < flags < key=value. "
-               "Where the printed figures come from: tokens_per_sec is measured (wall clock, compilation and "
-               "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
-               "the shapes (the paper's model FLOPs, plus the forward matmuls the remat policy replays; "
-               "tests hold them to XLA's cost analysis) divided by that time; memory_gib is the backend's "
-               "own count of device memory in use (null where it reports none, as on CPU); a step refused as too "
-               "large for the device is measured by the compiled step's memory_analysis().")
+        description="Train a GPT with tensor, sequence and data parallelism and named remat policies.", epilog=EPILOG)
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
     a("--mesh", help="e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2 (default: data=2,tensor=4 on simulated "
                      "CPU devices, data=N on GPUs)")
-    a("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
-      help="pipeline schedule when the mesh has pipe > 1 (default 1f1b; with --virtual-stages > 1: interleaved)")
-    a("--virtual-stages", type=int, default=1,
+    a("--schedule", choices=SCHEDULES, default=ParallelConfig().schedule,
+      help="pipeline schedule when the mesh has pipe > 1 (default %(default)s; with --virtual-stages > 1: "
+           "interleaved)")
+    a("--virtual-stages", type=int, default=ParallelConfig().virtual_stages,
       help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
     a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
       help="shard the fp32 master weights and Adam moments over data (ZeRO-1): 12/d bytes per parameter "
            "instead of 12")
-    a("--remat", help="remat policy: none, selective, lean, full, dots, dots_no_batch (default selective)")
+    a("--remat", help=f"remat policy: {', '.join(POLICIES)} (default {TrainConfig().remat})")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
-    a("--dtype", help="compute dtype: bfloat16 or float32 (parameters are float32)")
+    a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
     a("--steps", type=int, help="optimizer steps")
     a("--batch-size", type=int, help="global batch size, sequences")
     a("--micro-batch-size", type=int, help="micro-batch size; smaller than --batch-size accumulates gradients")
@@ -146,15 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-FLAG_FIELDS = {  # flag dest → config field
-    "remat": "remat", "attention": "attention", "dtype": "dtype", "steps": "steps", "batch_size": "batch_size",
-    "micro_batch_size": "micro_batch_size", "seq_len": "seq_len", "lr": "lr", "warmup_steps": "warmup_steps",
-    "weight_decay": "weight_decay", "clip_norm": "clip_norm", "seed": "seed", "host_devices": "host_devices",
-    "data": "data", "tokenizer": "tokenizer", "run_dir": "run_dir", "log_every": "log_every",
-    "eval_every": "eval_every", "checkpoint_every": "checkpoint_every", "peak_tflops": "peak_tflops",
-    "init_from": "init_from",
-    "distributed_optimizer": "distributed_optimizer",
-}
+# The flags that set the config field of their own name (the flag's dest).
+FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
+               "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
+               "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -179,19 +179,11 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
         return apply_overrides(configs, overrides)
 
     if args.config:
-        loaded = read_yaml(args.config)
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {args.config!r} must hold a mapping")
-        if "preset" in loaded:
-            configs["model"] = preset(loaded.pop("preset"))
-        flat = {}
-        for key, value in loaded.items():
-            if key in SECTIONS and isinstance(value, dict):
-                flat.update({f"{key}.{k}": v for k, v in value.items()})
-            else:
-                flat[key] = value
-        configs = override(configs, flat)
-    flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest) is not None}
+        model, fields = yaml_fields(args.config)
+        if model is not None:
+            configs["model"] = model
+        configs = override(configs, fields)
+    flags = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
     if args.resume:
         flags["resume"] = True
     configs = override(configs, flags)
@@ -209,6 +201,21 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
         configs["optimizer"] = replace(configs["optimizer"], decay_steps=configs["train"].steps)
     configs["explicit"] = frozenset(explicit)
     return configs, args.mesh, args.sequence_parallel
+
+
+def yaml_fields(path: str) -> tuple[ModelConfig | None, dict]:
+    """A --config file as (its preset's model or None, {field or section.field: value})."""
+    loaded = read_yaml(path)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path!r} must hold a mapping")
+    model = preset(loaded.pop("preset")) if "preset" in loaded else None
+    fields = {}
+    for key, value in loaded.items():
+        if key in SECTIONS and isinstance(value, dict):
+            fields.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            fields[key] = value
+    return model, fields
 
 
 def read_yaml(path: str):
@@ -269,8 +276,8 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
-                     sequence_parallel: bool | None, configured: ParallelConfig = ParallelConfig(),
-                     pipeline: tuple[str, int] = ("1f1b", 1)) -> ParallelConfig:
+                     sequence_parallel: bool | None, configured: ParallelConfig,
+                     pipeline: tuple[str, int]) -> ParallelConfig:
     """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh;
     the other parallel fields (the distributed optimizer) come from `configured`, the pipeline
     schedule and virtual stages from `pipeline`."""

@@ -53,7 +53,8 @@ ALLOWED = {
     "planning.plan": {"config", "mesh", "models.formulas", "models.gpt", "parallel.pipeline", "parallel.schedule",
                       "planning.hlo", "planning.search", "remat", "training.aot", "training.train_step"},
     # the commands
-    "train": {"cli", "config", "mesh", "parallel.distributed", "training.data", "training.loop", "training.rundir"},
+    "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",
+              "training.rundir"},
     "plan": {"cli", "config", "planning.plan", "planning.search"},
     "generate": {"cli", "config", "training.data", "training.rundir", "training.sampling"},
     "convert": {"cli", "config", "interop.hf", "mesh", "models.gpt", "sharding", "training.checkpoint",
