@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxseq import hardware  # noqa: E402
 from jaxseq.config import ModelConfig, replace  # noqa: E402
 from jaxseq.planning import plan as P  # noqa: E402
 from jaxseq.planning import search as S  # noqa: E402
@@ -104,7 +105,7 @@ SPACE = {
 }
 ORDER = ["175B SP+sel", "175B full", "145.6B", "1T SP+sel", "1T full", "1008B", "530B SP+sel", "530B full", "529.6B",
          "22B SP+sel", "22B full", "1.7B"]
-HARDWARE = S.HARDWARE["a100"]
+HARDWARE = hardware.HARDWARE["a100"]
 PEAK = HARDWARE.peak_tflops
 
 
