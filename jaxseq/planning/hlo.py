@@ -1,5 +1,6 @@
 """XLA's own accounting, read from a compiled program's optimized HLO text: the bytes a layer stores
-for backward, and the collectives each layer loop performs.
+for backward, the collectives each layer loop performs (with their device groups), and the dots a
+program runs. The ring traffic those collectives cost is the configurator's (planning/search.py).
 
 With the layers under `lax.scan`, every tensor a layer keeps for backward is a stacked [L, …]
 buffer that the forward loop writes; its per-device size / L is the per-layer stored bytes.
@@ -364,14 +365,6 @@ def _mesh_group_size(rest: str) -> int:
     m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)  # may hold device_ids=(…)
     sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1)))
     return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
-
-
-def traffic_bytes(c: Collective, itemsize: int) -> float:
-    """Bytes each device sends in a ring implementation: all-reduce 2N(t-1)/t, the others N(t-1)/t."""
-    if c.group_size <= 1:
-        return 0.0
-    frac = (c.group_size - 1) / c.group_size
-    return (2 if c.kind == "all-reduce" else 1) * c.elements * itemsize * frac
 
 
 def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...]]]:

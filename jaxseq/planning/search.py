@@ -266,7 +266,8 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
-    """Bytes each device sends in a ring collective over `group` devices on a buffer of `nbytes`."""
+    """Bytes each device sends in a ring collective over `group` devices on a buffer of `nbytes`: all-reduce
+    2N(t-1)/t, the others N(t-1)/t (tests/test_collectives.py applies it to the compiled layer's collectives)."""
     if group <= 1:
         return 0.0
     return (2 if kind == "all-reduce" else 1) * nbytes * (group - 1) / group
