@@ -266,31 +266,53 @@ def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
 def replica_groups(rest: str) -> list[tuple[int, ...]] | None:
     """The device groups of a collective, from its explicit ({{0,2},{1,3}}), iota ([4,2]<=[2,2,2]T(0,2,1))
     or mesh (mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, optionally with device_ids=([2,2]T(1,0))) replica_groups;
-    None for another form."""
+    None for another form, or none (a collective-permute names source-target pairs)."""
+    for read in (_mesh_groups, _explicit_groups, _iota_groups):
+        groups = read(rest)
+        if groups is not None:
+            return groups
+    return None
+
+
+def _group_size(rest: str) -> int:
+    """Devices per group of a collective; 1 where replica_groups reads no groups."""
+    groups = replica_groups(rest)
+    return len(groups[0]) if groups else 1
+
+
+def _mesh_groups(rest: str) -> list[tuple[int, ...]] | None:
+    """The mesh's devices (device_ids, if given, in iota form) grouped along the axes in braces."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}",
                   rest)
-    if m:
-        names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
-        ids = np.arange(int(np.prod(sizes)))
-        if m.group(2):
-            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
-            if m.group(3):
-                ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        ids = ids.reshape(sizes)
-        grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
-        ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
-        return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
+    if not m:
+        return None
+    names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
+    ids = (_iota_ids(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
+    grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+    ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
+    return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
+
+
+def _explicit_groups(rest: str) -> list[tuple[int, ...]] | None:
     m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", rest)
-    if m:
-        return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    if not m:
+        return None
+    return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+
+
+def _iota_groups(rest: str) -> list[tuple[int, ...]] | None:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", rest)
     if not m:
         return None
-    ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")]))).reshape(
-        [int(d) for d in m.group(3).split(",")])
-    if m.group(4):
-        ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-    return [tuple(int(i) for i in g) for g in ids.reshape(int(m.group(1)), int(m.group(2)))]
+    ids = _iota_ids(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+    return [tuple(int(i) for i in g) for g in ids]
+
+
+def _iota_ids(dims: str, perm: str | None) -> np.ndarray:
+    """Device ids as XLA's iota form writes them: 0 … n-1 laid out as `dims`, transposed by `perm` (T(…))."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
 
 
 @dataclass(frozen=True)
@@ -347,24 +369,6 @@ def dots(hlo_text: str) -> list[Dot]:
                 out.append(Dot((types.get(a), types.get(b)), ins.arrays()[0][0], "lhs_batch_dims" in ins.rest,
                                _op_name(ins.rest)))
     return out
-
-
-def _group_size(rest: str) -> int:
-    groups = re.search(r"replica_groups=\{\{([0-9,]+)\}", rest)
-    if groups:
-        return len(groups.group(1).split(","))
-    groups = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
-    if groups:
-        return int(groups.group(2))
-    if "replica_groups=mesh[" in rest:
-        return _mesh_group_size(rest)
-    return 1
-
-
-def _mesh_group_size(rest: str) -> int:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)  # may hold device_ids=(…)
-    sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1)))
-    return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
 
 
 def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...]]]:
