@@ -30,10 +30,10 @@ class Instr:
     rest: str  # operands and attributes
 
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(self.shape)]
+        return _tuple_elements(self.shape)
 
     def operands(self) -> list[str]:
-        depth, out, cur = 0, [], ""
+        depth, cur = 0, ""
         for ch in self.rest:
             if ch == "(":
                 depth += 1
@@ -48,6 +48,16 @@ class Instr:
         m = re.search(key + r"=%?([\w.\-]+)", self.rest)
         return m.group(1) if m else None
 
+    def trip_count(self) -> int | None:
+        """A `while`'s known trip count (XLA's backend_config), None when XLA does not know it."""
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.rest)
+        return int(m.group(1)) if m else None
+
+    def branches(self) -> list[str]:
+        """The computations a `conditional` (lax.switch / lax.cond) chooses between, in branch order."""
+        m = re.search(r"branch_computations=\{([^}]*)\}", self.rest)
+        return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
 
 def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
     return _DTYPE_BYTES[dtype] * int(np.prod(dims, dtype=np.int64))
@@ -59,14 +69,23 @@ def parse_hlo(text: str) -> dict[str, list[Instr]]:
     current = None
     for line in text.splitlines():
         if line.endswith("{") and not line.startswith(" "):
-            head = line.split()
-            current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            current = _computation_name(line)
             comps[current] = []
         elif current is not None and line.startswith("  "):
             m = _INSTR.match(line)
             if m:
                 comps[current].append(Instr(*m.groups()))
     return comps
+
+
+def _computation_name(header: str) -> str:
+    head = header.split()
+    return (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+
+
+def entry_name(text: str) -> str:
+    """The name (parse_hlo's key) of the program's ENTRY computation, where it starts running."""
+    return _computation_name(next(line for line in text.splitlines() if line.startswith("ENTRY")))
 
 
 def _tuple_elements(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -89,13 +108,10 @@ def layer_loops(comps: dict[str, list[Instr]], num_layers: int) -> list[ScanLoop
         for ins in instrs:
             if ins.opcode != "while":
                 continue
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest)
-            if not trip or int(trip.group(1)) != num_layers:
+            if ins.trip_count() != num_layers:
                 continue
             body = ins.attr("body")
-            op_name = re.search(r'op_name="([^"]*)"', ins.rest)
-            backward = bool(op_name and "transpose(" in op_name.group(1))
-            loop = ScanLoop(ins.name, body, backward)
+            loop = ScanLoop(ins.name, body, "transpose(" in _op_name(ins.rest))
             root = comps[body][-1]
             by_name = {i.name: i for i in comps[body]}
             for idx, (elem, operand) in enumerate(zip(_tuple_elements(ins.shape), root.operands())):
@@ -141,8 +157,7 @@ def _called(comps, name, seen=None) -> list[str]:
             callee = ins.attr(key)
             if callee:
                 out += _called(comps, callee, seen)
-        branches = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)  # a lax.switch / lax.cond
-        for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+        for callee in ins.branches():
             out += _called(comps, callee, seen)
     return out
 
@@ -371,11 +386,42 @@ def dots(hlo_text: str) -> list[Dot]:
     return out
 
 
+def while_loop(comps: dict[str, list[Instr]], trip_count: int) -> Instr:
+    """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop); ValueError otherwise."""
+    loops = [ins for instrs in comps.values() for ins in instrs
+             if ins.opcode == "while" and ins.trip_count() == trip_count]
+    if len(loops) != 1:
+        raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
+    return loops[0]
+
+
 def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, per-device dims) of every array in the carry of the one `while` whose known trip count is
     `trip_count` (the pipeline's tick loop: its stash and receive buffers are carry elements)."""
-    loops = [ins for instrs in parse_hlo(hlo_text).values() for ins in instrs if ins.opcode == "while"
-             and re.search(r'"known_trip_count":\{"n":"' + str(trip_count) + r'"\}', ins.rest)]
-    if len(loops) != 1:
-        raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
-    return loops[0].arrays()
+    return while_loop(parse_hlo(hlo_text), trip_count).arrays()
+
+
+def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None) -> float:
+    """FLOPs of the dots computation `comp` runs (2 × output elements × contracted size), following fusions
+    and calls, a `while` × its known trip count (NaN if unknown), a `conditional` at its dearest branch.
+    Why: cost_analysis() counts a loop body once; dots are the matmuls, the FLOPs that matter on a GPU."""
+    memo = {} if memo is None else memo
+    if comp in memo:
+        return memo[comp]
+    by_name = {ins.name: ins for ins in comps[comp]}
+    total = 0.0
+    for ins in comps[comp]:
+        if ins.opcode == "dot":
+            (_, out), = ins.arrays()
+            lhs = by_name[ins.operands()[0]].arrays()[0][1]
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1)
+            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in contracting.split(",") if i]))
+        elif ins.opcode in ("fusion", "call"):
+            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
+        elif ins.opcode == "while":
+            n = ins.trip_count()
+            total += n * dot_flops(comps, ins.attr("body"), memo) if n is not None else float("nan")
+        elif ins.opcode == "conditional":
+            total += max(dot_flops(comps, b, memo) for b in ins.branches())
+    memo[comp] = total
+    return total
