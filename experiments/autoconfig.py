@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxseq.config import ModelConfig, replace  # noqa: E402
+from jaxseq import hardware  # noqa: E402
+from jaxseq.config import ModelConfig, preset, replace  # noqa: E402
 from jaxseq.planning import plan as P  # noqa: E402
 from jaxseq.planning import search as S  # noqa: E402
 
@@ -42,52 +43,48 @@ RESULTS = os.path.join(HERE, "results")
 CACHE = os.path.join(RESULTS, "autoconfig_measurements.json")
 
 
-def model(h: int, a: int, L: int) -> ModelConfig:
-    return ModelConfig(vocab_size=51200, seq_len=2048, hidden=h, heads=a, layers=L, dtype="bfloat16")
-
-
 # The papers' runs. paper: the configuration they ran (None: not stated, the search's best over it);
 # measured: (value, unit) as printed.
 ROWS = [
-    dict(name="1.7B", source="Narayanan 2021, Table 1, row 1.7B", cfg=model(2304, 24, 24), gpus=32, batch=512,
+    dict(name="1.7B", source="Narayanan 2021, Table 1, row 1.7B", cfg=preset("megatron-1.7b"), gpus=32, batch=512,
          paper=dict(tensor=1, pipe=1, remat="full", sequence_parallel=False), accounting="full",
          measured_tflops=137, measured_pct=44),
-    dict(name="145.6B", source="Narayanan 2021, Table 1, row 145.6B", cfg=model(12288, 96, 80), gpus=1536, batch=2304,
-         paper=dict(tensor=8, pipe=8, remat="full", sequence_parallel=False), accounting="full",
+    dict(name="145.6B", source="Narayanan 2021, Table 1, row 145.6B", cfg=preset("megatron-145.6b"), gpus=1536,
+         batch=2304, paper=dict(tensor=8, pipe=8, remat="full", sequence_parallel=False), accounting="full",
          measured_tflops=148, measured_pct=47),
-    dict(name="529.6B", source="Narayanan 2021, Table 1, row 529.6B", cfg=model(20480, 128, 105), gpus=2520,
+    dict(name="529.6B", source="Narayanan 2021, Table 1, row 529.6B", cfg=preset("mt-nlg-530b"), gpus=2520,
          batch=2520, paper=dict(tensor=8, pipe=35, remat="full", sequence_parallel=False), accounting="full",
          measured_tflops=163, measured_pct=52),
-    dict(name="1008B", source="Narayanan 2021, Table 1, row 1008B", cfg=model(25600, 160, 128), gpus=3072, batch=3072,
+    dict(name="1008B", source="Narayanan 2021, Table 1, row 1008B", cfg=preset("megatron-1t"), gpus=3072, batch=3072,
          paper=dict(tensor=8, pipe=64, remat="full", sequence_parallel=False), accounting="full",
          measured_tflops=163, measured_pct=52),
-    dict(name="22B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 22B (present work)", cfg=model(6144, 64, 48),
-         gpus=8, batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="selective", sequence_parallel=True),
+    dict(name="22B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 22B (present work)",
+         cfg=preset("megatron-22b"), gpus=8, batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="selective", sequence_parallel=True),
          accounting="model", measured_seconds=1.10, measured_mfu=41.5),
     dict(name="175B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 175B (present work)",
-         cfg=model(12288, 96, 96), gpus=64, batch=64,
+         cfg=preset("gpt3-175b"), gpus=64, batch=64,
          paper=dict(tensor=8, pipe=8, virtual=3, micro_batch=1, remat="selective", sequence_parallel=True),
          accounting="model", measured_seconds=13.75, measured_mfu=51.4, calibration=True),
     dict(name="530B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 530B (present work)",
-         cfg=model(20480, 128, 105), gpus=280, batch=280,
+         cfg=preset("mt-nlg-530b"), gpus=280, batch=280,
          paper=dict(tensor=8, pipe=35, virtual=3, micro_batch=1, remat="selective", sequence_parallel=True),
          accounting="model", measured_seconds=37.83, measured_mfu=56.0),
-    dict(name="1T SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 1T (present work)", cfg=model(25600, 160, 128),
+    dict(name="1T SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 1T (present work)", cfg=preset("megatron-1t"),
          gpus=512, batch=512, paper=dict(tensor=8, pipe=64, virtual=1, micro_batch=1, remat="selective",
                                          sequence_parallel=True),
          accounting="model", measured_seconds=71.49, measured_mfu=56.3),
     # Table 5's full-recompute column (same models and meshes, TP without SP, full recomputation).
-    dict(name="22B full", source="Korthikanti 2022, Table 5, row 22B (full recompute)", cfg=model(6144, 64, 48), gpus=8,
-         batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="full", sequence_parallel=False),
+    dict(name="22B full", source="Korthikanti 2022, Table 5, row 22B (full recompute)", cfg=preset("megatron-22b"),
+         gpus=8, batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="full", sequence_parallel=False),
          accounting="model", measured_seconds=1.42),
-    dict(name="175B full", source="Korthikanti 2022, Table 5, row 175B (full recompute)", cfg=model(12288, 96, 96),
+    dict(name="175B full", source="Korthikanti 2022, Table 5, row 175B (full recompute)", cfg=preset("gpt3-175b"),
          gpus=64, batch=64, paper=dict(tensor=8, pipe=8, virtual=3, micro_batch=1, remat="full", sequence_parallel=False),
          accounting="model", measured_seconds=18.13),
-    dict(name="530B full", source="Korthikanti 2022, Table 5, row 530B (full recompute)", cfg=model(20480, 128, 105),
+    dict(name="530B full", source="Korthikanti 2022, Table 5, row 530B (full recompute)", cfg=preset("mt-nlg-530b"),
          gpus=280, batch=280, paper=dict(tensor=8, pipe=35, virtual=3, micro_batch=1, remat="full",
                                           sequence_parallel=False),
          accounting="model", measured_seconds=49.05),
-    dict(name="1T full", source="Korthikanti 2022, Table 5, row 1T (full recompute)", cfg=model(25600, 160, 128),
+    dict(name="1T full", source="Korthikanti 2022, Table 5, row 1T (full recompute)", cfg=preset("megatron-1t"),
          gpus=512, batch=512, paper=dict(tensor=8, pipe=64, virtual=1, micro_batch=1, remat="full",
                                          sequence_parallel=False),
          accounting="model", measured_seconds=94.42),
@@ -104,7 +101,7 @@ SPACE = {
 }
 ORDER = ["175B SP+sel", "175B full", "145.6B", "1T SP+sel", "1T full", "1008B", "530B SP+sel", "530B full", "529.6B",
          "22B SP+sel", "22B full", "1.7B"]
-HARDWARE = S.HARDWARE["a100"]
+HARDWARE = hardware.HARDWARE["a100"]
 PEAK = HARDWARE.peak_tflops
 
 

@@ -146,73 +146,31 @@ OVERHEAD_SIZES = {  # name → model overrides on the tiny preset (float32, 8 la
 }
 
 
-def _dims_bytes(shape: str) -> int:
+def _bytes(ins) -> int:
     from jaxseq.planning import hlo
 
-    return sum(hlo.array_bytes(dt, dims) for dt, dims in hlo.Instr("", shape, "", "").arrays())
-
-
-def dot_flops(comps, comp: str, memo=None) -> float:
-    """FLOPs of the dots `comp` runs (2 × output elements × contracted size), following fusions and calls,
-    a `while` × its known trip count, a `conditional` at its most expensive branch. Dots are the matmuls:
-    the FLOPs that matter on a GPU (elementwise work is not counted)."""
-    import re
-
-    import numpy as np
-
-    from jaxseq.planning import hlo
-
-    memo = {} if memo is None else memo
-    if comp in memo:
-        return memo[comp]
-    shapes = {ins.name: ins.shape for ins in comps[comp]}
-    total = 0.0
-    for ins in comps[comp]:
-        if ins.opcode == "dot":
-            (_, out), = ins.arrays()
-            lhs = hlo.Instr("", shapes[ins.operands()[0]], "", "").arrays()[0][1]
-            contracting = [int(i) for i in re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1).split(",") if i]
-            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[i] for i in contracting]))
-        elif ins.opcode in ("fusion", "call"):
-            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
-        elif ins.opcode == "while":
-            n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest)
-            total += int(n.group(1)) * dot_flops(comps, ins.attr("body"), memo) if n else float("nan")
-        elif ins.opcode == "conditional":
-            total += max(dot_flops(comps, b, memo) for b in _branches(ins))
-    memo[comp] = total
-    return total
-
-
-def _branches(ins) -> list[str]:
-    import re
-
-    return re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.rest).group(1))
+    return sum(hlo.array_bytes(dt, dims) for dt, dims in ins.arrays())
 
 
 def tick_loop_anatomy(text: str, ticks: int) -> dict:
     """What one tick runs outside its lax.switch, read from the compiled tick loop's body: bytes written per
     tick by kind (ppermute sends, stash/receive-buffer slot writes, slot reads, gradient accumulation), and
     the dot FLOPs of each switch branch."""
-    import re
-
     from jaxseq.planning import hlo
 
     comps = hlo.parse_hlo(text)
-    loop, = [ins for instrs in comps.values() for ins in instrs if ins.opcode == "while"
-             and re.search(r'"known_trip_count":\{"n":"' + str(ticks) + r'"\}', ins.rest)]
-    body = loop.attr("body")
+    body = hlo.while_loop(comps, ticks).attr("body")
     out = {"ppermute": 0, "slot_writes": 0, "slot_reads": 0, "grad_accumulation": 0, "buffer_copies": 0, "other": 0}
     counts = dict.fromkeys(out, 0)
     branches = None
     for ins in comps[body]:
         if ins.opcode == "conditional":
             memo = {}
-            branches = [dot_flops(comps, b, memo) for b in _branches(ins)]
+            branches = [hlo.dot_flops(comps, b, memo) for b in ins.branches()]
             continue
         if ins.opcode in ("get-tuple-element", "constant", "tuple", "parameter", "bitcast"):
             continue
-        kind, nbytes = "other", _dims_bytes(ins.shape)
+        kind, nbytes = "other", _bytes(ins)
         if ins.opcode == "collective-permute":
             kind = "ppermute"
         elif ins.opcode == "copy":
@@ -223,9 +181,9 @@ def tick_loop_anatomy(text: str, ticks: int) -> dict:
             root = fused[-1]
             if root.opcode == "dynamic-update-slice":  # in place: only the update is written (XLA:CPU's bf16
                 # buffers are not: convert + dynamic-update-slice + convert, root convert, counted whole as "other")
-                update = {i.name: i.shape for i in fused}[root.operands()[1]]
+                update = {i.name: i for i in fused}[root.operands()[1]]
                 # v > 1: a chunk's weight gradients are added into a [v, k, …] accumulator in place
-                kind, nbytes = ("grad_accumulation" if "add" in ops else "slot_writes"), _dims_bytes(update)
+                kind, nbytes = ("grad_accumulation" if "add" in ops else "slot_writes"), _bytes(update)
             elif "dynamic-slice" in ops and not ins.shape.startswith(("s32", "pred")):
                 kind = "slot_reads"
             elif ins.shape.startswith("f") and ops & {"add"}:
@@ -265,7 +223,7 @@ def overhead() -> int:
         cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
         plain = ParallelConfig(2, 1, False)
         unpiped = aot.compile_loss_and_grad(cfg, plain, remat, make_mesh(plain, devices[:2]), MICRO)
-        one_mb = dot_flops(hlo.parse_hlo(unpiped.as_text()), _entry(unpiped.as_text()))
+        one_mb = hlo.dot_flops(hlo.parse_hlo(unpiped.as_text()), hlo.entry_name(unpiped.as_text()))
         rows = []
         configs = [("pipe=1 data=2 (2 devices)", plain, devices[:2]),
                    ("pipe=1 data=2 tensor=4", ParallelConfig(2, 4, False), devices)]
@@ -287,7 +245,7 @@ def overhead() -> int:
                 table = PL.tick_rows(sched)[:, :, 0]  # [ticks, p]: the branch each stage takes
                 per_stage = [float(sum(branch[b] for b in table[:, s])) for s in range(sched.p)]
                 comps = hlo.parse_hlo(text)
-                everything = dot_flops(comps, _entry(text))  # the tick loop at its dearest branch × ticks
+                everything = hlo.dot_flops(comps, hlo.entry_name(text))  # the tick loop at its dearest branch × ticks
                 loop_max = sched.ticks * max(branch)
                 outside = everything - loop_max
                 cost = compiled.cost_analysis()
@@ -335,13 +293,6 @@ def overhead() -> int:
 
 
 BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.IDLE …
-
-
-def _entry(text: str) -> str:
-    from jaxseq.planning import hlo
-
-    line = next(line for line in text.splitlines() if line.startswith("ENTRY"))
-    return line.split()[1].lstrip("%")
 
 
 def overhead_markdown(r: dict) -> str:
@@ -394,10 +345,13 @@ def overhead_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-H100_BF16_FLOPS, H100_HBM_BYTES_S = 989e12, 3.35e12  # H100 SXM spec-sheet peaks (dense bf16, HBM3)
+H100_HBM_BYTES_S = 3.35e12  # H100 SXM spec-sheet HBM3 bandwidth (its dense bf16 peak: jaxseq/hardware.py)
 
 
 def paper_anatomy_markdown() -> list[str]:
+    from jaxseq import hardware
+
+    h100_bf16_flops = hardware.GPUS["h100"].peak_tflops * 1e12
     path = RESULTS / "pipeline_anatomy_gpt3-175b.json"
     if not path.exists():
         return []
@@ -416,7 +370,7 @@ def paper_anatomy_markdown() -> list[str]:
              f"`python experiments/pipeline.py anatomy` compiles the pipelined step on 64 simulated devices with {k_c} "
              f"layers per chunk (nothing runs) and reads one tick; below, the bytes scaled to the real {k} layers per "
              "chunk where they scale with it. The time columns are estimates, not measurements: bytes × 2 (read and "
-             f"write) at {H100_HBM_BYTES_S / 1e12:.2f} TB/s against the tick's dot FLOPs at {H100_BF16_FLOPS / 1e12:.0f} "
+             f"write) at {H100_HBM_BYTES_S / 1e12:.2f} TB/s against the tick's dot FLOPs at {h100_bf16_flops / 1e12:.0f} "
              "TFLOP/s (H100 SXM spec-sheet peaks; real kernels reach less of both).", "",
              f"| per tick, per device | bytes written at {k} layers/chunk | est. ms |", "| --- | --- | --- |"]
     total = 0.0
@@ -424,7 +378,7 @@ def paper_anatomy_markdown() -> list[str]:
         ms = 1e3 * 2 * nbytes * factor / H100_HBM_BYTES_S
         total += ms
         lines.append(f"| {label} | {nbytes * factor / 2**20:,.0f} MiB | {ms:.2f} |")
-    fwd, bwd = 1e3 * br[1] * scale / H100_BF16_FLOPS, 1e3 * br[4] * scale / H100_BF16_FLOPS
+    fwd, bwd = 1e3 * br[1] * scale / h100_bf16_flops, 1e3 * br[4] * scale / h100_bf16_flops
     lines += [f"| **all of the above** | | **{total:.2f}** |",
               f"| forward branch: {br[1] * scale / 1e12:.1f} TFLOP of dots | | {fwd:.1f} |",
               f"| backward branch: {br[4] * scale / 1e12:.1f} TFLOP of dots | | {bwd:.1f} |", "",

@@ -175,6 +175,10 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-175b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96),
     "mt-nlg-530b": _preset(vocab_size=51200, seq_len=2048, hidden=20480, heads=128, layers=105),
     "megatron-1t": _preset(vocab_size=51200, seq_len=2048, hidden=25600, heads=160, layers=128),
+    # Narayanan et al. 2021, Table 1 (weak scaling), the rows the presets above do not hold (its 529.6B and
+    # 1008B rows are mt-nlg-530b and megatron-1t): experiments/autoconfig.py searches them.
+    "megatron-1.7b": _preset(vocab_size=51200, seq_len=2048, hidden=2304, heads=24, layers=24),
+    "megatron-145.6b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=80),
 }
 
 

@@ -14,6 +14,7 @@ import jax
 
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.hardware import HARDWARE
 from jaxseq.planning.plan import GIB, SearchCosts, format_recommendation, format_table, plan, recommend
 from jaxseq.planning import search as S
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
     g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    g.add_argument("--hardware", default="a100", help=f"node defaults: {', '.join(S.HARDWARE)} (default a100)")
+    g.add_argument("--hardware", default="a100", help=f"node defaults: {', '.join(HARDWARE)} (default a100)")
     g.add_argument("--gpu-memory-gib", type=float, help="memory budget per GPU (default: the hardware's, 80)")
     g.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: a100 312, h100 989)")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node; t stays within one (default 8)")
@@ -100,12 +101,12 @@ def search_request(args) -> S.Request:
     """The cluster and the search space from the command line (one-line ConfigErrors)."""
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("--search needs --gpus and --global-batch")
-    if args.hardware not in S.HARDWARE:
-        raise ConfigError(f"hardware={args.hardware!r} is not known; valid: {', '.join(S.HARDWARE)}")
+    if args.hardware not in HARDWARE:
+        raise ConfigError(f"hardware={args.hardware!r} is not known; valid: {', '.join(HARDWARE)}")
     overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops,
                  "gpus_per_node": args.gpus_per_node, "intra_node_gb_per_s": args.intra_node_gb_per_s,
                  "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
-    hardware = replace(S.HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
+    hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
     return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batches),
                      S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency),
                      S.parse_list(args.tensor_sizes) if args.tensor_sizes else None)

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 
 from jaxseq.planning import hlo as HLO
+from jaxseq.planning.search import ring_traffic
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
 
@@ -44,7 +45,7 @@ def sources(text: str, backward: bool) -> Counter:
 
 
 def traffic(text: str, backward: bool) -> float:
-    return sum(HLO.traffic_bytes(c, ITEMSIZE) for c in _activation_ops(text, backward))
+    return sum(ring_traffic(c.kind, c.elements * ITEMSIZE, c.group_size) for c in _activation_ops(text, backward))
 
 
 def assert_no_weight_is_gathered(text: str):

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as PS
 
 from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
+from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.planning import plan as P
 from jaxseq.planning import search as S
@@ -21,8 +22,8 @@ from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
 CFG = ModelConfig(vocab_size=512, seq_len=64, hidden=64, heads=8, layers=4, dtype="bfloat16")
-NODE = S.Hardware("test", peak_tflops=100.0, memory_gib=1.0, gpus_per_node=4, intra_node_gb_per_s=200.0,
-                  inter_node_gbit_per_s=100.0)
+NODE = Hardware(name="test", peak_tflops=100.0, memory_gib=1.0, gpus_per_node=4, intra_node_gb_per_s=200.0,
+                inter_node_gbit_per_s=100.0)
 REMAT_FACTOR = {"none": (4.0, 1.0), "selective": (2.0, 1.01), "full": (1.0, 1.3)}  # stored, FLOPs
 
 

@@ -1,5 +1,6 @@
 """XLA's own accounting, read from a compiled program's optimized HLO text: the bytes a layer stores
-for backward, and the collectives each layer loop performs.
+for backward, the collectives each layer loop performs (with their device groups), and the dots a
+program runs. The ring traffic those collectives cost is the configurator's (planning/search.py).
 
 With the layers under `lax.scan`, every tensor a layer keeps for backward is a stacked [L, …]
 buffer that the forward loop writes; its per-device size / L is the per-layer stored bytes.
@@ -29,10 +30,10 @@ class Instr:
     rest: str  # operands and attributes
 
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(self.shape)]
+        return _tuple_elements(self.shape)
 
     def operands(self) -> list[str]:
-        depth, out, cur = 0, [], ""
+        depth, cur = 0, ""
         for ch in self.rest:
             if ch == "(":
                 depth += 1
@@ -47,6 +48,16 @@ class Instr:
         m = re.search(key + r"=%?([\w.\-]+)", self.rest)
         return m.group(1) if m else None
 
+    def trip_count(self) -> int | None:
+        """A `while`'s known trip count (XLA's backend_config), None when XLA does not know it."""
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.rest)
+        return int(m.group(1)) if m else None
+
+    def branches(self) -> list[str]:
+        """The computations a `conditional` (lax.switch / lax.cond) chooses between, in branch order."""
+        m = re.search(r"branch_computations=\{([^}]*)\}", self.rest)
+        return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
 
 def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
     return _DTYPE_BYTES[dtype] * int(np.prod(dims, dtype=np.int64))
@@ -58,14 +69,23 @@ def parse_hlo(text: str) -> dict[str, list[Instr]]:
     current = None
     for line in text.splitlines():
         if line.endswith("{") and not line.startswith(" "):
-            head = line.split()
-            current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            current = _computation_name(line)
             comps[current] = []
         elif current is not None and line.startswith("  "):
             m = _INSTR.match(line)
             if m:
                 comps[current].append(Instr(*m.groups()))
     return comps
+
+
+def _computation_name(header: str) -> str:
+    head = header.split()
+    return (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+
+
+def entry_name(text: str) -> str:
+    """The name (parse_hlo's key) of the program's ENTRY computation, where it starts running."""
+    return _computation_name(next(line for line in text.splitlines() if line.startswith("ENTRY")))
 
 
 def _tuple_elements(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -88,13 +108,10 @@ def layer_loops(comps: dict[str, list[Instr]], num_layers: int) -> list[ScanLoop
         for ins in instrs:
             if ins.opcode != "while":
                 continue
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest)
-            if not trip or int(trip.group(1)) != num_layers:
+            if ins.trip_count() != num_layers:
                 continue
             body = ins.attr("body")
-            op_name = re.search(r'op_name="([^"]*)"', ins.rest)
-            backward = bool(op_name and "transpose(" in op_name.group(1))
-            loop = ScanLoop(ins.name, body, backward)
+            loop = ScanLoop(ins.name, body, "transpose(" in _op_name(ins.rest))
             root = comps[body][-1]
             by_name = {i.name: i for i in comps[body]}
             for idx, (elem, operand) in enumerate(zip(_tuple_elements(ins.shape), root.operands())):
@@ -140,8 +157,7 @@ def _called(comps, name, seen=None) -> list[str]:
             callee = ins.attr(key)
             if callee:
                 out += _called(comps, callee, seen)
-        branches = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)  # a lax.switch / lax.cond
-        for callee in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+        for callee in ins.branches():
             out += _called(comps, callee, seen)
     return out
 
@@ -265,31 +281,53 @@ def all_gathers(hlo_text: str, group_size: int) -> list[Gather]:
 def replica_groups(rest: str) -> list[tuple[int, ...]] | None:
     """The device groups of a collective, from its explicit ({{0,2},{1,3}}), iota ([4,2]<=[2,2,2]T(0,2,1))
     or mesh (mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, optionally with device_ids=([2,2]T(1,0))) replica_groups;
-    None for another form."""
+    None for another form, or none (a collective-permute names source-target pairs)."""
+    for read in (_mesh_groups, _explicit_groups, _iota_groups):
+        groups = read(rest)
+        if groups is not None:
+            return groups
+    return None
+
+
+def _group_size(rest: str) -> int:
+    """Devices per group of a collective; 1 where replica_groups reads no groups."""
+    groups = replica_groups(rest)
+    return len(groups[0]) if groups else 1
+
+
+def _mesh_groups(rest: str) -> list[tuple[int, ...]] | None:
+    """The mesh's devices (device_ids, if given, in iota form) grouped along the axes in braces."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}",
                   rest)
-    if m:
-        names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
-        ids = np.arange(int(np.prod(sizes)))
-        if m.group(2):
-            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
-            if m.group(3):
-                ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        ids = ids.reshape(sizes)
-        grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
-        ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
-        return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
+    if not m:
+        return None
+    names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
+    ids = (_iota_ids(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
+    grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+    ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
+    return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
+
+
+def _explicit_groups(rest: str) -> list[tuple[int, ...]] | None:
     m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", rest)
-    if m:
-        return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    if not m:
+        return None
+    return [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+
+
+def _iota_groups(rest: str) -> list[tuple[int, ...]] | None:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", rest)
     if not m:
         return None
-    ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")]))).reshape(
-        [int(d) for d in m.group(3).split(",")])
-    if m.group(4):
-        ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-    return [tuple(int(i) for i in g) for g in ids.reshape(int(m.group(1)), int(m.group(2)))]
+    ids = _iota_ids(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+    return [tuple(int(i) for i in g) for g in ids]
+
+
+def _iota_ids(dims: str, perm: str | None) -> np.ndarray:
+    """Device ids as XLA's iota form writes them: 0 … n-1 laid out as `dims`, transposed by `perm` (T(…))."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
 
 
 @dataclass(frozen=True)
@@ -348,37 +386,42 @@ def dots(hlo_text: str) -> list[Dot]:
     return out
 
 
-def _group_size(rest: str) -> int:
-    groups = re.search(r"replica_groups=\{\{([0-9,]+)\}", rest)
-    if groups:
-        return len(groups.group(1).split(","))
-    groups = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
-    if groups:
-        return int(groups.group(2))
-    if "replica_groups=mesh[" in rest:
-        return _mesh_group_size(rest)
-    return 1
-
-
-def _mesh_group_size(rest: str) -> int:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)  # may hold device_ids=(…)
-    sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1)))
-    return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
-
-
-def traffic_bytes(c: Collective, itemsize: int) -> float:
-    """Bytes each device sends in a ring implementation: all-reduce 2N(t-1)/t, the others N(t-1)/t."""
-    if c.group_size <= 1:
-        return 0.0
-    frac = (c.group_size - 1) / c.group_size
-    return (2 if c.kind == "all-reduce" else 1) * c.elements * itemsize * frac
+def while_loop(comps: dict[str, list[Instr]], trip_count: int) -> Instr:
+    """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop); ValueError otherwise."""
+    loops = [ins for instrs in comps.values() for ins in instrs
+             if ins.opcode == "while" and ins.trip_count() == trip_count]
+    if len(loops) != 1:
+        raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
+    return loops[0]
 
 
 def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, per-device dims) of every array in the carry of the one `while` whose known trip count is
     `trip_count` (the pipeline's tick loop: its stash and receive buffers are carry elements)."""
-    loops = [ins for instrs in parse_hlo(hlo_text).values() for ins in instrs if ins.opcode == "while"
-             and re.search(r'"known_trip_count":\{"n":"' + str(trip_count) + r'"\}', ins.rest)]
-    if len(loops) != 1:
-        raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
-    return loops[0].arrays()
+    return while_loop(parse_hlo(hlo_text), trip_count).arrays()
+
+
+def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None) -> float:
+    """FLOPs of the dots computation `comp` runs (2 × output elements × contracted size), following fusions
+    and calls, a `while` × its known trip count (NaN if unknown), a `conditional` at its dearest branch.
+    Why: cost_analysis() counts a loop body once; dots are the matmuls, the FLOPs that matter on a GPU."""
+    memo = {} if memo is None else memo
+    if comp in memo:
+        return memo[comp]
+    by_name = {ins.name: ins for ins in comps[comp]}
+    total = 0.0
+    for ins in comps[comp]:
+        if ins.opcode == "dot":
+            (_, out), = ins.arrays()
+            lhs = by_name[ins.operands()[0]].arrays()[0][1]
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1)
+            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in contracting.split(",") if i]))
+        elif ins.opcode in ("fusion", "call"):
+            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
+        elif ins.opcode == "while":
+            n = ins.trip_count()
+            total += n * dot_flops(comps, ins.attr("body"), memo) if n is not None else float("nan")
+        elif ins.opcode == "conditional":
+            total += max(dot_flops(comps, b, memo) for b in ins.branches())
+    memo[comp] = total
+    return total

@@ -49,6 +49,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from jaxseq.config import ConfigError, ModelConfig, replace
+from jaxseq.hardware import Hardware
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.remat import POLICIES
@@ -57,31 +58,7 @@ GIB = 2**30
 
 
 # ---------------------------------------------------------------------------------------------
-# The cluster and the model's constants
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One node type: dense bf16 peak, memory, NVLink per direction per GPU, InfiniBand per GPU."""
-
-    name: str
-    peak_tflops: float
-    memory_gib: float
-    gpus_per_node: int
-    intra_node_gb_per_s: float  # GB/s per direction per GPU (NVLink)
-    inter_node_gbit_per_s: float  # Gb/s per GPU (InfiniBand)
-
-    @property
-    def inter_node_gb_per_s(self) -> float:
-        return self.inter_node_gbit_per_s / 8
-
-
-# DGX A100 80 GB (NVLink 3: 600 GB/s both directions, 8× HDR 200 Gb/s) and DGX H100 (NVLink 4: 900 GB/s,
-# 8× NDR 400 Gb/s); the papers' runs are on the former.
-HARDWARE = {
-    "a100": Hardware("a100", 312.0, 80.0, 8, 300.0, 200.0),
-    "h100": Hardware("h100", 989.0, 80.0, 8, 450.0, 400.0),
-}
+# The time model's constants (the cluster's: jaxseq/hardware.py)
 
 # Achieved fraction of peak for the FLOPs XLA counts (matmuls and the elementwise rest), calibrated on
 # ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8, v = 3, 64 GPUs, batch 64, SP + selective,
@@ -289,7 +266,8 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
-    """Bytes each device sends in a ring collective over `group` devices on a buffer of `nbytes`."""
+    """Bytes each device sends in a ring collective over `group` devices on a buffer of `nbytes`: all-reduce
+    2N(t-1)/t, the others N(t-1)/t (tests/test_collectives.py applies it to the compiled layer's collectives)."""
     if group <= 1:
         return 0.0
     return (2 if kind == "all-reduce" else 1) * nbytes * (group - 1) / group

@@ -14,18 +14,17 @@ import os
 
 import jax
 
+from jaxseq import hardware
 from jaxseq.config import ModelConfig
 from jaxseq.models.formulas import train_flops
 
-# Dense bf16 peak TFLOP/s by device kind.
-PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
-
 
 def peak_tflops(device=None) -> float | None:
+    """The device's dense bf16 peak (jaxseq/hardware.py); None off GPU or for a GPU not listed there."""
     device = device or jax.devices()[0]
     if device.platform != "gpu":
         return None
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device.device_kind), None)
+    return hardware.peak_tflops(device.device_kind)
 
 
 def memory_gib(device=None) -> float | None:

@@ -1,0 +1,57 @@
+"""GPU specifications, in one place: the dense bf16 peak that MFU divides by (training.metrics) and the
+nodes the configurator plans for (planning.search). Data-sheet numbers, not measurements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """One GPU model: its dense bf16 tensor-core peak (no sparsity) and the device kinds JAX reports for
+    it (the CUDA device name), matched exactly."""
+
+    peak_tflops: float
+    device_kinds: tuple[str, ...]
+
+
+GPUS = {
+    "a100": GPU(peak_tflops=312.0, device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB",
+                                                 "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe")),
+    "h100": GPU(peak_tflops=989.0, device_kinds=("NVIDIA H100 80GB HBM3",)),  # SXM
+    "h100-pcie": GPU(peak_tflops=756.0, device_kinds=("NVIDIA H100 PCIe",)),
+    # CUDA names an H200 NVL (835) "NVIDIA H200" too: its MFU reads low unless --peak-tflops says 835.
+    "h200": GPU(peak_tflops=989.0, device_kinds=("NVIDIA H200",)),
+}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The dense bf16 peak of the GPU whose device kind is exactly `device_kind`, None for one not listed.
+    Exact, not by substring: an "NVIDIA H100 PCIe" contains "H100" but peaks at 756, not the SXM's 989."""
+    return next((gpu.peak_tflops for gpu in GPUS.values() if device_kind in gpu.device_kinds), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One node type: dense bf16 peak, memory, NVLink per direction per GPU, InfiniBand per GPU."""
+
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    gpus_per_node: int
+    intra_node_gb_per_s: float  # GB/s per direction per GPU (NVLink)
+    inter_node_gbit_per_s: float  # Gb/s per GPU (InfiniBand)
+
+    @property
+    def inter_node_gb_per_s(self) -> float:
+        return self.inter_node_gbit_per_s / 8
+
+
+# DGX A100 80 GB (NVLink 3: 600 GB/s both directions, 8× HDR 200 Gb/s) and DGX H100 (NVLink 4: 900 GB/s,
+# 8× NDR 400 Gb/s); the papers' runs are on the former.
+HARDWARE = {
+    "a100": Hardware(name="a100", peak_tflops=GPUS["a100"].peak_tflops, memory_gib=80.0, gpus_per_node=8,
+                     intra_node_gb_per_s=300.0, inter_node_gbit_per_s=200.0),
+    "h100": Hardware(name="h100", peak_tflops=GPUS["h100"].peak_tflops, memory_gib=80.0, gpus_per_node=8,
+                     intra_node_gb_per_s=450.0, inter_node_gbit_per_s=400.0),
+}

@@ -1,0 +1,85 @@
+"""planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
+form XLA prints them, a loop found by its trip count, and the dot FLOPs a program runs with loops
+counted × their trip count and a conditional at its dearest branch."""
+
+import pytest
+
+from jaxseq.planning import hlo as HLO
+
+PROGRAM = """HloModule m
+
+%matmul (x: f32[4,8], w: f32[8,16]) -> f32[4,16] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,16]{1,0} parameter(1)
+  ROOT %d = f32[4,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%idle (a: (f32[4,8], f32[8,16])) -> f32[4,16] {
+  %a = (f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %z = f32[4,16]{1,0} broadcast(%zero), dimensions={}
+}
+
+%busy (a: (f32[4,8], f32[8,16])) -> f32[4,16] {
+  %a = (f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%a), index=0
+  %w = f32[8,16]{1,0} get-tuple-element(%a), index=1
+  ROOT %f = f32[4,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%matmul
+}
+
+%body (p: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %p = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %w = f32[8,16]{1,0} get-tuple-element(%p), index=2
+  %xw = (f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%x, %w)
+  %c = f32[4,16]{1,0} conditional(%i, %xw, %xw), branch_computations={%idle, %busy}
+  ROOT %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %x, %w)
+}
+
+ENTRY %main (init: (s32[], f32[4,8], f32[8,16])) -> f32[4,16] {
+  %init = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %loop = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %x = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+  %w = f32[8,16]{1,0} get-tuple-element(%loop), index=2
+  ROOT %d = f32[4,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+ONE_DOT = 2 * 4 * 16 * 8  # 2 × output elements × contracted size
+
+
+def test_dot_flops_counts_a_loop_by_its_trip_count_and_a_conditional_at_its_dearest_branch():
+    comps = HLO.parse_hlo(PROGRAM)
+    assert HLO.entry_name(PROGRAM) == "main"
+    assert HLO.dot_flops(comps, "busy") == ONE_DOT
+    assert HLO.dot_flops(comps, "main") == 3 * ONE_DOT + ONE_DOT
+
+
+def test_the_loop_with_a_trip_count_and_its_branches():
+    comps = HLO.parse_hlo(PROGRAM)
+    loop = HLO.while_loop(comps, 3)
+    assert (loop.name, loop.trip_count(), loop.attr("body")) == ("loop", 3, "body")
+    assert [i.branches() for i in comps["body"] if i.opcode == "conditional"] == [["idle", "busy"]]
+    with pytest.raises(ValueError, match="0 while loops with trip count 4"):
+        HLO.while_loop(comps, 4)
+
+
+ROWS, COLUMNS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+@pytest.mark.parametrize("attribute, groups", [
+    ("replica_groups={{0,2},{1,3}}", [(0, 2), (1, 3)]),
+    ("replica_groups=[2,4]<=[8]", ROWS),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", COLUMNS),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ROWS),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", COLUMNS),
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}", [(0, 2), (1, 3)]),
+    ("source_target_pairs={{0,1},{1,0}}", None),
+])
+def test_replica_groups_in_every_form_and_the_group_size_they_give(attribute, groups):
+    assert HLO.replica_groups(attribute + ", to_apply=%add") == groups
+    # The group size the collectives readers filter by is the same reading's.
+    text = ("ENTRY %main (p: f32[2,8]) -> f32[8,8] {\n  %p = f32[2,8]{1,0} parameter(0)\n"
+            f"  ROOT %g = f32[8,8]{{1,0}} all-gather(%p), channel_id=1, {attribute}, dimensions={{0}}\n}}\n")
+    size = len(groups[0]) if groups else 1
+    assert [g.dims for g in HLO.all_gathers(text, size)] == [(8, 8)]
