@@ -159,6 +159,11 @@ class StageSharder(Sharder):
         return lookup(table, tokens)
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The global batch [B, s]: rows split over `data`, replicated over `pipe` and `tensor`."""
+    return NamedSharding(mesh, P("data", None))
+
+
 def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):
     """One tensor rank's part of the vocab-parallel lookup (inside shard_map, manual over `tensor`): its
     rows' embeddings (zeros for other ids), all-reduced, or reduce-scattered along the sequence under SP."""

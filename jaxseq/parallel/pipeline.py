@@ -35,11 +35,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.mesh import logical_rules, logical_to_spec
 from jaxseq.models import gpt as M
 from jaxseq.parallel import schedule as S
 from jaxseq import remat as R
-from jaxseq.sharding import Sharder, StageSharder
+from jaxseq.sharding import Sharder, StageSharder, batch_sharding
 
 # lax.switch branches
 IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST = range(6)
@@ -154,17 +153,15 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     inner = StageSharder(mesh, parallel.sequence_parallel)
 
     cast = M.cast_params(params, jnp.dtype(cfg.dtype))
-    layer_axes = M.param_axes()["layers"]
     stage_layers = jax.tree.map(
-        lambda a, axes: jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, P("pipe", None, None, *shard.spec(*axes[1:])))),
-        to_stages(cast["layers"], p, v), layer_axes, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], str))
+        lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("pipe", None, None, *spec[1:]))),
+        to_stages(cast["layers"], p, v), M.param_specs(parallel)["layers"])
     others = {"embed": cast["embed"], "final_ln": cast["final_ln"]}
     # Where each gradient is split over `data` (−1: all-reduced), as an index into the parameter's shape.
     data_dim = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1,
-                            grad_specs if grad_specs is not None else M.param_axes(),
-                            is_leaf=lambda x: isinstance(x, (P, tuple)))
-    tensor_specs = jax.tree.map(lambda axes: shard.spec(*axes), M.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
+                            grad_specs if grad_specs is not None else M.param_specs(parallel),
+                            is_leaf=lambda x: isinstance(x, P))
+    tensor_specs = M.param_specs(parallel)  # their split over `tensor` (a layer's dimension 0 aside)
     micro = jax.tree.map(lambda a: shard(a.reshape(m, -1, *a.shape[1:]), None, "batch", None), batch)
     key_data = jax.random.key_data(key)
     b = micro["inputs"].shape[1] // parallel.data  # one data rank's rows of a micro-batch
@@ -335,16 +332,13 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
-    param_sh = jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules)), M.param_axes(),
-                            is_leaf=lambda x: isinstance(x, tuple))
+    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(parallel))
     replicated = NamedSharding(mesh, P())
-    batch_sh = NamedSharding(mesh, P("data", None))  # as train_step.batch_sharding
     fn = partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
                  microbatches=microbatches)
     return jax.jit(
         fn,
-        in_shardings=(param_sh, {"inputs": batch_sh, "targets": batch_sh}, replicated),
+        in_shardings=(param_sh, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
         out_shardings=(replicated, param_sh),
     )
 
