@@ -334,7 +334,7 @@ def overhead() -> int:
     return 0
 
 
-BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.IDLE …
+BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.Branch
 
 
 def _entry(text: str) -> str:
