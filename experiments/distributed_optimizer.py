@@ -37,6 +37,7 @@ from jaxseq.models import gpt as M  # noqa: E402
 from jaxseq.planning import hlo as A  # noqa: E402
 from jaxseq.planning import plan as P  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
+from jaxseq.sharding import batch_sharding  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
 
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))
@@ -60,7 +61,7 @@ def weight_shapes(cfg, parallel: ParallelConfig) -> set:
     """Per-device shapes of the compute weights (split by tensor only)."""
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(T.param_specs(cfg, parallel), is_leaf=is_spec)
+    specs = jax.tree.leaves(M.param_specs(parallel), is_leaf=is_spec)
     return {tuple(n // (parallel.tensor if axis == "tensor" else 1) for n, axis in zip(shape, [*spec, *[None] * 8]))
             for shape, spec in zip(shapes, specs)}
 
@@ -70,7 +71,7 @@ def compile_abstract(cfg, parallel: ParallelConfig, micro_batches: int, batch: i
     shardings = T.state_shardings(cfg, parallel, OPT, mesh)
     state = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, OPT, mesh))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32, sharding=T.batch_sharding(mesh))
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
     step = T.make_train_step(cfg, parallel, "selective", OPT, mesh, micro_batches)
     return step.lower(state, {"inputs": tokens, "targets": tokens}, jax.random.key(1)).compile()
 

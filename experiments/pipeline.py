@@ -292,7 +292,7 @@ def overhead() -> int:
     return 0
 
 
-BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.IDLE …
+BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.Branch
 
 
 def overhead_markdown(r: dict) -> str:

@@ -78,7 +78,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     parallel = ParallelConfig(1, 1, False)
     mesh = make_mesh(parallel, devices[:1])
     params = jax.device_put(M.init_params(jax.random.key(0), cfg), jax.tree.map(
-        lambda s: jax.sharding.NamedSharding(mesh, s), T.param_specs(cfg, parallel)))
+        lambda s: jax.sharding.NamedSharding(mesh, s), M.param_specs(parallel)))
     tokens = jax.random.randint(jax.random.key(1), (8, cfg.seq_len), 0, cfg.vocab_size)
     batch = {"inputs": tokens, "targets": tokens}
     key = jax.random.key(2)

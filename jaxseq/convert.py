@@ -24,7 +24,7 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, Optimi
 from jaxseq.interop import hf
 from jaxseq.mesh import make_mesh
 from jaxseq.models import gpt as M
-from jaxseq.sharding import Sharder
+from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import checkpoint as C
 from jaxseq.training import rundir
 from jaxseq.training import train_step as T
@@ -65,7 +65,7 @@ def logits(params: dict, tokens, cfg: ModelConfig, mesh=None, sequence_parallel:
     if mesh is None:
         mesh = make_mesh(ParallelConfig(), jax.local_devices()[:1])
     params = rundir.place(params, cfg, mesh, sequence_parallel)
-    tokens = jax.make_array_from_callback(tokens.shape, T.batch_sharding(mesh), lambda idx: tokens[idx])
+    tokens = jax.make_array_from_callback(tokens.shape, batch_sharding(mesh), lambda idx: tokens[idx])
     return np.asarray(_logits_fn(cfg, mesh, sequence_parallel)(params, tokens))[..., : cfg.vocab_size]
 
 

@@ -3,7 +3,8 @@
 `Sharder` applies the mesh's logical rules (`mesh.logical_rules`) as sharding constraints; its
 `column_parallel` (the sequence-parallel all-gather) and `embed` (the vocab-parallel lookup) are written
 as explicit collectives inside `jax.shard_map`, because left to the partitioner XLA stores or moves more
-than Megatron-LM does (docs/DESIGN.md).
+than Megatron-LM does (docs/DESIGN.md). `StageSharder` is the same for code inside the pipeline's
+shard_map (manual over `pipe` and `data`), where those collectives must be forward-only custom_vjps.
 """
 
 from __future__ import annotations
@@ -80,13 +81,101 @@ class Sharder:
         )(table, tokens)
 
 
+@dataclass(frozen=True)
+class StageSharder(Sharder):
+    """Sharder for code running inside the pipeline's shard_map, manual over `pipe` and `data` (one data
+    rank's rows of the batch: constraints never name `data`): shardings name the abstract mesh (a
+    concrete-mesh NamedSharding fails in a partial-manual region), and the collectives over `tensor`
+    (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose forward and backward are
+    forward-only nested shard_maps (autodiff through a nested shard_map fails to lower)."""
+
+    @property
+    def rules(self) -> dict[str, str | None]:
+        return {**logical_rules(self.sequence_parallel), "batch": None}
+
+    def named(self, *axes: str | None) -> NamedSharding:
+        return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
+
+    def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
+        if self.mesh is None or not self.sequence_parallel:
+            return super().column_parallel(fn, x, params, param_axes, out_axes)
+        mesh = jax.sharding.get_abstract_mesh()
+        x_spec = self.spec("batch", "seq_sp", None)
+        p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
+        out_spec = self.spec(*out_axes)
+        gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
+        nested = partial(jax.shard_map, mesh=mesh, axis_names={"tensor"})
+
+        def forward(x, p):
+            return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
+
+        def backward(x, p, g):
+            def local(y, q, gy):
+                _, vjp = jax.vjp(fn, gather(y), q)
+                gx, gq = vjp(gy)
+                return jax.lax.psum_scatter(gx, "tensor", scatter_dimension=1, tiled=True), gq
+
+            return nested(local, in_specs=(x_spec, p_specs, out_spec), out_specs=(x_spec, p_specs))(x, p, g)
+
+        @jax.custom_vjp
+        def column(x, p):
+            return forward(x, p)
+
+        column.defvjp(lambda x, p: (forward(x, p), (x, p)), lambda res, g: backward(*res, g))
+        return column(x, params)
+
+    def embed(self, table, tokens):
+        """`Sharder.embed` (the same `vocab_parallel_lookup` per tensor rank) as a custom_vjp whose backward
+        scatter-adds the gradient into this rank's rows. Why not jnp.take under sharding constraints: XLA
+        then emits collective-permutes spanning every stage, and a stage that runs the first chunk while
+        the others run something else would wait for them forever. The table gradient stays this data
+        rank's partial sum (reduced over `data` once per step, after the tick loop)."""
+        if self.mesh is None:
+            return jnp.take(table, tokens, axis=0)
+        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tensor"})
+        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", None), self.spec("batch", "seq_sp", None)
+        sp = self.sequence_parallel
+
+        def forward(table, tokens):
+            return nested(partial(vocab_parallel_lookup, sequence_parallel=sp), in_specs=(t_spec, id_spec),
+                          out_specs=x_spec)(table, tokens)
+
+        def backward(table, tokens, g):
+            def local(table, tokens, g):
+                if sp:
+                    g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
+                ids, mine = _rank_rows(table.shape[0], tokens)
+                g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
+                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
+
+            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
+
+        @jax.custom_vjp
+        def lookup(table, tokens):
+            return forward(table, tokens)
+
+        lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
+                      lambda res, g: (backward(*res, g), None))
+        return lookup(table, tokens)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The global batch [B, s]: rows split over `data`, replicated over `pipe` and `tensor`."""
+    return NamedSharding(mesh, P("data", None))
+
+
 def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):
     """One tensor rank's part of the vocab-parallel lookup (inside shard_map, manual over `tensor`): its
     rows' embeddings (zeros for other ids), all-reduced, or reduce-scattered along the sequence under SP."""
     rows = table.shape[0]
-    ids = tokens - jax.lax.axis_index("tensor") * rows
-    mine = (ids >= 0) & (ids < rows)
+    ids, mine = _rank_rows(rows, tokens)
     x = jnp.where(mine[..., None], jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0), jnp.zeros((), table.dtype))
     if sequence_parallel:
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
     return jax.lax.psum(x, "tensor")
+
+
+def _rank_rows(rows: int, tokens):
+    """(tokens as row indices into this tensor rank's `rows` rows of the table, whether each falls in them)."""
+    ids = tokens - jax.lax.axis_index("tensor") * rows
+    return ids, (ids >= 0) & (ids < rows)

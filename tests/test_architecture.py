@@ -29,19 +29,19 @@ ALLOWED = {
     "cli": {"config"},
     "hardware": set(),
     # the model family and the paper's formulas
-    "models.gpt": {"config", "remat", "sharding"},
+    "models.gpt": {"config", "mesh", "remat", "sharding"},
     "models.formulas": {"config", "remat"},
     # formats from the outside world
     "interop.hf": {"config"},
     # the parallel machinery beyond sharding rules: schedules, the pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.pipeline": {"config", "mesh", "models.gpt", "parallel.schedule", "remat", "sharding"},
+    "parallel.pipeline": {"config", "models.gpt", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "mesh", "models.gpt", "parallel.pipeline", "sharding"},
+    "training.train_step": {"config", "models.gpt", "parallel.pipeline", "sharding"},
     "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
     "training.checkpoint": {"config", "models.gpt"},
-    "training.rundir": {"config", "mesh", "training.checkpoint", "training.train_step"},
+    "training.rundir": {"config", "mesh", "models.gpt", "training.checkpoint", "training.train_step"},
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "models.gpt", "sharding"},

@@ -13,6 +13,7 @@ import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
 from jaxseq.planning import hlo as A
 from jaxseq.planning import plan
 from jaxseq.training import checkpoint as C
@@ -150,7 +151,7 @@ def test_each_weight_is_all_gathered_once_per_step(devices):
     s = setup("data=4,tensor=2+sp", True)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(jax.eval_shape(lambda: s.init().params))
-    compute_specs = jax.tree.leaves(T.param_specs(CFG, s.parallel), is_leaf=is_spec)
+    compute_specs = jax.tree.leaves(M.param_specs(s.parallel), is_leaf=is_spec)
     master = jax.tree.leaves(T.master_specs(CFG, s.parallel), is_leaf=is_spec)
     expected = sorted(
         tuple(n // (s.parallel.tensor if axis == "tensor" else 1) for n, axis in zip(x.shape, [*spec, *[None] * 8]))

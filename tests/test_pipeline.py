@@ -193,7 +193,7 @@ def _over_data(text: str, p: int, data: int, tensor: int):
 def _elements_per_device(tree, parallel: ParallelConfig) -> int:
     """Elements per device of the gradients of `tree` (a part of the parameters) split over pipe and tensor."""
     sizes = {"pipe": parallel.pipe, "tensor": parallel.tensor, "data": 1, None: 1}
-    shapes, specs = M.param_shapes(CFG, parallel.tensor), T.param_specs(CFG, parallel)
+    shapes, specs = M.param_shapes(CFG, parallel.tensor), M.param_specs(parallel)
     return sum(int(np.prod(shape)) // int(np.prod([sizes[a] for a in spec]))
                for shape, spec in zip(jax.tree.leaves(tree(shapes), is_leaf=lambda x: isinstance(x, tuple)),
                                       jax.tree.leaves(tree(specs), is_leaf=lambda x: isinstance(x, P))))

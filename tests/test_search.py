@@ -18,6 +18,7 @@ from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.planning import plan as P
 from jaxseq.planning import search as S
+from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
@@ -198,7 +199,7 @@ def compiled_step_bytes(parallel: ParallelConfig, micro_batches: int, batch: int
     shardings = T.state_shardings(F32, parallel, optimizer, mesh)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), F32, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    tokens = jax.ShapeDtypeStruct((batch, F32.seq_len), jnp.int32, sharding=T.batch_sharding(mesh))
+    tokens = jax.ShapeDtypeStruct((batch, F32.seq_len), jnp.int32, sharding=batch_sharding(mesh))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
     step = T.make_train_step(F32, parallel, KEY[2], optimizer, mesh, micro_batches)
     return aot.step_bytes(step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile())

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.random import threefry2x32_p
 
-from jaxseq.config import ModelConfig
+from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.mesh import logical_rules, logical_to_spec
 from jaxseq import remat as R
 from jaxseq.sharding import Sharder
 
@@ -86,6 +87,13 @@ def _derive(fn, *trees):
 def param_axes() -> dict:
     """Logical axes of every parameter."""
     return _derive(lambda p: p.axes)
+
+
+def param_specs(parallel: ParallelConfig) -> dict:
+    """PartitionSpecs of the weights the layers compute with (`mesh.logical_rules` of `param_axes`): split
+    over `tensor` (and the stacked layers over `pipe`), replicated over `data`."""
+    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
+    return _derive(lambda p: logical_to_spec(p.axes, rules))
 
 
 def param_shapes(cfg: ModelConfig, tensor: int) -> dict:

@@ -7,28 +7,36 @@ backward loop (GPipe's memory, whatever the forward order). Here each micro-batc
 
 The program (inside `jax.shard_map`, manual over `pipe` and `data`, `tensor` left to XLA; each data rank
 runs its rows of every micro-batch, dropout masks drawn as the rows of the global mask):
-- one `lax.scan` over the ticks of `schedule.Schedule.tables`; at each tick every stage reads its row
-  (op kind, micro-batch, chunk, buffer slots) and runs one `lax.switch` branch: idle, forward (first chunk:
-  embedding first; last chunk: final LayerNorm, logits, loss and the loss gradient), backward (first chunk:
-  the embedding gradient after);
+- one `lax.scan` over the ticks of `schedule.Schedule.tables` (`TickProgram.tick`); at each tick every
+  stage reads its `TickRow` (branch, micro-batch, chunk, buffer slots) and runs one `lax.switch` branch
+  (`Branch`): idle, forward (first chunk: embedding first; last chunk: final LayerNorm, logits, loss and
+  the loss gradient), backward (first chunk: the embedding gradient after);
 - after the switch two `ppermute`s move the forward output to stage s + 1 and the input gradient to
   stage s − 1 (cyclic: the last stage feeds stage 0's next chunk under the interleaved schedule);
 - the stash keeps only the residuals that are not the chunk's weights or dropout keys (those are the same
-  arrays at backward time), so a slot costs what the remat policy stores for k layers;
+  arrays at backward time: `ResidualLayout`), so a slot costs what the remat policy stores for k layers;
 - weights are cast to `pipe`- and `data`-varying before the loop, so each stage and data rank accumulates
   its own gradients over the micro-batches; after the loop they are summed over `data` once (Megatron's
   one data-parallel reduction per step), and the embedding's two gradients (first stage's lookup, last
-  stage's logits) and the final LayerNorm's over `pipe` too (Megatron's embedding group).
+  stage's logits) and the final LayerNorm's over `pipe` too (Megatron's embedding group):
+  `reduce_gradients`.
 
 Layers are stored in natural order, sharded over `pipe` in L/p blocks; stage s, chunk c runs layers
 (c·p + s)·k … + k − 1 (k = L/(p·v)). For v = 1 that is the stored block (no data moves); for v > 1 the
 step regroups the layers (an all-to-all over `pipe` of the weights and, after, of their gradients).
+
+Shapes (global over `tensor`, which XLA splits): m micro-batches, p stages, v chunks per stage, k layers per
+chunk, b one data rank's rows of a micro-batch, s sequence, h hidden; "[v, k, …]" is a layer parameter's
+shape with its L layers regrouped as v chunks of k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,123 +44,75 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.mesh import logical_rules, logical_to_spec
 from jaxseq.models import gpt as M
 from jaxseq.parallel import schedule as S
 from jaxseq import remat as R
-from jaxseq.sharding import Sharder, vocab_parallel_lookup
+from jaxseq.sharding import Sharder, StageSharder, batch_sharding
 
-# lax.switch branches
-IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST = range(6)
-FIELDS = ("branch", "mb", "chunk", "stash", "x_slot", "g_slot", "recv_x", "recv_g")
+# ---------------------------------------------------------------------------------------------
+# The tick table as the executor reads it
+
+
+class Branch(IntEnum):
+    """The executor's `lax.switch` branches, by number: the schedule's op kinds (`schedule.IDLE`,
+    `FORWARD`, `BACKWARD`) split by what else the op runs. The model's first chunk embeds before its
+    forward and runs the embedding's vjp after its backward; the last chunk's forward ends in the loss."""
+
+    IDLE = 0
+    FORWARD = 1
+    FORWARD_FIRST = 2
+    FORWARD_LAST = 3
+    BACKWARD = 4
+    BACKWARD_FIRST = 5
+
+
+class TickRow(NamedTuple):
+    """What one stage does at one tick: int32 scalars inside the loop. The schedule's fields
+    (`schedule.Schedule.tables`) with the −1s ("does not apply") replaced, so every read and write has a
+    target."""
+
+    branch: Any  # the `Branch` to run
+    mb: Any  # the op's micro-batch (0 when idle)
+    chunk: Any  # the op's chunk on this stage, 0 … v − 1 (0 when idle)
+    stash: Any  # the residual slot a forward writes and its backward reads
+    x_slot: Any  # the activation slot a forward reads its input from
+    g_slot: Any  # the gradient slot a backward reads (the last chunk's forward writes its loss gradient there)
+    recv_x: Any  # where the activation arriving after this tick is written (depth x: the trash slot)
+    recv_g: Any  # where the gradient arriving after this tick is written (depth g: the trash slot)
+
+    @staticmethod
+    def of(row) -> TickRow:
+        """The fields of one row of `tick_rows`' table (int32 [len(FIELDS)])."""
+        return TickRow(*(row[i] for i in range(len(FIELDS))))
+
+
+FIELDS = TickRow._fields
 
 
 def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int) -> S.Schedule:
     return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers)
 
 
+def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
+    """[ticks, p]: the `Branch` of each stage at each tick, from the schedule's kind, first and last."""
+    kind, first, last = tables["kind"], tables["first"] == 1, tables["last"] == 1
+    forward, backward = kind == S.FORWARD, kind == S.BACKWARD
+    return np.select([kind == S.IDLE, forward & first, forward & last, forward, backward & first],
+                     [Branch.IDLE, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD, Branch.BACKWARD_FIRST],
+                     Branch.BACKWARD)
+
+
 def tick_rows(sched: S.Schedule) -> np.ndarray:
-    """[ticks, p, len(FIELDS)] int32: the switch branch and the slots each stage uses at each tick.
+    """[ticks, p, len(FIELDS)] int32: each stage's `TickRow` at each tick, fields in `FIELDS` order.
     Receive slots of −1 become the trash slot (index = depth) so that every write has a target."""
-    tab = sched.tables
-    kind, first, last = tab["kind"], tab["first"] == 1, tab["last"] == 1
-    branch = np.select(
-        [kind == S.IDLE, (kind == S.FORWARD) & first, (kind == S.FORWARD) & last, kind == S.FORWARD,
-         (kind == S.BACKWARD) & first],
-        [IDLE, FORWARD_FIRST, FORWARD_LAST, FORWARD, BACKWARD_FIRST], BACKWARD)
-    d = sched.depths
-    cols = {
-        "branch": branch, "mb": np.maximum(tab["mb"], 0), "chunk": np.maximum(tab["chunk"], 0),
-        "stash": np.maximum(tab["stash"], 0), "x_slot": np.maximum(tab["x_slot"], 0),
-        "g_slot": np.maximum(tab["g_slot"], 0),
-        "recv_x": np.where(tab["recv_x"] < 0, d["x"], tab["recv_x"]),
-        "recv_g": np.where(tab["recv_g"] < 0, d["g"], tab["recv_g"]),
-    }
-    return np.stack([cols[f] for f in FIELDS], axis=-1).astype(np.int32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sharding constraints inside the pipe-manual region
-
-
-@dataclass(frozen=True)
-class StageSharder(Sharder):
-    """Sharder for code running inside the pipeline's shard_map, manual over `pipe` and `data` (one data
-    rank's rows of the batch: constraints never name `data`): shardings name the abstract mesh (a
-    concrete-mesh NamedSharding fails in a partial-manual region), and the collectives over `tensor`
-    (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose forward and backward are
-    forward-only nested shard_maps (autodiff through a nested shard_map fails to lower)."""
-
-    @property
-    def rules(self) -> dict[str, str | None]:
-        return {**logical_rules(self.sequence_parallel), "batch": None}
-
-    def named(self, *axes: str | None) -> NamedSharding:
-        return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
-
-    def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
-        if self.mesh is None or not self.sequence_parallel:
-            return super().column_parallel(fn, x, params, param_axes, out_axes)
-        mesh = jax.sharding.get_abstract_mesh()
-        x_spec = self.spec("batch", "seq_sp", None)
-        p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
-        out_spec = self.spec(*out_axes)
-        gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
-        nested = partial(jax.shard_map, mesh=mesh, axis_names={"tensor"})
-
-        def forward(x, p):
-            return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
-
-        def backward(x, p, g):
-            def local(y, q, gy):
-                _, vjp = jax.vjp(fn, gather(y), q)
-                gx, gq = vjp(gy)
-                return jax.lax.psum_scatter(gx, "tensor", scatter_dimension=1, tiled=True), gq
-
-            return nested(local, in_specs=(x_spec, p_specs, out_spec), out_specs=(x_spec, p_specs))(x, p, g)
-
-        @jax.custom_vjp
-        def column(x, p):
-            return forward(x, p)
-
-        column.defvjp(lambda x, p: (forward(x, p), (x, p)), lambda res, g: backward(*res, g))
-        return column(x, params)
-
-    def embed(self, table, tokens):
-        """`Sharder.embed` (the same `vocab_parallel_lookup` per tensor rank) as a custom_vjp whose backward
-        scatter-adds the gradient into this rank's rows. Why not jnp.take under sharding constraints: XLA
-        then emits collective-permutes spanning every stage, and a stage that runs the first chunk while
-        the others run something else would wait for them forever. The table gradient stays this data
-        rank's partial sum (reduced over `data` once per step, after the tick loop)."""
-        if self.mesh is None:
-            return jnp.take(table, tokens, axis=0)
-        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tensor"})
-        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", None), self.spec("batch", "seq_sp", None)
-        sp = self.sequence_parallel
-
-        def forward(table, tokens):
-            return nested(partial(vocab_parallel_lookup, sequence_parallel=sp), in_specs=(t_spec, id_spec),
-                          out_specs=x_spec)(table, tokens)
-
-        def backward(table, tokens, g):
-            def local(table, tokens, g):
-                if sp:
-                    g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
-                rows = table.shape[0]
-                ids = tokens - jax.lax.axis_index("tensor") * rows
-                mine = (ids >= 0) & (ids < rows)
-                g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
-
-            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
-
-        @jax.custom_vjp
-        def lookup(table, tokens):
-            return forward(table, tokens)
-
-        lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
-                      lambda res, g: (backward(*res, g), None))
-        return lookup(table, tokens)
+    tab, depth = sched.tables, sched.depths
+    row = TickRow(
+        branch=branches_of(tab), mb=np.maximum(tab["mb"], 0), chunk=np.maximum(tab["chunk"], 0),
+        stash=np.maximum(tab["stash"], 0), x_slot=np.maximum(tab["x_slot"], 0), g_slot=np.maximum(tab["g_slot"], 0),
+        recv_x=np.where(tab["recv_x"] < 0, depth["x"], tab["recv_x"]),
+        recv_g=np.where(tab["recv_g"] < 0, depth["g"], tab["recv_g"]),
+    )
+    return np.stack(row, axis=-1).astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +147,6 @@ def micro_keys(key, mb, cfg: ModelConfig):
     return k_embed, jax.random.split(k_layers, cfg.layers)
 
 
-# ---------------------------------------------------------------------------------------------
-# The executor
-
-
 def to_stages(layers, p: int, v: int):
     """Natural-order [L, …] leaves → [p, v, k, …]: stage s, chunk c = layers (c·p + s)·k …"""
     return jax.tree.map(lambda a: a.reshape(v, p, -1, *a.shape[1:]).swapaxes(0, 1), layers)
@@ -208,6 +164,272 @@ def _varying(x, axes=("pipe", "data")):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _zeros(shape, dtype):
+    """Zeros varying over `pipe` and `data`, as every value the tick loop carries and its branches return."""
+    return _varying(jnp.zeros(shape, dtype))
+
+
+def _float32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# One stage inside the shard_map
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One stage and data rank's part of the step (inside the shard_map, manual over `pipe` and `data`):
+    its weights, its rows of the micro-batches, the step's key, and how it runs one micro-batch chunk."""
+
+    cfg: ModelConfig
+    sched: S.Schedule
+    data: int  # data ranks: the loss is the mean over micro-batches and data ranks
+    remat: str
+    shard: StageSharder
+    index: jax.Array  # s: this stage's index on `pipe`
+    key: jax.Array  # the step's dropout key
+    layers: dict  # this stage's chunks, [v, k, …] per leaf, varying over `pipe` and `data`
+    others: dict  # {"embed", "final_ln"}: on every stage, varying over `pipe` and `data`
+    micro: dict  # {"inputs", "targets"}: [m, b, s] int32, this data rank's rows
+
+    @staticmethod
+    def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, data: int, remat: str,
+              shard: StageSharder) -> Stage:
+        """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
+        [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data."""
+        return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
+                     key=jax.random.wrap_key_data(key_data), layers=jax.tree.map(lambda a: _varying(a[0]), layers),
+                     others=jax.tree.map(_varying, others), micro=micro)
+
+    @property
+    def activation(self) -> jax.ShapeDtypeStruct:
+        """What moves between stages: one data rank's activations (or gradients) of a micro-batch, [b, s, h]."""
+        b = self.micro["inputs"].shape[1]
+        return jax.ShapeDtypeStruct((b, self.cfg.seq_len, self.cfg.hidden), jnp.dtype(self.cfg.dtype))
+
+    def chunk_inputs(self, mb, c):
+        """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key)."""
+        p, k = self.sched.p, self.cfg.layers // (self.sched.p * self.sched.v)
+        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
+        ids = (c * p + self.index) * k + jnp.arange(k)
+        k_embed, layer_keys = micro_keys(self.key, mb, self.cfg)
+        return w, layer_keys[ids], k_embed
+
+    def chunk_vjp(self, x, w, keys):
+        """(y, vjp) of one chunk's k layers: x, y [b, s, h]."""
+        return jax.vjp(lambda x, w: chunk(x, w, keys, self.cfg, self.shard, self.remat), x, w)
+
+    def embed(self, embed_params, mb, k_embed):
+        """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
+        return embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
+
+    def loss_and_grads(self, y, mb):
+        """(loss share, dL/dy, d(embedding, final LN)) of the last chunk's output y: the loss right away, so
+        that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits. Scaled by
+        1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
+            y, self.others, self.micro["targets"][mb])
+        scale = 1.0 / (self.sched.m * self.data)
+        return loss * scale, gy * scale, jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh)
+
+
+@dataclass(frozen=True)
+class ResidualLayout:
+    """Where the leaves of one chunk's vjp (`jax.vjp`'s VJP object is a pytree) come from: most are
+    activations, kept in a stash slot from the forward to the backward; the rest are the chunk's own
+    weights and dropout keys (matched by identity), taken from the live arrays at backward time instead.
+    This leans on the layout of jax.vjp's residuals (tests/test_pipeline.py pins it)."""
+
+    treedef: Any  # the VJP's structure; it carries the backward jaxpr
+    source: tuple[int, ...]  # per leaf: its index among the leaves of (weights, keys), or −1: stashed
+    avals: tuple[jax.ShapeDtypeStruct, ...]  # per leaf
+
+    @property
+    def stashed(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """One stash slot: [k, b, …] per leaf."""
+        return tuple(a for a, i in zip(self.avals, self.source) if i < 0)
+
+    @property
+    def reused(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The leaves taken from the weights and keys."""
+        return tuple(a for a, i in zip(self.avals, self.source) if i >= 0)
+
+    @staticmethod
+    def of(stage: Stage) -> ResidualLayout:
+        """The layout of chunk 0's vjp, traced once under eval_shape (its ops do not enter the program). Every
+        chunk's vjp has it: the chunks differ in values, not in shapes or in which residuals are inputs."""
+        found = []  # the one trace below records its static findings here
+
+        def residuals(x, w, keys):
+            _, f_vjp = stage.chunk_vjp(x, w, keys)
+            leaves, treedef = jax.tree.flatten(f_vjp)
+            inputs = jax.tree.leaves((w, keys))
+            found.append((treedef, tuple(next((i for i, a in enumerate(inputs) if a is leaf), -1) for leaf in leaves)))
+            return leaves
+
+        w, keys, _ = stage.chunk_inputs(0, 0)
+        x = _zeros(stage.activation.shape, stage.activation.dtype)
+        avals = jax.eval_shape(residuals, x, w, keys)
+        (treedef, source), = found
+        return ResidualLayout(treedef, source, tuple(avals))
+
+    def split(self, f_vjp) -> list:
+        """The leaves of a forward's vjp that go to the stash."""
+        leaves = jax.tree.leaves(f_vjp)
+        assert [a.shape for a in leaves] == [a.shape for a in self.avals], "a chunk's vjp changed its layout"
+        return [leaf for leaf, i in zip(leaves, self.source) if i < 0]
+
+    def join(self, stashed: list, w, keys) -> Callable:
+        """The vjp of a chunk from its stash slot and its live weights and keys. The treedef traced in `of`
+        serves every branch: it carries the backward jaxpr, whose inputs are the residual leaves (it closes
+        over no tracer), so any leaves of the same types run it."""
+        inputs, it = jax.tree.leaves((w, keys)), iter(stashed)
+        return jax.tree.unflatten(self.treedef, [inputs[i] if i >= 0 else next(it) for i in self.source])
+
+
+# ---------------------------------------------------------------------------------------------
+# The tick loop
+
+
+class Buffers(NamedTuple):
+    """The tick loop's carry, per stage and data rank (all varying over `pipe` and `data`)."""
+
+    g: Any  # [depth g + 1, b, s, h]: received gradients and the loss gradients (+ the trash slot)
+    grads: dict  # {"layers": [v, k, …], "others": embed, final_ln}: float32 gradient accumulators
+    loss: Any  # []: float32, this stage's share of the loss
+    stash: list  # per stashed residual leaf: [depth stash, k, b, …]
+    x: Any  # [depth x + 1, b, s, h]: received activations (+ the trash slot)
+
+
+class BranchOut(NamedTuple):
+    """What a `lax.switch` branch returns: slot-sized values only (see `TickProgram.tick`)."""
+
+    send_x: Any  # [b, s, h]: the forward output for stage s + 1 (zeros when there is none)
+    send_g: Any  # [b, s, h]: the input gradient for stage s − 1 (zeros when there is none)
+    slot: list  # the stash slot: written by a forward, passed through otherwise
+    g: Any  # [b, s, h]: the gradient slot: the loss gradient from the last chunk's forward, else passed through
+    dw: dict  # [k, …] per leaf: the chunk's weight gradients (float32; zeros unless a backward)
+    d_others: dict  # embed, final_ln: their gradients (float32; zeros unless the first backward or last forward)
+    loss: Any  # []: the micro-batch's loss share (zero unless the last forward)
+
+
+@dataclass(frozen=True)
+class TickProgram:
+    """What a stage runs at each tick: one branch on slot-sized values between reading and writing the
+    buffers, then the two ppermutes. `nothing`: what a branch returns for an output it has none of (zeros
+    made once, before the loop; its slot and g are always replaced)."""
+
+    stage: Stage
+    layout: ResidualLayout
+    nothing: BranchOut
+
+    @staticmethod
+    def make(stage: Stage, layout: ResidualLayout) -> TickProgram:
+        """The tick program of `stage`, its stash slots laid out as `layout`."""
+        act = stage.activation
+        no_act = _zeros(act.shape, act.dtype)
+        nothing = BranchOut(send_x=no_act, send_g=no_act, slot=None, g=None,
+                            dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), stage.layers),
+                            d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), stage.others),
+                            loss=_zeros((), jnp.float32))
+        return TickProgram(stage, layout, nothing)
+
+    def buffers(self) -> Buffers:
+        """The empty carry: the schedule's buffer depths (`Schedule.depths`), a trash slot per receive buffer."""
+        act, depth = self.stage.activation, self.stage.sched.depths
+        return Buffers(
+            g=_zeros((depth["g"] + 1, *act.shape), act.dtype),
+            grads={"layers": jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), self.stage.layers),
+                   "others": jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), self.stage.others)},
+            loss=_zeros((), jnp.float32),
+            stash=[_zeros((depth["stash"], *a.shape), a.dtype) for a in self.layout.stashed],
+            x=_zeros((depth["x"] + 1, *act.shape), act.dtype),
+        )
+
+    # The branches: (table_row, x, g, slot) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
+    # x and g [b, s, h] its activation and gradient slots, slot its stash slot.
+
+    def idle(self, table_row, x, g, slot) -> BranchOut:
+        return self.nothing._replace(slot=slot, g=g)
+
+    def forward(self, table_row, x, g, slot, *, first: bool, last: bool) -> BranchOut:
+        """The chunk's forward under jax.vjp, its residuals to the stash slot; first: embed before; last:
+        the loss and its gradient after (into the gradient slot this chunk's backward reads)."""
+        stage, row = self.stage, TickRow.of(table_row)
+        w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
+        if first:
+            x = stage.embed(stage.others["embed"], row.mb, k_embed)
+        y, f_vjp = stage.chunk_vjp(x, w, keys)
+        slot = self.layout.split(f_vjp)
+        if not last:
+            return self.nothing._replace(send_x=y.astype(stage.activation.dtype), slot=slot, g=g)
+        loss, gy, d_others = stage.loss_and_grads(y, row.mb)
+        return self.nothing._replace(slot=slot, g=gy.astype(stage.activation.dtype), d_others=d_others, loss=loss)
+
+    def backward(self, table_row, x, g, slot, *, first: bool) -> BranchOut:
+        """The stashed vjp applied to the gradient slot; first: the embedding's vjp after."""
+        stage, row = self.stage, TickRow.of(table_row)
+        w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
+        dx, dw = self.layout.join(slot, w, keys)(g)
+        if not first:
+            return self.nothing._replace(send_g=dx.astype(stage.activation.dtype), slot=slot, g=g, dw=_float32(dw))
+        _, e_vjp = jax.vjp(lambda e: stage.embed(e, row.mb, k_embed), stage.others["embed"])
+        (de,) = e_vjp(dx)
+        d_others = dict(self.nothing.d_others, embed=_float32(de))
+        return self.nothing._replace(slot=slot, g=g, dw=_float32(dw), d_others=d_others)
+
+    def branches(self) -> list[Callable]:
+        """The switch's branches, indexed by `Branch`."""
+        by_branch = {
+            Branch.IDLE: self.idle,
+            Branch.FORWARD: partial(self.forward, first=False, last=False),
+            Branch.FORWARD_FIRST: partial(self.forward, first=True, last=False),
+            Branch.FORWARD_LAST: partial(self.forward, first=False, last=True),
+            Branch.BACKWARD: partial(self.backward, first=False),
+            Branch.BACKWARD_FIRST: partial(self.backward, first=True),
+        }
+        return [by_branch[b] for b in Branch]
+
+    def tick(self, carry: Buffers, table_row) -> tuple[Buffers, None]:
+        """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches see and
+        return only slot-sized values (one stash slot, one activation, one chunk's weight gradient); the big
+        buffers are read and written around the switch, so XLA updates them in place instead of copying them
+        into and out of the conditional. The branches and conds read their fields from the whole row (one
+        int32 [8] operand; fields sliced outside became scalar operands, and XLA's program 64 bytes larger)."""
+        row = TickRow.of(table_row)
+        slot = [buf[row.stash] for buf in carry.stash]
+        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot], slot)
+        p = self.stage.sched.p
+        got_x = jax.lax.ppermute(out.send_x, "pipe", [(i, (i + 1) % p) for i in range(p)])
+        got_g = jax.lax.ppermute(out.send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
+        return Buffers(
+            g=carry.g.at[row.g_slot].set(out.g).at[row.recv_g].set(got_g),
+            grads=self.accumulate(carry.grads, table_row, out),
+            loss=carry.loss + out.loss,
+            stash=[buf.at[row.stash].set(r) for buf, r in zip(carry.stash, out.slot)],
+            x=carry.x.at[row.recv_x].set(got_x),
+        ), None
+
+    @staticmethod
+    def accumulate(grads: dict, table_row, out: BranchOut) -> dict:
+        """The float32 accumulators plus the branch's gradients. Only the ticks whose branch has gradients
+        touch them (a read-add-write of the chunk's weight gradients on every tick, idle and forward ones
+        included, was the executor's largest per-tick traffic: experiments/results/pipeline_overhead.md)."""
+        branch = TickRow.of(table_row).branch
+        add_dw = lambda acc: jax.tree.map(lambda a, u: a.at[TickRow.of(table_row).chunk].add(u), acc, out.dw)
+        add_d_others = lambda acc: jax.tree.map(jnp.add, acc, out.d_others)
+        keep = lambda acc: acc
+        return {"layers": jax.lax.cond((branch == Branch.BACKWARD) | (branch == Branch.BACKWARD_FIRST),
+                                       add_dw, keep, grads["layers"]),
+                "others": jax.lax.cond((branch == Branch.FORWARD_LAST) | (branch == Branch.BACKWARD_FIRST),
+                                       add_d_others, keep, grads["others"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# After the loop: the step's one data-parallel reduction
+
+
 def _reduce_over_data(g, dim: int, tensor_spec: P):
     """A gradient summed over `data`: all-reduced (dim −1), or reduce-scattered onto dimension `dim`.
     The scatter runs manual over `tensor` too (`tensor_spec`: the gradient's split): left to the
@@ -221,6 +443,69 @@ def _reduce_over_data(g, dim: int, tensor_spec: P):
                          axis_names={"tensor"})(g)
 
 
+def reduce_gradients(buffers: Buffers, data_dims: dict, specs: dict):
+    """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
+    accumulators: Megatron's one data-parallel reduction (a reduce-scatter onto the master shards where
+    `data_dims` names a dimension, else an all-reduce), and the embedding group's over `pipe`. `specs`:
+    the parameters' PartitionSpecs (`model.param_specs`), for their split over `tensor`."""
+    loss = jax.lax.psum(buffers.loss, ("pipe", "data"))
+    others = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
+                          jax.lax.psum(_reduce_over_data(g, dim, spec), "pipe"),
+                          buffers.grads["others"], _others(data_dims), _others(specs))
+    layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
+        lambda g, dim, spec: _reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
+        buffers.grads["layers"], data_dims["layers"], specs["layers"])
+    return loss, layers, others
+
+
+def _others(tree: dict) -> dict:
+    """The parameters every stage holds: the embedding and the final LayerNorm."""
+    return {"embed": tree["embed"], "final_ln": tree["final_ln"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+
+
+def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
+                  remat: str, shard: StageSharder, data_dims: dict, specs: dict, inspect):
+    """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
+    rows: the tick table [ticks, p, len(FIELDS)]; the rest as `Stage.enter` and `reduce_gradients`."""
+    stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
+    layout = ResidualLayout.of(stage)
+    if inspect is not None:
+        inspect(list(layout.stashed), list(layout.reused))
+    program = TickProgram.make(stage, layout)
+    buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
+    return reduce_gradients(buffers, data_dims, specs)
+
+
+def _data_dims(grad_specs) -> dict:
+    """Where each gradient is split over `data`, as an index into the parameter's shape (−1: all-reduced)."""
+    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def _gradient_specs(data_dims: dict) -> tuple[dict, dict]:
+    """The shard_map's out_specs of the reduced gradients: the layers' in the stage layout [p, v, k, …] (a
+    parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final LN's; each split over
+    `data` on the dimension where it was reduce-scattered."""
+    layers = jax.tree.map(lambda dim: P("pipe", *[None] * (dim + 1), "data") if dim >= 0 else P("pipe"),
+                          data_dims["layers"])
+    others = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), _others(data_dims))
+    return layers, others
+
+
+def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, specs: dict):
+    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN), cast
+    to the compute dtype."""
+    cast = M.cast_params(params, jnp.dtype(cfg.dtype))
+    layers = jax.tree.map(lambda a, spec: jax.lax.with_sharding_constraint(
+                              a, NamedSharding(mesh, P("pipe", None, None, *spec[1:]))),
+                          to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
+    return layers, _others(cast)
+
+
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
                            microbatches: int, grad_specs=None, inspect=None):
     """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
@@ -231,205 +516,32 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    p, v, m = sched.p, sched.v, sched.m
-    k = cfg.layers // (p * v)
-    rows = jnp.asarray(tick_rows(sched))
-    depth = sched.depths
+    specs = M.param_specs(parallel)
+    data_dims = _data_dims(grad_specs if grad_specs is not None else specs)
+    assert all(d != 0 for d in jax.tree.leaves(data_dims["layers"])), "layers are split over pipe, not data"
+    layers, others = _stage_weights(params, cfg, parallel, mesh, specs)
     shard = Sharder(mesh, parallel.sequence_parallel)
-    inner = StageSharder(mesh, parallel.sequence_parallel)
-
-    cast = M.cast_params(params, jnp.dtype(cfg.dtype))
-    layer_axes = M.param_axes()["layers"]
-    stage_layers = jax.tree.map(
-        lambda a, axes: jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, P("pipe", None, None, *shard.spec(*axes[1:])))),
-        to_stages(cast["layers"], p, v), layer_axes, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], str))
-    others = {"embed": cast["embed"], "final_ln": cast["final_ln"]}
-    # Where each gradient is split over `data` (−1: all-reduced), as an index into the parameter's shape.
-    data_dim = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1,
-                            grad_specs if grad_specs is not None else M.param_axes(),
-                            is_leaf=lambda x: isinstance(x, (P, tuple)))
-    tensor_specs = jax.tree.map(lambda axes: shard.spec(*axes), M.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
-    micro = jax.tree.map(lambda a: shard(a.reshape(m, -1, *a.shape[1:]), None, "batch", None), batch)
-    key_data = jax.random.key_data(key)
-    b = micro["inputs"].shape[1] // parallel.data  # one data rank's rows of a micro-batch
-    act_shape = (b, cfg.seq_len, cfg.hidden)
-    act_dtype = jnp.dtype(cfg.dtype)
-
-    def stage_program(layers, others, micro, key_data, rows):
-        s = jax.lax.axis_index("pipe")
-        key = jax.random.wrap_key_data(key_data)
-        layers = jax.tree.map(lambda a: _varying(a[0]), layers)  # this stage's [v, k, …]
-        others = jax.tree.map(_varying, others)
-        rows = rows[:, s]  # [ticks, fields]: this stage's column of the tick table
-
-        def chunk_inputs(mb, c):
-            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), layers)
-            ids = (c * p + s) * k + jnp.arange(k)
-            k_embed, layer_keys = micro_keys(key, mb, cfg)
-            return w, layer_keys[ids], k_embed
-
-        def chunk_vjp(x, w, keys):
-            return jax.vjp(lambda x, w: chunk(x, w, keys, cfg, inner, remat), x, w)
-
-        # The residual layout of one chunk's vjp: which leaves are the weights or keys (not stashed).
-        probe = {}
-
-        def trace_residuals(x, w, keys):
-            _, f_vjp = chunk_vjp(x, w, keys)
-            leaves, treedef = jax.tree.flatten(f_vjp)
-            inputs = jax.tree.leaves((w, keys))
-            probe["treedef"], probe["leaves"] = treedef, leaves
-            probe["source"] = [next((i for i, a in enumerate(inputs) if a is leaf), -1) for leaf in leaves]
-            return [leaf for leaf, src in zip(leaves, probe["source"]) if src < 0]
-
-        w0, keys0, _ = chunk_inputs(0, 0)
-        x0 = _varying(jnp.zeros(act_shape, act_dtype))
-        stashed = jax.eval_shape(trace_residuals, x0, w0, keys0)
-        if inspect is not None:
-            inspect(stashed, [jax.typeof(a) for a, src in zip(probe["leaves"], probe["source"]) if src >= 0])
-
-        def split_residuals(f_vjp):
-            # The treedef carries the backward jaxpr (residuals are its inputs, not closed-over tracers),
-            # so the one traced in a forward branch serves the backward branch.
-            leaves, probe["treedef"] = jax.tree.flatten(f_vjp)
-            assert [jax.typeof(a).shape for a in leaves] == [jax.typeof(a).shape for a in probe["leaves"]]
-            return [leaf for leaf, src in zip(leaves, probe["source"]) if src < 0]
-
-        def join_residuals(stashed, w, keys):
-            inputs, it = jax.tree.leaves((w, keys)), iter(stashed)
-            leaves = [inputs[src] if src >= 0 else next(it) for src in probe["source"]]
-            return jax.tree.unflatten(probe["treedef"], leaves)
-
-        zeros = lambda shape, dtype: _varying(jnp.zeros(shape, dtype))
-        carry = {
-            "x": zeros((depth["x"] + 1, *act_shape), act_dtype),  # received activations (+ a trash slot)
-            "g": zeros((depth["g"] + 1, *act_shape), act_dtype),  # received gradients, loss gradients
-            "stash": [zeros((depth["stash"], *a.shape), a.dtype) for a in stashed],
-            "grads": {"layers": jax.tree.map(lambda a: zeros(a.shape, jnp.float32), layers),
-                      "others": jax.tree.map(lambda a: zeros(a.shape, jnp.float32), others)},
-            "loss": zeros((), jnp.float32),
-        }
-        no_act = zeros(act_shape, act_dtype)
-        no_dw = jax.tree.map(lambda a: zeros(a.shape[1:], jnp.float32), layers)
-        no_do = jax.tree.map(lambda a: zeros(a.shape, jnp.float32), others)
-        no_loss = zeros((), jnp.float32)
-        f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
-        # The branches see and return only slot-sized values (one stash slot, one activation, one chunk's
-        # weight gradient); the big buffers are read and written around the switch, so XLA updates them in
-        # place instead of copying them into and out of the conditional.
-        # Branch (row, x, g, slot) → (send_x, send_g, slot, g_out, dw, d_others, loss).
-        def idle(row, x, g, slot):
-            return no_act, no_act, slot, g, no_dw, no_do, no_loss
-
-        def forward(row, x, g, slot, first: bool, last: bool):
-            mb, c = row[1], row[2]
-            w, keys, k_embed = chunk_inputs(mb, c)
-            if first:
-                x = embed(others["embed"], micro["inputs"][mb], k_embed, cfg, inner)
-            y, f_vjp = chunk_vjp(x, w, keys)
-            slot = split_residuals(f_vjp)
-            if not last:
-                return y.astype(act_dtype), no_act, slot, g, no_dw, no_do, no_loss
-            # The loss and its gradient right away: the B of this chunk needs only dL/dy (an
-            # activation-sized slot), not the logits.
-            loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=cfg, shard=inner), argnums=(0, 1))(
-                y, others, micro["targets"][mb])
-            scale = 1.0 / (m * parallel.data)  # the mean over micro-batches and data ranks
-            return (no_act, no_act, slot, (gy * scale).astype(act_dtype), no_dw,
-                    jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh), loss * scale)
-
-        def backward(row, x, g, slot, first: bool):
-            mb, c = row[1], row[2]
-            w, keys, k_embed = chunk_inputs(mb, c)
-            dx, dw = join_residuals(slot, w, keys)(g)
-            if not first:
-                return no_act, dx.astype(act_dtype), slot, g, f32(dw), no_do, no_loss
-            _, e_vjp = jax.vjp(lambda e: embed(e, micro["inputs"][mb], k_embed, cfg, inner), others["embed"])
-            (de,) = e_vjp(dx)
-            return no_act, no_act, slot, g, f32(dw), dict(no_do, embed=f32(de)), no_loss
-
-        branches = [
-            idle,
-            partial(forward, first=False, last=False),
-            partial(forward, first=True, last=False),
-            partial(forward, first=False, last=True),
-            partial(backward, first=False),
-            partial(backward, first=True),
-        ]
-
-        def tick(carry, row):
-            slot = [buf[row[3]] for buf in carry["stash"]]
-            x, g = carry["x"][row[4]], carry["g"][row[5]]
-            send_x, send_g, slot, g, dw, d_others, loss = jax.lax.switch(row[0], branches, row, x, g, slot)
-            # Only the ticks whose branch has gradients touch the f32 accumulators (a read-add-write of
-            # the chunk's weight gradients on every tick, idle and forward ones included, was the
-            # executor's largest per-tick traffic: experiments/results/pipeline_overhead.md).
-            grads = carry["grads"]
-            grads = {"layers": jax.lax.cond(
-                         (row[0] == BACKWARD) | (row[0] == BACKWARD_FIRST),
-                         lambda acc: jax.tree.map(lambda a, u: a.at[row[2]].add(u), acc, dw),
-                         lambda acc: acc, grads["layers"]),
-                     "others": jax.lax.cond(
-                         (row[0] == FORWARD_LAST) | (row[0] == BACKWARD_FIRST),
-                         lambda acc: jax.tree.map(jnp.add, acc, d_others),
-                         lambda acc: acc, grads["others"])}
-            got_x = jax.lax.ppermute(send_x, "pipe", [(i, (i + 1) % p) for i in range(p)])
-            got_g = jax.lax.ppermute(send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
-            carry = {
-                "stash": [buf.at[row[3]].set(r) for buf, r in zip(carry["stash"], slot)],
-                "x": carry["x"].at[row[6]].set(got_x),
-                "g": carry["g"].at[row[5]].set(g).at[row[7]].set(got_g),
-                "grads": grads,
-                "loss": carry["loss"] + loss,
-            }
-            return carry, None
-
-        carry, _ = jax.lax.scan(tick, carry, rows)
-        # The step's one data-parallel gradient reduction (Megatron's: a reduce-scatter onto the master
-        # shards under the distributed optimizer), and the embedding group's over `pipe`.
-        grads = carry["grads"]
-        loss = jax.lax.psum(carry["loss"], ("pipe", "data"))
-        others_grads = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
-                                    jax.lax.psum(_reduce_over_data(g, dim, spec), "pipe"),
-                                    grads["others"], others_dim, {"embed": tensor_specs["embed"],
-                                                                  "final_ln": tensor_specs["final_ln"]})
-        layer_grads = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-            lambda g, dim, spec: _reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
-            grads["layers"], data_dim["layers"], tensor_specs["layers"])
-        return loss, layer_grads, others_grads
-
-    # layers' gradients in the stage layout [p, v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 2
-    assert all(d != 0 for d in jax.tree.leaves(data_dim["layers"])), "layers are split over pipe, not data"
-    others_dim = {"embed": data_dim["embed"], "final_ln": data_dim["final_ln"]}
-    layer_specs = jax.tree.map(lambda _: P("pipe"), stage_layers)
-    layer_grad_specs = jax.tree.map(lambda dim: P("pipe", *[None] * (dim + 1), "data") if dim >= 0 else P("pipe"),
-                                    data_dim["layers"])
-    others_specs = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), others_dim)
-    fn = jax.shard_map(
-        stage_program, mesh=mesh, axis_names={"pipe", "data"},
-        in_specs=(layer_specs, P(), P(None, "data"), P(), P()),
-        out_specs=(P(), layer_grad_specs, others_specs),
-    )
-    loss, layer_grads, other_grads = fn(stage_layers, others, micro, key_data, rows)
+    micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
+    program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data, remat=remat,
+                      shard=StageSharder(mesh, parallel.sequence_parallel), data_dims=data_dims, specs=specs,
+                      inspect=inspect)
+    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"},
+                       in_specs=(jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"), P(), P()),
+                       out_specs=(P(), *_gradient_specs(data_dims)))
+    loss, layer_grads, other_grads = fn(layers, others, micro, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     grads = {"layers": from_stages(layer_grads), **other_grads}
-    grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
-    return loss, grads
+    return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
 
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
-    param_sh = jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules)), M.param_axes(),
-                            is_leaf=lambda x: isinstance(x, tuple))
+    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(parallel))
     replicated = NamedSharding(mesh, P())
-    batch_sh = NamedSharding(mesh, P("data", None))  # as train_step.batch_sharding
     fn = partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
                  microbatches=microbatches)
     return jax.jit(
         fn,
-        in_shardings=(param_sh, {"inputs": batch_sh, "targets": batch_sh}, replicated),
+        in_shardings=(param_sh, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
         out_shardings=(replicated, param_sh),
     )
 

@@ -27,7 +27,8 @@ import numpy as np
 
 from jaxseq.config import validate_pipeline
 
-# Op kinds in the tick table (also the executor's lax.switch branch numbers, see pipeline.py).
+# Op kinds: the tick table's `kind` field. (The executor's lax.switch branches are not these: it splits
+# FORWARD and BACKWARD by the first and last chunk, `pipeline.Branch`.)
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 

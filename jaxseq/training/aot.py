@@ -19,7 +19,7 @@ from jaxseq.training import train_step as T
 
 def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
     """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
-    specs = T.param_specs(cfg, parallel)
+    specs = M.param_specs(parallel)
     shapes = M.param_shapes(cfg, parallel.tensor)
     params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
                           shapes, specs, is_leaf=lambda x: isinstance(x, tuple))

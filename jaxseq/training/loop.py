@@ -22,7 +22,7 @@ from jaxseq.mesh import available_devices, make_mesh
 from jaxseq.models import gpt as M
 from jaxseq.parallel import distributed as D
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.sharding import Sharder
+from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import aot, rundir
 from jaxseq.training import checkpoint as C
 from jaxseq.training.data import Batches, Corpus, decode_tokens, encode_text, unigram_entropy
@@ -41,13 +41,13 @@ def _eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh):
     """The loss of the state's params as they are stored (split over data by the distributed optimizer)."""
     shard = Sharder(mesh, parallel.sequence_parallel)
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), T.master_specs(cfg, parallel))
-    batch_sh = {"inputs": T.batch_sharding(mesh), "targets": T.batch_sharding(mesh)}
+    batch_sh = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     return jax.jit(lambda p, b: M.loss_fn(p, b, cfg, shard, "none"), in_shardings=(param_sh, batch_sh),
                    out_shardings=NamedSharding(mesh, P()))
 
 
 def _global(batch: dict, mesh, batch_size: int) -> dict:
-    return D.global_batch(batch, T.batch_sharding(mesh), batch_size)
+    return D.global_batch(batch, batch_sharding(mesh), batch_size)
 
 
 def evaluate(eval_fn, params, batches: Batches, n: int, mesh, rows: slice) -> float:
@@ -160,7 +160,7 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
         run=run, devices=devices, mesh=mesh, optimizer=optimizer, micro_batches=micro,
         step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
         eval_fn=_eval_fn(run.model, run.parallel, mesh), key=jax.random.key(settings.seed + 1),
-        rows=D.local_batch_rows(T.batch_sharding(mesh), settings.batch_size, run.model.seq_len),
+        rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
         val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
         checkpoints=C.manager(checkpoint_dir, keep=settings.keep_checkpoints), checkpoint_dir=checkpoint_dir)

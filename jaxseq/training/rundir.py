@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 
@@ -123,7 +124,7 @@ def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False)
     parallel = ParallelConfig(mesh.shape["data"], mesh.shape["tensor"], sequence_parallel, mesh.shape["pipe"])
     replicated = NamedSharding(mesh, P())
     params = jax.tree.map(lambda x: _put(np.asarray(x), replicated), params)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), T.param_specs(cfg, parallel))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
     return C.resize_vocab(params, cfg.padded_vocab(parallel.tensor), shardings)
 
 

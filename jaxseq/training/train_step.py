@@ -11,10 +11,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.mesh import logical_rules, logical_to_spec
 from jaxseq.models import gpt as M
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
-from jaxseq.sharding import Sharder
+from jaxseq.sharding import Sharder, batch_sharding
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
@@ -45,14 +44,6 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
     )
 
 
-def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    """Specs of the weights the layers compute with: split over `tensor` (and layers over `pipe`),
-    replicated over `data`."""
-    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
-    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), M.param_axes(),
-                        is_leaf=lambda x: isinstance(x, tuple))
-
-
 def data_sharded_spec(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) -> P:
     """`spec` plus `data` on the largest dimension that no mesh axis of size > 1 splits yet and that
     |data| divides (the first such if several are equally large); `spec` unchanged when there is none."""
@@ -69,12 +60,12 @@ def data_sharded_spec(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int
 def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     """Specs of the fp32 master weights (the TrainState's params) and of each Adam moment.
 
-    Without the distributed optimizer these are the compute specs. With it every leaf is also split
-    over `data` (`data_sharded_spec`): each data rank keeps and updates 1/d of the master weights and
-    moments. A leaf with no dimension that |data| divides (e.g. a [layers, mlp/t] bias when neither
+    Without the distributed optimizer these are the compute specs (`model.param_specs`). With it every
+    leaf is also split over `data` (`data_sharded_spec`): each data rank keeps and updates 1/d of the
+    master weights and moments. A leaf with no dimension that |data| divides (e.g. a [layers, mlp/t] bias when neither
     is a multiple of d) stays replicated over `data`: `jaxseq.plan` counts it at full size.
     """
-    specs = param_specs(cfg, parallel)
+    specs = M.param_specs(parallel)
     if not parallel.distributed_optimizer:
         return specs
     sizes = {"pipe": parallel.pipe, "data": parallel.data, "tensor": parallel.tensor}
@@ -115,10 +106,6 @@ def state_from_params(params, cfg: ModelConfig, parallel: ParallelConfig, optimi
     return jax.jit(fresh, out_shardings=state_shardings(cfg, parallel, optimizer, mesh))(params)
 
 
-def batch_sharding(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P("data", None))
-
-
 def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, optimizer, mesh,
                     micro_batches: int = 1, donate: bool = True):
     """jit(step)(state, batch, key) → (state, metrics); batch = {"inputs", "targets"}: [B, s] int32.
@@ -139,7 +126,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
-    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, parallel))
+    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
@@ -194,8 +181,7 @@ def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = Sharder(mesh, parallel.sequence_parallel)
-    specs = param_specs(cfg, parallel)
-    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
     replicated = NamedSharding(mesh, P())
     fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     return jax.jit(
