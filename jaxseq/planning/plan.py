@@ -466,7 +466,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     if pipeline > 1 or virtual_stages > 1 or schedule != "1f1b":
         sched = Schedule.make(schedule, pipeline, n_micro, virtual_stages, cfg.layers)
         schedule = sched.name
-        in_flight_layers = sched.in_flight(0) * cfg.layers / (pipeline * virtual_stages)
+        in_flight_layers = float(sched.in_flight_layers(cfg.layers))
         bubble, paper_bubble = sched.bubble, sched.paper_bubble
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
