@@ -14,8 +14,11 @@ import jax
 
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
-from jaxseq.planning.plan import GIB, SearchCosts, format_recommendation, format_table, plan, recommend
 from jaxseq.planning import search as S
+from jaxseq.planning.memory import GIB
+from jaxseq.planning.plan import plan, recommend
+from jaxseq.planning.report import format_recommendation, format_table
+from jaxseq.planning.search_costs import SearchCosts
 
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as PS
 from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import plan as P
 from jaxseq.planning import search as S
+from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
@@ -185,7 +185,7 @@ KEY = (2, True, "selective")
 
 @pytest.fixture(scope="module")
 def costs():
-    c = P.SearchCosts(F32, jax.devices())
+    c = SearchCosts(F32, jax.devices())
     c.prepare([KEY], (1, 3))
     return c
 

@@ -39,7 +39,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
 Per-layer programs are compiled once per (t, SP, remat) and shape, at micro-batch 1 (and the float32
 step also at 2): stored bytes, FLOPs and activation collectives are proportional to b, the working
 memory affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
-itself lives in `jaxseq.plan` (`SearchCosts`); this module is arithmetic on what it returns.
+itself lives in `planning.search_costs` (`SearchCosts`); this module is arithmetic on what it returns,
+the memory added up as the plan's (`planning.memory`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Protocol
 from jaxseq.config import ConfigError, ModelConfig, replace
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
+from jaxseq.planning.memory import activation_bytes, peak_bytes
 from jaxseq.remat import POLICIES
 
 GIB = 2**30
@@ -99,7 +101,7 @@ class TimeModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the compiled programs say (supplied by jaxseq.plan.SearchCosts, or by hand in tests)
+# What the compiled programs say (supplied by planning.search_costs.SearchCosts, or by hand in tests)
 
 
 @dataclass(frozen=True)
@@ -278,12 +280,12 @@ class Memory:
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes + self.working_bytes + self.accumulator_bytes
+        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes, self.accumulator_bytes)
 
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
     in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
-    activations = layer.stored_bytes * in_flight_layers + layer.non_layer_activation_bytes
+    activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
     accumulator = state.master_bytes if c.pipe == 1 and c.microbatches > 1 else 0.0
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers)
 
