@@ -160,7 +160,7 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--gpus", "12"], "error: gpus=12 is not a multiple of gpus_per_node=8"),
     (["--preset", "tiny", "--hardware", "tpu"], "error: hardware='tpu' is not known; valid: a100, h100"),
     (["--preset", "tiny", "--remat-policies", "most"], "error: remat='most' is not a registered policy"),
-    (["--preset", "tiny", "--micro-batches", "1,x"], "error: '1,x' is not a comma-separated list of int"),
+    (["--preset", "tiny", "--micro-batch-sizes", "1,x"], "error: '1,x' is not a comma-separated list of int"),
     (["--preset", "tiny", "--compute-efficiency", "1.5"], "error: compute_efficiency=1.5 must be in (0, 1]"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
 ])
