@@ -35,8 +35,8 @@ import jax  # noqa: E402
 
 from jaxseq import hardware  # noqa: E402
 from jaxseq.config import ModelConfig, preset, replace  # noqa: E402
-from jaxseq.planning import plan as P  # noqa: E402
 from jaxseq.planning import search as S  # noqa: E402
+from jaxseq.planning.search_costs import SearchCosts  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -126,12 +126,12 @@ def matches(paper: dict):
 def main() -> int:
     os.makedirs(RESULTS, exist_ok=True)
     cache = json.load(open(CACHE)) if os.path.exists(CACHE) else {}
-    costs: dict[str, P.SearchCosts] = {}
+    costs: dict[str, SearchCosts] = {}
 
     def costs_for(cfg):
         key = shape_key(cfg)
         if key not in costs:
-            costs[key] = P.SearchCosts(replace(cfg, layers=2), jax.devices(), measured=cache.get(key))
+            costs[key] = SearchCosts(replace(cfg, layers=2), jax.devices(), measured=cache.get(key))
         return costs[key]
 
     def request(row, tm):

@@ -35,7 +35,7 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # no
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import gpt as M  # noqa: E402
 from jaxseq.planning import hlo as A  # noqa: E402
-from jaxseq.planning import plan as P  # noqa: E402
+from jaxseq.planning import memory  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
 from jaxseq.sharding import batch_sharding  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
@@ -86,8 +86,8 @@ def state_bytes_rows() -> list[dict]:
             compiled = compile_abstract(cfg, ParallelConfig(data, tensor, sp, distributed), 4, batch)
             batch_bytes = 2 * 4 * (batch // data) * cfg.seq_len + 8  # inputs, targets, the key
             measured = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
-            formula = P.state_bytes(cfg, tensor, data, distributed)
-            elements = P.parameter_elements_per_device(cfg, tensor)[0]
+            formula = memory.state_bytes(cfg, tensor, data, distributed)
+            elements = memory.parameter_elements_per_device(cfg, tensor)[0]
             parallel = ParallelConfig(data, tensor, sp, distributed)
             gathers = data_all_gathers(compiled.as_text(), data, weight_shapes(cfg, parallel))
             sharded = sum("data" in spec for spec in jax.tree.leaves(

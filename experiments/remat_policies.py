@@ -39,7 +39,7 @@ def run_plans(models: dict[str, int], devices, cache: Path) -> dict:
     `--render-only`) does not compile again."""
     import pickle
 
-    from jaxseq.planning import plan as P
+    from jaxseq.planning import plan as P, report
     from jaxseq.config import preset
 
     plans = {}
@@ -57,7 +57,7 @@ def run_plans(models: dict[str, int], devices, cache: Path) -> dict:
         path.write_bytes(pickle.dumps(plans[name]))
         print(f"planned {name} (b={b}, t=8) in {seconds:.0f} s wall, {plans[name][2]:.0f} s CPU", flush=True)
         (RESULTS / f"plan_{name}.txt").write_text(
-            P.format_table(p) + f"\n\n(planned in {seconds:.0f} s wall, {plans[name][2]:.0f} s CPU)\n")
+            report.format_table(p) + f"\n\n(planned in {seconds:.0f} s wall, {plans[name][2]:.0f} s CPU)\n")
         (RESULTS / f"plan_{name}.json").write_text(json.dumps(p.to_json(), indent=1) + "\n")
     return plans
 

@@ -15,8 +15,11 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning.plan import GIB, SearchCosts, format_recommendation, format_table, plan, recommend
 from jaxseq.planning import search as S
+from jaxseq.planning.memory import GIB
+from jaxseq.planning.plan import plan, recommend
+from jaxseq.planning.report import format_recommendation, format_table
+from jaxseq.planning.search_costs import SearchCosts
 
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
@@ -34,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0], epilog=SOURCES)
     p.add_argument("--preset", default="gpt3-175b", help="model preset (default gpt3-175b)")
     p.add_argument("--tensor", type=int, default=8, help="tensor-parallel size t (default 8)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch b (default 1)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch b (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s (default: the preset's)")
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (default) or float32")
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node; t stays within one (default 8)")
     g.add_argument("--intra-node-gb-per-s", type=float, help="NVLink GB/s per direction per GPU (a100 300, h100 450)")
     g.add_argument("--inter-node-gbit-per-s", type=float, help="InfiniBand Gb/s per GPU (a100 200, h100 400)")
-    g.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try (default 1,2,4,8)")
+    g.add_argument("--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes b to try (default 1,2,4,8)")
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
@@ -107,7 +110,7 @@ def search_request(args) -> S.Request:
                  "gpus_per_node": args.gpus_per_node, "intra_node_gb_per_s": args.intra_node_gb_per_s,
                  "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
-    return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batches),
+    return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batch_sizes),
                      S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency),
                      S.parse_list(args.tensor_sizes) if args.tensor_sizes else None)
 
@@ -133,7 +136,7 @@ def _plan(args) -> int:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
                           f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")
     try:
-        p = plan(cfg, args.tensor, args.micro_batch, host_devices(args.tensor * pipe), args.preset, args.pipeline,
+        p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe), args.preset, args.pipeline,
                  schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                  data=args.data, distributed_optimizer=args.distributed_optimizer)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line

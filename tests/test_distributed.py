@@ -1,6 +1,5 @@
 """Two local processes × 4 simulated CPU devices, through jax.distributed (gloo collectives)."""
 
-import json
 import os
 import signal
 import socket

@@ -15,7 +15,7 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import gpt as M
 from jaxseq.planning import hlo as A
-from jaxseq.planning import plan
+from jaxseq.planning import memory
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 
@@ -122,7 +122,7 @@ def test_state_bytes_per_device_are_master_plus_moments_over_d(devices, name):
     the batch and the key. At these shapes every leaf has a dimension d divides."""
     s = setup(name, True)
     d, t = s.parallel.data, s.parallel.tensor
-    elements, _ = plan.parameter_elements_per_device(CFG, t)
+    elements, _ = memory.parameter_elements_per_device(CFG, t)
     formula = 12 * elements / d
     batch_bytes = 2 * 4 * BATCH // d * CFG.seq_len
     state_args = s.compiled.memory_analysis().argument_size_in_bytes - batch_bytes
@@ -130,13 +130,13 @@ def test_state_bytes_per_device_are_master_plus_moments_over_d(devices, name):
     shards = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(s.init()))
     assert abs(shards / formula - 1) < 0.01, (shards, formula)
     # jaxseq.plan's figures for the same configuration agree.
-    state = plan.state_bytes(CFG, t, data=d, distributed_optimizer=True)
+    state = memory.state_bytes(CFG, t, data=d, distributed_optimizer=True)
     assert abs((state.params + state.optimizer) / shards - 1) < 0.01
 
 
 def test_without_it_every_data_rank_holds_everything(devices):
     s = setup("data=8", False)
-    elements, _ = plan.parameter_elements_per_device(CFG, 1)
+    elements, _ = memory.parameter_elements_per_device(CFG, 1)
     assert abs(s.compiled.memory_analysis().argument_size_in_bytes / (12 * elements) - 1) < 0.01
 
 

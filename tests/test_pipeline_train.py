@@ -108,7 +108,8 @@ def test_plan_prices_the_first_stage_by_the_schedule(devices):
     """jaxseq.plan --pipeline 2 --schedule interleaved --virtual-stages 2 --microbatches 4: the first stage
     holds L·(1 + (p−1)/(p·v)) layers' activations (5 of 4 layers), read from the pipelined step compiled on
     p × t = 2 devices, and the bubble is (p−1)/(v·m)."""
-    from jaxseq.planning import plan as P
+    from jaxseq.planning import plan as P, report
+    from jaxseq.planning.memory import non_layer_activation_bytes
 
     cfg = replace(preset("tiny"), layers=4, dtype="float32")
     p = P.plan(cfg, 1, 2, devices[:2], "tiny", pipeline=2, policies=["selective"], schedule="interleaved",
@@ -116,9 +117,9 @@ def test_plan_prices_the_first_stage_by_the_schedule(devices):
     assert p.in_flight_layers == 4 * (1 + 1 / 4) == 5
     assert p.bubble == p.paper_bubble == 1 / 8
     row = p.row("selective")
-    assert row.activation_bytes_per_device == 5 * row.measured_bytes_per_layer + P.non_layer_activation_bytes(
+    assert row.activation_bytes_per_device == 5 * row.measured_bytes_per_layer + non_layer_activation_bytes(
         cfg, 2, 1, False)
-    text = P.format_table(p)
+    text = report.format_table(p)
     assert "scaled    to 1 layers per chunk: 5 × 1 = 5 layers' worth" in text
     assert "formula   the paper's L·(1 + (p−1)/(p·v)) = 5 layers" in text
     with pytest.raises(ConfigError, match="not a multiple of pipe=2"):

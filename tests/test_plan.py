@@ -12,6 +12,7 @@ from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
+from jaxseq.planning import in_flight, measure, memory, report
 from jaxseq.planning import plan as P
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
@@ -88,7 +89,7 @@ def compiled_state_bytes(ma, cfg: ModelConfig, b: int) -> int:
     return ma.argument_size_in_bytes - 2 * 4 * b * cfg.seq_len - 8 - 3 * 4
 
 
-def compile_step(cfg, c: P.RowSpec, b: int):
+def compile_step(cfg, c: measure.RowSpec, b: int):
     parallel = ParallelConfig(1, c.tensor, c.sequence_parallel)
     mesh = make_mesh(parallel, jax.devices()[:c.tensor])
     return aot.compile_train_step(cfg, parallel, c.remat, mesh, b).memory_analysis()
@@ -98,14 +99,14 @@ def test_state_bytes_are_the_compiled_steps_arguments_and_a_hand_count():
     """bfloat16 with SP on 4 ranks, a vocabulary padded from 1500 to 1536: parameters and Adam
     moments are what the compiled train step takes, to the byte; the weight copy is 2 bytes per
     cast element."""
-    c = P.RowSpec("tp+sp+selective", "selective", True, T, None)
-    state = P.state_bytes(CFG, T)
+    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)
+    state = memory.state_bytes(CFG, T)
     total, cast = hand_parameter_elements(CFG, T)
     assert (state.params, state.gradients, state.optimizer, state.weight_copy) == (4 * total, 4 * total, 8 * total, 2 * cast)
-    ma = compile_step(replace(CFG, layers=P.MEASURE_LAYERS), c, B)
-    two = P.state_bytes(replace(CFG, layers=P.MEASURE_LAYERS), T)
+    ma = compile_step(replace(CFG, layers=measure.MEASURE_LAYERS), c, B)
+    two = memory.state_bytes(replace(CFG, layers=measure.MEASURE_LAYERS), T)
     assert compiled_state_bytes(ma, CFG, B) == two.params + two.optimizer
-    assert P.state_bytes(replace(CFG, dtype="float32"), T).weight_copy == 0
+    assert memory.state_bytes(replace(CFG, dtype="float32"), T).weight_copy == 0
 
 
 # The peak margin: the plan leaves out the batch, the RNG key, the step counters and the step's
@@ -118,17 +119,18 @@ PEAK_MARGIN = 0.002
 def test_whole_model_peak_is_the_compiled_train_steps():
     """float32 (XLA:CPU's bf16 temporaries are not a GPU's): the plan's peak for 6 layers, measured
     at 2, against memory_analysis() of the real train step compiled with 6."""
-    c = P.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (README)
+    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (README)
     cfg = replace(CFG, dtype="float32", layers=6)
-    m = P.Compiler(cfg, B, jax.devices()).measure(c)
+    m = measure.Compiler(cfg, B, jax.devices()).measure(c)
     ma = compile_step(cfg, c, B)
-    state = P.state_bytes(cfg, c.tensor)
+    state = memory.state_bytes(cfg, c.tensor)
     assert compiled_state_bytes(ma, cfg, B) == state.params + state.optimizer
     compiled_peak = ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-    planned = P.peak_bytes(cfg, c, m, B)
+    row = P.make_row(cfg, c, m, B, cfg.layers, m.flops_per_layer, state)  # as plan() assembles it, unpipelined
+    planned = row.total_bytes_per_device
     assert abs(planned / compiled_peak - 1) <= PEAK_MARGIN, (planned, compiled_peak)
     # The gradients, stored activations and working memory live in the step's temporaries.
-    temp = state.gradients + P.activation_bytes(cfg, c, m, B) + m.working_bytes
+    temp = state.gradients + row.activation_bytes_per_device + m.working_bytes
     assert abs(temp / ma.temp_size_in_bytes - 1) <= PEAK_MARGIN
 
 
@@ -150,22 +152,22 @@ def test_distributed_optimizer_bytes_per_parameter_are_megatrons():
     float32: 16 to 8 + 12/d (the copy is then a gathered fp32 one). From GPT-3 175B's own shapes and
     the train step's specs; LayerNorm parameters (no bf16 copy, gathered in f32) move it < 0.01%."""
     cfg = preset("gpt3-175b")
-    elements, _ = P.parameter_elements_per_device(cfg, 8)
+    elements, _ = memory.parameter_elements_per_device(cfg, 8)
     per_param = lambda state: state.total / elements
-    assert abs(per_param(P.state_bytes(cfg, 8, 64, False)) - 18) < 1e-3
+    assert abs(per_param(memory.state_bytes(cfg, 8, 64, False)) - 18) < 1e-3
     for d in (2, 8, 64):
-        state = P.state_bytes(cfg, 8, d, True)
+        state = memory.state_bytes(cfg, 8, d, True)
         assert abs(per_param(state) - (6 + 12 / d)) < 1e-3, d
         if d <= 8:  # every GPT-3 tensor then has a dimension d divides (at 64 the [96, f/t] MLP bias has none)
-            assert state.params * d == P.state_bytes(cfg, 8).params
+            assert state.params * d == memory.state_bytes(cfg, 8).params
     f32 = replace(cfg, dtype="float32")
-    assert abs(per_param(P.state_bytes(f32, 8)) - 16) < 1e-9
-    assert abs(per_param(P.state_bytes(f32, 8, 8, True)) - (8 + 12 / 8)) < 1e-3
+    assert abs(per_param(memory.state_bytes(f32, 8)) - 16) < 1e-9
+    assert abs(per_param(memory.state_bytes(f32, 8, 8, True)) - (8 + 12 / 8)) < 1e-3
     # A leaf with no dimension d divides is counted whole: tiny's [L=2, f/t=128] MLP bias at d=4, t=2.
     tiny = preset("tiny")
     b = 2 * 128
-    elements = P.parameter_elements_per_device(tiny, 2)[0]
-    assert P.state_bytes(tiny, 2, 4, True).optimizer == 8 * ((elements - b) // 4 + b)
+    elements = memory.parameter_elements_per_device(tiny, 2)[0]
+    assert memory.state_bytes(tiny, 2, 4, True).optimizer == 8 * ((elements - b) // 4 + b)
 
 
 def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
@@ -181,12 +183,12 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     chosen, rejected_with = P.recommend(sharded, budget)
     assert r.config in rejected_without and r.config not in [row.config for row, _ in rejected_with]
     assert chosen.recompute_overhead_pct <= s.recompute_overhead_pct
-    text = P.format_table(sharded)
+    text = report.format_table(sharded)
     assert "training state per device (t=4, d=4" in text and "the totals above use: with" in text
     state = sharded.to_json()["optimizer_state"]
     assert state["with_distributed_optimizer"]["bytes_per_device"]["total"] < state["without_distributed_optimizer"][
         "bytes_per_device"]["total"]
-    assert "data=4 with the distributed optimizer" in P.format_recommendation(sharded, budget / P.GIB)
+    assert "data=4 with the distributed optimizer" in report.format_recommendation(sharded, budget / memory.GIB)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -222,7 +224,7 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     cfg, p = replace(CFG, layers=8), 2
     row = P.pipeline_row(P.configurations(T, policies=[]))
     assert (row.name, row.remat, row.sequence_parallel, row.tensor) == ("tp+sp+selective", "selective", True, T)
-    f = P.compiled_in_flight(cfg, row, B, jax.devices(), schedule, p, v, m)
+    f = in_flight.compiled_in_flight(cfg, row, B, jax.devices(), schedule, p, v, m)
     sched, k = Schedule.make(schedule, p, m, v, cfg.layers), cfg.layers // (p * v)
     per_layer = small_plan.row(row.name).measured_bytes_per_layer  # the unpipelined program's, at L = 4
     assert f.slots == sched.in_flight(0) and f.layers_per_chunk == k and f.compiled_layers_per_chunk == 2
@@ -234,7 +236,7 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     planned = dataclasses.replace(small_plan, config=cfg, pipeline=p, schedule=sched.name, virtual_stages=v,
                                   microbatches=m, in_flight=f, in_flight_layers=float(f.layers),
                                   bubble=sched.bubble, paper_bubble=sched.paper_bubble)
-    text = P.format_table(planned)
+    text = report.format_table(planned)
     assert f"compiled  {f.slots} stash slots × 2 layers" in text and f"scaled    to {k} layers per chunk" in text
     assert f"source    compiled: the pipelined {sched.name} step (tp+sp+selective, pipe=2 × tensor=4" in text
     out = json.loads(json.dumps(planned.to_json()))["in_flight"]

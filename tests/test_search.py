@@ -16,8 +16,8 @@ from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
 from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import plan as P
 from jaxseq.planning import search as S
+from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
@@ -162,7 +162,7 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--gpus", "12"], "error: gpus=12 is not a multiple of gpus_per_node=8"),
     (["--preset", "tiny", "--hardware", "tpu"], "error: hardware='tpu' is not known; valid: a100, h100"),
     (["--preset", "tiny", "--remat-policies", "most"], "error: remat='most' is not a registered policy"),
-    (["--preset", "tiny", "--micro-batches", "1,x"], "error: '1,x' is not a comma-separated list of int"),
+    (["--preset", "tiny", "--micro-batch-sizes", "1,x"], "error: '1,x' is not a comma-separated list of int"),
     (["--preset", "tiny", "--compute-efficiency", "1.5"], "error: compute_efficiency=1.5 must be in (0, 1]"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
 ])
@@ -187,7 +187,7 @@ KEY = (2, True, "selective")
 
 @pytest.fixture(scope="module")
 def costs():
-    c = P.SearchCosts(F32, jax.devices())
+    c = SearchCosts(F32, jax.devices())
     c.prepare([KEY], (1, 3))
     return c
 

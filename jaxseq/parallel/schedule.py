@@ -186,6 +186,11 @@ class Schedule:
             most = max(most, held)
         return most
 
+    def in_flight_layers(self, layers: int) -> int:
+        """Layers' worth of activations stage 0 keeps at once: its chunks in flight × L/(p·v) layers per
+        chunk (the first stage's memory in the plan and the search)."""
+        return self.in_flight(0) * (layers // (self.p * self.v))
+
     # -----------------------------------------------------------------------------------------
     # Buffer slots: what the executor reads and writes at each tick
 

@@ -14,7 +14,7 @@ Memory per device of the first stage (which holds the embedding and the most act
   state of L/p layers + embedding (fp32 master weights, gradients, Adam moments, the compute copy; with
   the distributed optimizer master weights and moments split d ways), from shapes
   + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
-    `Schedule.in_flight(0)` chunks of L/(p·v) layers; L layers without a pipeline)
+    `Schedule.in_flight_layers`, chunks of L/(p·v) layers; L layers without a pipeline)
   + the embedding/logits activations (shapes) + the step's working memory (compiled float32 step)
   + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step.
 
@@ -39,7 +39,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
 Per-layer programs are compiled once per (t, SP, remat) and shape, at micro-batch 1 (and the float32
 step also at 2): stored bytes, FLOPs and activation collectives are proportional to b, the working
 memory affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
-itself lives in `jaxseq.plan` (`SearchCosts`); this module is arithmetic on what it returns.
+itself lives in `planning.search_costs` (`SearchCosts`); this module is arithmetic on what it returns,
+the memory added up as the plan's (`planning.memory`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from jaxseq.config import ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
+from jaxseq.planning.memory import activation_bytes, peak_bytes
 from jaxseq.remat import POLICIES
 
 GIB = 2**30
@@ -76,7 +78,7 @@ class TimeModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the compiled programs say (supplied by jaxseq.plan.SearchCosts, or by hand in tests)
+# What the compiled programs say (supplied by planning.search_costs.SearchCosts, or by hand in tests)
 
 
 @dataclass(frozen=True)
@@ -236,12 +238,13 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 @lru_cache(maxsize=None)
-def schedule_figures(p: int, m: int, v: int) -> tuple[int, float]:
-    """(chunks stage 0 holds at once, bubble = idle/busy ticks) from the schedule's own tables."""
+def schedule_figures(p: int, m: int, v: int, layers: int) -> tuple[int, float]:
+    """(layers' worth of activations stage 0 holds at once, bubble = idle/busy ticks) from the schedule's
+    own tables; without a pipeline all layers and no bubble."""
     if p == 1:
-        return 1, 0.0
+        return layers, 0.0
     sched = Schedule.make("interleaved" if v > 1 else "1f1b", p, m, v)
-    return sched.in_flight(0), sched.bubble
+    return sched.in_flight_layers(layers), sched.bubble
 
 
 @dataclass(frozen=True)
@@ -254,13 +257,12 @@ class Memory:
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes + self.working_bytes + self.accumulator_bytes
+        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes, self.accumulator_bytes)
 
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
-    held, _ = schedule_figures(c.pipe, c.microbatches, c.virtual)
-    in_flight_layers = cfg.layers if c.pipe == 1 else held * cfg.layers // (c.pipe * c.virtual)
-    activations = layer.stored_bytes * in_flight_layers + layer.non_layer_activation_bytes
+    in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
+    activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
     accumulator = state.master_bytes if c.pipe == 1 and c.microbatches > 1 else 0.0
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers)
 
@@ -308,7 +310,7 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
-    _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual)
+    _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     m = c.microbatches
     n = state.parameters
     if c.distributed_optimizer:

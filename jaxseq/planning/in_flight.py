@@ -1,0 +1,94 @@
+"""The first pipeline stage's in-flight activations: read from the compiled pipelined step (`InFlight`,
+`compiled_in_flight`), beside the paper's count (`paper_in_flight_layers`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import jax
+
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.parallel import pipeline as PL
+from jaxseq.planning import hlo
+from jaxseq.planning.measure import RowSpec
+from jaxseq.training import aot
+
+PIPELINE_LAYERS_PER_CHUNK = 2  # k_c: layers per chunk the pipelined step is compiled with
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Stage 0's in-flight activations under a pipeline schedule. Compiled: the real pipeline executor
+    (`pipeline.make_loss_and_grad`) on p × t simulated devices at the plan's shapes, but with k_c layers per
+    chunk; the stash slots and their bytes are read from its tick loop's carry. Scaled: a slot holds one
+    chunk's residuals stacked [k, …], so the real k = L/(p·v) layers per chunk multiply its bytes by k/k_c."""
+
+    source: str  # what was compiled, in words
+    config: str  # the plan row whose remat policy and SP the pipelined step was compiled with
+    slots: int  # stash slots in the compiled tick loop (compiled)
+    compiled_layers_per_chunk: int  # k_c
+    layers_per_chunk: int  # k = L/(p·v)
+    compiled_stash_bytes: int  # every slot at k_c layers (compiled)
+    stash_bytes: int  # scaled to k layers: compiled_stash_bytes · k / k_c
+    receive_bytes: int  # received activation and gradient buffers (compiled; independent of k)
+    formula: str  # the paper's in-flight layers, symbolic
+    formula_layers: float
+
+    @property
+    def layers(self) -> int:
+        """Layers' worth of activations stage 0 holds: slots × k."""
+        return self.slots * self.layers_per_chunk
+
+    @property
+    def per_layer_bytes(self) -> float:
+        return self.compiled_stash_bytes / (self.slots * self.compiled_layers_per_chunk)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "layers": self.layers, "per_layer_bytes": self.per_layer_bytes}
+
+
+def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -> tuple[str, float]:
+    """The paper's layers' worth of activations on the first stage (§4.2.3 and Narayanan et al.)."""
+    return {"1f1b": ("L", float(layers)), "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
+            "gpipe": ("L·m/p", layers * m / p)}[schedule]
+
+
+def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, schedule: str, p: int, v: int,
+                       m: int) -> InFlight:
+    """Compile the pipelined step for row `c` at p stages × c.tensor and read stage 0's stash (see InFlight)."""
+    k_c, k = PIPELINE_LAYERS_PER_CHUNK, cfg.layers // (p * v)
+    small = replace(cfg, layers=p * v * k_c)
+    parallel = ParallelConfig(1, c.tensor, c.sequence_parallel, pipe=p, schedule=schedule, virtual_stages=v)
+    n = parallel.num_devices
+    if len(devices) < n:
+        raise ConfigError(f"the pipelined step at pipeline={p} × tensor={c.tensor} compiles on {n} simulated "
+                          f"devices; {len(devices)} available")
+    mesh = make_mesh(parallel, devices[:n])
+    sched = PL.schedule_of(parallel, m, small.layers)
+    params, batch = aot.abstract_inputs(small, parallel, mesh, micro_batch * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    compiled = PL.make_loss_and_grad(small, parallel, c.remat, mesh, m).lower(params, batch, key).compile()
+    carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
+    slot_avals, _ = PL.stash_layout(small, parallel, c.remat, mesh, m, micro_batch)
+
+    depth = sched.depths["stash"]
+
+    def is_stash_of(dt, dims, aval):  # [depth, k_c, b, …] per device; the aval is one global slot [k_c, b, …]
+        return (len(dims) == aval.ndim + 1 and dims[:3] == (depth, k_c, micro_batch) and hlo.array_bytes(dt, ()) ==
+                aval.dtype.itemsize and all(g % d == 0 for g, d in zip(aval.shape, dims[1:])))
+
+    stash = [(dt, dims) for dt, dims in carry if any(is_stash_of(dt, dims, a) for a in slot_avals)]
+    if len(stash) != len(slot_avals):
+        raise RuntimeError(f"the compiled tick loop's stash ({stash}) does not match one slot's residuals "
+                           f"({[(a.dtype, a.shape) for a in slot_avals]}) × {sched.depths['stash']} slots")
+    depths = {sched.depths["x"] + 1, sched.depths["g"] + 1}
+    receive = [(dt, dims) for dt, dims in carry if len(dims) == 4 and dims[0] in depths
+               and dims[1] == micro_batch and dims[3] == cfg.hidden]
+    compiled_bytes = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
+    formula, formula_layers = paper_in_flight_layers(sched.name, cfg.layers, p, v, m)
+    source = (f"compiled: the pipelined {sched.name} step ({c.name}, pipe={p} × tensor={c.tensor} = {n} simulated "
+              f"devices, {k_c} layers per chunk), stash read from its tick loop; scaled ×{k}/{k_c} to {k} layers "
+              "per chunk")
+    return InFlight(source, c.name, sched.depths["stash"], k_c, k, compiled_bytes, compiled_bytes * k // k_c,
+                    sum(hlo.array_bytes(dt, dims) for dt, dims in receive), formula, formula_layers)

@@ -1,0 +1,144 @@
+"""One layer's bytes, FLOPs and collectives, and the step's working memory, read from compiled programs.
+
+Every per-layer number is XLA's own accounting of the compiled training computation (forward +
+backward of one micro-batch), compiled ahead of time on abstract inputs for simulated host devices:
+nothing is allocated, so a 1T-parameter layer compiles on a laptop. Why compile rather than count:
+what a remat policy really keeps is decided by autodiff and XLA, and a policy that silently saves the
+wrong tensor is the most common surprise in practice.
+
+How the per-layer numbers are read (layers under `lax.scan`, so depth does not matter):
+- stored bytes: the stacked buffers the forward layer loop writes, / L (`hlo.stored_bytes_per_layer`);
+- FLOPs: `cost_analysis()` counts a loop body once, so flops(L=2) − flops(L=0) is one layer's forward
+  and backward (plus the casts of that layer's weights outside the loop, < 0.1%);
+- collectives: those of one forward and one backward iteration of the layer loop;
+- working memory (transients: one layer's recomputation and gradients in flight, the logits' gradient,
+  RNG bits): the compiled float32 train step's temporaries at L=2 minus its gradients and stored
+  activations (`planning.memory`); that remainder does not depend on depth.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from jaxseq.config import ModelConfig, ParallelConfig, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.planning import hlo
+from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, state_bytes
+from jaxseq.training import aot
+
+MEASURE_LAYERS = 2  # a scan of 2 keeps the layer loop (1 would be inlined); depth does not matter
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row to compile: a paper configuration or another registered policy, with or without SP."""
+
+    name: str
+    remat: str
+    sequence_parallel: bool
+    tensor: int
+    paper: str | None  # the Table-2 row it is compared with
+
+
+@dataclass(frozen=True)
+class Measured:
+    stored_bytes_per_layer: int
+    flops_per_layer: float  # per device, forward + backward of one layer
+    collective_bytes_per_layer: dict  # kind → bytes of the buffers, forward + backward, activation dtype
+    working_bytes: int  # the train step's transients beyond state and stored activations (float32 step)
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def _mesh(tensor: int, sequence_parallel: bool, devices):
+    parallel = ParallelConfig(1, tensor, sequence_parallel)
+    return parallel, make_mesh(parallel, devices[:tensor])
+
+
+class Compiler:
+    """Compiles each distinct program once, two at a time (XLA compiles with the GIL released, and a
+    plan reuses the L=0 and forward programs across rows)."""
+
+    def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2):
+        self.cfg, self.b, self.devices, self.workers = cfg, micro_batch, devices, workers
+        self._cache: dict = {}
+
+    @staticmethod
+    def programs(c: RowSpec) -> list[tuple]:
+        """(kind, layers, remat, tensor, sp) of the programs a row reads."""
+        return [("grad", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel),
+                ("grad", 0, "none", c.tensor, c.sequence_parallel),
+                ("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)]
+
+    def compile_all(self, keys) -> None:
+        todo = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        with ThreadPoolExecutor(self.workers) as pool:
+            for key, compiled in zip(todo, pool.map(self._build, todo)):
+                self._cache[key] = compiled
+
+    def clear(self) -> None:
+        """Free the compiled programs (their numbers are read)."""
+        self._cache.clear()
+
+    def _build(self, key: tuple):
+        kind, layers, remat, tensor, sp = key
+        parallel, mesh = _mesh(tensor, sp, self.devices)
+        if kind == "step":  # float32: XLA:CPU's bf16 temporaries are not what a GPU allocates
+            return aot.compile_train_step(replace(self.cfg, layers=layers, dtype="float32"), parallel, remat, mesh, self.b)
+        fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
+        return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
+
+    def _compile(self, *key):
+        if key not in self._cache:
+            self._cache[key] = self._build(key)
+        return self._cache[key]
+
+    def measure(self, c: RowSpec) -> Measured:
+        L = MEASURE_LAYERS
+        compiled = self._compile("grad", L, c.remat, c.tensor, c.sequence_parallel)
+        text = compiled.as_text()
+        stored = hlo.stored_bytes_per_layer(text, L)
+        flops = _flops(compiled) - self.head_flops(c)
+        return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c))
+
+    def head_flops(self, c: RowSpec) -> float:
+        """The training computation's FLOPs without layers (L=0): embedding, final LayerNorm, logits, loss."""
+        return _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
+
+    def working_bytes(self, c: RowSpec) -> int:
+        """The float32 train step's temporaries at L=2 minus its gradients and stored activations."""
+        step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
+        cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype="float32")
+        stored = hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
+        accounted = state_bytes(cfg, c.tensor).gradients + activation_bytes(
+            stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel))
+        return step.memory_analysis().temp_size_in_bytes - accounted
+
+    @staticmethod
+    def forward_programs(tensor: int) -> list[tuple]:
+        return [("forward", L, "none", tensor, False) for L in (MEASURE_LAYERS, 0)]
+
+    def forward_flops_per_layer(self, tensor: int) -> float:
+        fwd, zero = (_flops(self._compile(*k)) for k in self.forward_programs(tensor))
+        return fwd - zero
+
+    def _collectives(self, text: str, tensor: int) -> dict:
+        """Bytes of the activation collectives of one layer (forward + backward), at the model's
+        activation dtype: XLA:CPU computes bf16 collectives in f32, so HLO byte counts would be
+        doubled; elements × itemsize is what a GPU moves. Parameter-gradient reductions (LayerNorm
+        weights under SP, a few h elements) are left out: smaller than one activation shard."""
+        itemsize = self.cfg.itemsize
+        shard = self.b * self.cfg.seq_len * self.cfg.hidden // tensor
+        out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+        if tensor == 1:
+            return out
+        for backward in (False, True):
+            for c in hlo.loop_collectives(text, MEASURE_LAYERS, backward):
+                if c.group_size > 1 and c.elements >= shard:
+                    out[c.kind] = out.get(c.kind, 0) + c.elements * itemsize
+        return out

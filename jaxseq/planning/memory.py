@@ -1,0 +1,110 @@
+"""Bytes per device of a training step: the state from shapes and shardings, the activations, the peak.
+
+What is counted here comes from the model's parameter shapes and the train step's own specs (nothing
+is compiled): the fp32 master weights, gradients, Adam moments and the compute-dtype weight copy, and
+the activations outside the layers. The bytes one layer stores and the step's working memory are
+read from compiled programs (`planning.measure`); the peak adds them up the same way for the plan's
+rows and for `--search` (`peak_bytes`), and `tests/test_plan.py` holds it to `memory_analysis()` of
+the compiled train step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.models import gpt as M
+from jaxseq.training import train_step as T
+
+MIB, GIB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    elements: int  # on one device, split by tensor
+    master_elements: int  # of its master weights and of each Adam moment on one device
+    cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
+    sharded: bool  # over data (distributed optimizer): the step gathers a full copy of it
+
+    def copy_bytes(self, cfg: ModelConfig) -> int:
+        """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
+        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf."""
+        e = cfg.itemsize
+        if self.sharded:
+            return self.elements * (e if self.cast else 4)
+        return self.elements * e if self.cast and cfg.dtype != "float32" else 0
+
+
+def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> list[_Leaf]:
+    """Every parameter's per-device elements under the train step's own specs (`T.master_specs`)."""
+    parallel = ParallelConfig(data, tensor, False, distributed_optimizer)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=is_spec)
+    out = []
+    for shape, spec, cast in zip(shapes, specs, jax.tree.leaves(M.cast_mask())):
+        n = int(np.prod(shape, dtype=np.int64)) // tensor ** sum(1 for axis in spec if axis == "tensor")
+        sharded = "data" in spec
+        out.append(_Leaf(n, n // data if sharded else n, cast, sharded))
+    return out
+
+
+def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
+    """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
+    the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
+    total = cast = 0
+    for leaf in _leaves(cfg, tensor, 1, False):
+        total += leaf.elements
+        cast += leaf.elements if leaf.cast else 0
+    return total, cast
+
+
+@dataclass(frozen=True)
+class State:
+    """Per-device bytes of the training state: the fp32 master weights (the parameters the optimizer
+    updates), fp32 gradients, Adam's two fp32 moments, and the compute-dtype copy of the weights a
+    step makes. Without the distributed optimizer a float32 step reads the master weights directly
+    (no copy); with it every step gathers a full copy, LayerNorm parameters included (in f32)."""
+
+    params: int  # fp32 master weights
+    gradients: int
+    optimizer: int  # Adam moments
+    weight_copy: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.gradients + self.optimizer + self.weight_copy
+
+
+def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False) -> State:
+    """Per-device state bytes; the distributed optimizer divides master weights and moments by
+    `data` for every parameter with a dimension `data` divides (the others are counted whole)."""
+    leaves = _leaves(cfg, tensor, data, distributed_optimizer)
+    total = sum(l.elements for l in leaves)
+    master = sum(l.master_elements for l in leaves)
+    return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
+
+
+def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool) -> int:
+    """Activations outside the layers, from shapes (the paper's §4.3 terms): the embedding dropout
+    mask (1 byte), the final LayerNorm's input and its f32 mean/rstd, the logits matmul's input
+    (sequence-sharded under SP), and the float32 logits the cross-entropy keeps, 4·s·b·V/t."""
+    s, h, e = cfg.seq_len, cfg.hidden, cfg.itemsize
+    per_token = (1 if cfg.dropout > 0 else 0) * h + e * h + 8 + e * h
+    return s * b * per_token // (tensor if sp else 1) + 4 * s * b * cfg.padded_vocab(tensor) // tensor
+
+
+def activation_bytes(stored_bytes_per_layer: float, in_flight_layers: float, non_layer_bytes: float) -> float:
+    """Activations a device keeps for backward: the bytes one layer stores × the layers' worth in
+    flight (L without a pipeline; the first stage's count under one) + the part outside the layers."""
+    return stored_bytes_per_layer * in_flight_layers + non_layer_bytes
+
+
+def peak_bytes(state: float, activations: float, working: float, accumulator: float = 0) -> float:
+    """The train step's peak per device (the first pipeline stage): state + stored activations + the
+    step's working memory, + the fp32 gradient accumulator of an unpipelined step over m > 1
+    micro-batches (the search's; the plan compiles one micro-batch per step)."""
+    return state + activations + working + accumulator

@@ -1,0 +1,182 @@
+"""The plan as text: the per-configuration table, the whole-model lines, the first stage's in-flight
+activations, the training state with and without the distributed optimizer, and the budget's choice."""
+
+from __future__ import annotations
+
+from jaxseq.planning.memory import GIB, MIB
+from jaxseq.planning.plan import Plan, recommend
+
+
+def _fmt(x, spec, missing="-"):
+    return missing if x is None else format(x, spec)
+
+
+def _unit(largest: float, units: list[tuple[str, float]]) -> tuple[str, float]:
+    """The largest unit in which `largest` is at least 1 (small test shapes print in KiB, not 0.0 MiB)."""
+    return next(((n, u) for n, u in units if largest >= u), units[-1])
+
+
+BYTES_LAYER = [("MiB", MIB), ("KiB", 2**10)]
+BYTES_MODEL = [("GiB", GIB), ("MiB", MIB), ("KiB", 2**10)]
+FLOP_UNITS = [("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)]
+
+
+def format_table(p: Plan) -> str:
+    """The rows, the FLOPs lines, the whole model per device, the first stage's in-flight activations
+    (with a pipeline) and the training state."""
+    cfg = p.config
+    lines = [
+        f"{p.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
+        f"micro-batch={p.micro_batch} tensor={p.tensor} {cfg.dtype} {cfg.attention} attention "
+        f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
+        "per layer per device; stored = bytes kept for backward, read from the compiled program; "
+        "collectives at the activation dtype, forward + backward",
+        "",
+        *_format_rows(p),
+        "",
+        _format_formula_flops(p),
+    ]
+    if p.tensor > 1:
+        lines += _format_measured_headlines(p)
+    lines.append(_format_whole_model(p))
+    if p.in_flight is not None:
+        lines += format_in_flight(p)
+    lines += ["", *format_optimizer_state(p)]
+    return "\n".join(lines)
+
+
+def _format_rows(p: Plan) -> list[str]:
+    """One line per configuration, each column in the largest unit its biggest value reaches."""
+    bl, bu = _unit(max(r.measured_bytes_per_layer for r in p.rows), BYTES_LAYER)
+    cl, cu = _unit(max(r.collective_bytes_per_layer for r in p.rows), BYTES_LAYER)
+    fl, fu = _unit(max(r.flops_per_layer for r in p.rows), FLOP_UNITS)
+    al, au = _unit(max(r.activation_bytes_per_device for r in p.rows), BYTES_MODEL)
+    wl, wu = _unit(max(r.working_bytes_per_device for r in p.rows), BYTES_MODEL)
+    tl, tu = _unit(max(r.total_bytes_per_device for r in p.rows), BYTES_MODEL)
+    lines = [f"{'config':<22}{'remat':<14}{'SP':<4}{'t':>3}{'stored ' + bl:>12}{'formula ' + bl:>13}{'ratio':>8}"
+             f"{fl:>9}{'recompute':>11}{'coll. ' + cl:>11}{'activ. ' + al:>12}{'work. ' + wl:>11}{'total ' + tl:>11}"]
+    for r in p.rows:
+        formula = None if r.formula_bytes_per_layer is None else r.formula_bytes_per_layer / bu
+        lines.append(
+            f"{r.config:<22}{r.remat:<14}{'yes' if r.sequence_parallel else 'no':<4}{r.tensor:>3}"
+            f"{r.measured_bytes_per_layer / bu:>12.1f}{_fmt(formula, '.1f'):>13}"
+            f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / fu:>9.4f}{r.recompute_overhead_pct:>10.2f}%"
+            f"{r.collective_bytes_per_layer / cu:>11.1f}{r.activation_bytes_per_device / au:>12.2f}"
+            f"{r.working_bytes_per_device / wu:>11.2f}{r.total_bytes_per_device / tu:>11.1f}")
+    return lines
+
+
+def _format_formula_flops(p: Plan) -> str:
+    """The paper's FLOPs per layer: model, and hardware with selective and with full recompute."""
+    f, cfg = p.formula_flops_per_layer, p.config
+    selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
+    full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
+    attention_share_pct = 100 * cfg.seq_len / (6 * cfg.hidden)  # the paper's s/(6h)
+    return (f"FLOPs per layer per device (t={p.tensor}): paper model {f['model'] / 1e12:.4f} TFLOP; hardware with "
+            f"selective {f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%, s/(6h) = "
+            f"{attention_share_pct:.2f}%); with full {f['hardware_full'] / 1e12:.4f} (+{full_pct:.2f}%)")
+
+
+def _format_measured_headlines(p: Plan) -> list[str]:
+    """With tensor parallelism: what full recompute adds, what TP+SP+selective stores, and (fused
+    attention) how little selective saves."""
+    cfg = p.config
+    full, tp, sp_sel = p.row("full"), p.row("tp"), p.row("tp+sp+selective")
+    extra = full.flops_per_layer - tp.flops_per_layer  # what full recompute adds
+    expected = p.forward_flops_per_layer - p.last_matmul_flops_per_layer  # forward but its last matmul
+    difference = extra - expected
+    lines = [
+        f"measured: forward {p.forward_flops_per_layer / 1e12:.4f} TFLOP per layer; full recompute adds "
+        f"{extra / 1e12:.4f} TFLOP = forward − last matmul ({p.last_matmul_flops_per_layer / 1e12:.4f}) "
+        f"{'+' if difference >= 0 else '−'} {abs(difference) / 1e9:.1f} GFLOP"]
+    stored_ratio = sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer
+    lines.append(f"TP+SP+selective stores {stored_ratio:.3f} × TP ({1 / stored_ratio:.1f}× less); "
+                 f"full+sp / (2sbh/t) = {p.row('full+sp').ratio:.4f}; selective recompute overhead "
+                 f"{sp_sel.recompute_overhead_pct:.2f}%"
+                 + (" (JAX recomputes QKᵀ and softmax, not scores×V)" if cfg.attention == "explicit" else ""))
+    if cfg.attention == "fused":
+        none = p.row("tp+sp")
+        saved = none.measured_bytes_per_layer - sp_sel.measured_bytes_per_layer
+        saved_pct = 100 * saved / none.measured_bytes_per_layer
+        lines.append(f"fused attention stores no scores: selective saves only {saved / MIB:.1f} MiB per layer "
+                     f"over none with SP ({saved_pct:.1f}%); "
+                     "the paper's formulas assume the explicit scores. Even `none` recomputes the attention "
+                     "internals here (untagged), and no attention-probs dropout is applied")
+    return lines
+
+
+def _format_whole_model(p: Plan) -> str:
+    """The state per device in GiB (of the first stage with a pipeline) and what the other columns hold."""
+    cfg, t = p.config, p.tensor
+    state = next(r for r in p.rows if r.tensor == t)
+    stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
+                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule}, compiled)")
+    return (
+        f"whole model per device (t={t}, d={p.data}{stage}"
+        f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
+        f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
+        f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
+        f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
+        f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
+        f"the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
+        + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU)"
+           if cfg.dtype != "float32" else ""))
+
+
+def format_in_flight(p: Plan) -> list[str]:
+    """The first stage's in-flight activations: compiled, scaled, and the paper's formula; and the bubble."""
+    f, pp, v, m = p.in_flight, p.pipeline, p.virtual_stages, p.microbatches
+    row = p.row(f.config)
+    unit, u = _unit(f.compiled_stash_bytes, BYTES_MODEL)
+    big, bu = _unit(f.stash_bytes, BYTES_MODEL)
+    layer, lu = _unit(row.measured_bytes_per_layer, BYTES_LAYER)
+    formula = "(p−1)/(v·m)" if p.schedule == "interleaved" else "(p−1)/m"
+    return [
+        f"pipeline {p.schedule}: p={pp} v={v} m={m}, first stage's in-flight activations ({f.config}):",
+        f"  compiled  {f.slots} stash slots × {f.compiled_layers_per_chunk} layers = "
+        f"{f.compiled_stash_bytes / u:.2f} {unit} ({f.per_layer_bytes / lu:.2f} {layer} per layer; the unpipelined "
+        f"layer stores {row.measured_bytes_per_layer / lu:.2f} {layer}); received-activation/gradient buffers "
+        f"{f.receive_bytes / u:.2f} {unit}",
+        f"  scaled    to {f.layers_per_chunk} layers per chunk: {f.slots} × {f.layers_per_chunk} = {f.layers} layers' "
+        f"worth = {f.stash_bytes / bu:.2f} {big} (the activ. column: each row's stored/layer × {f.layers})",
+        f"  formula   the paper's {f.formula} = {f.formula_layers:g} layers",
+        f"  source    {f.source}",
+        f"  bubble    {p.bubble:.4f} (idle/busy ticks of the lock-step tick table) vs {formula} = {p.paper_bubble:.4f}",
+    ]
+
+
+def format_optimizer_state(p: Plan) -> list[str]:
+    """The state per device without and with the distributed optimizer, in bytes per parameter
+    (of the parameters on one device) and in total."""
+    both = p.optimizer_state()
+    without, with_it = both["without_distributed_optimizer"], both["with_distributed_optimizer"]
+    unit, scale = _unit(without["bytes_per_device"]["total"], BYTES_MODEL)
+    used = "with" if p.distributed_optimizer else "without"
+    lines = [f"training state per device (t={p.tensor}, d={p.data}, {p.parameters_per_device / 1e6:,.1f}M parameters "
+             f"per device; the totals above use: {used}):",
+             f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
+    names = {"weight_copy": f"{p.config.dtype} weight copy", "gradients": "fp32 gradients",
+             "master_weights": "fp32 master weights", "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
+    for key, label in names.items():
+        lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}{with_it['bytes_per_parameter'][key]:>14.2f}"
+                     f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
+    lines.append("  with: master weights and moments split over data (--distributed-optimizer); the weight copy is "
+                 "gathered over data once per step; gradients are full during backward, then reduce-scattered")
+    return lines
+
+
+def format_recommendation(p: Plan, budget_gib: float) -> str:
+    chosen, rejected = recommend(p, budget_gib * GIB)
+    lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, data={p.data} "
+             f"{'with' if p.distributed_optimizer else 'without'} the distributed optimizer, "
+             f"micro-batch={p.micro_batch}; least recompute first:"]
+    for r, why in rejected:
+        lines.append(f"  {r.config:<22} does not fit: {why} (recompute +{r.recompute_overhead_pct:.2f}%)")
+    if chosen is None:
+        hint = "" if p.distributed_optimizer or p.data == 1 else ", or --distributed-optimizer"
+        lines.append(f"  nothing fits: more tensor/pipeline parallelism or a smaller micro-batch is needed{hint}")
+    else:
+        lines.append(f"  recommended: {chosen.config} (remat={chosen.remat}, sequence_parallel="
+                     f"{chosen.sequence_parallel}): {chosen.total_bytes_per_device / GIB:.1f} GiB, recompute "
+                     f"+{chosen.recompute_overhead_pct:.2f}% FLOPs")
+    return "\n".join(lines)
