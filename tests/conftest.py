@@ -8,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The same count as the option the training command sets: `jaxseq.train.main([... "--host-devices", "8"])`
+# then runs in the pytest process (JAX refuses to change it once the backend has started).
+jax.config.update("jax_num_cpu_devices", 8)
+
 
 @pytest.fixture(scope="session")
 def devices():

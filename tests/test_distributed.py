@@ -1,6 +1,5 @@
 """Two local processes × 4 simulated CPU devices, through jax.distributed (gloo collectives)."""
 
-import json
 import os
 import signal
 import socket
@@ -10,7 +9,8 @@ import time
 
 import pytest
 
-from test_train import ROOT, env, losses, run
+from commands import ROOT, env
+from test_train import losses, run
 
 ARGS = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
         "--sequence-parallel", "--remat", "selective", "--log-every", "1", "--eval-every", "100",
@@ -190,11 +190,11 @@ def test_one_process_per_host_drives_every_local_device():
     assert "cluster_detection_method" not in explicit
 
 
-def test_an_salloc_shell_trains_in_one_process(tmp_path):
+def test_an_salloc_shell_trains_in_one_process(tmp_path, monkeypatch):
     """SLURM_JOB_ID without an srun step used to end in JAX's `coordinator_address should be defined`."""
-    e = dict(env(), **SALLOC)
-    proc = subprocess.run([sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "8", "--steps", "1",
-                           "--run-dir", str(tmp_path)], cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    for name, value in SALLOC.items():
+        monkeypatch.setenv(name, value)
+    proc = run(*ARGS, "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: SLURM job without SLURM_STEP_NODELIST" in proc.stderr
     assert sorted(losses(str(tmp_path))) == [1]
