@@ -83,7 +83,7 @@ def _parallel(case) -> ParallelConfig:
 def pipelined(devices):
     """(case, remat, dtype) → the pipelined loss-and-gradient program of a case and its abstract params,
     compiled once for every test of the module that reads it (pipeline compiles are the slow part of these
-    tests)."""
+    tests; pyproject.toml's --dist loadfile keeps the module on one xdist worker)."""
     programs = {}
 
     def compiled(case, remat=REMAT, dtype="float32"):
