@@ -177,6 +177,7 @@ def test_round_trip_of_an_older_layout(hf_model, tmp_path):
     assert convert.main(["from-hf", str(tmp_path / "old"), str(tmp_path / "conv2")]) == 2
 
 
+@pytest.mark.slow
 def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
     """`train --init-from` on data=2 × tensor=4 + SP with lr=0, then to-hf: the weights come back exactly."""
     from commands import command

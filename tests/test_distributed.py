@@ -42,6 +42,7 @@ def launch(run_dir, steps, extra=(), slurm=False):
     return procs
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
     """The pair runs with the distributed optimizer (its state split over data across the two
     processes), the single process without it: the same losses, and the pair's checkpoint resumes
@@ -64,6 +65,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
         assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     run_dir = str(tmp_path)
@@ -85,6 +87,7 @@ def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     assert "another task died" in err or "error: the XLA runtime failed" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     """The checkpoint save is collective: a signal that reaches one process must stop every process
     after the same step (it used to hang both, each saving a different step). The pair is started
@@ -190,6 +193,7 @@ def test_one_process_per_host_drives_every_local_device():
     assert "cluster_detection_method" not in explicit
 
 
+@pytest.mark.slow
 def test_an_salloc_shell_trains_in_one_process(tmp_path, monkeypatch):
     """SLURM_JOB_ID without an srun step used to end in JAX's `coordinator_address should be defined`."""
     for name, value in SALLOC.items():

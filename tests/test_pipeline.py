@@ -109,7 +109,9 @@ def _run(pipelined, case, params, remat=REMAT, dtype="float32"):
     return loss, grads, batch, key
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
+# The fast tier (-m "not slow") runs the first case: one pipelined program compiled and run.
+@pytest.mark.parametrize("case", [CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:])],
+                         ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
 def test_pipeline_equals_unpipelined(case, pipelined, params, reference):
     loss, grads, batch, key = _run(pipelined, case, params)
     _assert_close(loss, grads, *reference(params, batch, key, case[3]))
@@ -119,6 +121,7 @@ def test_pipeline_equals_unpipelined(case, pipelined, params, reference):
 REMAT_CASE = ("1f1b", 2, 1, 4, 1, 2, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_remat_policies_inside_a_stage(remat, pipelined, params, reference):
     """What a stage stashes and recomputes follows the policy (test_stash_keeps_no_weights_or_keys checks
@@ -129,6 +132,7 @@ def test_remat_policies_inside_a_stage(remat, pipelined, params, reference):
     _assert_close(loss, grads, *reference(params, batch, key, REMAT_CASE[3]))
 
 
+@pytest.mark.slow
 def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, reference):
     """The bf16 pipeline against bf16 gradient accumulation on one device (same parameters, batch and keys).
 
@@ -174,6 +178,7 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
     assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * 3_000_000_000, 2**32) for x in (1, 5000, 2**32 - 1)]
 
 
+@pytest.mark.slow
 def test_no_collective_permute_inside_a_branch(pipelined):
     """A collective that spans every stage inside a lax.switch branch deadlocks (only the stages taking
     that branch arrive): the only collective-permutes are the two ppermutes of the tick loop."""
@@ -203,6 +208,7 @@ def _elements_per_device(tree, parallel: ParallelConfig) -> int:
                                       jax.tree.leaves(tree(specs), is_leaf=lambda x: isinstance(x, P))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["interleaved-d2t2sp", "1f1b-p4-d2"])
 def test_one_data_gradient_reduction_per_step(case, pipelined):
     """As Megatron: the stages accumulate their gradients over the micro-batches locally and reduce them
@@ -217,6 +223,7 @@ def test_one_data_gradient_reduction_per_step(case, pipelined):
     assert sum(r.elements for r in after) == _elements_per_device(lambda t: t["layers"], _parallel(case))
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
     """The real train step with a pipeline and the distributed optimizer (p=2, data=2, tensor=2 + SP):
     the gradients leave the executor in the master shards, reduce-scattered over `data` once per step
@@ -279,6 +286,7 @@ def _table_bytes(sched) -> int:
     return sched.ticks * sched.p * len(PL.FIELDS) * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=lambda c: c[0])
 def test_trip_count_is_the_schedule_tick_count(case, pipelined):
     sched = PL.schedule_of(_parallel(case), case[3], CFG.layers)
@@ -286,6 +294,7 @@ def test_trip_count_is_the_schedule_tick_count(case, pipelined):
     _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
 
 
+@pytest.mark.slow
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices, pipelined):
     """Compiled temp bytes from m = 2p to m = 4p (p = 2): 1F1B grows by the tick table alone; GPipe by one
     stash slot and one loss-gradient slot per extra micro-batch (plus the table)."""
@@ -308,6 +317,7 @@ def _stash_slot_bytes(devices) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,held", [(CASES[0], 2), (CASES[5], 4 * 2 + 4 - 1)], ids=["1f1b-p2", "interleaved-p4v2"])
 def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, devices, pipelined):
     """The stash in the compiled tick loop: 1F1B holds p micro-batches, interleaved p·v + p − 1 chunk

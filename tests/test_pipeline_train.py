@@ -45,6 +45,7 @@ def runs(tmp_path_factory):
     return {"ref": ref, "piped": piped, "to1": to_pipe1, "to4": to_pipe4, "piped_stdout": out.stdout}
 
 
+@pytest.mark.slow
 def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(runs):
     """pipe=2 trains 2 steps with the losses of pipe=1 (gradient accumulation over the same 4 micro-batches,
     no distributed optimizer); its checkpoint resumes on pipe=1 and on pipe=4 with the reference's losses
@@ -57,6 +58,7 @@ def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(runs):
             assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got[step], reference[step])
 
 
+@pytest.mark.slow
 def test_generate_and_convert_on_a_pipelined_run(runs, tmp_path):
     """`python -m jaxseq.generate` and `python -m jaxseq.convert to-hf` read the pipe=2 run directory (saved
     with the distributed optimizer, config.json saying pipe=2): the same text and the same HF tensors as
@@ -107,6 +109,7 @@ def test_cli_rejects_a_mesh_that_does_not_fit(tmp_path):
         "error: pipe×data×tensor = 4×2×2 = 16 does not equal the device count 8"]
 
 
+@pytest.mark.slow
 def test_plan_prices_the_first_stage_by_the_schedule(devices):
     """jaxseq.plan --pipeline 2 --schedule interleaved --virtual-stages 2 --microbatches 4: the first stage
     holds L·(1 + (p−1)/(p·v)) layers' activations (5 of 4 layers), read from the pipelined step compiled on

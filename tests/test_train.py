@@ -51,6 +51,7 @@ def check_metrics_and_config(run_dir):
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
 
 
+@pytest.mark.slow
 def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
     """One test, so that the 10-step reference runs once: a 5-step run extended by `--resume --steps 10`
     keeps its schedule (the cosine ends at step 5; steps 6-10 stay at the final learning rate), so it
@@ -76,6 +77,7 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
         assert abs(losses(other_mesh)[step] - reference[step]) <= 1e-4 * abs(reference[step])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     run_dir = str(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *TINY, "--steps", "100000",
