@@ -40,6 +40,7 @@ def _batch(batch_size=8):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [ParallelConfig(1, 1), ParallelConfig(2, 4, True)],
                          ids=["1dev", "data2-tensor4-sp"])
 def test_bfloat16_step_matches_float32(parallel, devices):
@@ -89,6 +90,7 @@ def test_cpu_bf16_matmul_and_its_gradients_are_the_float32_einsum_rounded_once(s
         np.testing.assert_allclose(f32(got), ref, rtol=U, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.slow
 def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     """XLA:CPU runs a plain bf16 dot by converting its operands to float32; model.matmul hands it bf16
     operands and asks for a float32 result, which it runs natively (twice the float32 rate). Read from

@@ -86,6 +86,7 @@ def _saved(run_dir, step):
     return jax.tree.map(np.asarray, state), meta
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_mid_run_equals_a_run_stopped_there(tmp_path):
     """A checkpoint saved asynchronously while the next (donated) steps run holds the state of that
     step, not of a later one: every array of checkpoint 4 of a 6-step run (checkpoints at 2, 4, 6)

@@ -10,6 +10,8 @@ dynamic-sliced, or the fused op); hlo.loop_collectives reads both as a reduce-sc
 import re
 from collections import Counter
 
+import pytest
+
 from jaxseq.planning import hlo as HLO
 from jaxseq.planning.search import ring_traffic
 
@@ -92,6 +94,7 @@ def test_sequence_parallel_backward_regathers_the_stored_sharded_inputs():
     assert traffic(sp, backward=True) == 6 * ONE_WAY == 1.5 * traffic(hlo("selective", False), backward=True)
 
 
+@pytest.mark.slow
 def test_full_recompute_replays_the_forward_collectives_but_the_last():
     """Full recompute replays one forward in backward, except the last row-parallel matmul whose
     output the backward never needs: the attention projection's all-reduce is replayed (3 all-reduces

@@ -1,16 +1,13 @@
 """Data sources, the deterministic batch stream, and the tokenizer command's round trip."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
+from commands import command, python_m
+from jaxseq import data as data_command
 from jaxseq.config import ConfigError
 from jaxseq.training.data import Batches, embedded_corpus, load_corpus, load_tokenizer, unigram_entropy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n"
 
 
@@ -59,9 +56,7 @@ def test_tokenizer_command_round_trips(tmp_path):
     for i in range(12):
         (src / f"m{i}.py").write_text(TEXT.replace("Point", f"Point{i}") * 20)
     prefix = str(tmp_path / "tok" / "code")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-m", "jaxseq.data", "--input", str(src), "--output", prefix,
-                          "--vocab-size", "300"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    out = python_m("jaxseq.data", "--input", str(src), "--output", prefix, "--vocab-size", "300", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "wrote" in out.stdout and "uint16" in out.stdout
     corpus = load_corpus(prefix)
@@ -73,6 +68,5 @@ def test_tokenizer_command_round_trips(tmp_path):
     assert joined.count("def add(a, b):") == 12 * 20
     assert len(corpus.train) < sum(len(f.read_text()) for f in files)  # BPE compresses
     # A bad value is one clear line.
-    bad = subprocess.run([sys.executable, "-m", "jaxseq.data", "--input", str(tmp_path / "none*"), "--output", prefix],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    bad = command(data_command.main, "--input", str(tmp_path / "none*"), "--output", prefix, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "matches no files" in bad.stderr

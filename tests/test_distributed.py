@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from test_train import ROOT, env, losses, run
+from commands import ROOT, env
+from test_train import losses, run
 
 ARGS = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
         "--sequence-parallel", "--remat", "selective", "--log-every", "1", "--eval-every", "100",
@@ -41,6 +42,7 @@ def launch(run_dir, steps, extra=(), slurm=False):
     return procs
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
     """The pair runs with the distributed optimizer (its state split over data across the two
     processes), the single process without it: the same losses, and the pair's checkpoint resumes
@@ -63,6 +65,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
         assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     run_dir = str(tmp_path)
@@ -84,6 +87,7 @@ def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     assert "another task died" in err or "error: the XLA runtime failed" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     """The checkpoint save is collective: a signal that reaches one process must stop every process
     after the same step (it used to hang both, each saving a different step). The pair is started
@@ -189,11 +193,12 @@ def test_one_process_per_host_drives_every_local_device():
     assert "cluster_detection_method" not in explicit
 
 
-def test_an_salloc_shell_trains_in_one_process(tmp_path):
+@pytest.mark.slow
+def test_an_salloc_shell_trains_in_one_process(tmp_path, monkeypatch):
     """SLURM_JOB_ID without an srun step used to end in JAX's `coordinator_address should be defined`."""
-    e = dict(env(), **SALLOC)
-    proc = subprocess.run([sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "8", "--steps", "1",
-                           "--run-dir", str(tmp_path)], cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    for name, value in SALLOC.items():
+        monkeypatch.setenv(name, value)
+    proc = run(*ARGS, "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: SLURM job without SLURM_STEP_NODELIST" in proc.stderr
     assert sorted(losses(str(tmp_path))) == [1]

@@ -94,6 +94,7 @@ def _close(a: list[float], b: list[float], rel: float):
         assert abs(x - y) <= rel * abs(y), (a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["data=4,tensor=2+sp", "data=8"])
 def test_same_losses_with_and_without(straight, name):
     """data=4 × tensor=2 + SP with 4 micro-batches (gradient accumulation), and data=8."""
@@ -116,6 +117,7 @@ def test_master_weights_and_moments_are_split_over_data(devices):
     assert state.params["layers"]["mlp"]["wi"]["bias"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["data=2,tensor=2+sp", "data=8"])
 def test_state_bytes_per_device_are_master_plus_moments_over_d(devices, name):
     """memory_analysis() arguments: the state (fp32 master 4 + moments 8 bytes per parameter, / d),
@@ -134,6 +136,7 @@ def test_state_bytes_per_device_are_master_plus_moments_over_d(devices, name):
     assert abs((state.params + state.optimizer) / shards - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_without_it_every_data_rank_holds_everything(devices):
     s = setup("data=8", False)
     elements, _ = memory.parameter_elements_per_device(CFG, 1)
@@ -145,6 +148,7 @@ def _data_all_gathers(hlo: str, data: int):
     return [(g.dims, g.in_loop) for g in A.all_gathers(hlo, data)]
 
 
+@pytest.mark.slow
 def test_each_weight_is_all_gathered_once_per_step(devices):
     """4 micro-batches, 2 scanned layers: still one all-gather over data per sharded weight, outside
     every loop, of the compute weight's per-device shape; none without the distributed optimizer."""
@@ -163,6 +167,7 @@ def test_each_weight_is_all_gathered_once_per_step(devices):
     assert _data_all_gathers(setup("data=4,tensor=2+sp", False).compiled.as_text(), 4) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_with", [True, False])
 def test_resume_switching_it_on_or_off(straight, saved_with):
     name = "data=4,tensor=2+sp"
@@ -171,6 +176,7 @@ def test_resume_switching_it_on_or_off(straight, saved_with):
     _close(s.run(s.restore(directory), SAVED_AT, STEPS), straight[name][not saved_with][0][SAVED_AT:], 1e-6)
 
 
+@pytest.mark.slow
 def test_resume_on_another_data_size(straight):
     """Saved at data=4 × tensor=2, resumed at data=2 × tensor=2 (on 4 devices); same global batch."""
     directory = straight["data=4,tensor=2+sp"][True][1]
@@ -196,6 +202,7 @@ def test_flag_yaml_and_key_value(tmp_path):
         parse("distributed_optimizer=maybe")
 
 
+@pytest.mark.slow
 def test_train_command_with_it_then_resumed_without_it(tmp_path):
     """The loop (evaluation and sampling read the data-sharded params too) and config.json."""
     import json

@@ -46,6 +46,7 @@ def test_replays_name_the_layers_matmuls():
     assert all(set(p.replays) <= set(MATMULS) for p in POLICIES.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", sorted(POLICIES))
 def test_declared_replays_are_what_xla_recomputes(remat):
     matmuls = F.layer_matmul_flops(CFG, B)

@@ -16,6 +16,7 @@ PAPER = {name: (c.remat, c.sequence_parallel) for name, c in F.PAPER_CONFIGURATI
 LN_STATS = 16 * S * B
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", PAPER)
 def test_table2_formula_within_2_percent(config):
     remat, sp = PAPER[config]
@@ -49,16 +50,19 @@ def test_every_policy_is_registered_here():
     assert set(EXPECTED_SP) == set(POLICIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", sorted(POLICIES))
 def test_policy_stores_expected_bytes(remat):
     assert HLO.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
 
 
+@pytest.mark.slow
 def test_policies_store_different_bytes():
     measured = [HLO.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
     assert len(set(measured)) == len(measured)
 
 
+@pytest.mark.slow
 def test_lean_without_sequence_parallelism():
     # 4 replicated (layer input and mid residual) + 16 split t ways.
     assert HLO.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH

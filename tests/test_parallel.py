@@ -57,11 +57,13 @@ def test_dropout_is_on(reference):
     assert abs(no_dropout - reference[0]) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", [m for m in MESHES if m != "1x1"])
 def test_mesh_matches_single_device(mesh_name, reference):
     assert_same(loss_and_grads(MESHES[mesh_name], "none"), reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [p for p in POLICIES if p != "none"])
 def test_remat_policy_matches_none(remat, reference):
     assert_same(loss_and_grads(MESHES["data=2,tensor=4+sp"], remat), reference)

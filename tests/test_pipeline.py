@@ -74,40 +74,46 @@ def _assert_close(loss, grads, ref_loss, ref_grads, rtol=1e-5):
         np.testing.assert_allclose(g, r, rtol=0, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-_COMPILED = {}
-
-
 def _parallel(case) -> ParallelConfig:
     schedule, p, v, m, data, tensor, sp = case
     return ParallelConfig(data, tensor, sp, pipe=p, schedule=schedule, virtual_stages=v)
 
 
-def _compiled(case, devices, remat=REMAT, dtype="float32"):
-    """The pipelined loss-and-gradient program of a case, compiled once per module (pipeline compiles are
-    the slow part of these tests)."""
-    if (case, remat, dtype) not in _COMPILED:
-        parallel = _parallel(case)
-        mesh = make_mesh(parallel, devices[:parallel.num_devices])
-        cfg = replace(CFG, dtype=dtype)
-        params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * case[3])
-        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-        fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, case[3])
-        _COMPILED[case, remat, dtype] = (fn.lower(params, batch, key).compile(), params)
-    return _COMPILED[case, remat, dtype]
+@pytest.fixture(scope="module")
+def pipelined(devices):
+    """(case, remat, dtype) → the pipelined loss-and-gradient program of a case and its abstract params,
+    compiled once for every test of the module that reads it (pipeline compiles are the slow part of these
+    tests; pyproject.toml's --dist loadfile keeps the module on one xdist worker)."""
+    programs = {}
+
+    def compiled(case, remat=REMAT, dtype="float32"):
+        if (case, remat, dtype) not in programs:
+            parallel = _parallel(case)
+            mesh = make_mesh(parallel, devices[:parallel.num_devices])
+            cfg = replace(CFG, dtype=dtype)
+            params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * case[3])
+            key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+            fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, case[3])
+            programs[case, remat, dtype] = (fn.lower(params, batch, key).compile(), params)
+        return programs[case, remat, dtype]
+
+    return compiled
 
 
-def _run(case, devices, params, remat=REMAT, dtype="float32"):
+def _run(pipelined, case, params, remat=REMAT, dtype="float32"):
     """(loss, grads, batch, key) of the compiled pipelined program on the test batch."""
-    compiled, abstract = _compiled(case, devices, remat, dtype)
+    compiled, abstract = pipelined(case, remat, dtype)
     batch, key = _batch(case[3]), jax.random.key(7)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
     loss, grads = compiled(placed, batch, key)
     return loss, grads, batch, key
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
-def test_pipeline_equals_unpipelined(case, devices, params, reference):
-    loss, grads, batch, key = _run(case, devices, params)
+# The fast tier (-m "not slow") runs the first case: one pipelined program compiled and run.
+@pytest.mark.parametrize("case", [CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:])],
+                         ids=lambda c: "{}-p{}v{}m{}-d{}t{}{}".format(*c[:6], "sp" if c[6] else ""))
+def test_pipeline_equals_unpipelined(case, pipelined, params, reference):
+    loss, grads, batch, key = _run(pipelined, case, params)
     _assert_close(loss, grads, *reference(params, batch, key, case[3]))
 
 
@@ -115,17 +121,19 @@ def test_pipeline_equals_unpipelined(case, devices, params, reference):
 REMAT_CASE = ("1f1b", 2, 1, 4, 1, 2, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
-def test_remat_policies_inside_a_stage(remat, devices, params, reference):
+def test_remat_policies_inside_a_stage(remat, pipelined, params, reference):
     """What a stage stashes and recomputes follows the policy (test_stash_keeps_no_weights_or_keys checks
     the stash of `full`); the values do not change: loss and gradients equal the unpipelined model.
     `none`, `selective` (above) and `full` span the name whitelists (`lean` is another whitelist), `dots`
     JAX's by-primitive policies (as `dots_no_batch`); each compile costs ~10 s, so not all six."""
-    loss, grads, batch, key = _run(REMAT_CASE, devices, params, remat)
+    loss, grads, batch, key = _run(pipelined, REMAT_CASE, params, remat)
     _assert_close(loss, grads, *reference(params, batch, key, REMAT_CASE[3]))
 
 
-def test_bfloat16_pipeline_matches_bfloat16_unpipelined(devices, params, reference):
+@pytest.mark.slow
+def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, reference):
     """The bf16 pipeline against bf16 gradient accumulation on one device (same parameters, batch and keys).
 
     The tolerance (see test_bfloat16.py for the bf16-vs-f32 argument, u = 2⁻⁸): both programs round the
@@ -139,7 +147,7 @@ def test_bfloat16_pipeline_matches_bfloat16_unpipelined(devices, params, referen
     shows as an O(1) or ≥ u-per-element systematic error."""
     u = 2.0 ** -8
     case = CASES[2]  # interleaved p=2, v=2, data=2, tensor=2 + SP
-    loss, grads, batch, key = _run(case, devices, params, dtype="bfloat16")
+    loss, grads, batch, key = _run(pipelined, case, params, dtype="bfloat16")
     ref_loss, ref_grads = reference(params, batch, key, case[3], "bfloat16")
     assert abs(float(loss) - ref_loss) <= u / 8 * abs(ref_loss), (float(loss), ref_loss)
     f32_loss, f32_grads = reference(params, batch, key, case[3])
@@ -170,10 +178,11 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
     assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * 3_000_000_000, 2**32) for x in (1, 5000, 2**32 - 1)]
 
 
-def test_no_collective_permute_inside_a_branch(devices):
+@pytest.mark.slow
+def test_no_collective_permute_inside_a_branch(pipelined):
     """A collective that spans every stage inside a lax.switch branch deadlocks (only the stages taking
     that branch arrive): the only collective-permutes are the two ppermutes of the tick loop."""
-    text = _compiled(CASES[2], devices)[0].as_text()  # interleaved with data=2, tensor=2 + SP
+    text = pipelined(CASES[2])[0].as_text()  # interleaved with data=2, tensor=2 + SP
     permutes = [line for line in text.splitlines() if " collective-permute(" in line]
     assert permutes and all("/cond/" not in line and "/ppermute" in line for line in permutes)
 
@@ -199,20 +208,22 @@ def _elements_per_device(tree, parallel: ParallelConfig) -> int:
                                       jax.tree.leaves(tree(specs), is_leaf=lambda x: isinstance(x, P))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["interleaved-d2t2sp", "1f1b-p4-d2"])
-def test_one_data_gradient_reduction_per_step(case, devices):
+def test_one_data_gradient_reduction_per_step(case, pipelined):
     """As Megatron: the stages accumulate their gradients over the micro-batches locally and reduce them
     over `data` once per step, after the tick loop. No reduction inside the loop (a tick's branch included)
     spans two data ranks (one there would move the stage's gradients m·v times per step), and the
     all-reduces over the `data` groups after it carry each of the stage's layer gradients once (the
     embedding's and final LayerNorm's are reduced over pipe × data together)."""
     schedule, p, v, m, data, tensor, sp = case
-    in_loop, after = _over_data(_compiled(case, devices)[0].as_text(), p, data, tensor)
+    in_loop, after = _over_data(pipelined(case)[0].as_text(), p, data, tensor)
     assert not [r.op_name for r in in_loop]
     assert {r.kind for r in after} == {"all-reduce"}
     assert sum(r.elements for r in after) == _elements_per_device(lambda t: t["layers"], _parallel(case))
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
     """The real train step with a pipeline and the distributed optimizer (p=2, data=2, tensor=2 + SP):
     the gradients leave the executor in the master shards, reduce-scattered over `data` once per step
@@ -275,14 +286,16 @@ def _table_bytes(sched) -> int:
     return sched.ticks * sched.p * len(PL.FIELDS) * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=lambda c: c[0])
-def test_trip_count_is_the_schedule_tick_count(case, devices):
+def test_trip_count_is_the_schedule_tick_count(case, pipelined):
     sched = PL.schedule_of(_parallel(case), case[3], CFG.layers)
     assert sched.ticks == 2 * sched.m * sched.v + 2 * (sched.p - 1)
-    _tick_loop(_compiled(case, devices)[0].as_text(), sched.ticks)
+    _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
 
 
-def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices):
+@pytest.mark.slow
+def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices, pipelined):
     """Compiled temp bytes from m = 2p to m = 4p (p = 2): 1F1B grows by the tick table alone; GPipe by one
     stash slot and one loss-gradient slot per extra micro-batch (plus the table)."""
     slot = _stash_slot_bytes(devices)
@@ -290,7 +303,7 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices):
     growth = {}
     for schedule in ("1f1b", "gpipe"):
         small, large = (schedule, 2, 1, 4, 1, 1, False), (schedule, 2, 1, 8, 1, 1, False)
-        temp = [_compiled(c, devices)[0].memory_analysis().temp_size_in_bytes for c in (small, large)]
+        temp = [pipelined(c)[0].memory_analysis().temp_size_in_bytes for c in (small, large)]
         tables = [_table_bytes(PL.schedule_of(_parallel(c), c[3], CFG.layers)) for c in (small, large)]
         growth[schedule] = (temp[1] - temp[0], tables[1] - tables[0])
     grown, table = growth["1f1b"]
@@ -304,15 +317,16 @@ def _stash_slot_bytes(devices) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,held", [(CASES[0], 2), (CASES[5], 4 * 2 + 4 - 1)], ids=["1f1b-p2", "interleaved-p4v2"])
-def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, devices):
+def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, devices, pipelined):
     """The stash in the compiled tick loop: 1F1B holds p micro-batches, interleaved p·v + p − 1 chunk
     inputs, each k layers at the per-layer bytes the unpipelined program stores (what jaxseq.plan reads)."""
     schedule, p, v, m, data, tensor, sp = case
     sched = PL.schedule_of(_parallel(case), m, CFG.layers)
     k = CFG.layers // (p * v)
     assert sched.depths["stash"] == sched.in_flight(0) == held
-    loop = _tick_loop(_compiled(case, devices)[0].as_text(), sched.ticks)
+    loop = _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
     stash = [(dt, dims) for dt, dims in hlo._tuple_elements(loop.shape) if dims[:2] == (held, k) and len(dims) > 3]
     stored = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
     plain = ParallelConfig(data, tensor, sp)

@@ -28,6 +28,7 @@ def small_plan():
     return P.plan(CFG, T, B, jax.devices(), "small", policies=["lean"])
 
 
+@pytest.mark.slow
 def test_json_schema(small_plan):
     out = json.loads(json.dumps(small_plan.to_json()))
     assert {"model", "tensor", "seq_len", "micro_batch", "rows"} <= set(out)
@@ -51,6 +52,7 @@ def test_every_registered_policy_is_planned_with_and_without_sp():
     assert [c.name for c in P.configurations(1)] == list(POLICIES)
 
 
+@pytest.mark.slow
 def test_table2_ratios_and_headlines(small_plan):
     for name in PAPER_CONFIGURATIONS:
         assert 0.98 <= small_plan.row(name).ratio <= 1.02, name
@@ -59,6 +61,7 @@ def test_table2_ratios_and_headlines(small_plan):
     assert small_plan.row("full+sp").ratio == 1.0  # exactly 2sbh/t
 
 
+@pytest.mark.slow
 def test_recompute_overheads_are_ordered(small_plan):
     over = {r.config: r.recompute_overhead_pct for r in small_plan.rows}
     # The baseline's FLOPs (L=2 minus L=0, split 4 ways) against a hand count of its matmuls, three
@@ -116,6 +119,7 @@ def test_state_bytes_are_the_compiled_steps_arguments_and_a_hand_count():
 PEAK_MARGIN = 0.002
 
 
+@pytest.mark.slow
 def test_whole_model_peak_is_the_compiled_train_steps():
     """float32 (XLA:CPU's bf16 temporaries are not a GPU's): the plan's peak for 6 layers, measured
     at 2, against memory_analysis() of the real train step compiled with 6."""
@@ -134,6 +138,7 @@ def test_whole_model_peak_is_the_compiled_train_steps():
     assert abs(temp / ma.temp_size_in_bytes - 1) <= PEAK_MARGIN
 
 
+@pytest.mark.slow
 def test_budget_picks_least_recompute_that_fits(small_plan):
     tp = small_plan.row("tp")
     chosen, rejected = P.recommend(small_plan, tp.total_bytes_per_device + 1)
@@ -170,6 +175,7 @@ def test_distributed_optimizer_bytes_per_parameter_are_megatrons():
     assert memory.state_bytes(tiny, 2, 4, True).optimizer == 8 * ((elements - b) // 4 + b)
 
 
+@pytest.mark.slow
 def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     sharded = P.with_optimizer(small_plan, 4, True)
     r, s = small_plan.row("tp+sp+selective"), sharded.row("tp+sp+selective")
@@ -214,6 +220,7 @@ def test_bad_input_is_one_line(argv, message, capsys):
 PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, v, m", PIPELINED, ids=[c[0] for c in PIPELINED])
 def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v, m, small_plan):
     """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's

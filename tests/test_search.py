@@ -205,6 +205,7 @@ def compiled_step_bytes(parallel: ParallelConfig, micro_batches: int, batch: int
     return aot.step_bytes(step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("candidate", [
     # d=2 with the distributed optimizer, b=3 per device (working memory extrapolated from b = 1, 2), m=2 accumulated
     S.Candidate(2, 1, 1, 2, 3, "selective", True, True, 2),

@@ -1,4 +1,5 @@
-"""The training CLI, run as a user runs it (subprocesses on the `tiny` preset)."""
+"""The training command on the `tiny` preset, run as a user runs it: in the pytest process
+(`jaxseq.train.main`), and as `python -m jaxseq.train` where a signal reaches the process."""
 
 import json
 import os
@@ -10,24 +11,19 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from commands import ROOT, command, env, python_m
+from jaxseq import data as data_command
+from jaxseq import generate as generate_command
+from jaxseq import train as train_command
+
 TINY = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
         "--host-devices", "8", "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "eval_batches=1",
         "sample_tokens=8"]
 
 
-def env():
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    e["PYTHONPATH"] = ROOT
-    return e
-
-
-def run(*args, check=True, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "jaxseq.train", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env(), timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return proc
+def run(*args, check=True):
+    """`python -m jaxseq.train args`, in this process."""
+    return command(train_command.main, *args, check=check)
 
 
 def metrics(run_dir):
@@ -55,6 +51,7 @@ def check_metrics_and_config(run_dir):
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
 
 
+@pytest.mark.slow
 def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
     """One test, so that the 10-step reference runs once: a 5-step run extended by `--resume --steps 10`
     keeps its schedule (the cosine ends at step 5; steps 6-10 stay at the final learning rate), so it
@@ -80,6 +77,7 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
         assert abs(losses(other_mesh)[step] - reference[step]) <= 1e-4 * abs(reference[step])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     run_dir = str(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *TINY, "--steps", "100000",
@@ -94,8 +92,7 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert "SIGTERM: saved a checkpoint" in out
     step = max(losses(run_dir))
-    gen = subprocess.run([sys.executable, "-m", "jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab",
-                          "--max-tokens", "5"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+    gen = python_m("jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab", "--max-tokens", "5", timeout=120)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith(f"# step {step}\nab")
 
@@ -169,15 +166,12 @@ def test_train_and_generate_on_token_files(tmp_path):
     for i in range(8):
         (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 100)
     prefix = str(tmp_path / "tok")
-    made = subprocess.run([sys.executable, "-m", "jaxseq.data", "--input", str(src), "--output", prefix,
-                           "--vocab-size", "320"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
-    assert made.returncode == 0, made.stderr
+    command(data_command.main, "--input", str(src), "--output", prefix, "--vocab-size", "320")
     run_dir = str(tmp_path / "run")
     run(*TINY, "--steps", "2", "--data", prefix, "--run-dir", run_dir)
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert 256 < config["model"]["vocab_size"] <= 320 and config["train"]["tokenizer"].endswith("tok.tokenizer.json")
-    gen = subprocess.run([sys.executable, "-m", "jaxseq.generate", "--run-dir", run_dir, "--prompt", "def f1",
-                          "--max-tokens", "4"], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+    gen = command(generate_command.main, "--run-dir", run_dir, "--prompt", "def f1", "--max-tokens", "4")
     assert gen.returncode == 0 and gen.stdout.startswith("# step 2\ndef f1"), gen.stderr[-2000:]
 
 
