@@ -83,12 +83,13 @@ def state_bytes_rows() -> list[dict]:
         for distributed in (False, True):
             start = time.perf_counter()
             batch = 4 * data
-            compiled = compile_abstract(cfg, ParallelConfig(data, tensor, sp, distributed), 4, batch)
+            compiled = compile_abstract(cfg, ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp,
+                                                            distributed_optimizer=distributed), 4, batch)
             batch_bytes = 2 * 4 * (batch // data) * cfg.seq_len + 8  # inputs, targets, the key
             measured = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
             formula = memory.state_bytes(cfg, tensor, data, distributed)
             elements = memory.parameter_elements_per_device(cfg, tensor)[0]
-            parallel = ParallelConfig(data, tensor, sp, distributed)
+            parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, distributed_optimizer=distributed)
             gathers = data_all_gathers(compiled.as_text(), data, weight_shapes(cfg, parallel))
             sharded = sum("data" in spec for spec in jax.tree.leaves(
                 T.master_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
@@ -108,7 +109,7 @@ def batch(cfg, step: int, n: int = 16) -> dict:
 
 
 def losses(cfg, remat: str, distributed: bool, steps: int = 3) -> list[float]:
-    parallel = ParallelConfig(4, 2, True, distributed)
+    parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=distributed)
     mesh = make_mesh(parallel)
     state = T.init_state(jax.random.key(0), cfg, parallel, OPT, mesh)
     step = T.make_train_step(cfg, parallel, remat, OPT, mesh, micro_batches=2)

@@ -50,7 +50,8 @@ def main() -> int:
     rows = []
     for name, v in SCHEDULES:
         for m in MS:
-            parallel = ParallelConfig(2, 1, False, pipe=P, schedule=name, virtual_stages=v)
+            parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=name,
+                                      virtual_stages=v)
             mesh = make_mesh(parallel, devices)
             sched = PL.schedule_of(parallel, m, cfg.layers)
             params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
@@ -80,8 +81,10 @@ def main() -> int:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (MICRO * m, cfg.seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     timings = {}
-    for label, parallel in [("pipe=1 data=2 tensor=4 (accumulation)", ParallelConfig(2, 4, False)),
-                            *[(f"pipe={P} data=2 {n} v={v}", ParallelConfig(2, 1, False, pipe=P, schedule=n,
+    for label, parallel in [("pipe=1 data=2 tensor=4 (accumulation)", ParallelConfig(data=2, tensor=4,
+                                                                                     sequence_parallel=False)),
+                            *[(f"pipe={P} data=2 {n} v={v}", ParallelConfig(data=2, tensor=1, sequence_parallel=False,
+                                                                            pipe=P, schedule=n,
                                                                               virtual_stages=v))
                               for n, v in SCHEDULES]]:
         mesh = make_mesh(parallel, devices)
@@ -221,13 +224,14 @@ def overhead() -> int:
                         "per step (process time, all threads; 8 simulated devices on 2 shared cores)"}
     for size, overrides in OVERHEAD_SIZES.items():
         cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
-        plain = ParallelConfig(2, 1, False)
+        plain = ParallelConfig(data=2, tensor=1, sequence_parallel=False)
         unpiped = aot.compile_loss_and_grad(cfg, plain, remat, make_mesh(plain, devices[:2]), MICRO)
         one_mb = hlo.dot_flops(hlo.parse_hlo(unpiped.as_text()), hlo.entry_name(unpiped.as_text()))
         rows = []
         configs = [("pipe=1 data=2 (2 devices)", plain, devices[:2]),
-                   ("pipe=1 data=2 tensor=4", ParallelConfig(2, 4, False), devices)]
-        configs += [(f"pipe={P} data=2 {n} v={v}", ParallelConfig(2, 1, False, pipe=P, schedule=n, virtual_stages=v),
+                   ("pipe=1 data=2 tensor=4", ParallelConfig(data=2, tensor=4, sequence_parallel=False), devices)]
+        configs += [(f"pipe={P} data=2 {n} v={v}", ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P,
+                                                                  schedule=n, virtual_stages=v),
                      devices) for n, v in SCHEDULES]
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (MICRO * m, cfg.seq_len + 1), dtype=np.int32)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -445,7 +449,8 @@ def refresh_anatomy() -> int:
             if "ticks" not in row:
                 continue
             name, v = next((n, v) for n, v in SCHEDULES if f" {n} v={v}" in row["config"])
-            parallel = ParallelConfig(2, 1, False, pipe=P, schedule=name, virtual_stages=v)
+            parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=name,
+                                      virtual_stages=v)
             mesh = make_mesh(parallel, jax.devices())
             m = results["microbatches"]
             sched = PL.schedule_of(parallel, m, cfg.layers)
@@ -479,7 +484,7 @@ def paper_anatomy() -> int:
 
     p, t, m, k_c, k = 8, 8, 8, 2, 12
     cfg = replace(preset("gpt3-175b"), layers=p * k_c, dtype="float32")  # see the units note
-    parallel = ParallelConfig(1, t, True, pipe=p, schedule="1f1b")
+    parallel = ParallelConfig(data=1, tensor=t, sequence_parallel=True, pipe=p, schedule="1f1b")
     mesh = make_mesh(parallel, jax.devices()[:p * t])
     sched = PL.schedule_of(parallel, m, cfg.layers)
     params, batch = aot.abstract_inputs(cfg, parallel, mesh, m)

@@ -75,7 +75,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
 
     # 5as/h = 5·8·128/64 = 80, as at GPT-3 175B; float32 because XLA:CPU computes bf16 in f32 anyway.
     cfg = ModelConfig(vocab_size=256, seq_len=128, hidden=64, heads=8, layers=4, dtype="float32", dropout=0.1)
-    parallel = ParallelConfig(1, 1, False)
+    parallel = ParallelConfig(data=1, tensor=1, sequence_parallel=False)
     mesh = make_mesh(parallel, devices[:1])
     params = jax.device_put(M.init_params(jax.random.key(0), cfg), jax.tree.map(
         lambda s: jax.sharding.NamedSharding(mesh, s), M.param_specs(parallel)))

@@ -16,7 +16,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message is one line naming the value and what is valid."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A GPT-2/3 style decoder (pre-LayerNorm, learned positions, tied embeddings)."""
 
@@ -67,7 +67,7 @@ RUNTIME_FIELDS = ("dropout", "dtype", "attention")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh shape: pipe × data × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the layers
     split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see parallel/schedule.py).
@@ -92,7 +92,7 @@ class ParallelConfig:
         return (f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × tensor={self.tensor}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay to min_lr_ratio·lr, and global-norm clipping."""
 
@@ -107,7 +107,7 @@ class OptimizerConfig:
     eps: float = 1e-8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """Explicit coordinates, or none of them to auto-detect (SLURM, Open MPI) or run single-process."""
 
@@ -123,7 +123,7 @@ class DistributedConfig:
         return self.coordinator is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 1000
     batch_size: int = 32  # global, sequences per optimizer step
@@ -145,7 +145,7 @@ class TrainConfig:
     host_devices: int = 8  # simulated CPU devices when there is no accelerator
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
     parallel: ParallelConfig

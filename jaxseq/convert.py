@@ -94,7 +94,8 @@ def from_hf(hf_dir: str, out: str) -> ModelConfig:
         json.dump({**record, "metadata": metadata}, f, indent=1)
     if buffers:
         hf.safetensors_numpy().save_file(buffers, os.path.join(side, "buffers.safetensors"))
-    run = RunConfig(cfg, ParallelConfig(), OptimizerConfig(), TrainConfig(steps=0, run_dir=out, tokenizer=tokenizer))
+    run = RunConfig(model=cfg, parallel=ParallelConfig(), optimizer=OptimizerConfig(), train=TrainConfig(steps=0,
+                                                                                                         run_dir=out, tokenizer=tokenizer))
     rundir.write_config(out, run)
     mesh = make_mesh(run.parallel, jax.local_devices()[:1])
     optimizer = T.make_optimizer(run.optimizer)

@@ -130,7 +130,7 @@ def _search(args) -> int:
 
 def _plan(args) -> int:
     cfg = resolve(args)
-    validate(cfg, ParallelConfig(1, args.tensor, False), "none")
+    validate(cfg, ParallelConfig(data=1, tensor=args.tensor, sequence_parallel=False), "none")
     pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
     if args.tensor * pipe > MAX_SIMULATED_DEVICES:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "

@@ -303,7 +303,8 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     if train.resume and os.path.isfile(os.path.join(train.run_dir, rundir.CONFIG)):
         optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
     validate_optimizer(optimizer)
-    distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
+    distributed = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                                    process_id=args.process_id)
     parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
                                 (args.schedule, args.virtual_stages))
     if changed and D.is_main_process():
@@ -311,8 +312,9 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     corpus = load_corpus(train.data, train.tokenizer)
     # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more.
     vocab = corpus.vocab_size if train.init_from is None else rundir.init_vocab(train.init_from, corpus.vocab_size)
-    run = RunConfig(replace(model, vocab_size=vocab), parallel, optimizer, replace(train, tokenizer=corpus.tokenizer),
-                    distributed)
+    run = RunConfig(model=replace(model, vocab_size=vocab), parallel=parallel, optimizer=optimizer,
+                    train=replace(train, tokenizer=corpus.tokenizer),
+                    distributed=distributed)
     validate(run.model, run.parallel, run.train.remat, len(available_devices()), run.train.batch_size,
              run.train.micro_batch_size)
     check_run_dir(run.train.run_dir)

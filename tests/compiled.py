@@ -15,6 +15,6 @@ MEMORY_CFG = ModelConfig(vocab_size=1500, seq_len=S, hidden=H, heads=A_HEADS, la
 
 @lru_cache(maxsize=None)
 def hlo(remat: str, sequence_parallel: bool, tensor: int = T, cfg: ModelConfig = MEMORY_CFG) -> str:
-    parallel = ParallelConfig(1, tensor, sequence_parallel)
+    parallel = ParallelConfig(data=1, tensor=tensor, sequence_parallel=sequence_parallel)
     mesh = make_mesh(parallel, jax.devices()[:tensor])
     return aot.compile_loss_and_grad(cfg, parallel, remat, mesh, B).as_text()

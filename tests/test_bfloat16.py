@@ -41,7 +41,8 @@ def _batch(batch_size=8):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [ParallelConfig(1, 1), ParallelConfig(2, 4, True)],
+@pytest.mark.parametrize("parallel", [ParallelConfig(data=1, tensor=1), ParallelConfig(data=2, tensor=4,
+                                                                                       sequence_parallel=True)],
                          ids=["1dev", "data2-tensor4-sp"])
 def test_bfloat16_step_matches_float32(parallel, devices):
     params = M.init_params(jax.random.key(1), CFG, tensor=4)
@@ -95,7 +96,7 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     """XLA:CPU runs a plain bf16 dot by converting its operands to float32; model.matmul hands it bf16
     operands and asks for a float32 result, which it runs natively (twice the float32 rate). Read from
     the compiled step: every weight matmul (forward, replay, both gradients, the logits) takes bf16."""
-    parallel = ParallelConfig(2, 4, True)
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices[: parallel.num_devices])
     cfg = replace(CFG, dtype="bfloat16")
     fn = T.make_loss_and_grad(cfg, parallel, "full", mesh)

@@ -36,10 +36,11 @@ def _save(directory, step, state, meta=None):
 
 
 def test_restore_on_another_tensor_size_repads_the_vocabulary(devices, tmp_path):
-    src = ParallelConfig(2, 4, True)
+    src = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     _, state = _state(src, devices)
     _save(str(tmp_path), 3, state)
-    for dst, used in ((ParallelConfig(4, 2, True), devices), (ParallelConfig(1, 1), devices[:1])):
+    for dst, used in ((ParallelConfig(data=4, tensor=2, sequence_parallel=True), devices), (ParallelConfig(data=1,
+                                                                                                           tensor=1), devices[:1])):
         abstract, shardings, mesh = _target(dst, used)
         restored, meta = C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh)
         assert meta["data_position"] == 3
@@ -55,7 +56,7 @@ def test_restore_on_another_tensor_size_repads_the_vocabulary(devices, tmp_path)
 
 
 def test_unreadable_latest_falls_back_to_the_previous(devices, tmp_path, caplog):
-    parallel = ParallelConfig(2, 4, True)
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     _, first = _state(parallel, devices, seed=1)
     _, second = _state(parallel, devices, seed=2)
     _save(str(tmp_path), 1, first)

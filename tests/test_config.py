@@ -20,7 +20,7 @@ def test_paper_presets():
 
 def test_every_preset_is_valid():
     for name, cfg in PRESETS.items():
-        validate(cfg, ParallelConfig(1, 1), "selective")
+        validate(cfg, ParallelConfig(data=1, tensor=1), "selective")
 
 
 def test_vocab_padding():
@@ -30,17 +30,19 @@ def test_vocab_padding():
 
 
 BAD = [
-    (dict(parallel=ParallelConfig(1, 3)), "tensor=3 does not divide heads=8"),
-    (dict(model=replace(preset("tiny"), heads=4, hidden=64, mlp_ratio=1), parallel=ParallelConfig(1, 4), ),
+    (dict(parallel=ParallelConfig(data=1, tensor=3)), "tensor=3 does not divide heads=8"),
+    (dict(model=replace(preset("tiny"), heads=4, hidden=64, mlp_ratio=1), parallel=ParallelConfig(data=1, tensor=4), ),
      None),  # valid: 4 | 4 heads and 4 | 64
-    (dict(model=replace(preset("tiny"), mlp_ratio=1, hidden=36, kv_channels=8), parallel=ParallelConfig(1, 8)),
+    (dict(model=replace(preset("tiny"), mlp_ratio=1, hidden=36, kv_channels=8), parallel=ParallelConfig(data=1,
+                                                                                                        tensor=8)),
      "tensor=8 does not divide mlp width=36"),
-    (dict(parallel=ParallelConfig(2, 2), num_devices=8), "data×tensor = 2×2 = 4 does not equal the device count 8"),
-    (dict(model=replace(preset("tiny"), seq_len=66), parallel=ParallelConfig(1, 4, True)),
+    (dict(parallel=ParallelConfig(data=2, tensor=2), num_devices=8),
+     "data×tensor = 2×2 = 4 does not equal the device count 8"),
+    (dict(model=replace(preset("tiny"), seq_len=66), parallel=ParallelConfig(data=1, tensor=4, sequence_parallel=True)),
      "tensor=4 does not divide seq_len=66"),
     (dict(remat="selctive"), "remat='selctive' is not a registered policy"),
     (dict(model=replace(preset("tiny"), attention="flash")), "attention='flash' is not valid; valid: explicit, fused"),
-    (dict(parallel=ParallelConfig(4, 1), batch_size=6), "data=4 does not divide batch_size=6"),
+    (dict(parallel=ParallelConfig(data=4, tensor=1), batch_size=6), "data=4 does not divide batch_size=6"),
     (dict(model=replace(preset("tiny"), dtype="fp8")), "dtype='fp8' is not valid"),
     (dict(model=replace(preset("tiny"), dtype="float16")), "dtype='float16' needs loss scaling"),
     (dict(model=replace(preset("tiny"), hidden=60)), "heads=8 does not divide hidden=60"),
@@ -49,7 +51,7 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,message", BAD)
 def test_bad_configuration_gives_one_clear_line(kwargs, message):
-    args = dict(model=preset("tiny"), parallel=ParallelConfig(1, 1), remat="selective")
+    args = dict(model=preset("tiny"), parallel=ParallelConfig(data=1, tensor=1), remat="selective")
     args.update(kwargs)
     if message is None:
         validate(**args)
@@ -69,7 +71,7 @@ def test_unknown_field_and_preset():
 
 def test_mesh_device_count_mismatch():
     with pytest.raises(ConfigError, match="does not equal the device count 8"):
-        make_mesh(ParallelConfig(2, 2))
+        make_mesh(ParallelConfig(data=2, tensor=2))
 
 
 # The golden table: Megatron's layouts. Column-parallel QKV (heads) and MLP-up (mlp), row-parallel
@@ -96,7 +98,7 @@ GOLDEN = {
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_param_specs_golden(sequence_parallel):
-    specs = M.param_specs(ParallelConfig(2, 4, sequence_parallel))
+    specs = M.param_specs(ParallelConfig(data=2, tensor=4, sequence_parallel=sequence_parallel))
     flat = {jax.tree_util.keystr(path): spec for path, spec in
             jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))}
     assert flat == GOLDEN

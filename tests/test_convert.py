@@ -69,7 +69,7 @@ def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     cfg, params = convert.load(converted)
     assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype, cfg.ln_eps) == (VOCAB, POSITIONS, 0.0, "float32", LN_EPS)
     assert params["embed"]["token"].shape[0] == cfg.padded_vocab(1) == 384
-    mesh = make_mesh(ParallelConfig(data, tensor, sp), devices[: data * tensor])
+    mesh = make_mesh(ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp), devices[: data * tensor])
     out = convert.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
     assert out.shape == ref.shape
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
@@ -116,7 +116,7 @@ def test_init_state_on_a_tensor_sp_mesh(converted, devices):
 
     model = rundir.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
     assert (model.vocab_size, model.hidden, model.seq_len) == (VOCAB, 64, 16)
-    parallel = ParallelConfig(2, 4, True)
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices)
     state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig()), mesh)
     _, saved = convert.load(converted)

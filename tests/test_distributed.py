@@ -121,9 +121,12 @@ def test_bad_distributed_flags_give_one_clear_line():
     from jaxseq.config import ConfigError, DistributedConfig
     from jaxseq.parallel.distributed import validate_distributed
 
-    for cfg, message in [(DistributedConfig("127.0.0.1:99", 2, None), "must be given together"),
-                         (DistributedConfig("nohost", 2, 0), "coordinator='nohost' is not HOST:PORT"),
-                         (DistributedConfig("h:1", 2, 2), "process_id=2 is not in [0, num_processes=2)")]:
+    for cfg, message in [(DistributedConfig(coordinator="127.0.0.1:99", num_processes=2, process_id=None),
+                          "must be given together"),
+                         (DistributedConfig(coordinator="nohost", num_processes=2, process_id=0),
+                          "coordinator='nohost' is not HOST:PORT"),
+                         (DistributedConfig(coordinator="h:1", num_processes=2, process_id=2),
+                          "process_id=2 is not in [0, num_processes=2)")]:
         with pytest.raises(ConfigError) as err:
             validate_distributed(cfg)
         assert message in str(err.value)
@@ -188,7 +191,7 @@ def test_one_process_per_host_drives_every_local_device():
     assert "local_device_ids" not in initialize_kwargs(cfg, "SLURM", per_gpu)
     assert initialize_kwargs(cfg, "Open MPI", MPIRUN)["local_device_ids"] == []
     assert "local_device_ids" not in initialize_kwargs(cfg, "Open MPI", dict(MPIRUN, OMPI_COMM_WORLD_LOCAL_SIZE="8"))
-    explicit = initialize_kwargs(DistributedConfig("h:1", 2, 1), None, SRUN_STEP)
+    explicit = initialize_kwargs(DistributedConfig(coordinator="h:1", num_processes=2, process_id=1), None, SRUN_STEP)
     assert (explicit["coordinator_address"], explicit["num_processes"], explicit["process_id"]) == ("h:1", 2, 1)
     assert "cluster_detection_method" not in explicit
 

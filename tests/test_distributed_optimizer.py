@@ -41,7 +41,8 @@ class Setup:
 
     def __init__(self, name: str, distributed: bool):
         data, tensor, sp, self.micro_batches = MESHES[name]
-        self.parallel = ParallelConfig(data, tensor, sp, distributed)
+        self.parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp,
+                                       distributed_optimizer=distributed)
         self.mesh = make_mesh(self.parallel, jax.devices()[: data * tensor])
         self.shardings = T.state_shardings(CFG, self.parallel, OPT, self.mesh)
         self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, self.parallel, OPT, self.mesh))

@@ -22,7 +22,7 @@ B = 2
 def layer_flops(remat: str) -> float:
     """XLA's count for one layer's forward + backward (cost analysis counts a scan body once), plus
     the embedding and logits, which are the same for every policy."""
-    parallel = ParallelConfig(1, 1)
+    parallel = ParallelConfig(data=1, tensor=1)
     compiled = aot.compile_loss_and_grad(CFG, parallel, remat, make_mesh(parallel, jax.devices()[:1]), B)
     cost = compiled.cost_analysis()
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])

@@ -13,11 +13,11 @@ from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), dtype="float32", dropout=0.1)
 MESHES = {
-    "1x1": ParallelConfig(1, 1),
-    "data=8": ParallelConfig(8, 1),
-    "data=2,tensor=4": ParallelConfig(2, 4),
-    "data=2,tensor=4+sp": ParallelConfig(2, 4, True),
-    "tensor=8+sp": ParallelConfig(1, 8, True),
+    "1x1": ParallelConfig(data=1, tensor=1),
+    "data=8": ParallelConfig(data=8, tensor=1),
+    "data=2,tensor=4": ParallelConfig(data=2, tensor=4),
+    "data=2,tensor=4+sp": ParallelConfig(data=2, tensor=4, sequence_parallel=True),
+    "tensor=8+sp": ParallelConfig(data=1, tensor=8, sequence_parallel=True),
 }
 
 
@@ -73,7 +73,7 @@ def test_fused_attention_matches_explicit_without_dropout():
     cfg = replace(CFG, dropout=0.0)
     params = M.init_params(jax.random.key(1), cfg, tensor=4)
     batch = _batch()
-    parallel = ParallelConfig(2, 4, True)
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, jax.devices())
     explicit = T.make_loss_and_grad(cfg, parallel, "selective", mesh)(params, batch, None)
     fused = T.make_loss_and_grad(replace(cfg, attention="fused"), parallel, "selective", mesh)(params, batch, None)

@@ -76,7 +76,7 @@ def _assert_close(loss, grads, ref_loss, ref_grads, rtol=1e-5):
 
 def _parallel(case) -> ParallelConfig:
     schedule, p, v, m, data, tensor, sp = case
-    return ParallelConfig(data, tensor, sp, pipe=p, schedule=schedule, virtual_stages=v)
+    return ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, pipe=p, schedule=schedule, virtual_stages=v)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,8 @@ def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
     the gradients leave the executor in the master shards, reduce-scattered over `data` once per step
     (Megatron's distributed optimizer: half an all-reduce's bytes), all-reduced only where a leaf has no
     dimension |data| divides (kept whole by `train_step.master_specs`); nothing over `data` in the loop."""
-    parallel = ParallelConfig(2, 2, True, True, pipe=2, schedule="1f1b")
+    parallel = ParallelConfig(data=2, tensor=2, sequence_parallel=True, distributed_optimizer=True, pipe=2,
+                              schedule="1f1b")
     m = 4
     mesh = make_mesh(parallel, devices)
     optimizer = T.make_optimizer(OptimizerConfig())
@@ -329,7 +330,7 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     loop = _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
     stash = [(dt, dims) for dt, dims in hlo._tuple_elements(loop.shape) if dims[:2] == (held, k) and len(dims) > 3]
     stored = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
-    plain = ParallelConfig(data, tensor, sp)
+    plain = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp)
     per_layer = hlo.stored_bytes_per_layer(
         aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
     assert stored == held * k * per_layer

@@ -82,14 +82,16 @@ def test_generate_and_convert_on_a_pipelined_run(runs, tmp_path):
 
 
 @pytest.mark.parametrize("parallel,layers,batch,micro,message", [
-    (ParallelConfig(2, 2, pipe=2), 4, 8, 2, None),
-    (ParallelConfig(1, 1, pipe=2, schedule="interleaved", virtual_stages=2), 6, 8, 2,
+    (ParallelConfig(data=2, tensor=2, pipe=2), 4, 8, 2, None),
+    (ParallelConfig(data=1, tensor=1, pipe=2, schedule="interleaved", virtual_stages=2), 6, 8, 2,
      "layers=6 is not divisible by pipe×virtual_stages = 2×2"),
-    (ParallelConfig(2, 1, pipe=4), 4, 8, 4, "microbatches=2 is fewer than pipe=4"),
-    (ParallelConfig(1, 1, pipe=4, schedule="interleaved", virtual_stages=2), 8, 16, 2, None),
-    (ParallelConfig(1, 2, pipe=4, schedule="interleaved", virtual_stages=2), 8, 16, 2, None),
-    (ParallelConfig(1, 2, pipe=4, schedule="interleaved", virtual_stages=2), 8, 10, 2, "not a multiple of pipe=4"),
-    (ParallelConfig(2, 2, pipe=3), 3, 8, 2, "pipe×data×tensor = 3×2×2 = 12 does not equal the device count 8"),
+    (ParallelConfig(data=2, tensor=1, pipe=4), 4, 8, 4, "microbatches=2 is fewer than pipe=4"),
+    (ParallelConfig(data=1, tensor=1, pipe=4, schedule="interleaved", virtual_stages=2), 8, 16, 2, None),
+    (ParallelConfig(data=1, tensor=2, pipe=4, schedule="interleaved", virtual_stages=2), 8, 16, 2, None),
+    (ParallelConfig(data=1, tensor=2, pipe=4, schedule="interleaved", virtual_stages=2), 8, 10, 2,
+     "not a multiple of pipe=4"),
+    (ParallelConfig(data=2, tensor=2, pipe=3), 3, 8, 2,
+     "pipe×data×tensor = 3×2×2 = 12 does not equal the device count 8"),
 ])
 def test_bad_pipeline_configs_are_one_line_errors(parallel, layers, batch, micro, message):
     model = replace(preset("tiny"), layers=layers)

@@ -93,7 +93,7 @@ def compiled_state_bytes(ma, cfg: ModelConfig, b: int) -> int:
 
 
 def compile_step(cfg, c: measure.RowSpec, b: int):
-    parallel = ParallelConfig(1, c.tensor, c.sequence_parallel)
+    parallel = ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel)
     mesh = make_mesh(parallel, jax.devices()[:c.tensor])
     return aot.compile_train_step(cfg, parallel, c.remat, mesh, b).memory_analysis()
 

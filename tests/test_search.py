@@ -217,7 +217,8 @@ def test_memory_is_the_compiled_steps(candidate, costs):
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
     state = costs.state(replace(F32, layers=F32.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
     predicted = S.memory(F32, c, layer, state).total_bytes
-    parallel = ParallelConfig(c.data, c.tensor, c.sequence_parallel, c.distributed_optimizer, pipe=c.pipe)
+    parallel = ParallelConfig(data=c.data, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
+                              distributed_optimizer=c.distributed_optimizer, pipe=c.pipe)
     compiled = compiled_step_bytes(parallel, c.microbatches, c.data * c.micro_batch * c.microbatches)
     print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
     assert abs(predicted / compiled - 1) <= 0.05, (predicted, compiled)

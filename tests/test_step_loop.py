@@ -23,7 +23,8 @@ def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3):
     corpus = load_corpus(train.data, None)
     model = replace(model, vocab_size=corpus.vocab_size)
     optimizer = OptimizerConfig(lr=lr, warmup_steps=0, decay_steps=steps)
-    return RunConfig(model, ParallelConfig(2, 4, True), optimizer, train), corpus
+    return RunConfig(model=model, parallel=ParallelConfig(data=2, tensor=4, sequence_parallel=True),
+                     optimizer=optimizer, train=train), corpus
 
 
 def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monkeypatch):

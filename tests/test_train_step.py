@@ -8,7 +8,7 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.training import train_step as T
 
-PARALLEL = ParallelConfig(2, 4, True)
+PARALLEL = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
 
 
 def _batch(cfg, n=8, seed=0):

@@ -59,7 +59,8 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     """Compile the pipelined step for row `c` at p stages × c.tensor and read stage 0's stash (see InFlight)."""
     k_c, k = PIPELINE_LAYERS_PER_CHUNK, cfg.layers // (p * v)
     small = replace(cfg, layers=p * v * k_c)
-    parallel = ParallelConfig(1, c.tensor, c.sequence_parallel, pipe=p, schedule=schedule, virtual_stages=v)
+    parallel = ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel, pipe=p,
+                              schedule=schedule, virtual_stages=v)
     n = parallel.num_devices
     if len(devices) < n:
         raise ConfigError(f"the pipelined step at pipeline={p} × tensor={c.tensor} compiles on {n} simulated "

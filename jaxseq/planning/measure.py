@@ -56,7 +56,7 @@ def _flops(compiled) -> float:
 
 
 def _mesh(tensor: int, sequence_parallel: bool, devices):
-    parallel = ParallelConfig(1, tensor, sequence_parallel)
+    parallel = ParallelConfig(data=1, tensor=tensor, sequence_parallel=sequence_parallel)
     return parallel, make_mesh(parallel, devices[:tensor])
 
 

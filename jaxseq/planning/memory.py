@@ -40,7 +40,8 @@ class _Leaf:
 
 def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> list[_Leaf]:
     """Every parameter's per-device elements under the train step's own specs (`T.master_specs`)."""
-    parallel = ParallelConfig(data, tensor, False, distributed_optimizer)
+    parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False,
+                              distributed_optimizer=distributed_optimizer)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=lambda x: isinstance(x, tuple))
     specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=is_spec)

@@ -173,7 +173,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int) -> None:
     """One-line ConfigErrors before anything is compiled."""
     for c in configs:
-        validate(cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
+        validate(cfg, ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
         raise ConfigError(f"micro_batch={micro_batch!r} must be a positive integer")
     if not isinstance(data, int) or data <= 0:

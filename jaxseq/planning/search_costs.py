@@ -29,7 +29,7 @@ class SearchCosts:
     def prepare(self, keys, micro_batches=(1, 2)) -> None:
         rows = [RowSpec("search", remat, sp, t, None) for t, sp, remat in keys]
         for c in rows:
-            validate(self.cfg, ParallelConfig(1, c.tensor, c.sequence_parallel), c.remat)
+            validate(self.cfg, ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel), c.remat)
         name = lambda c: self.key(c.tensor, c.sequence_parallel, c.remat)
         todo = [c for c in rows if name(c) not in self.measured]
         # The working memory at b = 2 too, unless b = 1 is all that is asked for.

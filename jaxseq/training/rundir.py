@@ -121,7 +121,8 @@ def restore(path: str) -> Restored:
 def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False) -> dict:
     """Params (host or one device) padded for the mesh's tensor size and sharded as the train step
     shards them; every process holds the whole host copy (multi-process safe)."""
-    parallel = ParallelConfig(mesh.shape["data"], mesh.shape["tensor"], sequence_parallel, mesh.shape["pipe"])
+    parallel = ParallelConfig(data=mesh.shape["data"], tensor=mesh.shape["tensor"],
+                              sequence_parallel=sequence_parallel, pipe=mesh.shape["pipe"])
     replicated = NamedSharding(mesh, P())
     params = jax.tree.map(lambda x: _put(np.asarray(x), replicated), params)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
