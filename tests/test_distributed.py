@@ -143,7 +143,8 @@ ENVIRONMENTS = [
     (SALLOC, None),  # an salloc shell or a batch script: an allocation, no srun step
     ({k: v for k, v in SRUN_STEP.items() if k != "SLURM_LOCALID"}, None),
     (MPIRUN, "Open MPI"),
-    ({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"}, None),  # Open MPI 5 (PRRTE)
+    # Open MPI 5 (PRRTE): no ORTE URI; JAX 0.12 reads its environment (and needs mpi4py), 0.10.2 does not.
+    ({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"}, "Open MPI 5"),
 ]
 
 
@@ -152,8 +153,10 @@ def test_launcher_detection_agrees_with_jax(environ, launcher, monkeypatch):
     """jaxseq starts the distributed runtime exactly when JAX's own cluster detection would succeed."""
     from jax._src import clusters
 
-    from jaxseq.parallel.distributed import LAUNCHERS, detected_launcher
+    from jaxseq.parallel.distributed import LAUNCHERS, _jax_reads_open_mpi_5, detected_launcher
 
+    if launcher == "Open MPI 5":
+        launcher = "Open MPI" if _jax_reads_open_mpi_5() else None
     assert detected_launcher(environ) == launcher
     launcher_vars = {v for _, required in LAUNCHERS.values() for v in required} | {"OMPI_COMM_WORLD_SIZE"}
     clean = {k: v for k, v in os.environ.items() if k not in launcher_vars}
@@ -174,8 +177,28 @@ def test_an_incomplete_launcher_environment_is_one_line():
     assert "running as one process" in note
     one = {"OMPI_COMM_WORLD_SIZE": "1"}
     assert incomplete_launcher(one) == "Open MPI without OMPI_MCA_orte_hnp_uri: running as one process"
-    with pytest.raises(ConfigError, match="Open MPI started 4 processes without OMPI_MCA_orte_hnp_uri"):
+    with pytest.raises(ConfigError, match="Open MPI started 4 processes without OMPI_MCA_orte_hnp_uri .Open MPI 5 "
+                                          "no longer sets it, and this JAX reads only Open MPI 4's environment."):
         incomplete_launcher({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"})
+
+
+def test_open_mpi_5_without_mpi4py_is_one_line(monkeypatch):
+    """Where JAX reads Open MPI 5's environment it finds the coordinator through mpi4py; without it, one line
+    instead of JAX's RuntimeError from inside initialize."""
+    import importlib.util
+
+    from jaxseq.config import ConfigError, DistributedConfig
+    from jaxseq.parallel import distributed as D
+
+    ompi5 = dict({k: v for k, v in MPIRUN.items() if k != "OMPI_MCA_orte_hnp_uri"}, OMPI_VERSION="5.0.3")
+    assert D.open_mpi_5(ompi5) and not D.open_mpi_5(MPIRUN)
+    assert D.open_mpi_5({k: v for k, v in ompi5.items() if k != "OMPI_VERSION"})  # no ORTE URI: PRRTE
+    monkeypatch.setattr(D, "_jax_reads_open_mpi_5", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert D.detected_launcher(ompi5) == "Open MPI"
+    with pytest.raises(ConfigError, match="Open MPI 5 started 4 processes; JAX finds their coordinator through "
+                                          "mpi4py, which is not installed"):
+        D.initialize(DistributedConfig(), ompi5)
 
 
 def test_one_process_per_host_drives_every_local_device():

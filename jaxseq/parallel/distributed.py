@@ -6,6 +6,7 @@ and Open MPI); everything below it sees a plain global mesh.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -15,16 +16,46 @@ from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, DistributedConfig
 
-# What JAX 0.10.2's cluster detection requires of the environment (jax/_src/clusters: SlurmCluster and
+# What JAX's cluster detection requires of the environment (jax/_src/clusters: SlurmCluster and
 # OmpiCluster.is_env_present), and JAX's name for each. SLURM: an srun step, not only an allocation
 # (an salloc shell or a batch script has SLURM_JOB_ID but no step variables). Open MPI: mpirun's ORTE
-# URI, which Open MPI 5 (PRRTE) no longer sets.
+# URI, which Open MPI 5 (PRRTE) no longer sets; JAX 0.12 also reads Open MPI 5's environment
+# (`open_mpi_5`), and then finds the coordinator through mpi4py.
 LAUNCHERS = {
     "SLURM": ("slurm", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")),
     "Open MPI": ("ompi", ("OMPI_MCA_orte_hnp_uri",)),
 }
 # Variables that say a launcher is around even when JAX could not use it.
 HINTS = {"SLURM": "SLURM_JOB_ID", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+OPEN_MPI_5_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _jax_reads_open_mpi_5() -> bool:
+    """Whether this JAX's Open MPI detection accepts Open MPI 5 (JAX 0.12 does; 0.10.2 does not)."""
+    try:
+        from jax._src.clusters import ompi_cluster
+
+        return hasattr(ompi_cluster.OmpiCluster, "_is_ompi_5")
+    except Exception:  # a private API: where it moved, assume the older rule
+        return False
+
+
+def open_mpi_5(environ) -> bool:
+    """Open MPI 5's environment as JAX 0.12 recognises it: the process variables, and OMPI_VERSION ≥ 5 or,
+    without a readable OMPI_VERSION, no ORTE URI (Open MPI 4's mpirun always sets one)."""
+    if not all(var in environ for var in OPEN_MPI_5_VARIABLES):
+        return False
+    try:
+        return int(environ.get("OMPI_VERSION", "").split(".", 1)[0]) >= 5
+    except ValueError:
+        return "OMPI_MCA_orte_hnp_uri" not in environ
+
+
+def _launched_by(name: str, required: tuple[str, ...], environ) -> bool:
+    """LAUNCHERS' conditions, with Open MPI 5 where this JAX reads it."""
+    if all(var in environ for var in required):
+        return True
+    return name == "Open MPI" and _jax_reads_open_mpi_5() and open_mpi_5(environ)
 
 
 def validate_distributed(cfg: DistributedConfig) -> None:
@@ -62,7 +93,7 @@ def detected_launcher(environ=None) -> str | None:
     for name, (method, required) in LAUNCHERS.items():
         verdict = _jax_detects(method) if environ is None else None
         if verdict is None:
-            verdict = all(var in (os.environ if environ is None else environ) for var in required)
+            verdict = _launched_by(name, required, os.environ if environ is None else environ)
         if verdict:
             return name
     return None
@@ -81,8 +112,9 @@ def incomplete_launcher(environ=None) -> str | None:
         size = environ["OMPI_COMM_WORLD_SIZE"]
         if size != "1":
             raise ConfigError(
-                f"Open MPI started {size} processes without {missing} (Open MPI 5 no longer sets it), so JAX "
-                "cannot find the coordinator; pass --coordinator HOST:PORT --num-processes N --process-id I")
+                f"Open MPI started {size} processes without {missing} (Open MPI 5 no longer sets it, and this JAX "
+                "reads only Open MPI 4's environment), so JAX cannot find the coordinator; pass --coordinator "
+                "HOST:PORT --num-processes N --process-id I")
         return f"Open MPI without {missing}: running as one process"
     return (f"SLURM job without {missing} (an allocation, not an srun step): running as one process; "
             "start one process per host with srun")
@@ -111,10 +143,16 @@ def initialize(cfg: DistributedConfig, environ=None) -> bool:
         if note:
             print(f"note: {note}", file=sys.stderr, flush=True)
         return False
+    environ = os.environ if environ is None else environ
+    if launcher == "Open MPI" and open_mpi_5(environ) and importlib.util.find_spec("mpi4py") is None:
+        raise ConfigError(
+            f"Open MPI 5 started {environ['OMPI_COMM_WORLD_SIZE']} processes; JAX finds their coordinator through "
+            "mpi4py, which is not installed: pip install mpi4py, or pass --coordinator HOST:PORT --num-processes N "
+            "--process-id I")
     if jax.config.jax_platforms in (None, "", "cpu"):
         # Cross-process collectives on CPU (tests, CPU clusters) go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**initialize_kwargs(cfg, launcher, os.environ if environ is None else environ))
+    jax.distributed.initialize(**initialize_kwargs(cfg, launcher, environ))
     return True
 
 
