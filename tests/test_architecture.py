@@ -36,11 +36,11 @@ ALLOWED = {
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.data_parallel": set(),
+    "parallel.data_parallel": {"config", "models.gpt", "sharding"},
     "parallel.pipeline": {"config", "models.gpt", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "models.gpt", "parallel.pipeline", "sharding"},
+    "training.train_step": {"config", "models.gpt", "parallel.data_parallel", "parallel.pipeline", "sharding"},
     "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
     "training.checkpoint": {"config", "models.gpt"},
     "training.rundir": {"config", "mesh", "models.gpt", "training.checkpoint", "training.train_step"},
