@@ -33,12 +33,14 @@ ALLOWED = {
     "models.formulas": {"config", "remat"},
     # formats from the outside world
     "interop.hf": {"config"},
-    # the parallel machinery beyond sharding rules: schedules, the pipeline executor, multi-process
+    # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
+    # pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.pipeline": {"config", "models.gpt", "parallel.schedule", "remat", "sharding"},
+    "parallel.data_parallel": {"config", "models.gpt", "sharding"},
+    "parallel.pipeline": {"config", "models.gpt", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "models.gpt", "parallel.pipeline", "sharding"},
+    "training.train_step": {"config", "models.gpt", "parallel.data_parallel", "parallel.pipeline", "sharding"},
     "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
     "training.checkpoint": {"config", "models.gpt"},
     "training.rundir": {"config", "mesh", "models.gpt", "training.checkpoint", "training.train_step"},

@@ -1,6 +1,6 @@
 """planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
-form XLA prints them, a loop found by its trip count, and the dot FLOPs a program runs with loops
-counted × their trip count and a conditional at its dearest branch."""
+form XLA prints them, a loop found by its trip count, how often each computation runs, and the dot FLOPs a
+program runs with loops counted × their trip count and a conditional at its dearest branch."""
 
 import pytest
 
@@ -62,6 +62,11 @@ def test_the_loop_with_a_trip_count_and_its_branches():
     assert [i.branches() for i in comps["body"] if i.opcode == "conditional"] == [["idle", "busy"]]
     with pytest.raises(ValueError, match="0 while loops with trip count 4"):
         HLO.while_loop(comps, 4)
+
+
+def test_runs_per_call_multiplies_a_loop_body_by_its_trip_count():
+    runs = HLO.runs_per_call(PROGRAM)
+    assert runs == {"main": 1, "body": 3, "idle": 3, "busy": 3, "matmul": 3}
 
 
 ROWS, COLUMNS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]

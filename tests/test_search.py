@@ -144,7 +144,13 @@ def test_memory_terms_are_the_hand_computation():
     # 1F1B p=2: 2 micro-batches of L/2 layers = L; no pipeline with accumulation: + the fp32 accumulator
     assert S.memory(CFG, replace(c, virtual=1), layer, state).in_flight_layers == CFG.layers
     flat = S.memory(CFG, S.Candidate(2, 1, 1, 8, 2, "selective", True, False, 2), layer, state)
-    assert flat.in_flight_layers == CFG.layers and flat.accumulator_bytes == state.master_bytes
+    assert flat.in_flight_layers == CFG.layers and flat.accumulator_bytes == 4 * state.parameters
+    # With the distributed optimizer too: each data rank sums its own fp32 gradients before the one reduction
+    # over data, so the accumulator is whole though the master weights are split 8 ways.
+    split = costs.state(CFG, 2, 8, True)
+    assert split.master_bytes < 4 * split.parameters
+    flat = S.memory(CFG, S.Candidate(2, 1, 1, 8, 2, "selective", True, True, 2), layer, split)
+    assert flat.accumulator_bytes == 4 * split.parameters
 
 
 def test_no_fit_and_nothing_valid_are_one_line():

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import gpt as M
 from jaxseq.parallel import schedule as S
+from jaxseq.parallel import data_parallel as DP
 from jaxseq import remat as R
 from jaxseq.sharding import Sharder, StageSharder, batch_sharding
 
@@ -156,17 +157,9 @@ def from_stages(layers):
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), layers)
 
 
-def _varying(x, axes=("pipe", "data")):
-    """pcast to varying over `axes` where not already so (pcast of a varying value raises). Weights cast
-    to varying over `data` before the loop get per-rank gradients: autodiff then inserts no psum (the
-    transpose of the implicit cast) in the ticks, and the step reduces over `data` once, after the loop."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _zeros(shape, dtype):
     """Zeros varying over `pipe` and `data`, as every value the tick loop carries and its branches return."""
-    return _varying(jnp.zeros(shape, dtype))
+    return DP.varying(jnp.zeros(shape, dtype))
 
 
 def _float32(tree):
@@ -199,8 +192,8 @@ class Stage:
         """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
         [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data."""
         return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
-                     key=jax.random.wrap_key_data(key_data), layers=jax.tree.map(lambda a: _varying(a[0]), layers),
-                     others=jax.tree.map(_varying, others), micro=micro)
+                     key=jax.random.wrap_key_data(key_data), layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
+                     others=jax.tree.map(DP.varying, others), micro=micro)
 
     @property
     def activation(self) -> jax.ShapeDtypeStruct:
@@ -430,19 +423,6 @@ class TickProgram:
 # After the loop: the step's one data-parallel reduction
 
 
-def _reduce_over_data(g, dim: int, tensor_spec: P):
-    """A gradient summed over `data`: all-reduced (dim −1), or reduce-scattered onto dimension `dim`.
-    The scatter runs manual over `tensor` too (`tensor_spec`: the gradient's split): left to the
-    partitioner, XLA gathered a tensor-split gradient whole before scattering it over `data`."""
-    if dim < 0:
-        return jax.lax.psum(g, "data")
-    scatter = lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=dim, tiled=True)
-    if "tensor" not in tensor_spec:
-        return scatter(g)
-    return jax.shard_map(scatter, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
-                         axis_names={"tensor"})(g)
-
-
 def reduce_gradients(buffers: Buffers, data_dims: dict, specs: dict):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
     accumulators: Megatron's one data-parallel reduction (a reduce-scatter onto the master shards where
@@ -450,10 +430,10 @@ def reduce_gradients(buffers: Buffers, data_dims: dict, specs: dict):
     the parameters' PartitionSpecs (`model.param_specs`), for their split over `tensor`."""
     loss = jax.lax.psum(buffers.loss, ("pipe", "data"))
     others = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
-                          jax.lax.psum(_reduce_over_data(g, dim, spec), "pipe"),
+                          jax.lax.psum(DP.reduce_over_data(g, dim, spec), "pipe"),
                           buffers.grads["others"], _others(data_dims), _others(specs))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, dim, spec: _reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
+        lambda g, dim, spec: DP.reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
         buffers.grads["layers"], data_dims["layers"], specs["layers"])
     return loss, layers, others
 
@@ -478,12 +458,6 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
     program = TickProgram.make(stage, layout)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
     return reduce_gradients(buffers, data_dims, specs)
-
-
-def _data_dims(grad_specs) -> dict:
-    """Where each gradient is split over `data`, as an index into the parameter's shape (−1: all-reduced)."""
-    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
-                        is_leaf=lambda x: isinstance(x, P))
 
 
 def _gradient_specs(data_dims: dict) -> tuple[dict, dict]:
@@ -517,7 +491,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
     specs = M.param_specs(parallel)
-    data_dims = _data_dims(grad_specs if grad_specs is not None else specs)
+    data_dims = DP.data_dims(grad_specs if grad_specs is not None else specs)
     assert all(d != 0 for d in jax.tree.leaves(data_dims["layers"])), "layers are split over pipe, not data"
     layers, others = _stage_weights(params, cfg, parallel, mesh, specs)
     shard = Sharder(mesh, parallel.sequence_parallel)

@@ -162,6 +162,27 @@ def _called(comps, name, seen=None) -> list[str]:
     return out
 
 
+def runs_per_call(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry: a while body × its known trip count
+    (1 when XLA does not know it), fusions and calls once per run of their caller, each branch of a
+    conditional as if it ran (an upper bound)."""
+    comps, runs = parse_hlo(hlo_text), {}
+
+    def visit(comp: str, n: int):
+        runs[comp] = runs.get(comp, 0) + n
+        for ins in comps.get(comp, []):
+            if ins.opcode == "while":
+                visit(ins.attr("body"), n * (ins.trip_count() or 1))
+            else:
+                for callee in filter(None, (ins.attr("calls"), ins.attr("to_apply"))):
+                    visit(callee, n)
+            for branch in ins.branches():
+                visit(branch, n)
+
+    visit(entry_name(hlo_text), 1)
+    return runs
+
+
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all-gather | all-reduce | reduce-scatter | … ; an all-reduce whose value is only ever

@@ -16,7 +16,9 @@ Memory per device of the first stage (which holds the embedding and the most act
   + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
     `Schedule.in_flight_layers`, chunks of L/(p·v) layers; L layers without a pipeline)
   + the embedding/logits activations (shapes) + the step's working memory (compiled float32 step)
-  + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step.
+  + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step (each
+    data rank sums its own gradients before the step's one reduction, so it is whole even with the
+    distributed optimizer, as Megatron's gradient buffer).
 
 Time per step (a stated model; the slowest stage is the last, which also runs the logits):
   per micro-batch on a stage: compute = (L/p · FLOPs per layer + FLOPs of embedding/logits/loss)
@@ -263,7 +265,8 @@ class Memory:
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
     in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
-    accumulator = state.master_bytes if c.pipe == 1 and c.microbatches > 1 else 0.0
+    # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data
+    accumulator = 4.0 * state.parameters if c.pipe == 1 and c.microbatches > 1 else 0.0
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers)
 
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import gpt as M
+from jaxseq.parallel.data_parallel import accumulate_loss_and_grad
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
 from jaxseq.sharding import Sharder, batch_sharding
 
@@ -111,56 +112,41 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     """jit(step)(state, batch, key) → (state, metrics); batch = {"inputs", "targets"}: [B, s] int32.
 
     With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
-    are summed in a scan (gradient accumulation); activation memory is then that of one micro-batch.
+    are summed (gradient accumulation); activation memory is then that of one micro-batch. Micro-batch i
+    draws its dropout masks from fold_in(key, i).
 
     The step differentiates with respect to the compute-dtype copy of the weights, made once per step
-    outside the accumulation scan and the layer scan (`M.cast_params`: LayerNorm parameters stay f32).
+    outside the accumulation and the layer scan (`M.cast_params`: LayerNorm parameters stay f32).
     With the distributed optimizer that copy is cast on each rank's shard of the master weights and
-    then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients are
-    constrained back to the master shards (a reduce-scatter; XLA:CPU writes all-reduce + dynamic-slice),
-    so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
+    then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients arrive
+    in the master shards, so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
 
-    With parallel.pipe > 1 the micro-batches run through the pipeline schedule (jaxseq.parallel.pipeline),
-    which makes its own compute-dtype copy and returns the gradients in the master shards (one
-    reduce-scatter over `data` per step after its tick loop; an all-reduce without the distributed optimizer).
+    The gradients are reduced over `data` once per step, as in Megatron-LM. With one micro-batch XLA inserts
+    the reductions (each gradient's once; onto the master shards a reduce-scatter, which XLA:CPU writes
+    all-reduce + dynamic-slice). With several, each data rank sums its own gradients over the micro-batches and the
+    ranks reduce the sum once after the accumulation (an all-reduce, or a reduce-scatter onto the master
+    shards): in a plain scan without a pipeline (`parallel.data_parallel.accumulate_loss_and_grad`), through
+    the pipeline schedule with parallel.pipe > 1 (`parallel.pipeline.pipeline_loss_and_grad`, same keys).
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-
-    def to_master(grads):
-        """float32 gradients in the master weights' shards (a no-op without the distributed optimizer)."""
-        return constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
+    accumulate = pipeline_loss_and_grad if parallel.pipe > 1 else accumulate_loss_and_grad
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
-        if parallel.pipe > 1:  # the pipeline runs the micro-batches itself (same keys as accumulation)
-            # The weights enter the pipeline in their compute layout (gathered over `data` here, once,
-            # under the distributed optimizer): a gather inside a tick's branch would deadlock.
-            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
-            loss, grads = pipeline_loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat,
-                                                 mesh=mesh, microbatches=micro_batches,
-                                                 grad_specs=master_specs(cfg, parallel))
-            grads = to_master(grads)
-        elif micro_batches == 1:
-            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
-            loss, grads = loss_and_grad(weights, batch, key=key)
-            grads = to_master(grads)
+        # The weights enter the step in their compute layout (gathered over `data` here, once, under the
+        # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
+        weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
+        if parallel.pipe > 1 or micro_batches > 1:
+            loss, grads = accumulate(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
+                                     microbatches=micro_batches, grad_specs=master_specs(cfg, parallel))
         else:
-            weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
-            micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
-            micro = jax.tree.map(lambda x: shard(x, None, "batch", None), micro)
-            zeros = constrain(jax.tree.map(jnp.zeros_like, state.params), master_sh)
-
-            def accumulate(carry, inputs):
-                mb, i = inputs
-                loss, grads = loss_and_grad(weights, mb, key=jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, carry, (loss, to_master(grads))), None
-
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro, jnp.arange(micro_batches)))
-            loss, grads = jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+            loss, grads = loss_and_grad(weights, batch, key=key)
+        # float32 gradients in the master weights' shards (where they already are, a no-op)
+        grads = constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
         grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
