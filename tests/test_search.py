@@ -97,6 +97,28 @@ def test_search_ranks_only_what_fits_and_says_why_families_fail():
     assert "mesh families (t, p) with no configuration that fits" in S.format_result(res)
 
 
+def test_nothing_ranked_needs_more_than_the_budget_by_jaxseqs_pipelined_step():
+    """Pipelined configurations a Megatron-LM stage's figure fits but jaxseq's executor buffers do not are
+    left out, and the output (text and JSON) says whose accounting the memory is."""
+    r = request(hardware=replace(NODE, memory_gib=0.25))
+    res = S.search(CFG, r, HandCosts(), "hand")
+    costs = HandCosts()
+    megatron_only = []
+    for c in S.enumerate_candidates(CFG, r):
+        e = S.evaluate(CFG, r, c, costs)
+        if c.pipe > 1 and e.memory.total_bytes - e.memory.executor.total_bytes <= r.budget_bytes < e.memory.total_bytes:
+            megatron_only.append(c)
+    assert megatron_only  # the budget falls between the two accountings for some configurations
+    assert not set(megatron_only) & {e.candidate for e in res.ranked}
+    assert any(e.candidate.pipe > 1 for e in res.ranked)
+    text, out = S.format_result(res), S.to_json(res)
+    assert "memory: jaxseq's compiled train step" in text and "executor's buffers" in text
+    assert out["memory_accounting"].startswith("jaxseq's compiled train step")
+    pipelined = next(e for e in out["ranked"] if e["pipe"] > 1)
+    assert set(pipelined["memory_gib"]["pipeline_executor"]) == {
+        "receive_bytes", "tick_slot_bytes", "zero_gradient_bytes", "chunk_gradient_bytes", "stage_copy_bytes"}
+
+
 def test_time_terms_are_the_hand_computation():
     """t=2 p=2 v=2 d=4, b=2, m=4, full+SP, distributed optimizer, 4 GPUs per node."""
     c = S.Candidate(2, 2, 2, 4, 2, "full", True, True, 4)

@@ -311,8 +311,8 @@ def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: St
 
 
 MEMORY_ACCOUNTING = ("jaxseq's compiled train step, per device (the first pipeline stage); with a pipeline, "
-                     "jaxseq's executor's buffers too (receive buffers, tick slots, float32 zero and chunk gradients), "
-                     "more than the Megatron-LM stage the papers count")
+                     "jaxseq's executor's buffers too (receive buffers, tick slots, float32 zero and chunk "
+                     "gradients, regrouped weights), more than the Megatron-LM stage the papers count")
 
 
 @dataclass(frozen=True)
