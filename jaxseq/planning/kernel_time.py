@@ -1,7 +1,8 @@
 """A layer's GPU time from its shapes, for `plan --search`: each GEMM at an efficiency that depends on its
 shape, plus the memory-bound elementwise kernels between them.
 
-GEMMs (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance docs): cuBLAS
+GEMMs (NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, 2023, §2.3 and §3,
+docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication): cuBLAS
 splits the [m, n] output into tiles, one per thread block, and runs them in waves of one tile per SM, so
 a GEMM takes ceil(tiles / SMs) tile-times however few tiles the last wave holds (wave quantization), and a
 dimension that is not a multiple of the tile pays for a whole tile (tile quantization). Its time is that,

@@ -81,7 +81,7 @@ GIB = 2**30
 COMPUTE_EFFICIENCY = 0.724
 # Achieved fraction of HBM bandwidth by memory-bound kernels (stated, not fitted: a read kernel on an A100
 # 80 GB SXM measured by Nsight Compute reaches 1.80 of 2.04 TB/s, 88%; NVIDIA developer forum, "Trouble to
-# reach peak bandwidth of A100").
+# reach peak bandwidth of A100", forums.developer.nvidia.com/t/339083).
 MEMORY_EFFICIENCY = 0.88
 # Achieved fraction of a link's bandwidth by NCCL rings (stated, not fitted: nccl-tests' bus bandwidth on
 # DGX A100 is about 230–240 GB/s of NVLink's 300).
