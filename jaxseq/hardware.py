@@ -33,11 +33,14 @@ def peak_tflops(device_kind: str) -> float | None:
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
-    """One node type: dense bf16 peak, memory, NVLink per direction per GPU, InfiniBand per GPU."""
+    """One node type: dense bf16 peak, memory and its bandwidth, SMs (a GEMM runs in waves of one tile per
+    SM), NVLink per direction per GPU, InfiniBand per GPU."""
 
     name: str
     peak_tflops: float
     memory_gib: float
+    hbm_gb_per_s: float  # GB/s, the GPU's memory (HBM) bandwidth
+    sm_count: int  # streaming multiprocessors
     gpus_per_node: int
     intra_node_gb_per_s: float  # GB/s per direction per GPU (NVLink)
     inter_node_gbit_per_s: float  # Gb/s per GPU (InfiniBand)
@@ -47,11 +50,12 @@ class Hardware:
         return self.inter_node_gbit_per_s / 8
 
 
-# DGX A100 80 GB (NVLink 3: 600 GB/s both directions, 8× HDR 200 Gb/s) and DGX H100 (NVLink 4: 900 GB/s,
-# 8× NDR 400 Gb/s); the papers' runs are on the former.
+# DGX A100 80 GB (A100 SXM4 80 GB: HBM2e 2039 GB/s, 108 SMs; NVLink 3: 600 GB/s both directions, 8× HDR
+# 200 Gb/s) and DGX H100 (H100 SXM5: HBM3 3350 GB/s, 132 SMs; NVLink 4: 900 GB/s, 8× NDR 400 Gb/s); the
+# papers' runs are on the former.
 HARDWARE = {
-    "a100": Hardware(name="a100", peak_tflops=GPUS["a100"].peak_tflops, memory_gib=80.0, gpus_per_node=8,
-                     intra_node_gb_per_s=300.0, inter_node_gbit_per_s=200.0),
-    "h100": Hardware(name="h100", peak_tflops=GPUS["h100"].peak_tflops, memory_gib=80.0, gpus_per_node=8,
-                     intra_node_gb_per_s=450.0, inter_node_gbit_per_s=400.0),
+    "a100": Hardware(name="a100", peak_tflops=GPUS["a100"].peak_tflops, memory_gib=80.0, hbm_gb_per_s=2039.0,
+                     sm_count=108, gpus_per_node=8, intra_node_gb_per_s=300.0, inter_node_gbit_per_s=200.0),
+    "h100": Hardware(name="h100", peak_tflops=GPUS["h100"].peak_tflops, memory_gib=80.0, hbm_gb_per_s=3350.0,
+                     sm_count=132, gpus_per_node=8, intra_node_gb_per_s=450.0, inter_node_gbit_per_s=400.0),
 }

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default="a100", help=f"node defaults: {', '.join(HARDWARE)} (default a100)")
     g.add_argument("--gpu-memory-gib", type=float, help="memory budget per GPU (default: the hardware's, 80)")
     g.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: a100 312, h100 989)")
+    g.add_argument("--hbm-gb-per-s", type=float, help="GPU memory bandwidth, GB/s (default: a100 2039, h100 3350)")
+    g.add_argument("--sm-count", type=int, help="streaming multiprocessors per GPU (default: a100 108, h100 132)")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node; t stays within one (default 8)")
     g.add_argument("--intra-node-gb-per-s", type=float, help="NVLink GB/s per direction per GPU (a100 300, h100 450)")
     g.add_argument("--inter-node-gbit-per-s", type=float, help="InfiniBand Gb/s per GPU (a100 200, h100 400)")
@@ -70,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
-                   help=f"achieved fraction of peak for the measured FLOPs (default {S.COMPUTE_EFFICIENCY}, "
+                   help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {S.COMPUTE_EFFICIENCY}, "
                         "calibrated on Korthikanti et al. Table 5, 175B)")
+    g.add_argument("--memory-efficiency", type=float, default=S.MEMORY_EFFICIENCY,
+                   help=f"achieved fraction of memory bandwidth by elementwise kernels (default {S.MEMORY_EFFICIENCY})")
     g.add_argument("--link-efficiency", type=float, default=S.LINK_EFFICIENCY,
                    help=f"achieved fraction of link bandwidth (default {S.LINK_EFFICIENCY})")
     g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
@@ -106,12 +110,14 @@ def search_request(args) -> S.Request:
         raise ConfigError("--search needs --gpus and --global-batch")
     if args.hardware not in HARDWARE:
         raise ConfigError(f"hardware={args.hardware!r} is not known; valid: {', '.join(HARDWARE)}")
-    overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops,
-                 "gpus_per_node": args.gpus_per_node, "intra_node_gb_per_s": args.intra_node_gb_per_s,
-                 "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
+    overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops, "hbm_gb_per_s": args.hbm_gb_per_s,
+                 "sm_count": args.sm_count, "gpus_per_node": args.gpus_per_node,
+                 "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
+    time_model = S.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
+                             link_efficiency=args.link_efficiency)
     return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batch_sizes),
-                     S.parse_list(args.remat_policies, str), S.TimeModel(args.compute_efficiency, args.link_efficiency),
+                     S.parse_list(args.remat_policies, str), time_model,
                      S.parse_list(args.tensor_sizes) if args.tensor_sizes else None)
 
 

@@ -58,7 +58,9 @@ ALLOWED = {
     "planning.plan": {"config", "models.formulas", "parallel.schedule", "planning.in_flight", "planning.measure",
                       "planning.memory", "remat"},
     "planning.report": {"planning.memory", "planning.plan"},
-    "planning.search": {"config", "hardware", "models.formulas", "parallel.schedule", "planning.memory", "remat"},
+    "planning.kernel_time": {"config", "hardware", "remat"},
+    "planning.search": {"config", "hardware", "models.formulas", "parallel.schedule", "planning.kernel_time",
+                        "planning.memory", "remat"},
     "planning.search_costs": {"config", "planning.measure", "planning.memory", "planning.search"},
     # the commands
     "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",

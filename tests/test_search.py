@@ -1,9 +1,8 @@
-"""`python -m jaxseq.plan --search`: the enumeration is complete and valid, each term of the time model is
-the hand computation, the memory prediction is the compiled train step's (with and without a pipeline),
-and bad requests answer in one line.
-
-Not held to 5%: jaxseq's own pipelined step, whose executor keeps buffers the model leaves out
-(1.44× the prediction for p=2 at this shape: README, "Choosing the configuration")."""
+"""`python -m jaxseq.plan --search`: the enumeration is complete and valid, each term of the time model
+(the GEMMs at their shapes' efficiency, the elementwise kernels, the collectives) is the hand computation,
+the memory prediction is the compiled train step's (without a pipeline within 5%, jaxseq's own pipelined
+step within 10% at p ∈ {2, 4}, v ∈ {1, 2}, with and without the distributed optimizer), and bad requests
+answer in one line."""
 
 import itertools
 
@@ -16,6 +15,9 @@ from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
 from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
+from jaxseq.models.formulas import train_flops
+from jaxseq.parallel.schedule import Schedule
+from jaxseq.planning import kernel_time as K
 from jaxseq.planning import search as S
 from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.sharding import batch_sharding
@@ -23,9 +25,9 @@ from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
 CFG = ModelConfig(vocab_size=512, seq_len=64, hidden=64, heads=8, layers=4, dtype="bfloat16")
-NODE = Hardware(name="test", peak_tflops=100.0, memory_gib=1.0, gpus_per_node=4, intra_node_gb_per_s=200.0,
-                inter_node_gbit_per_s=100.0)
-REMAT_FACTOR = {"none": (4.0, 1.0), "selective": (2.0, 1.01), "full": (1.0, 1.3)}  # stored, FLOPs
+NODE = Hardware(name="test", peak_tflops=100.0, memory_gib=1.0, hbm_gb_per_s=1000.0, sm_count=10, gpus_per_node=4,
+                intra_node_gb_per_s=200.0, inter_node_gbit_per_s=100.0)
+REMAT_STORED = {"none": 4.0, "selective": 2.0, "full": 1.0}  # MB per layer at b = 1, t = 1
 
 
 class HandCosts:
@@ -38,15 +40,14 @@ class HandCosts:
         self.prepared = list(keys)
 
     def layer(self, t, sp, remat, b):
-        stored, flops = REMAT_FACTOR[remat]
         collectives = ({"all-gather": 3e6 * b, "reduce-scatter": 2e6 * b} if sp else {"all-reduce": 2e6 * b}) if t > 1 else {}
-        return S.LayerCost(stored * 1e6 * b / t, flops * 1e12 * b / t, 1e11 * b / t, collectives, 5e5 * b + 1e6,
-                           2e6 * b / t)
+        return S.LayerCost(REMAT_STORED[remat] * 1e6 * b / t, collectives, 5e5 * b + 1e6, 2e6 * b / t)
 
     def state(self, stage, t, d, dist):
-        n = stage.layers * 10_000_000 // t + 1_000_000
+        layers = stage.layers * 10_000_000 // t  # parameters of the stage's layers, + 1M of embedding
+        n = layers + 1_000_000
         master = 4 * n // (d if dist else 1)
-        return S.StateCost(master + 4 * n + 2 * master + 2 * n, n, master)
+        return S.StateCost(master + 4 * n + 2 * master + 2 * n, n, master, layers, 2 * n)
 
 
 def request(**kw):
@@ -96,14 +97,37 @@ def test_search_ranks_only_what_fits_and_says_why_families_fail():
     assert "mesh families (t, p) with no configuration that fits" in S.format_result(res)
 
 
+def test_nothing_ranked_needs_more_than_the_budget_by_jaxseqs_pipelined_step():
+    """Pipelined configurations a Megatron-LM stage's figure fits but jaxseq's executor buffers do not are
+    left out, and the output (text and JSON) says whose accounting the memory is."""
+    r = request(hardware=replace(NODE, memory_gib=0.25))
+    res = S.search(CFG, r, HandCosts(), "hand")
+    costs = HandCosts()
+    megatron_only = []
+    for c in S.enumerate_candidates(CFG, r):
+        e = S.evaluate(CFG, r, c, costs)
+        if c.pipe > 1 and e.memory.total_bytes - e.memory.executor.total_bytes <= r.budget_bytes < e.memory.total_bytes:
+            megatron_only.append(c)
+    assert megatron_only  # the budget falls between the two accountings for some configurations
+    assert not set(megatron_only) & {e.candidate for e in res.ranked}
+    assert any(e.candidate.pipe > 1 for e in res.ranked)
+    text, out = S.format_result(res), S.to_json(res)
+    assert "memory: jaxseq's compiled train step" in text and "executor's buffers" in text
+    assert out["memory_accounting"].startswith("jaxseq's compiled train step")
+    pipelined = next(e for e in out["ranked"] if e["pipe"] > 1)
+    assert set(pipelined["memory_gib"]["pipeline_executor"]) == {
+        "receive_bytes", "tick_slot_bytes", "zero_gradient_bytes", "chunk_gradient_bytes", "stage_copy_bytes"}
+
+
 def test_time_terms_are_the_hand_computation():
     """t=2 p=2 v=2 d=4, b=2, m=4, full+SP, distributed optimizer, 4 GPUs per node."""
     c = S.Candidate(2, 2, 2, 4, 2, "full", True, True, 4)
-    costs, tm = HandCosts(), S.TimeModel(0.5, 0.8)
+    costs, tm = HandCosts(), S.TimeModel(compute_efficiency=0.5, memory_efficiency=0.8, link_efficiency=0.8)
     layer, state = costs.layer(2, True, "full", 2), costs.state(replace(CFG, layers=2), 2, 4, True)
     t = S.step_time(CFG, c, layer, state, NODE, tm)
-    # compute: 2 layers × 1.3 TFLOP × b=2 / t=2 + 0.1 TFLOP (embedding/logits), at 0.5 × 100 TFLOP/s
-    per_mb = (2 * 1.3e12 + 1e11) / 50e12
+    # compute: the last stage's 2 layers and the embedding/logits/loss per micro-batch (kernel_time, tested below)
+    per_mb = (2 * K.layer_seconds(CFG, 2, 2, True, "full", NODE, 0.5, 0.8)
+              + K.head_seconds(CFG, 2, 2, True, NODE, 0.5, 0.8))
     assert t.compute_s == pytest.approx(4 * per_mb)
     # TP/SP: per layer all-gather 6 MB and reduce-scatter 4 MB, ring (t − 1)/t = 1/2, over NVLink 200 GB/s × 0.8
     tp_mb = 2 * (6e6 + 4e6) / 2 / 160e9
@@ -127,21 +151,106 @@ def test_time_terms_are_the_hand_computation():
     assert t2.p2p_s == 0 and t2.bubble_s == 0
     # The calibration inverts the model: the efficiency that predicts a given time predicts it.
     r = request(time_model=tm)
-    eff = S.calibrate_compute_efficiency(CFG, r, c, costs, 2 * t.total_s)
-    again = S.step_time(CFG, c, layer, state, NODE, S.TimeModel(eff, 0.8))
-    assert again.total_s == pytest.approx(2 * t.total_s)
+    eff = S.calibrate_compute_efficiency(CFG, r, c, costs, 1.5 * t.total_s)
+    again = S.step_time(CFG, c, layer, state, NODE, replace(tm, compute_efficiency=eff))
+    assert again.total_s == pytest.approx(1.5 * t.total_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The compute time from shapes (planning/kernel_time.py), on NODE: 10 SMs, 100 TFLOP/s, 1000 GB/s
+
+
+def test_a_gemm_is_waves_of_tiles_or_its_bytes_through_memory():
+    # 512 × 256 outputs: 4 tiles of 256×128 (either way round), one wave on 10 SMs, which takes as long as a
+    # full one: 10 SMs × 2·256·128·1000 FLOPs at 0.5 × 100 TFLOP/s = 13.1072 µs; its bytes (2·(512·1000 +
+    # 1000·256 + 512·256) = 1,798,144 at 0.8 × 1000 GB/s = 2.25 µs) are not the limit.
+    g = K.Gemm("g", 512, 256, 1000)
+    assert g.flops == 2 * 512 * 256 * 1000
+    assert K.gemm_seconds(g, NODE, 2, 0.5, 0.8) == pytest.approx(13.1072e-6)
+    assert K.gemm_efficiency(g, NODE, 2, 0.5, 0.8) == pytest.approx(0.2)  # 4 of 10 SMs busy, at 0.5
+    # Attention's QKᵀ with a 64-wide head, 10 heads of 2048 × 2048: 1280 tiles, 128 full waves (107.4 µs), but
+    # its bytes take longer: 2·10·(2·2048·64 + 2048²) = 89,128,960 B at 800 GB/s = 111.4112 µs.
+    scores = K.Gemm("scores", 2048, 2048, 64, batch=10)
+    assert K.gemm_seconds(scores, NODE, 2, 0.5, 0.8) == pytest.approx(111.4112e-6)
+    # Its gradient: [m, n] × [n, k] for the input and [k, m] × [m, n] for the other operand.
+    assert [(x.m, x.n, x.k, x.batch) for x in scores.backward()] == [(2048, 64, 2048, 10), (64, 2048, 2048, 10)]
+
+
+def test_gemm_efficiency_rises_to_the_calibrated_peak_fraction():
+    eff = lambda m, n, k, batch=1: K.gemm_efficiency(K.Gemm("g", m, n, k, batch), NODE, 2, 0.5, 0.8)
+    # The limit: whole waves of whole tiles, compute-bound, run at exactly the calibrated fraction; nothing runs faster.
+    assert eff(2560, 1280, 8192) == pytest.approx(0.5)  # 10 × 10 tiles = 10 full waves
+    shapes = [(m, n, k, batch) for m in (100, 256, 1000, 2048, 4096) for n in (64, 128, 3000) for k in (16, 96, 4096)
+              for batch in (1, 7)]
+    assert all(eff(*shape) <= 0.5 + 1e-12 for shape in shapes)
+    # Wave quantization: one tile more than a full wave takes a second wave (11 tiles: 11/20 of 0.5).
+    assert eff(256 * 11, 128, 65536) == pytest.approx(0.5 * 11 / 20)
+    # The roofline: with k (the reuse of each operand) growing, the efficiency never falls and reaches the
+    # compute-bound plateau (128 tiles in 13 waves of 10).
+    by_k = [eff(2048, 2048, k) for k in (8, 16, 32, 64, 128, 256, 512, 1024, 4096)]
+    assert by_k == sorted(by_k) and by_k[0] < 0.1 and by_k[-1] == pytest.approx(0.5 * 128 / 130)
+    # Square GEMMs approach the calibrated fraction as they grow (fewer partial waves, more reuse).
+    by_size = [eff(n, n, n) for n in (256, 1024, 4096, 16384)]
+    assert by_size == sorted(by_size) and 0.5 - by_size[-1] < 0.001
+
+
+def test_layer_gemms_are_the_formulas_flops():
+    """The GEMM list (forward, both backward GEMMs of each, the policy's replays) does the FLOPs of
+    `formulas.train_flops`, which tests/test_flops.py holds to XLA's cost analysis."""
+    cfg = replace(CFG, vocab_size=1024)  # a multiple of 128·t: the logits are not padded
+    for remat in ("none", "selective", "full"):
+        for t in (1, 2, 4):
+            layer = sum(g.flops for g in K.layer_gemms(cfg, 3, t, remat))
+            expected = train_flops(replace(cfg, layers=1), 3, remat) - train_flops(replace(cfg, layers=0), 3, remat)
+            assert layer * t == pytest.approx(expected)
+            assert sum(g.flops for g in K.head_gemms(cfg, 3, t)) * t == pytest.approx(train_flops(replace(cfg, layers=0), 3))
+
+
+def test_elementwise_bytes_are_the_hand_computation():
+    # s=8, b=1, h=4, MLP 16, 2 heads, bf16 (e = 2), dropout: 32 residual-stream, 128 MLP and 128 score elements.
+    cfg = ModelConfig(vocab_size=256, seq_len=8, hidden=4, heads=2, layers=1, dtype="bfloat16", dropout=0.1)
+    # forward: 32·2·(2e + 3e + 1) + 128·2e + 128·(2e + 2e + 1) = 704 + 512 + 1152 = 2368
+    # backward: 32·2·(3e + 2e + 1) + 128·3e + 128·(3e + 2e + 1) = 704 + 768 + 1408 = 2880
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "none") == 2368 + 2880
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "selective") == 2368 + 2880 + 1152  # softmax + dropout again
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "full") == 2 * 2368 + 2880  # the whole forward again
+    # t = 2 with SP: 16, 64 and 64 elements: forward 16·22 + 64·4 + 64·9 = 1184, backward 16·22 + 64·6 + 64·11 = 1440
+    assert K.layer_elementwise_bytes(cfg, 1, 2, True, "none") == 1184 + 1440
+    # no dropout: no masks, no attention dropout: forward 32·2·10 + 512 + 128·4 = 1664, backward 32·2·10 + 768 + 768
+    assert K.layer_elementwise_bytes(replace(cfg, dropout=0.0), 1, 1, False, "none") == 1664 + 2176
+    # fused attention keeps the scores on chip: 704 + 512 and 704 + 768
+    assert K.layer_elementwise_bytes(replace(cfg, attention="fused"), 1, 1, False, "none") == 1216 + 1472
+    # head: embedding 32·(3e + 1 + 2e + 1) = 384, final LayerNorm 32·(2e + 3e) = 320, logits 8·256·3e = 12288
+    assert K.head_elementwise_bytes(cfg, 1, 1, False) == 384 + 320 + 12288
+    # A layer's time: its GEMMs + those bytes at 0.8 × 1000 GB/s.
+    gemms = sum(K.gemm_seconds(g, NODE, 2, 0.5, 0.8) for g in K.layer_gemms(cfg, 1, 1, "none"))
+    assert K.layer_seconds(cfg, 1, 1, False, "none", NODE, 0.5, 0.8) == pytest.approx(gemms + 5248 / 800e9)
 
 
 def test_memory_terms_are_the_hand_computation():
     costs = HandCosts()
-    # interleaved p=2, v=2, m=4: stage 0 holds p·v + p − 1 = 5 chunks of L/(p·v) = 1 layer
+    # interleaved p=2, v=2, m=4: stage 0 holds p·v + p − 1 = 5 chunks of L/(p·v) = 1 layer; the executor's
+    # buffers are 5 stash slots, 2 received activations and 2 gradients (+ a trash slot each)
     c = S.Candidate(2, 2, 2, 4, 2, "selective", True, False, 4)
+    assert Schedule.make("interleaved", 2, 4, 2).depths == {"stash": 5, "x": 2, "g": 2}
     layer, state = costs.layer(2, True, "selective", 2), costs.state(replace(CFG, layers=2), 2, 4, False)
     mem = S.memory(CFG, c, layer, state)
     assert mem.in_flight_layers == 5
     # stored 2·1e6·b/t = 2 MB per layer; embedding/logits 2 MB; working 5e5·b + 1e6 = 2 MB
-    assert mem.total_bytes == state.total_bytes + 5 * 2e6 + 2e6 + 2e6
-    # 1F1B p=2: 2 micro-batches of L/2 layers = L; no pipeline with accumulation: + the fp32 accumulator
+    executor = mem.executor
+    assert executor.receive_bytes == (2 + 1 + 2 + 1) * 2 * 64 * 64 * 2 / 2  # [b, s, h] bf16, /t under SP
+    assert executor.tick_slot_bytes == 2 * 1 * 2e6  # two slots of one layer
+    # the stage's 2 layers hold 10M parameters each /t = 10M; a chunk half of them; embedding 1M; float32
+    assert executor.zero_gradient_bytes == 4 * (10_000_000 / 2 + 1_000_000)
+    assert executor.chunk_gradient_bytes == 4 * 10_000_000 / 2
+    assert executor.stage_copy_bytes == 0  # bf16: the cast copy is what the step regroups
+    assert mem.total_bytes == state.total_bytes + 5 * 2e6 + 2e6 + 2e6 + (49152 + 4e6 + 24e6 + 20e6)
+    # float32 without the distributed optimizer: no cast copy, so v > 1 regroups the layers into one
+    f32_state = replace(state, weight_copy_bytes=0)
+    assert S.memory(replace(CFG, dtype="float32"), c, layer, f32_state).executor.stage_copy_bytes == 4 * 10_000_000
+    assert S.memory(replace(CFG, dtype="float32"), replace(c, virtual=1), layer, f32_state).executor.stage_copy_bytes == 0
+    # 1F1B p=2: 2 micro-batches of L/2 layers = L; no pipeline with accumulation: + the fp32 accumulator and no
+    # executor
     assert S.memory(CFG, replace(c, virtual=1), layer, state).in_flight_layers == CFG.layers
     flat = S.memory(CFG, S.Candidate(2, 1, 1, 8, 2, "selective", True, False, 2), layer, state)
     assert flat.in_flight_layers == CFG.layers and flat.accumulator_bytes == 4 * state.parameters
@@ -151,6 +260,7 @@ def test_memory_terms_are_the_hand_computation():
     assert split.master_bytes < 4 * split.parameters
     flat = S.memory(CFG, S.Candidate(2, 1, 1, 8, 2, "selective", True, True, 2), layer, split)
     assert flat.accumulator_bytes == 4 * split.parameters
+    assert flat.executor.total_bytes == 0
 
 
 def test_no_fit_and_nothing_valid_are_one_line():
@@ -170,6 +280,9 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--remat-policies", "most"], "error: remat='most' is not a registered policy"),
     (["--preset", "tiny", "--micro-batch-sizes", "1,x"], "error: '1,x' is not a comma-separated list of int"),
     (["--preset", "tiny", "--compute-efficiency", "1.5"], "error: compute_efficiency=1.5 must be in (0, 1]"),
+    (["--preset", "tiny", "--memory-efficiency", "0"], "error: memory_efficiency=0.0 must be in (0, 1]"),
+    (["--preset", "tiny", "--sm-count", "0"], "error: sm_count=0 must be a positive integer"),
+    (["--preset", "tiny", "--hbm-gb-per-s", "-1"], "error: hbm_gb_per_s=-1.0 must be positive"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
 ])
 def test_bad_search_requests_are_one_line(argv, message, capsys):
@@ -198,17 +311,28 @@ def costs():
     return c
 
 
-def compiled_step_bytes(parallel: ParallelConfig, micro_batches: int, batch: int) -> int:
-    """The real train step (AdamW, donated state), compiled for its mesh: per-device bytes."""
+def predicted_and_compiled(cfg: ModelConfig, c: S.Candidate, costs: SearchCosts) -> tuple[float, int]:
+    """The search's memory for candidate c, and the per-device bytes of the real train step (AdamW, donated
+    state; the pipeline executor when c.pipe > 1) compiled for its mesh."""
+    costs.prepare([(c.tensor, c.sequence_parallel, c.remat)], (c.micro_batch,))  # no-op where measured
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
+    predicted = S.memory(cfg, c, layer, state).total_bytes
+    parallel = ParallelConfig(data=c.data, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
+                              distributed_optimizer=c.distributed_optimizer, pipe=c.pipe, schedule=c.schedule,
+                              virtual_stages=c.virtual)
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
     optimizer = T.make_optimizer(OptimizerConfig())
-    shardings = T.state_shardings(F32, parallel, optimizer, mesh)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), F32, parallel, optimizer, mesh))
+    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    tokens = jax.ShapeDtypeStruct((batch, F32.seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    tokens = jax.ShapeDtypeStruct((c.data * c.micro_batch * c.microbatches, cfg.seq_len), jnp.int32,
+                                  sharding=batch_sharding(mesh))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
-    step = T.make_train_step(F32, parallel, KEY[2], optimizer, mesh, micro_batches)
-    return aot.step_bytes(step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile())
+    step = T.make_train_step(cfg, parallel, c.remat, optimizer, mesh, c.microbatches)
+    compiled = aot.step_bytes(step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile())
+    print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
+    return predicted, compiled
 
 
 @pytest.mark.slow
@@ -219,12 +343,23 @@ def compiled_step_bytes(parallel: ParallelConfig, micro_batches: int, batch: int
     S.Candidate(2, 1, 1, 4, 2, "selective", True, False, 1),
 ], ids=["accumulate-distopt", "data4"])
 def test_memory_is_the_compiled_steps(candidate, costs):
-    c = candidate
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
-    state = costs.state(replace(F32, layers=F32.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
-    predicted = S.memory(F32, c, layer, state).total_bytes
-    parallel = ParallelConfig(data=c.data, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
-                              distributed_optimizer=c.distributed_optimizer, pipe=c.pipe)
-    compiled = compiled_step_bytes(parallel, c.microbatches, c.data * c.micro_batch * c.microbatches)
-    print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
+    predicted, compiled = predicted_and_compiled(F32, candidate, costs)
     assert abs(predicted / compiled - 1) <= 0.05, (predicted, compiled)
+
+
+PIPELINED = replace(F32, layers=8)  # p·v ≤ 8 divides the layers
+PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data ranks
+    *(S.Candidate(2, 2, v, 2, 1, "selective", True, dist, 4) for v in (1, 2) for dist in (False, True)),
+    *(S.Candidate(1, 4, v, 2, 1, "selective", False, dist, 4) for v in (1, 2) for dist in (False, True)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("candidate", PIPELINED_CANDIDATES,
+                         ids=[f"p{c.pipe}-v{c.virtual}{'-distopt' if c.distributed_optimizer else ''}"
+                              for c in PIPELINED_CANDIDATES])
+def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
+    """jaxseq's own pipelined step, its executor's buffers included (a Megatron-style stage alone was 1.2–1.56×
+    too little here), within 10%: the search ranks nothing that jaxseq cannot run."""
+    predicted, compiled = predicted_and_compiled(PIPELINED, candidate, costs)
+    assert abs(predicted / compiled - 1) <= 0.10, (predicted, compiled)

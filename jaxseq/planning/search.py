@@ -10,22 +10,32 @@ interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP n
 distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
 m micro-batches for the same bubble, so it never wins and is not enumerated).
 
-Memory per device of the first stage (which holds the embedding and the most activations):
-  state of L/p layers + embedding (fp32 master weights, gradients, Adam moments, the compute copy; with
-  the distributed optimizer master weights and moments split d ways), from shapes
+Memory per device: jaxseq's compiled train step's own accounting (held to `memory_analysis()` of the
+compiled step, pipelined or not, in tests/test_search.py), of the first stage (the most activations; every
+stage of the SPMD program allocates the same buffers):
+  state of L/p layers + embedding (fp32 master weights, fp32 gradients — the pipeline's accumulators —,
+  Adam moments, the compute copy; with the distributed optimizer master weights and moments split d ways),
+  from shapes
   + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
-    `Schedule.in_flight_layers`, chunks of L/(p·v) layers; L layers without a pipeline)
+    `Schedule.in_flight_layers`, its stash of chunks of k = L/(p·v) layers; L layers without a pipeline)
   + the embedding/logits activations (shapes) + the step's working memory (compiled float32 step)
   + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step (each
     data rank sums its own gradients before the step's one reduction, so it is whole even with the
     distributed optimizer, as Megatron's gradient buffer).
+  + with a pipeline, the executor's own buffers (`ExecutorBuffers`, one term per buffer of
+    `parallel.pipeline`): receive buffers, the tick's two stash slots, float32 zeros of a chunk's and the
+    embedding's gradients, the chunk gradient a backward tick makes, and the regrouped weights.
+  A Megatron-LM stage keeps neither the zeros nor the chunk gradient nor the extra slots (1.2–1.5× less at
+  the tests' tiny shapes, ~10% less at 175B's), so the papers' configurations can be over budget here.
 
 Time per step (a stated model; the slowest stage is the last, which also runs the logits):
-  per micro-batch on a stage: compute = (L/p · FLOPs per layer + FLOPs of embedding/logits/loss)
-      / (compute_efficiency · peak)  — FLOPs per device measured from the compiled program, recompute
-      included; + TP/SP collectives = L/p · ring traffic of the layer's collectives (compiled HLO)
-      / (link_efficiency · intra-node bandwidth); + pipeline p2p = 2·v sends of s·b·h/t activations
-      (Megatron's scatter/gather over the t ranks) / (link_efficiency · p2p bandwidth).
+  per micro-batch on a stage: compute = L/p × (each GEMM of a layer — forward, backward, the policy's
+      replays — at the efficiency of its shape, + the layer's elementwise kernels at HBM bandwidth) + the
+      same for the embedding, logits and loss (`planning.kernel_time`: tile and wave quantization on the
+      GPU's SMs, a roofline for the memory-bound ones); + TP/SP collectives = L/p · ring traffic of the
+      layer's collectives (compiled HLO) / (link_efficiency · intra-node bandwidth); + pipeline p2p = 2·v
+      sends of s·b·h/t activations (Megatron's scatter/gather over the t ranks) / (link_efficiency · p2p
+      bandwidth).
   pipeline = m · per micro-batch · (1 + bubble), bubble = idle/busy ticks of the schedule
       ((p − 1)/m, interleaved (p − 1)/(v·m)).
   data-parallel gradient reduction after the flush: fp32 gradients of the stage's parameters, ring
@@ -35,12 +45,13 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
   p2p blocks the 1F1B step, the gradient reduction follows the pipeline flush.
   Links: a group inside one node uses the intra-node bandwidth, otherwise the inter-node one (ranks
   ordered tensor fastest, then data, then pipe, as Megatron-LM). Ignored: the optimizer update, the
-  tied-embedding gradient reduction between the first and last stage, kernel launch and host overheads,
-  efficiency differences between matmul shapes (one constant for all FLOPs).
+  tied-embedding gradient reduction between the first and last stage, kernel launch and host overheads.
+  Constants: the compute efficiency (calibrated on one published row), the memory and link efficiencies
+  (stated).
 
 Per-layer programs are compiled once per (t, SP, remat) and shape, at micro-batch 1 (and the float32
-step also at 2): stored bytes, FLOPs and activation collectives are proportional to b, the working
-memory affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
+step also at 2): stored bytes and activation collectives are proportional to b, the working memory
+affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
 itself lives in `planning.search_costs` (`SearchCosts`); this module is arithmetic on what it returns,
 the memory added up as the plan's (`planning.memory`).
 """
@@ -55,6 +66,7 @@ from jaxseq.config import ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
+from jaxseq.planning import kernel_time as K
 from jaxseq.planning.memory import activation_bytes, peak_bytes
 from jaxseq.remat import POLICIES
 
@@ -64,10 +76,15 @@ GIB = 2**30
 # ---------------------------------------------------------------------------------------------
 # The time model's constants (the cluster's: jaxseq/hardware.py)
 
-# Achieved fraction of peak for the FLOPs XLA counts (matmuls and the elementwise rest), calibrated on
-# ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8, v = 3, 64 GPUs, batch 64, SP + selective,
-# 13.75 s per iteration); experiments/autoconfig.py recomputes it and reports the error on every other row.
-COMPUTE_EFFICIENCY = 0.623
+# Achieved fraction of peak of a GEMM's full wave of tiles (`planning.kernel_time`: the GEMMs' shapes decide
+# how many waves they take), calibrated on ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8,
+# v = 3, 64 GPUs, batch 64, SP + selective, 13.75 s per iteration); experiments/autoconfig.py recomputes it
+# and reports the error on every other row.
+COMPUTE_EFFICIENCY = 0.724
+# Achieved fraction of HBM bandwidth by memory-bound kernels (stated, not fitted: a read kernel on an A100
+# 80 GB SXM measured by Nsight Compute reaches 1.80 of 2.04 TB/s, 88%; NVIDIA developer forum, "Trouble to
+# reach peak bandwidth of A100", forums.developer.nvidia.com/t/339083).
+MEMORY_EFFICIENCY = 0.88
 # Achieved fraction of a link's bandwidth by NCCL rings (stated, not fitted: nccl-tests' bus bandwidth on
 # DGX A100 is about 230–240 GB/s of NVLink's 300).
 LINK_EFFICIENCY = 0.8
@@ -76,6 +93,7 @@ LINK_EFFICIENCY = 0.8
 @dataclass(frozen=True)
 class TimeModel:
     compute_efficiency: float = COMPUTE_EFFICIENCY
+    memory_efficiency: float = MEMORY_EFFICIENCY
     link_efficiency: float = LINK_EFFICIENCY
 
 
@@ -88,8 +106,6 @@ class LayerCost:
     """Per device, one micro-batch of b sequences, for one (t, SP, remat)."""
 
     stored_bytes: float  # per layer, kept for backward
-    flops: float  # per layer, forward + backward + recompute
-    head_flops: float  # embedding, final LayerNorm, logits and loss, forward + backward
     collective_bytes: dict  # kind → bytes of the buffers per layer (forward + backward), activation dtype
     working_bytes: float  # the step's transients beyond state and stored activations
     non_layer_activation_bytes: float  # embedding/logits activations
@@ -102,6 +118,8 @@ class StateCost:
     total_bytes: float  # master weights + gradients + moments + compute copy
     parameters: int  # parameter elements on the device
     master_bytes: float  # fp32 master weights (split d ways with the distributed optimizer)
+    layer_parameters: int  # those of the stage's layers (the rest: embedding and final LayerNorm)
+    weight_copy_bytes: float  # the compute-dtype copy a step makes (none: float32 without the distributed optimizer)
 
 
 class Costs(Protocol):
@@ -134,9 +152,11 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for name, value in (("gpus", r.gpus), ("global_batch", r.global_batch), ("gpus_per_node", hw.gpus_per_node)):
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-    for name in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gbit_per_s"):
+    for name in ("peak_tflops", "memory_gib", "hbm_gb_per_s", "intra_node_gb_per_s", "inter_node_gbit_per_s"):
         if not getattr(hw, name) > 0:
             raise ConfigError(f"{name}={getattr(hw, name)!r} must be positive")
+    if not isinstance(hw.sm_count, int) or hw.sm_count <= 0:
+        raise ConfigError(f"sm_count={hw.sm_count!r} must be a positive integer")
     if r.gpus % hw.gpus_per_node and hw.gpus_per_node % r.gpus:
         raise ConfigError(f"gpus={r.gpus} is not a multiple of gpus_per_node={hw.gpus_per_node} "
                           "(nor a part of one node)")
@@ -150,7 +170,7 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
         if not isinstance(t, int) or t <= 0 or hw.gpus_per_node % t:
             raise ConfigError(f"tensor size {t!r} must divide gpus_per_node={hw.gpus_per_node}")
     tm = r.time_model
-    for name in ("compute_efficiency", "link_efficiency"):
+    for name in ("compute_efficiency", "memory_efficiency", "link_efficiency"):
         if not 0 < getattr(tm, name) <= 1:
             raise ConfigError(f"{name}={getattr(tm, name)!r} must be in (0, 1]")
 
@@ -240,26 +260,79 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 @lru_cache(maxsize=None)
+def pipeline_schedule(p: int, m: int, v: int) -> Schedule | None:
+    """The schedule the executor runs for (p, m, v); None without a pipeline."""
+    return Schedule.make("interleaved" if v > 1 else "1f1b", p, m, v) if p > 1 else None
+
+
 def schedule_figures(p: int, m: int, v: int, layers: int) -> tuple[int, float]:
     """(layers' worth of activations stage 0 holds at once, bubble = idle/busy ticks) from the schedule's
     own tables; without a pipeline all layers and no bubble."""
-    if p == 1:
-        return layers, 0.0
-    sched = Schedule.make("interleaved" if v > 1 else "1f1b", p, m, v)
-    return sched.in_flight_layers(layers), sched.bubble
+    sched = pipeline_schedule(p, m, v)
+    return (layers, 0.0) if sched is None else (sched.in_flight_layers(layers), sched.bubble)
+
+
+@dataclass(frozen=True)
+class ExecutorBuffers:
+    """Per device, what jaxseq's pipeline executor (`parallel.pipeline`) keeps beyond a Megatron stage, each
+    term one buffer of its compiled step; all are alive at its peak, a backward tick (as XLA's buffer
+    assignment of the compiled step shows; tests/test_search.py holds the total to `memory_analysis()`). Its
+    stash is the activations' term, its float32 accumulators (`Buffers.grads`) the state's gradients, its
+    compute copy the state's weight copy."""
+
+    receive_bytes: float  # Buffers.x, Buffers.g: (depth + 1 trash slot) activations [b, s, h] each, /t under SP
+    tick_slot_bytes: float  # the stash slot read before the switch + the branch's own (a forward's new residuals,
+    #                         a backward's copy of them): 2 chunks' residuals
+    zero_gradient_bytes: float  # TickProgram.nothing: f32 zeros of a chunk's weight gradients and the embedding/final LN's
+    chunk_gradient_bytes: float  # BranchOut.dw: the f32 weight gradients of the chunk a backward tick runs
+    stage_copy_bytes: float  # the layers regrouped [v, k, …] (`to_stages`) where the state has no compute copy
+    #                          to regroup: float32, v > 1, no distributed optimizer
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.receive_bytes + self.tick_slot_bytes + self.zero_gradient_bytes + self.chunk_gradient_bytes
+                + self.stage_copy_bytes)
+
+
+NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, zero_gradient_bytes=0.0,
+                              chunk_gradient_bytes=0.0, stage_copy_bytes=0.0)
+
+
+def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> ExecutorBuffers:
+    """The executor's own buffers for candidate c (a pipeline), from shapes and the schedule's depths."""
+    depth = pipeline_schedule(c.pipe, c.microbatches, c.virtual).depths
+    k = cfg.layers // (c.pipe * c.virtual)
+    activation = c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
+    chunk = 4 * state.layer_parameters / c.virtual  # one chunk's f32 weight gradients
+    others = 4 * (state.parameters - state.layer_parameters)  # the embedding's and final LayerNorm's
+    regroup = c.virtual > 1 and state.weight_copy_bytes == 0
+    return ExecutorBuffers(receive_bytes=(depth["x"] + 1 + depth["g"] + 1) * activation,
+                           tick_slot_bytes=2 * k * layer.stored_bytes, zero_gradient_bytes=chunk + others,
+                           chunk_gradient_bytes=chunk,
+                           stage_copy_bytes=cfg.itemsize * state.layer_parameters if regroup else 0.0)
+
+
+MEMORY_ACCOUNTING = ("jaxseq's compiled train step, per device (the first pipeline stage); with a pipeline, "
+                     "jaxseq's executor's buffers too (receive buffers, tick slots, float32 zero and chunk "
+                     "gradients, regrouped weights), more than the Megatron-LM stage the papers count")
 
 
 @dataclass(frozen=True)
 class Memory:
-    state_bytes: float
-    activation_bytes: float  # stored per layer × layers in flight + the embedding/logits part
+    """Per device, jaxseq's compiled train step (the first pipeline stage's; every stage of its SPMD program
+    allocates the same buffers)."""
+
+    state_bytes: float  # master weights, gradients (the pipeline's accumulators), moments, the compute copy
+    activation_bytes: float  # stored per layer × layers in flight (the stash) + the embedding/logits part
     working_bytes: float
-    accumulator_bytes: float
+    accumulator_bytes: float  # the fp32 accumulator of gradient accumulation without a pipeline
     in_flight_layers: float
+    executor: ExecutorBuffers  # the pipeline executor's own buffers (none without a pipeline)
 
     @property
     def total_bytes(self) -> float:
-        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes, self.accumulator_bytes)
+        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes,
+                          self.accumulator_bytes) + self.executor.total_bytes
 
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
@@ -267,7 +340,8 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
     # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data
     accumulator = 4.0 * state.parameters if c.pipe == 1 and c.microbatches > 1 else 0.0
-    return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers)
+    executor = executor_buffers(cfg, c, layer, state) if c.pipe > 1 else NO_EXECUTOR
+    return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor)
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -304,11 +378,20 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if c.tensor * c.data * c.pipe <= n else inter}
 
 
+def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
+    """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
+    shape's efficiency and the elementwise kernels at HBM bandwidth (`planning.kernel_time`)."""
+    efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
+    b, t, sp = c.micro_batch, c.tensor, c.sequence_parallel
+    return (cfg.layers // c.pipe * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies)
+            + K.head_seconds(cfg, b, t, sp, *efficiencies))
+
+
 def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
               tm: TimeModel) -> Time:
     layers = cfg.layers // c.pipe
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
-    compute = (layers * layer.flops + layer.head_flops) / (tm.compute_efficiency * hw.peak_tflops * 1e12)
+    compute = compute_seconds(cfg, c, hw, tm)
     tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
     itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
@@ -337,7 +420,8 @@ class Evaluated:
         return {**asdict(c), "schedule": c.schedule,
                 "memory_gib": {"total": mem.total_bytes / GIB, "state": mem.state_bytes / GIB,
                                "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
-                               "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers},
+                               "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
+                               "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
@@ -410,9 +494,12 @@ def format_result(res: Result, top: int = 10) -> str:
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
-        f"NVLink {hw.intra_node_gb_per_s:g} GB/s, IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
-        f"time model: compute at {tm.compute_efficiency:g} of peak (FLOPs measured per layer, recompute included), "
-        f"links at {tm.link_efficiency:g} of bandwidth, nothing overlapped; memory of the first pipeline stage",
+        f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
+        f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
+        f"time model: each GEMM in waves of {K.TILE[0]}×{K.TILE[1]} tiles at {tm.compute_efficiency:g} of peak or at "
+        f"HBM speed if memory-bound, elementwise kernels at {tm.memory_efficiency:g} of HBM bandwidth, links at "
+        f"{tm.link_efficiency:g} of bandwidth, nothing overlapped",
+        f"memory: {MEMORY_ACCOUNTING}",
         f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} (t, SP, remat) measured "
         f"from compiled programs",
         "",
@@ -442,6 +529,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
+        "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
         "ranked": [e.to_json() for e in res.ranked[:top]],
         "rejected_families": res.rejected_families,
@@ -457,16 +545,18 @@ def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float
 
 
 def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs, seconds: float) -> float:
-    """The compute efficiency that makes candidate c's predicted step time equal `seconds` (the model
-    is linear in 1/efficiency: time = compute·(1 + bubble)/eff + the rest)."""
+    """The compute efficiency that makes candidate c's predicted step time equal `seconds`. The time falls
+    as the efficiency rises (until every GEMM is memory-bound), so bisection finds it."""
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
-    at_one = step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=1.0))
-    compute = at_one.compute_s * (1 + at_one.bubble)
-    rest = at_one.total_s - compute
-    if seconds <= rest:
-        raise ConfigError(f"{seconds:g} s is less than the non-compute time {rest:.3f} s: cannot calibrate")
-    return compute / (seconds - rest)
+    at = lambda eff: step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=eff)).total_s
+    if seconds <= at(1.0):
+        raise ConfigError(f"{seconds:g} s is less than the time at peak efficiency, {at(1.0):.3f} s: cannot calibrate")
+    low, high = 1e-3, 1.0
+    while high - low > 1e-7:
+        mid = (low + high) / 2
+        low, high = (mid, high) if at(mid) > seconds else (low, mid)
+    return (low + high) / 2
 
 
 def parse_list(text: str, kind=int) -> tuple:

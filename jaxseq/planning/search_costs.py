@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from jaxseq.config import ModelConfig, ParallelConfig, validate
+from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
 from jaxseq.planning import search as S
 from jaxseq.planning.measure import MEASURE_LAYERS, Compiler, RowSpec
 from jaxseq.planning.memory import non_layer_activation_bytes, parameter_elements_per_device, state_bytes
@@ -51,8 +51,7 @@ class SearchCosts:
             self.prepare([(tensor, sequence_parallel, remat)], (b,))  # measured at b = 1 only so far
             m = self.measured[self.key(tensor, sequence_parallel, remat)]
         return S.LayerCost(
-            b * m["stored_bytes_per_layer"], b * m["flops_per_layer"], b * m["head_flops"],
-            {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
+            b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
             m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
             non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel))
 
@@ -60,5 +59,8 @@ class SearchCosts:
         key = (stage, tensor, data, distributed_optimizer)
         if key not in self._states:
             state = state_bytes(stage, tensor, data, distributed_optimizer)
-            self._states[key] = S.StateCost(state.total, parameter_elements_per_device(stage, tensor)[0], state.params)
+            parameters = parameter_elements_per_device(stage, tensor)[0]
+            outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
+            self._states[key] = S.StateCost(state.total, parameters, state.params, parameters - outside_layers,
+                                            state.weight_copy)
         return self._states[key]

@@ -1,0 +1,146 @@
+"""A layer's GPU time from its shapes, for `plan --search`: each GEMM at an efficiency that depends on its
+shape, plus the memory-bound elementwise kernels between them.
+
+GEMMs (NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, 2023, §2.3 and §3,
+docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication): cuBLAS
+splits the [m, n] output into tiles, one per thread block, and runs them in waves of one tile per SM, so
+a GEMM takes ceil(tiles / SMs) tile-times however few tiles the last wave holds (wave quantization), and a
+dimension that is not a multiple of the tile pays for a whole tile (tile quantization). Its time is that,
+at the achieved fraction of peak of a full wave (the one calibrated constant), or the time to move its
+operands and result through HBM if that is longer (the roofline: the attention's QKᵀ and scores×V have
+k or n = the head width, and are memory-bound for small heads). The tile is the guide's largest, 256×128,
+in whichever orientation quantizes less.
+
+Elementwise kernels (LayerNorm, bias + GELU, scale + mask + softmax, dropout, bias + dropout + residual
+add: Megatron-LM's fused kernels) move bytes and do little arithmetic: their time is bytes / (achieved
+fraction of HBM bandwidth · bandwidth). The bytes are counted per kernel below (16-bit activations,
+1-byte dropout masks), forward, backward and the forward a remat policy replays.
+
+Shapes per device for one micro-batch of b sequences (s tokens each, M = s·b), t-way tensor parallelism:
+the weight GEMMs take all M tokens (sequence parallelism all-gathers them first), attention's batched
+GEMMs run b·a/t heads of [s, d] × [d, s] and [s, s] × [s, d]. Each forward GEMM [m, k] × [k, n] has two
+backward GEMMs, [m, n] × [n, k] (the input's gradient) and [k, m] × [m, n] (the weight's, or the other
+operand's), and the policy's replayed matmuls run forward again (`remat.RematPolicy.replays`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxseq.config import ModelConfig
+from jaxseq.hardware import Hardware
+from jaxseq.remat import POLICIES
+
+TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """batch × ([m, k] × [k, n]), per device."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    def backward(self) -> tuple[Gemm, Gemm]:
+        """The two GEMMs of its gradient: [m, n] × [n, k] and [k, m] × [m, n]."""
+        return (Gemm(self.name + ".dx", self.m, self.k, self.n, self.batch),
+                Gemm(self.name + ".dw", self.k, self.n, self.m, self.batch))
+
+
+def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
+    """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t)."""
+    s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
+    tokens, heads = s * b, b * cfg.heads // t
+    return {"qkv": Gemm("qkv", tokens, 3 * w // t, h), "scores": Gemm("scores", s, s, d, heads),
+            "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t),
+            "mlp_up": Gemm("mlp_up", tokens, f // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
+
+
+def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
+    """Every GEMM of one layer's training step: forward, backward, and the forward ones the policy replays."""
+    forward = forward_gemms(cfg, b, t)
+    replays = [forward[name] for name in POLICIES[remat].replays]
+    return [*forward.values(), *(g for fwd in forward.values() for g in fwd.backward()), *replays]
+
+
+def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
+    """The tied logits (vocabulary split t ways, padded as the model pads it), forward and backward."""
+    logits = Gemm("logits", cfg.seq_len * b, cfg.padded_vocab(t) // t, cfg.hidden)
+    return [logits, *logits.backward()]
+
+
+def gemm_seconds(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float, memory_efficiency: float) -> float:
+    """max(waves of tiles at the achieved fraction of peak, operands and result through HBM)."""
+    waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count) for tm, tn in (TILE, TILE[::-1]))
+    wave_flops = hw.sm_count * 2.0 * TILE[0] * TILE[1] * g.k  # every SM computing one tile
+    math_s = waves * wave_flops / (compute_efficiency * hw.peak_tflops * 1e12)
+    memory_s = itemsize * g.batch * (g.m * g.k + g.k * g.n + g.m * g.n) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+    return max(math_s, memory_s)
+
+
+def gemm_efficiency(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float = 1.0,
+                    memory_efficiency: float = 1.0) -> float:
+    """The fraction of peak the GEMM runs at: its FLOPs / (its time · peak)."""
+    return g.flops / (gemm_seconds(g, hw, itemsize, compute_efficiency, memory_efficiency) * hw.peak_tflops * 1e12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise kernels: bytes moved
+
+
+def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str) -> float:
+    """HBM bytes of one layer's elementwise kernels, per device (e bytes per activation, one per dropout mask
+    element, r = 1 with dropout, else 0). Over the residual stream's s·b·h elements (/t under SP): two
+    LayerNorms (forward: read, write, 2e; backward: read x and dy, write dx, 3e) and two bias + dropout +
+    residual adds (forward: read both, write the sum and the mask, 3e + r; backward: read dy and the mask,
+    write 2e + r). Over the MLP's s·b·f/t: bias + GELU (2e; 3e). Over the b·(a/t)·s² attention scores (none
+    with fused attention, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout, its
+    dropout (2e + 1; 2e + 1). A policy that replays QKᵀ runs the softmax and its dropout forward again, one
+    that replays the QKV matmul (full) the whole forward; others' replays of LayerNorm or GELU alone (lean,
+    dots) are not counted."""
+    e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
+    residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
+    mlp = s * b * cfg.mlp_hidden / t
+    scores = 0 if cfg.attention == "fused" else b * cfg.heads / t * s * s
+    forward_attention = scores * (2 * e + r * (2 * e + 1))
+    forward = residual * 2 * (2 * e + 3 * e + r) + mlp * 2 * e + forward_attention
+    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * 3 * e + scores * (3 * e + r * (2 * e + 1))
+    replays = POLICIES[remat].replays
+    replayed = forward if "qkv" in replays else forward_attention if "scores" in replays else 0.0
+    return forward + backward + replayed
+
+
+def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:
+    """HBM bytes of the embedding, final LayerNorm and cross-entropy kernels, per device: the embedding's
+    position add and dropout over s·b·h (forward: read, write and the mask, 3e + r; backward: read dy and the
+    mask, write, 2e + r), the final LayerNorm (2e; 3e, /t under SP), and the vocab-parallel cross-entropy over
+    the s·b·V/t logits (read them twice, write their gradient: 3e)."""
+    e, tokens, r = cfg.itemsize, cfg.seq_len * b, 1 if cfg.dropout > 0 else 0
+    embedding = tokens * cfg.hidden * (3 * e + r + 2 * e + r)
+    final_ln = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
+    return embedding + final_ln + tokens * cfg.padded_vocab(t) / t * 3 * e
+
+
+def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
+                  compute_efficiency: float, memory_efficiency: float) -> float:
+    """One layer's forward, backward and recompute on one device: its GEMMs + its elementwise kernels."""
+    gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
+                for g in layer_gemms(cfg, b, t, remat))
+    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat)
+    return gemms + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+
+
+def head_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, hw: Hardware, compute_efficiency: float,
+                 memory_efficiency: float) -> float:
+    """The embedding, final LayerNorm, logits and loss, forward and backward, on one device."""
+    gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency) for g in head_gemms(cfg, b, t))
+    elementwise = head_elementwise_bytes(cfg, b, t, sequence_parallel)
+    return gemms + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
