@@ -24,7 +24,7 @@ from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
 from jaxseq.interop import hf
-from jaxseq.mesh import available_devices, make_mesh, use_host_devices
+from jaxseq.mesh import available_devices, make_mesh, mesh_parallel, use_host_devices
 from jaxseq.models import gpt as M
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import checkpoint as C
@@ -52,7 +52,7 @@ def load(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, dic
     as far as the heads split), read shard by shard."""
     cfg = rundir.saved_model(path)
     mesh = rundir.resolve_mesh(cfg, None, available_devices())[1] if mesh is None else mesh
-    restored = rundir.restore(path, rundir.parallel_of(mesh), mesh)
+    restored = rundir.restore(path, mesh_parallel(mesh), mesh)
     return replace(restored.model, dtype=dtype, dropout=0.0), restored.params
 
 

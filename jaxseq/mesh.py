@@ -66,6 +66,12 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def mesh_parallel(mesh: Mesh, sequence_parallel: bool = False) -> ParallelConfig:
+    """The ParallelConfig a pipe × data × tensor mesh describes."""
+    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], tensor=mesh.shape["tensor"],
+                          sequence_parallel=sequence_parallel)
+
+
 def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, str | None]:
     """Logical axis → mesh axis. Axes not listed are replicated. With a pipeline the stacked layers
     split over `pipe` in natural order (stage s holds the s-th block of L/p layers)."""

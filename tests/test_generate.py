@@ -87,7 +87,7 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     masters = T.state_shardings(CFG, parallel, T.make_optimizer(OptimizerConfig()), mesh).params
     placed = jax.device_put(rundir.place(params, CFG, mesh), masters)
     assert placed["layers"]["mlp"]["wi"]["kernel"].sharding.spec == P("pipe", "data", "tensor")
-    ready, sampling_mesh = S.for_sampling(placed, CFG, parallel, mesh)
+    ready, sampling_mesh = S.for_sampling(placed, CFG, mesh)
     assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
     for leaf, spec in zip(jax.tree.leaves(ready), jax.tree.leaves(M.param_specs(ParallelConfig(data=2, tensor=4)))):
         assert leaf.sharding.spec == spec
@@ -98,6 +98,34 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
                           S.OneSequence(sampling_mesh), 1)
     assert cache[0].sharding.is_equivalent_to(NamedSharding(sampling_mesh, P(None, None, None, "tensor", None)), 5)
     assert S.sample(ready, CFG, PROMPT, 20, temperature=1.0, top_k=1, mesh=sampling_mesh) == window_greedy(params, PROMPT, 20)
+
+
+def test_sampling_from_pipe_8_gathers_no_model_onto_a_device(devices):
+    """A train state with its 8 layers over pipe=8 (each device holds one layer): every program the end-of-run
+    sample compiles needs less than half the whole model's bytes per device (arguments + outputs + temporaries
+    − aliased, memory_analysis()): the reshard to tensor=8 holds its eighth of the train state, its eighth of
+    the sampling layout and one staging buffer (0.48×); the prefill and decode an eighth plus the cache (0.22×).
+    Sampling from the pipe-sharded params as they were (before) needed 1.39× the whole model per device: XLA
+    gathered every layer onto every device."""
+    cfg = replace(CFG, layers=8, seq_len=64, vocab_size=256)
+    parallel = ParallelConfig(pipe=8)
+    mesh = make_mesh(parallel, devices)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
+    state_params = jax.jit(lambda k: M.init_params(k, cfg, 1), out_shardings=shardings)(jax.random.key(0))
+    whole = sum(x.nbytes for x in jax.tree.leaves(state_params))
+    per_device = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                            - m.alias_size_in_bytes)(c.memory_analysis())
+    move, sampling_mesh = S.resharding(cfg, mesh)
+    assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 1, "tensor": 8}
+    ready = move(state_params)
+    shard, args = S.OneSequence(sampling_mesh), (jax.random.key(0), np.float32(1.0), cfg)
+    window = np.zeros((1, cfg.seq_len), np.int32)
+    _, cache = S._prefill(ready, window, 4, *args, shard, 1)
+    compiled = {"reshard": move.lower(state_params).compile(),
+                "prefill": S._prefill.lower(ready, window, 4, *args, shard, 1).compile(),
+                "decode": S._decode.lower(ready, cache, np.zeros((1,), np.int32), 4, *args, shard, 1).compile()}
+    for name, program in compiled.items():
+        assert per_device(program) < whole / 2, (name, per_device(program), whole)
 
 
 def test_seeded_sampling(params):

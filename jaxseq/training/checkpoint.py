@@ -59,9 +59,9 @@ def resize_vocab(tree, rows: int, shardings):
     (their logits are masked), so this loses nothing."""
 
     def resize(x):
-        if x.shape[0] != rows:
-            return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: min(rows, x.shape[0])].set(x[:rows])
-        return x
+        # A pad, not zeros().at[].set(): XLA partitions a pad between shardings, where it replicated the
+        # scatter's whole table on every device ("involuntary full rematerialization").
+        return jnp.pad(x[:rows], ((0, max(rows - x.shape[0], 0)),) + ((0, 0),) * (x.ndim - 1))
 
     return jax.jit(lambda t: _map_vocab_leaves(resize, t), out_shardings=shardings)(tree)
 

@@ -370,7 +370,7 @@ def _closing_report(session: Session, corpus: Corpus, state) -> None:
     val = session.evaluate(state.params)
     prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
     if settings.sample_tokens:
-        params, mesh = for_sampling(state.params, run.model, run.parallel, session.mesh)
+        params, mesh = for_sampling(state.params, run.model, session.mesh)
         ids = sample(params, run.model, prompt_ids(prompt, corpus.tokenizer), settings.sample_tokens,
                      seed=settings.seed, mesh=mesh)
     if D.is_main_process():

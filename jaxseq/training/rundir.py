@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            replace, validate_parallel)
-from jaxseq.mesh import make_mesh, parse_mesh
+from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
 from jaxseq.models import gpt as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
@@ -90,12 +90,6 @@ class Restored:
     step: int
 
 
-def parallel_of(mesh, sequence_parallel: bool = False) -> ParallelConfig:
-    """The ParallelConfig a pipe × data × tensor mesh describes."""
-    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], tensor=mesh.shape["tensor"],
-                          sequence_parallel=sequence_parallel)
-
-
 def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32", seq_len: int | None = None) -> Restored:
     """The params of the newest checkpoint of a run or converted directory (or of the step RUN/checkpoints/N),
     read onto `mesh` in the train step's master shardings for `parallel` (layers over `pipe`, heads over
@@ -103,29 +97,35 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     and the optimizer moments are not read at all. Weights the compute dtype copies (`M.cast_mask`) arrive in
     `dtype`; `seq_len` cuts the position table."""
     saved = read_config(path)
-    run_dir, step = split_step(path)
     model = ModelConfig(**saved["model"])
     model = replace(model, seq_len=seq_len or model.seq_len)
-    mgr = C.reader(checkpoint_dir(run_dir)) if os.path.isdir(checkpoint_dir(run_dir)) else None
-    steps = mgr.all_steps() if mgr is not None else []
-    step = max(steps, default=None) if step is None else step
-    if step not in steps:
-        raise ConfigError(f"{path!r} holds no checkpoint" + (f" at step {step}" if step is not None else ""))
     dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask())
     abstract = jax.tree.map(lambda shape, spec, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec)),
                             M.param_shapes(model, parallel.tensor), T.master_specs(model, parallel), dtypes,
                             is_leaf=lambda x: isinstance(x, tuple))
+    step, params = _read_params(path, abstract)
+    return Restored(model=model, params=params, tokenizer=saved["train"].get("tokenizer"), step=step)
+
+
+def _read_params(path: str, abstract) -> tuple[int, dict]:
+    """(step, params) of the checkpoint `path` names; a damaged one is one line naming an earlier step."""
+    run_dir, step = split_step(path)
+    directory = checkpoint_dir(run_dir)
+    mgr = C.reader(directory) if os.path.isdir(directory) else None
+    steps = mgr.all_steps() if mgr is not None else []
+    step = max(steps, default=None) if step is None else step
+    if step not in steps:
+        raise ConfigError(f"{path!r} holds no checkpoint" + (f" at step {step}" if step is not None else ""))
     try:
-        params = C.restore_params(mgr, step, abstract)
+        return step, C.restore_params(mgr, step, abstract)
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError) as e:  # a damaged checkpoint: say which, and what else there is
         earlier = [s for s in steps if s < step]
-        raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''})" +
-                          (f"; an earlier one: {os.path.join(checkpoint_dir(run_dir), str(max(earlier)))}"
-                           if earlier else "")) from None
-    return Restored(model=model, params=params, tokenizer=saved["train"].get("tokenizer"), step=step)
+        first_line = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({type(e).__name__}: {first_line})"
+                          + (f"; an earlier one: {os.path.join(directory, str(max(earlier)))}" if earlier else "")
+                          ) from None
 
 
 def resolve_mesh(cfg: ModelConfig, mesh_text: str | None, devices) -> tuple[ParallelConfig, jax.sharding.Mesh]:
@@ -144,7 +144,7 @@ def resolve_mesh(cfg: ModelConfig, mesh_text: str | None, devices) -> tuple[Para
 def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False) -> dict:
     """Params held on the host (NumPy; device arrays are fetched) padded for the mesh's tensor size and put
     into the train step's shards: each device receives only its own slice (multi-process safe)."""
-    parallel = parallel_of(mesh, sequence_parallel)
+    parallel = mesh_parallel(mesh, sequence_parallel)
     rows = cfg.padded_vocab(parallel.tensor)
 
     def put(is_vocab, x, spec):

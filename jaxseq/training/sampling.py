@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
-from jaxseq.mesh import logical_rules, make_mesh
+from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
 from jaxseq.models import gpt as M
 from jaxseq.sharding import Sharder
 from jaxseq.training import checkpoint as C
@@ -56,18 +56,24 @@ def sampling_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> ParallelCon
 def sampling_mesh(cfg: ModelConfig, mesh) -> jax.sharding.Mesh:
     """The sampling layout's mesh over `mesh`'s devices in the same order (one program can then move the
     weights from one to the other): each tensor group is consecutive devices, i.e. within a host."""
-    parallel = ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], tensor=mesh.shape["tensor"])
-    return make_mesh(sampling_parallel(cfg, parallel), list(mesh.devices.flat))
+    return make_mesh(sampling_parallel(cfg, mesh_parallel(mesh)), list(mesh.devices.flat))
 
 
-def for_sampling(params, cfg: ModelConfig, parallel: ParallelConfig, mesh):
-    """(params in the sampling layout and compute dtype, its mesh) from params on a training mesh (the train
-    state's, any pipe, tensor and distributed-optimizer split): a reshard, no device ever holds more than
-    its shard of the sampling layout, nothing is gathered."""
+def resharding(cfg: ModelConfig, mesh):
+    """(jit: params as the train state holds them on `mesh` → params in the sampling layout and compute dtype,
+    the sampling mesh). One program moves every weight from its training shards (any pipe, tensor and
+    distributed-optimizer split) to its sampling shards; nothing is gathered whole."""
     target = sampling_mesh(cfg, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(sampling_parallel(cfg, parallel)))
-    cast = jax.jit(partial(M.cast_params, dtype=jnp.dtype(cfg.dtype)))
-    return C.resize_vocab(cast(params), cfg.padded_vocab(target.shape["tensor"]), shardings), target
+    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(mesh_parallel(target)))
+    rows = cfg.padded_vocab(target.shape["tensor"])
+    move = lambda params: C.resize_vocab(M.cast_params(params, jnp.dtype(cfg.dtype)), rows, shardings)
+    return jax.jit(move, out_shardings=shardings), target
+
+
+def for_sampling(params, cfg: ModelConfig, mesh):
+    """(params in the sampling layout, its mesh) from the train state's params on `mesh` (`resharding`)."""
+    move, target = resharding(cfg, mesh)
+    return move(params), target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +191,6 @@ def document_start(tokenizer_path: str | None) -> list[int]:
     if len(special) == 1:
         return list(special.values())
     return tok.encode("\n").ids
-
 
 
 def prompt_ids(text: str, tokenizer_path: str | None) -> list[int]:
