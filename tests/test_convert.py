@@ -313,6 +313,28 @@ def test_from_hf_writes_the_weights_alone(converted):
     assert sorted(mgr.item_metadata(0)["state"]) == ["params", "step"]
 
 
+def test_from_hf_reads_each_device_block_alone(hf_model, tmp_path, monkeypatch):
+    """from-hf onto data=2 × tensor=4 reads the token embedding and the MLP kernels from the file block by block
+    (each device's callback asks for its rows or columns only): no read returns as much as half of the tensor
+    (128 of the 300 embedding rows at most, a quarter of an MLP kernel). Before, every callback read whole
+    tensors and sliced them."""
+    from jaxseq.interop import hf
+
+    largest, read = {}, hf.Weights.read
+
+    def recorded(self, name, *index):
+        block = read(self, name, *index)
+        largest[name] = max(largest.get(name, 0), block.size)
+        return block
+
+    monkeypatch.setattr(hf.Weights, "read", recorded)
+    assert convert.main(["from-hf", hf_model[1], str(tmp_path / "out"), "--mesh", "data=2,tensor=4"]) == 0
+    sizes = {n: t.size for n, t in load_file(os.path.join(hf_model[1], "model.safetensors")).items()}
+    blocked = [n for n in sizes if n.endswith(("wte.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))]
+    assert len(blocked) == 1 + 2 * 2
+    assert all(largest[n] < sizes[n] / 2 for n in blocked), {n: (largest[n], sizes[n]) for n in blocked}
+
+
 def test_the_streaming_writer_holds_one_tensor_at_a_time(tmp_path):
     """`hf.write_dir` computes each tensor when it writes it: writing 40 tensors of 100 kB (4 MB) allocates at most
     a few of them at once, and the file equals safetensors' own writer of the same tensors."""

@@ -96,7 +96,7 @@ PARAM_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
 class Weights:
     """The tensors of a local HF directory (`model.safetensors`, or the files a sharded checkpoint's
     `model.safetensors.index.json` names), read one at a time: names, shapes and dtypes come from the
-    files' headers, a tensor's data only when `read` asks for it."""
+    files' headers, a tensor's data (or a block of it) only when `read` asks for it."""
 
     def __init__(self, hf_dir: str, files: list[str]):
         from safetensors import safe_open
@@ -113,8 +113,11 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self._file
 
-    def read(self, name: str) -> np.ndarray:
-        return self._file[name].get_tensor(name)
+    def read(self, name: str, index: tuple = ()) -> np.ndarray:
+        """The tensor `name`, or only its block `index` (a tuple of slices): the file's bytes of that block."""
+        # safetensors refuses an empty slice that starts at a dimension's end; one at 0 is the same block.
+        index = tuple(s if len(range(n)[s]) else slice(0, 0) for n, s in zip(self.shapes[name], index))
+        return self._file[name].get_slice(name)[index]
 
 
 def read_dir(hf_dir: str) -> tuple[dict, Weights]:
@@ -165,14 +168,20 @@ class Leaf:
 
 
 def _whole(weights: Weights, name: str) -> Leaf:
-    return Leaf(weights.shapes[name], lambda idx: np.asarray(weights.read(name), np.float32)[idx])
+    return Leaf(weights.shapes[name], lambda idx: np.asarray(weights.read(name, idx), np.float32))
 
 
 def _stacked(weights: Weights, names: list[str], layer_shape: tuple[int, ...]) -> Leaf:
-    """[L, *layer_shape] from one HF tensor per layer (each reshaped)."""
+    """[L, *layer_shape] from one HF tensor per layer (each reshaped). A tensor that keeps its shape (the MLP
+    kernels, LayerNorms, biases) is read only in the block asked for; a reshaped one (qkv, out) whole."""
+    def block(name, idx):
+        if weights.shapes[name] == layer_shape:
+            return weights.read(name, idx)
+        return np.asarray(weights.read(name)).reshape(layer_shape)[idx]
+
     def read(idx):
         layers = range(len(names))[idx[0]]
-        return np.stack([np.asarray(weights.read(names[i]), np.float32).reshape(layer_shape)[idx[1:]] for i in layers])
+        return np.stack([np.asarray(block(names[i], idx[1:]), np.float32) for i in layers])
 
     return Leaf((len(names), *layer_shape), read)
 
