@@ -150,7 +150,15 @@ class _OnHost:
         return np.asarray(self.x, dtype)
 
 
-_layer = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False))  # one compile per leaf shape
+@jax.jit
+def _layer(x: jax.Array, i) -> jax.Array:
+    """Layer i of a stacked leaf [L, ...] however its layers are split (pipe; data with the distributed
+    optimizer), compiled once per leaf shape. A masked sum over the layers, which XLA partitions into a local
+    sum and one layer's all-reduce: a dynamic index over a split dimension gathers the whole leaf onto every
+    device. Summed as the bits (unsigned integers, one non-zero term) so −0.0 and NaNs come back exactly."""
+    chosen = (jnp.arange(x.shape[0]) == i).reshape((-1,) + (1,) * (x.ndim - 1))
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(chosen, bits, 0), axis=0, dtype=bits.dtype), x.dtype)
 
 
 def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: int = 5 * 10**9) -> ModelConfig:
