@@ -16,13 +16,15 @@ import sys
 from functools import lru_cache
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
 from jaxseq.interop import hf
-from jaxseq.mesh import make_mesh
+from jaxseq.mesh import available_devices, make_mesh, mesh_parallel, use_host_devices
 from jaxseq.models import gpt as M
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import checkpoint as C
@@ -38,16 +40,19 @@ HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-
 def load_hf_gpt2(hf_dir: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """(cfg, params) of a local Hugging Face GPT-2 directory; params are NumPy float32 (dropout 0),
     the token embedding unpadded."""
-    config, tensors, _ = hf.read_dir(hf_dir)
+    config, weights = hf.read_dir(hf_dir)
     cfg = replace(hf.model_config(config, dtype), dropout=0.0)
-    params, _, _ = hf.to_params(cfg, tensors)
-    return cfg, params
+    leaves, _, _ = hf.to_params(cfg, weights)
+    return cfg, jax.tree.map(lambda leaf: leaf.whole(), leaves, is_leaf=lambda x: isinstance(x, hf.Leaf))
 
 
-def load(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def load(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, dict]:
     """(cfg, params) of a converted directory, a run directory (newest checkpoint) or one checkpoint
-    step directory (RUN/checkpoints/N); params on one device, dropout 0."""
-    restored = rundir.restore(path)
+    step directory (RUN/checkpoints/N), dropout 0; params on `mesh` (default: every device, tensor-parallel
+    as far as the heads split), read shard by shard."""
+    cfg = rundir.saved_model(path)
+    mesh = rundir.resolve_mesh(cfg, None, available_devices())[1] if mesh is None else mesh
+    restored = rundir.restore(path, mesh_parallel(mesh), mesh)
     return replace(restored.model, dtype=dtype, dropout=0.0), restored.params
 
 
@@ -75,15 +80,17 @@ def _logits_fn(cfg: ModelConfig, mesh, sequence_parallel: bool):
     return jax.jit(lambda p, t: M.logits_fn(p, M.hidden_states(p, t, cfg, shard, "none"), cfg, shard))
 
 
-def from_hf(hf_dir: str, out: str) -> ModelConfig:
-    """Convert a local HF GPT-2 directory into a jaxseq checkpoint directory (step 0)."""
-    config, tensors, metadata = hf.read_dir(hf_dir)
+def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
+    """Convert a local HF GPT-2 directory into a jaxseq checkpoint directory (step 0, the weights alone),
+    reading each HF tensor only for the device shards that need it, straight into the shards of the mesh."""
+    config, weights = hf.read_dir(hf_dir)
     cfg = hf.model_config(config)
     validate_model(cfg)
-    params, record, buffers = hf.to_params(cfg, tensors)
+    leaves, record, buffers = hf.to_params(cfg, weights)
     ckpt = rundir.checkpoint_dir(out)
     if os.path.isdir(ckpt) and os.listdir(ckpt):
         raise ConfigError(f"{out!r} already holds checkpoints; choose an empty OUT")
+    parallel, mesh = _layout(cfg, mesh_text)
     side = os.path.join(out, HF_SUBDIR)
     hf.copy_side_files(hf_dir, side)
     if os.path.isfile(os.path.join(side, "tokenizer.json")):
@@ -91,28 +98,78 @@ def from_hf(hf_dir: str, out: str) -> ModelConfig:
     tokenizer = os.path.abspath(os.path.join(out, "tokenizer.json")) if os.path.isfile(
         os.path.join(out, "tokenizer.json")) else None
     with open(os.path.join(side, "record.json"), "w") as f:
-        json.dump({**record, "metadata": metadata}, f, indent=1)
+        json.dump({**record, "metadata": weights.metadata}, f, indent=1)
     if buffers:
         hf.safetensors_numpy().save_file(buffers, os.path.join(side, "buffers.safetensors"))
-    run = RunConfig(model=cfg, parallel=ParallelConfig(), optimizer=OptimizerConfig(), train=TrainConfig(steps=0,
-                                                                                                         run_dir=out, tokenizer=tokenizer))
+    run = RunConfig(model=cfg, parallel=ParallelConfig(), optimizer=OptimizerConfig(),
+                    train=TrainConfig(steps=0, run_dir=out, tokenizer=tokenizer))
     rundir.write_config(out, run)
-    mesh = make_mesh(run.parallel, jax.local_devices()[:1])
-    optimizer = T.make_optimizer(run.optimizer)
-    state = T.state_from_params(rundir.place(params, cfg, mesh), cfg, run.parallel, optimizer, mesh)
+    # The weights alone, as Megatron's converters write them (a run starts from them with fresh optimizer
+    # moments: --init-from): zero moments would triple what the devices and the checkpoint hold.
+    weights_only = {"step": jnp.zeros((), jnp.int32), "params": _on_mesh(leaves, cfg, parallel, mesh)}
     mgr = C.manager(ckpt, async_save=False)
-    C.save(mgr, 0, state, rundir.checkpoint_meta(run, 0, source=os.path.abspath(hf_dir)), force=True)
+    C.save(mgr, 0, weights_only, rundir.checkpoint_meta(run, 0, source=os.path.abspath(hf_dir)), force=True)
     mgr.wait_until_finished()
     return cfg
 
 
-def to_hf(path: str, out: str) -> ModelConfig:
-    """Write a checkpoint as an HF GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out)` loads.
+def _layout(cfg: ModelConfig, mesh_text: str | None):
+    """The conversion's mesh (--mesh; by default every device) with the float32 weights split over `data`
+    too (the distributed optimizer's layout): each device holds the least it can."""
+    parallel, mesh = rundir.resolve_mesh(cfg, mesh_text, available_devices())
+    return replace(parallel, distributed_optimizer=parallel.data > 1), mesh
+
+
+def _on_mesh(leaves: dict, cfg: ModelConfig, parallel: ParallelConfig, mesh) -> dict:
+    """hf.Leaf params as arrays in the train step's master shards: each device's block is read (one HF
+    tensor at a time) by the callback for that device; vocabulary rows past the real ones are zeros."""
+    def array(leaf, shape, spec):
+        def block(idx):
+            rows = range(shape[0])[idx[0]]
+            inside = slice(min(rows.start, leaf.shape[0]), min(rows.stop, leaf.shape[0]))
+            part = leaf.read((inside, *idx[1:]))
+            return np.concatenate([part, np.zeros((len(rows) - len(part), *part.shape[1:]), part.dtype)])
+
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+
+    return jax.tree.map(array, leaves, M.param_shapes(cfg, parallel.tensor), T.master_specs(cfg, parallel),
+                        is_leaf=lambda x: isinstance(x, (hf.Leaf, tuple)))
+
+
+class _OnHost:
+    """A restored (sharded) parameter as `hf.from_params` reads it: `[i]` brings layer i of a stacked leaf
+    to the host, `np.asarray` the whole of an unstacked one: one tensor on the host at a time."""
+
+    def __init__(self, x: jax.Array):
+        self.x, self.shape = x, x.shape
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.asarray(_layer(self.x, i))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.x, dtype)
+
+
+@jax.jit
+def _layer(x: jax.Array, i) -> jax.Array:
+    """Layer i of a stacked leaf [L, ...] however its layers are split (pipe; data with the distributed
+    optimizer), compiled once per leaf shape. A masked sum over the layers, which XLA partitions into a local
+    sum and one layer's all-reduce: a dynamic index over a split dimension gathers the whole leaf onto every
+    device. Summed as the bits (unsigned integers, one non-zero term) so −0.0 and NaNs come back exactly."""
+    chosen = (jnp.arange(x.shape[0]) == i).reshape((-1,) + (1,) * (x.ndim - 1))
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    return jax.lax.bitcast_convert_type(jnp.sum(jnp.where(chosen, bits, 0), axis=0, dtype=bits.dtype), x.dtype)
+
+
+def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: int = 5 * 10**9) -> ModelConfig:
+    """Write a checkpoint as an HF GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out)` loads:
+    restored onto the mesh shard by shard, written one tensor at a time (sharded files over max_shard_bytes).
 
     A converted directory gives back its original names, dtypes, buffers and config.json (byte for
     byte, while the architecture is unchanged); a run trained in jaxseq gets a generated config."""
-    restored = rundir.restore(path)
-    cfg, params, tokenizer = restored.model, restored.params, restored.tokenizer
+    parallel, mesh = _layout(rundir.saved_model(path), mesh_text)
+    restored = rundir.restore(path, parallel, mesh)
+    cfg, tokenizer = restored.model, restored.tokenizer
     side = os.path.join(rundir.split_step(path)[0], HF_SUBDIR)
     record, buffers, metadata, keep_config = None, None, None, False
     if os.path.isfile(os.path.join(side, "record.json")):
@@ -122,8 +179,8 @@ def to_hf(path: str, out: str) -> ModelConfig:
             buffers = hf.safetensors_numpy().load_file(os.path.join(side, "buffers.safetensors"))
         original = hf.model_config(json.load(open(os.path.join(side, "config.json"))))
         keep_config = all(getattr(original, k) == getattr(cfg, k) for k in ARCHITECTURE_FIELDS)
-    tensors = hf.from_params(cfg, jax.tree.map(np.asarray, params), record, buffers)
-    hf.write_dir(out, hf.hf_config(cfg), tensors, metadata)
+    tensors = hf.from_params(cfg, jax.tree.map(_OnHost, restored.params), record, buffers)
+    hf.write_dir(out, hf.hf_config(cfg), tensors, metadata, max_shard_bytes)
     if os.path.isdir(side):
         hf.copy_side_files(side, out, [n for n in hf.SIDE_FILES if n != "config.json" or keep_config])
     elif tokenizer and os.path.isfile(tokenizer):
@@ -137,20 +194,36 @@ def to_hf(path: str, out: str) -> ModelConfig:
 
 def main(argv=None) -> int:
     p = cli.ArgumentParser(prog="python -m jaxseq.convert",
-                                description="Convert GPT-2 checkpoints between Hugging Face and jaxseq (offline).")
+                           description="Convert GPT-2 checkpoints between Hugging Face and jaxseq (offline).")
+    devices = cli.ArgumentParser(add_help=False)
+    devices.add_argument("--mesh", help="the devices the weights are split over while converting, e.g. tensor=8 or "
+                                        "pipe=2,data=2,tensor=2 (default: every device, tensor=the largest that "
+                                        "divides the heads)")
+    devices.add_argument("--host-devices", type=int, help="simulated CPU devices when there is no accelerator")
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="HF GPT-2 directory (config.json + model.safetensors) → jaxseq checkpoint")
+    a = sub.add_parser("from-hf", parents=[devices],
+                       help="HF GPT-2 directory (config.json + model.safetensors) → jaxseq checkpoint")
     a.add_argument("hf_dir")
     a.add_argument("out")
-    b = sub.add_parser("to-hf", help="jaxseq run/converted directory (or RUN/checkpoints/N) → HF GPT-2 directory")
+    b = sub.add_parser("to-hf", parents=[devices],
+                       help="jaxseq run/converted directory (or RUN/checkpoints/N) → HF GPT-2 directory")
     b.add_argument("run_dir")
     b.add_argument("out")
+    b.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="larger models are written as model-0000i-of-0000n.safetensors files of at most this many "
+                        "GB (10⁹ bytes) plus model.safetensors.index.json (default %(default)s, as save_pretrained)")
     args = p.parse_args(argv)
     return cli.run(lambda: _convert(args))
 
 
 def _convert(args) -> int:
-    cfg = from_hf(args.hf_dir, args.out) if args.command == "from-hf" else to_hf(args.run_dir, args.out)
+    use_host_devices(args.host_devices)
+    if args.command == "from-hf":
+        cfg = from_hf(args.hf_dir, args.out, args.mesh)
+    else:
+        if not args.max_shard_gb > 0:
+            raise ConfigError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
+        cfg = to_hf(args.run_dir, args.out, args.mesh, int(args.max_shard_gb * 10**9))
     print(f"wrote {args.out}: GPT-2 with {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, "
           f"vocab {cfg.vocab_size}, {cfg.seq_len} positions ({cfg.num_params() / 1e6:.2f}M parameters)")
     return 0

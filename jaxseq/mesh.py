@@ -22,6 +22,16 @@ def available_devices() -> list:
     return accelerators or jax.devices("cpu")
 
 
+def use_host_devices(count: int | None) -> None:
+    """Simulate `count` CPU devices where there is no accelerator (None: leave it as configured). Call it
+    before anything asks for a device."""
+    if count is None:
+        return
+    if not isinstance(count, int) or count < 1:
+        raise ConfigError(f"--host-devices {count!r} must be a positive integer")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
 def parse_mesh(text: str, num_devices: int) -> tuple[int, int, int]:
     """'pipe=2,data=2,tensor=2' (pipe defaults to 1; data or tensor left out takes the remaining
     devices) → (pipe, data, tensor)."""
@@ -54,6 +64,12 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
         )
     grid = np.asarray(devices, dtype=object).reshape(parallel.pipe, parallel.data, parallel.tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_parallel(mesh: Mesh, sequence_parallel: bool = False) -> ParallelConfig:
+    """The ParallelConfig a pipe × data × tensor mesh describes."""
+    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], tensor=mesh.shape["tensor"],
+                          sequence_parallel=sequence_parallel)
 
 
 def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, str | None]:

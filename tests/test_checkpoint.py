@@ -7,9 +7,11 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import gpt as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 
@@ -75,6 +77,55 @@ def test_incompatible_model_is_refused():
     C.check_compatible({"layers": 2, "dropout": 0.1}, {"layers": 2, "dropout": 0.0})  # dropout may change
     with pytest.raises(ConfigError, match=r"cannot resume: .*layers=2 \(saved\) vs 3"):
         C.check_compatible({"layers": 2, "hidden": 64}, {"layers": 3, "hidden": 64})
+
+
+def _abstract_params(cfg, parallel, devices):
+    mesh = make_mesh(parallel, devices)
+    return jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec)),
+                        M.param_shapes(cfg, parallel.tensor), M.param_specs(parallel), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_restore_params_reads_the_params_alone_onto_another_mesh(devices, tmp_path):
+    """Saved on data=2 × tensor=4 (512 vocabulary rows), read onto tensor=8 (1024 rows: zeros past the saved
+    ones) and onto one device (384 rows: cut), with 16 of the 64 positions; a shape the model does not have
+    (other layers, more positions than saved) is refused in one line before anything is read."""
+    _, state = _state(ParallelConfig(data=2, tensor=4, sequence_parallel=True), devices)
+    _save(str(tmp_path), 3, state)
+    mgr = C.reader(str(tmp_path))
+    saved_token = np.asarray(state.params["embed"]["token"])
+    for parallel, used in ((ParallelConfig(tensor=8), devices), (ParallelConfig(), devices[:1])):
+        params = C.restore_params(mgr, 3, _abstract_params(replace(CFG, seq_len=16), parallel, used))
+        token = np.asarray(params["embed"]["token"])
+        rows = min(len(token), len(saved_token))
+        np.testing.assert_array_equal(token[:rows], saved_token[:rows])
+        assert not token[rows:].any() and len(token) == CFG.padded_vocab(parallel.tensor)
+        np.testing.assert_array_equal(np.asarray(params["embed"]["position"]),
+                                      np.asarray(state.params["embed"]["position"])[:16])
+        for a, b in zip(jax.tree.leaves(params["layers"]), jax.tree.leaves(state.params["layers"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for other, named in ((replace(CFG, layers=4), r"layers\.attn\.out\.bias has shape \(2, 64\), the model needs \(4, 64\)"),
+                         (replace(CFG, seq_len=128), r"embed\.position has shape \(64, 64\), the model needs \(128, 64\)")):
+        with pytest.raises(ConfigError, match=named):
+            C.restore_params(mgr, 3, _abstract_params(other, ParallelConfig(), devices[:1]))
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(devices, tmp_path):
+    """generate and convert read the newest checkpoint: a damaged one stops them in one line that names it and
+    the earlier step to pass instead (RUN/checkpoints/N)."""
+    from jaxseq.config import RunConfig, TrainConfig
+    from jaxseq.training import rundir
+
+    parallel = ParallelConfig(data=2, tensor=4)
+    _, state = _state(parallel, devices)
+    run = RunConfig(model=CFG, parallel=parallel, optimizer=OptimizerConfig(), train=TrainConfig(run_dir=str(tmp_path)))
+    rundir.write_config(str(tmp_path), run)
+    for step in (2, 4):
+        _save(rundir.checkpoint_dir(str(tmp_path)), step, state)
+    shutil.rmtree(tmp_path / "checkpoints" / "4" / "state" / "d")  # the newest one's array data
+    mesh = make_mesh(parallel, devices)
+    with pytest.raises(ConfigError, match=r"checkpoint step 4 of .* is unreadable \(.*\); an earlier one: .*checkpoints/2$"):
+        rundir.restore(str(tmp_path), parallel, mesh)
+    assert rundir.restore(str(tmp_path / "checkpoints" / "2"), parallel, mesh).step == 2
 
 
 def _saved(run_dir, step):

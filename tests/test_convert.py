@@ -9,6 +9,7 @@ that dropped it would change every logit)."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -68,7 +69,9 @@ def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     ref = reference_logits(hf_model[0], TOKENS)
     cfg, params = convert.load(converted)
     assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype, cfg.ln_eps) == (VOCAB, POSITIONS, 0.0, "float32", LN_EPS)
-    assert params["embed"]["token"].shape[0] == cfg.padded_vocab(1) == 384
+    # Read onto every device (8), tensor-parallel as far as the 4 heads split: the vocabulary padded for tensor=4.
+    assert params["embed"]["token"].shape[0] == cfg.padded_vocab(4) == 512
+    assert params["embed"]["token"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     mesh = make_mesh(ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp), devices[: data * tensor])
     out = convert.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
     assert out.shape == ref.shape
@@ -199,8 +202,6 @@ def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
 
 def test_sharded_safetensors(hf_model, tmp_path):
     """A checkpoint split over several files (model.safetensors.index.json) reads the same weights."""
-    import jax
-
     hf_model[0].save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
     (_, sharded), (_, whole) = convert.load_hf_gpt2(str(tmp_path / "sharded")), convert.load_hf_gpt2(hf_model[1])
@@ -231,9 +232,10 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
 
 
 def test_greedy_generation_matches_transformers(tmp_path):
-    """A random GPT-2 (vocabulary 300, padded to 384 in jaxseq; layer_norm_epsilon 1e-3) converted
-    with from-hf: jaxseq's greedy continuation equals transformers' `generate(do_sample=False)`,
-    token for token (the prompt holds ids past 256, the padded table has 384 rows)."""
+    """A random GPT-2 (vocabulary 300, padded to 512 in jaxseq for tensor=4; layer_norm_epsilon 1e-3)
+    converted with from-hf and read onto the 8 devices (tensor=4 × data=2): jaxseq's greedy continuation
+    with its KV cache equals transformers' `generate(do_sample=False)` (its own KV cache), token for token
+    (the prompt holds ids past 256, the padded table has 512 rows)."""
     from jaxseq.training.sampling import sample
 
     torch.manual_seed(1)
@@ -250,12 +252,140 @@ def test_greedy_generation_matches_transformers(tmp_path):
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     cfg, params = convert.load(str(tmp_path / "run"))
-    assert (cfg.vocab_size, cfg.ln_eps, params["embed"]["token"].shape[0]) == (300, 1e-3, 384)
+    assert (cfg.vocab_size, cfg.ln_eps, params["embed"]["token"].shape[0]) == (300, 1e-3, 512)
+    mesh = params["embed"]["token"].sharding.mesh
+    assert dict(mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
 
     prompt = [5, 290, 17, 133, 2]
-    ours = sample(params, cfg, prompt, 20, temperature=1.0, top_k=1)
+    ours = sample(params, cfg, prompt, 20, temperature=1.0, top_k=1, mesh=mesh)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=299)
     assert ours == theirs[0, len(prompt):].tolist()
     assert len(set(ours)) > 3  # not a degenerate repetition of one token
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("mesh", [None, "pipe=2,data=2,tensor=2", "tensor=4"])
+def test_to_hf_of_a_sharded_restore_is_the_original_byte_for_byte(hf_model, converted, tmp_path, mesh):
+    """to-hf reads the params onto a mesh (by default every device: tensor=4 × data=2 for 4 heads; pipe=2 splits
+    the layers) and writes one tensor at a time: model.safetensors equals, byte for byte, the file
+    `save_pretrained` wrote (what to-hf wrote from a one-device copy before)."""
+    argv = ["to-hf", converted, str(tmp_path / "back")] + (["--mesh", mesh] if mesh else [])
+    assert convert.main(argv) == 0
+    assert [n for n in os.listdir(tmp_path / "back") if "safetensors" in n] == ["model.safetensors"]
+    assert read_bytes(tmp_path / "back" / "model.safetensors") == read_bytes(os.path.join(hf_model[1], "model.safetensors"))
+
+
+def test_a_large_model_is_written_as_sharded_files_that_round_trip(hf_model, converted, tmp_path):
+    """Over --max-shard-gb, to-hf writes Hugging Face's sharded layout (model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json): transformers loads it with the original logits, from-hf reads it back
+    (onto data=2 × tensor=4), and to-hf of that gives the original file byte for byte."""
+    sharded, again, back = (str(tmp_path / n) for n in ("sharded", "again", "back"))
+    assert convert.main(["to-hf", converted, sharded, "--max-shard-gb", "0.0001"]) == 0  # 100 kB files
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    files = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
+    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert sorted(set(index["weight_map"].values())) == files
+    original = load_file(os.path.join(hf_model[1], "model.safetensors"))
+    assert sorted(index["weight_map"]) == sorted(original)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in original.values())
+    model = transformers.GPT2LMHeadModel.from_pretrained(sharded).eval()
+    np.testing.assert_allclose(reference_logits(model, TOKENS), reference_logits(hf_model[0], TOKENS), atol=1e-6)
+    assert convert.main(["from-hf", sharded, again, "--mesh", "data=2,tensor=4"]) == 0
+    assert convert.main(["to-hf", again, back]) == 0
+    assert read_bytes(os.path.join(back, "model.safetensors")) == read_bytes(os.path.join(hf_model[1], "model.safetensors"))
+    assert convert.main(["to-hf", again, sharded]) == 0  # the same directory, one file now: no stale shards left
+    assert [n for n in os.listdir(sharded) if "safetensors" in n] == ["model.safetensors"]
+
+
+def test_from_hf_writes_the_weights_alone(converted):
+    """A converted checkpoint holds the step and the params, not zero Adam moments (a run starts from it with
+    fresh ones, --init-from): a third of what a whole train state would put on the devices and the disk."""
+    from jaxseq.training import checkpoint as C
+    from jaxseq.training import rundir
+
+    mgr = C.reader(rundir.checkpoint_dir(converted))
+    assert sorted(mgr.item_metadata(0)["state"]) == ["params", "step"]
+
+
+def test_from_hf_reads_each_device_block_alone(hf_model, tmp_path, monkeypatch):
+    """from-hf onto data=2 × tensor=4 reads the token embedding and the MLP kernels from the file block by block
+    (each device's callback asks for its rows or columns only): no read returns as much as half of the tensor
+    (128 of the 300 embedding rows at most, a quarter of an MLP kernel). Before, every callback read whole
+    tensors and sliced them."""
+    from jaxseq.interop import hf
+
+    largest, read = {}, hf.Weights.read
+
+    def recorded(self, name, *index):
+        block = read(self, name, *index)
+        largest[name] = max(largest.get(name, 0), block.size)
+        return block
+
+    monkeypatch.setattr(hf.Weights, "read", recorded)
+    assert convert.main(["from-hf", hf_model[1], str(tmp_path / "out"), "--mesh", "data=2,tensor=4"]) == 0
+    sizes = {n: t.size for n, t in load_file(os.path.join(hf_model[1], "model.safetensors")).items()}
+    blocked = [n for n in sizes if n.endswith(("wte.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))]
+    assert len(blocked) == 1 + 2 * 2
+    assert all(largest[n] < sizes[n] / 2 for n in blocked), {n: (largest[n], sizes[n]) for n in blocked}
+
+
+def test_to_hf_fetches_a_layer_without_gathering_the_leaf(devices):
+    """to-hf brings one layer of a stacked leaf at a time to the host. From 8 layers over pipe=8 the compiled
+    fetch needs under half the leaf's bytes per device (arguments + output + temporaries: 3/8 of it), and from
+    a leaf split over pipe × data × tensor its layer's exact bits (−0.0, inf and NaN included). Before, a dynamic
+    index over the split layers gathered the whole leaf onto every device (temporaries of the whole leaf)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    values = np.random.default_rng(0).standard_normal((8, 64, 128)).astype(np.float32)
+    values[3, 0, :5], values[3, 1, 0], values[3, 1, 1] = -0.0, np.inf, np.nan
+    for parallel, spec in [(ParallelConfig(pipe=8), P("pipe")), (ParallelConfig(pipe=2, data=2, tensor=2),
+                                                                  P("pipe", "data", "tensor"))]:
+        leaf = jax.device_put(values, NamedSharding(make_mesh(parallel, devices), spec))
+        fetched = np.asarray(convert._layer(leaf, 3))
+        assert fetched.tobytes() == values[3].tobytes()
+    memory = convert._layer.lower(jax.device_put(values, NamedSharding(make_mesh(ParallelConfig(pipe=8), devices),
+                                                                       P("pipe"))), 3).compile().memory_analysis()
+    per_device = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+    assert per_device < values.nbytes / 2, (per_device, values.nbytes)
+
+
+def test_the_streaming_writer_holds_one_tensor_at_a_time(tmp_path):
+    """`hf.write_dir` computes each tensor when it writes it: writing 40 tensors of 100 kB (4 MB) allocates at most
+    a few of them at once, and the file equals safetensors' own writer of the same tensors."""
+    import tracemalloc
+
+    from safetensors.numpy import save_file
+
+    from jaxseq.interop import hf
+
+    values = lambda i: np.full((25_000,), i, np.float32)
+    tensors = {f"t{i:02d}": hf.Tensor((25_000,), np.dtype(np.float32), lambda i=i: values(i)) for i in range(40)}
+    tracemalloc.start()
+    hf.write_dir(str(tmp_path / "lazy"), {}, tensors, {"format": "pt"})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * 100_000, peak
+    save_file({n: values(i) for i, n in enumerate(tensors)}, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    assert read_bytes(tmp_path / "lazy" / "model.safetensors") == read_bytes(tmp_path / "whole.safetensors")
+
+
+def test_generate_and_convert_take_a_mesh(converted, tmp_path):
+    """generate on pipe=2 × data=2 × tensor=2 (the heads split over pipe × tensor while sampling) prints the
+    greedy text it prints on the default mesh; a mesh the model cannot use is one line."""
+    from commands import command
+    from jaxseq import generate
+
+    base = ["--run-dir", converted, "--prompt", "ab", "--max-tokens", "12", "--top-k", "1"]
+    texts = [command(generate.main, *base, *extra).stdout for extra in ([], ["--mesh", "pipe=2,data=2,tensor=2"],
+                                                                         ["--mesh", "data=8,tensor=1"])]
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("# step 0\nab")
+    for main, argv in ((generate.main, base), (convert.main, ["to-hf", converted, str(tmp_path / "x")])):
+        done = command(main, *argv, "--mesh", "tensor=3", check=False)
+        assert done.returncode == 2 and done.stderr.startswith("error: tensor=3 does not divide heads=4"), done.stderr
+        assert done.stderr.count("\n") == 1

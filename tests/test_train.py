@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -168,11 +169,16 @@ def test_train_and_generate_on_token_files(tmp_path):
     prefix = str(tmp_path / "tok")
     command(data_command.main, "--input", str(src), "--output", prefix, "--vocab-size", "320")
     run_dir = str(tmp_path / "run")
-    run(*TINY, "--steps", "2", "--data", prefix, "--run-dir", run_dir)
+    out = run(*TINY, "--steps", "2", "--data", prefix, "--run-dir", run_dir)
+    # The end-of-run sample continues the first line of a validation document (one of the m*.py files).
+    assert re.search(r"\nsample \(prompt: the start of a validation document\):\ndef f\d\(x\):\n", out.stdout), out.stdout
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert 256 < config["model"]["vocab_size"] <= 320 and config["train"]["tokenizer"].endswith("tok.tokenizer.json")
     gen = command(generate_command.main, "--run-dir", run_dir, "--prompt", "def f1", "--max-tokens", "4")
     assert gen.returncode == 0 and gen.stdout.startswith("# step 2\ndef f1"), gen.stderr[-2000:]
+    # An empty prompt under the BPE: the start of a document as the tokenizer encodes it, not byte id 10.
+    gen = command(generate_command.main, "--run-dir", run_dir, "--prompt", "", "--max-tokens", "4")
+    assert gen.returncode == 0 and gen.stdout.startswith("# step 2\n"), gen.stderr[-2000:]
 
 
 def test_config_precedence_preset_yaml_flags_overrides(tmp_path):

@@ -11,7 +11,11 @@ which is exactly jaxseq's [h, 3, heads, head_dim] kernel reshaped.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -82,49 +86,62 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading and writing the tensors
+# Reading: one tensor at a time
 
 
-def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray], dict]:
-    """(config dict, tensors by name, safetensors metadata) of a local HF directory; no network."""
+# The dtypes a GPT-2 parameter may have on disk (safetensors' codes).
+PARAM_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+class Weights:
+    """The tensors of a local HF directory (`model.safetensors`, or the files a sharded checkpoint's
+    `model.safetensors.index.json` names), read one at a time: names, shapes and dtypes come from the
+    files' headers, a tensor's data (or a block of it) only when `read` asks for it."""
+
+    def __init__(self, hf_dir: str, files: list[str]):
+        from safetensors import safe_open
+
+        self.names, self.shapes, self.codes, self.metadata, self._file = [], {}, {}, {}, {}
+        for name in files:
+            handle = safe_open(os.path.join(hf_dir, name), "np")
+            self.metadata = handle.metadata() or self.metadata
+            for key in handle.keys():
+                view = handle.get_slice(key)
+                self.names.append(key)
+                self.shapes[key], self.codes[key], self._file[key] = tuple(view.get_shape()), view.get_dtype(), handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file
+
+    def read(self, name: str, index: tuple = ()) -> np.ndarray:
+        """The tensor `name`, or only its block `index` (a tuple of slices): the file's bytes of that block."""
+        # safetensors refuses an empty slice that starts at a dimension's end; one at 0 is the same block.
+        index = tuple(s if len(range(n)[s]) else slice(0, 0) for n, s in zip(self.shapes[name], index))
+        return self._file[name].get_slice(name)[index]
+
+
+def read_dir(hf_dir: str) -> tuple[dict, Weights]:
+    """(config dict, the weights, read lazily) of a local HF directory; no network."""
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{hf_dir!r} has no config.json (not a Hugging Face model directory)")
     config = json.load(open(cfg_path))
     model_config(config)  # refuse before reading gigabytes
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    index = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index):
         files = sorted(set(json.load(open(index))["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
+    elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
+        files = [SINGLE]
     else:
-        raise ConfigError(f"{hf_dir!r} has no model.safetensors (re-save with save_pretrained(safe_serialization=True))")
-    st, tensors, metadata = safetensors_numpy(), {}, {}
-    from safetensors import safe_open
-
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        tensors.update(st.load_file(path))
-        with safe_open(path, "np") as f:
-            metadata = f.metadata() or metadata
-    return config, tensors, metadata
+        raise ConfigError(f"{hf_dir!r} has no {SINGLE} (re-save with save_pretrained(safe_serialization=True))")
+    safetensors_numpy()  # the library, or a one-line error
+    return config, Weights(hf_dir, files)
 
 
-def write_dir(out: str, config: dict, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
-    os.makedirs(out, exist_ok=True)
-    stale = os.path.join(out, "model.safetensors.index.json")  # would shadow the single file we write
-    if os.path.isfile(stale):
-        os.remove(stale)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    path = os.path.join(out, "model.safetensors")
-    safetensors_numpy().save_file(tensors, path, metadata=metadata or {"format": "pt"})
-
-
-def _prefix(tensors: dict) -> str:
+def _prefix(weights: Weights) -> str:
     """'transformer.' as GPT2LMHeadModel saves; '' as GPT2Model (and the original OpenAI upload) saves."""
     for p in ("transformer.", ""):
-        if p + "wte.weight" in tensors:
+        if p + "wte.weight" in weights:
             return p
     raise ConfigError("model.safetensors has no wte.weight (not a GPT-2 checkpoint)")
 
@@ -138,35 +155,62 @@ def _layer_names(p: str, i: int) -> dict[str, str]:
             "wo.kernel": b + "mlp.c_proj.weight", "wo.bias": b + "mlp.c_proj.bias"}
 
 
-def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
-    """HF tensors → (jaxseq params in float32, the record to-hf needs to write them back, buffers).
-    The token embedding keeps its vocab_size rows; `rundir.place` pads it for a mesh.
+@dataclass(frozen=True)
+class Leaf:
+    """One jaxseq parameter as HF tensors hold it, read on demand: `read(index)` is the block `index` (a
+    tuple of slices of `shape`) in float32, reading only the HF tensors that block needs, one at a time."""
 
-    The record holds the key prefix, each tensor's dtype and the buffers carried verbatim, so that
-    from-hf → to-hf reproduces every tensor exactly.
+    shape: tuple[int, ...]
+    read: Callable[[tuple], np.ndarray]
+
+    def whole(self) -> np.ndarray:
+        return self.read(tuple(slice(0, n) for n in self.shape))
+
+
+def _whole(weights: Weights, name: str) -> Leaf:
+    return Leaf(weights.shapes[name], lambda idx: np.asarray(weights.read(name, idx), np.float32))
+
+
+def _stacked(weights: Weights, names: list[str], layer_shape: tuple[int, ...]) -> Leaf:
+    """[L, *layer_shape] from one HF tensor per layer (each reshaped). A tensor that keeps its shape (the MLP
+    kernels, LayerNorms, biases) is read only in the block asked for; a reshaped one (qkv, out) whole."""
+    def block(name, idx):
+        if weights.shapes[name] == layer_shape:
+            return weights.read(name, idx)
+        return np.asarray(weights.read(name)).reshape(layer_shape)[idx]
+
+    def read(idx):
+        layers = range(len(names))[idx[0]]
+        return np.stack([np.asarray(block(names[i], idx[1:]), np.float32) for i in layers])
+
+    return Leaf((len(names), *layer_shape), read)
+
+
+def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
+    """HF tensors → (jaxseq params as `Leaf`s, read on demand, the record to-hf needs to write them back,
+    buffers). The token embedding keeps its vocab_size rows; padding it for a mesh is the reader's job.
+
+    Everything that can be refused is refused here, from the headers (names, shapes, dtypes), before any
+    weight is read, but for the tied lm_head, compared with wte.weight. The record holds the key prefix,
+    each tensor's dtype and the order, so that from-hf → to-hf reproduces every tensor exactly.
     """
-    p, h, a, d, L = _prefix(tensors), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers
+    p, h, a, d, L = _prefix(weights), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers
     used = {p + "wte.weight", p + "wpe.weight", p + "ln_f.weight", p + "ln_f.bias"}
-    f32 = lambda name: np.asarray(tensors[name], np.float32)
+    expect = {p + "wte.weight": (cfg.vocab_size, h), p + "wpe.weight": (cfg.seq_len, h), p + "ln_f.weight": (h,),
+              p + "ln_f.bias": (h,)}
 
     def stack(key, shape):
         names = [_layer_names(p, i)[key] for i in range(L)]
-        missing = [n for n in names if n not in tensors]
+        missing = [n for n in names if n not in weights]
         if missing:
             raise ConfigError(f"model.safetensors has no {missing[0]} (n_layer={L} in config.json)")
+        expect.update({n: math.prod(shape) for n in names})
         used.update(names)
-        return np.stack([f32(n).reshape(shape) for n in names])
+        return _stacked(weights, names, shape)
 
-    wte = f32(p + "wte.weight")
-    if wte.shape != (cfg.vocab_size, h):
-        raise ConfigError(f"wte.weight has shape {wte.shape}, config.json says ({cfg.vocab_size}, {h})")
-    if "lm_head.weight" in tensors:
-        if not np.array_equal(tensors["lm_head.weight"], tensors[p + "wte.weight"]):
-            raise ConfigError("lm_head.weight differs from wte.weight (untied embeddings) is not supported by jaxseq")
-        used.add("lm_head.weight")
     ln = lambda k: {"scale": stack(f"{k}.scale", (h,)), "bias": stack(f"{k}.bias", (h,))}
     params = {
-        "embed": {"token": wte, "position": f32(p + "wpe.weight")},
+        "embed": {"token": _whole(weights, p + "wte.weight"), "position": _whole(weights, p + "wpe.weight")},
         "layers": {
             "ln1": ln("ln1"),
             "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},
@@ -176,29 +220,63 @@ def to_params(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> tuple[dict, d
                            "bias": stack("wi.bias", (cfg.mlp_hidden,))},
                     "wo": {"kernel": stack("wo.kernel", (cfg.mlp_hidden, h)), "bias": stack("wo.bias", (h,))}},
         },
-        "final_ln": {"scale": f32(p + "ln_f.weight"), "bias": f32(p + "ln_f.bias")},
+        "final_ln": {"scale": _whole(weights, p + "ln_f.weight"), "bias": _whole(weights, p + "ln_f.bias")},
     }
-    if params["embed"]["position"].shape != (cfg.seq_len, h):
-        raise ConfigError(f"wpe.weight has shape {params['embed']['position'].shape}, expected ({cfg.seq_len}, {h})")
-    extra = sorted(set(tensors) - used)
+    _check_params(weights, expect, used)
+    if "lm_head.weight" in weights:
+        if not np.array_equal(weights.read("lm_head.weight"), weights.read(p + "wte.weight")):
+            raise ConfigError("lm_head.weight differs from wte.weight (untied embeddings) is not supported by jaxseq")
+        used.add("lm_head.weight")
+    extra = [n for n in weights.names if n not in used]
     unknown = [n for n in extra if not n.endswith(BUFFER_SUFFIXES)]
     if unknown:
         raise ConfigError(f"model.safetensors holds {unknown[0]}, which jaxseq cannot represent")
-    record = {"prefix": p, "order": list(tensors), "dtypes": {n: str(t.dtype) for n, t in tensors.items()},
-              "lm_head": "lm_head.weight" in tensors}
-    return params, record, {n: tensors[n] for n in extra}
+    buffers = {n: weights.read(n) for n in extra}
+    dtypes = {n: PARAM_DTYPES[weights.codes[n]] for n in weights.names if n not in buffers}
+    record = {"prefix": p, "order": list(weights.names), "dtypes": {**dtypes, **{n: str(b.dtype) for n, b in buffers.items()}},
+              "lm_head": "lm_head.weight" in weights}
+    return params, record, buffers
+
+
+def _check_params(weights: Weights, expect: dict, used: set) -> None:
+    """Every parameter tensor present with the shape (or, per layer, the size) the config gives, and a dtype
+    jaxseq reads."""
+    for name in sorted(used):
+        if name not in weights:
+            raise ConfigError(f"model.safetensors has no {name}")
+        want, got = expect.get(name), weights.shapes[name]
+        if (isinstance(want, tuple) and got != want) or (isinstance(want, int) and math.prod(got) != want):
+            raise ConfigError(f"{name} has shape {got}, config.json says {want}")
+        if weights.codes[name] not in PARAM_DTYPES:
+            raise ConfigError(f"{name} has dtype {weights.codes[name]}, which jaxseq cannot represent")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: one tensor at a time, one file or Hugging Face's sharded layout
+
+
+class Tensor(NamedTuple):
+    """One HF tensor to write: its shape and dtype, and how to compute it (called once, when written)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
 
 
 def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
-                buffers: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """jaxseq params → HF tensors; with the record of a from-hf conversion, the original names, order and dtypes."""
+                buffers: dict[str, np.ndarray] | None = None) -> dict[str, Tensor]:
+    """jaxseq params → HF tensors, each computed when written; with the record of a from-hf conversion, the
+    original names, order and dtypes. A params leaf is anything with a shape whose `[i]` (layer i of a
+    stacked leaf) and `np.asarray` give host arrays: NumPy, or a sharded array's host view (convert.py)."""
     record = record or {"prefix": "transformer.", "lm_head": False}
     p, h, L = record["prefix"], cfg.hidden, cfg.layers
-    x = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
+    f32 = lambda a: np.asarray(a, np.float32)
     lay = params["layers"]
-    tensors = {p + "wte.weight": x(params["embed"]["token"])[: cfg.vocab_size],
-               p + "wpe.weight": x(params["embed"]["position"]),
-               p + "ln_f.weight": x(params["final_ln"]["scale"]), p + "ln_f.bias": x(params["final_ln"]["bias"])}
+    token = params["embed"]["token"]
+    tensors = {p + "wte.weight": ((cfg.vocab_size, h), lambda: f32(token)[: cfg.vocab_size]),
+               p + "wpe.weight": _unstacked(params["embed"]["position"]),
+               p + "ln_f.weight": _unstacked(params["final_ln"]["scale"]),
+               p + "ln_f.bias": _unstacked(params["final_ln"]["bias"])}
     sources = {"ln1.scale": lay["ln1"]["scale"], "ln1.bias": lay["ln1"]["bias"], "ln2.scale": lay["ln2"]["scale"],
                "ln2.bias": lay["ln2"]["bias"], "qkv.kernel": lay["attn"]["qkv"]["kernel"],
                "qkv.bias": lay["attn"]["qkv"]["bias"], "out.kernel": lay["attn"]["out"]["kernel"],
@@ -208,15 +286,89 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
     names = [_layer_names(p, i) for i in range(L)]
     for key, stacked in sources.items():
         # Kernels back to Conv1D's [in, out]: qkv [h, 3, a, d] → [h, 3h], out [a, d, h] → [a·d, h].
-        shape = {"qkv.kernel": (h, -1), "out.kernel": (-1, h)}.get(key, (-1,) if not key.endswith("kernel") else None)
-        for i, w in enumerate(x(stacked)):
-            tensors[names[i][key]] = np.ascontiguousarray(w.reshape(shape) if shape else w)
+        size = math.prod(stacked.shape[1:])
+        shape = {"qkv.kernel": (h, size // h), "out.kernel": (size // h, h)}.get(
+            key, (size,) if not key.endswith("kernel") else tuple(stacked.shape[1:]))
+        for i in range(L):
+            tensors[names[i][key]] = (shape, lambda s=stacked, i=i, shape=shape: f32(s[i]).reshape(shape))
     if record.get("lm_head"):
         tensors["lm_head.weight"] = tensors[p + "wte.weight"]
-    tensors.update(buffers or {})
+    tensors.update({n: (b.shape, lambda b=b: b) for n, b in (buffers or {}).items()})
     dtypes = record.get("dtypes", {})
     order = record.get("order") or sorted(tensors)
-    return {n: tensors[n].astype(_dtype(dtypes.get(n, "float32")), copy=False) for n in order}
+    return {n: Tensor(tuple(tensors[n][0]), _dtype(dtypes.get(n, "float32")), tensors[n][1]) for n in order}
+
+
+def _unstacked(x) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
+    return tuple(x.shape), lambda: np.asarray(x, np.float32)
+
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def write_dir(out: str, config: dict, tensors: dict[str, Tensor], metadata: dict | None = None,
+              max_shard_bytes: int = 5 * 10**9) -> list[str]:
+    """config.json and the tensors, one at a time: `model.safetensors`, or, over max_shard_bytes (decimal,
+    as `save_pretrained`'s max_shard_size), Hugging Face's sharded layout: model-0000i-of-0000n.safetensors
+    in the tensors' order plus model.safetensors.index.json. Returns the files written."""
+    os.makedirs(out, exist_ok=True)
+    for stale in [n for n in os.listdir(out) if n in (SINGLE, INDEX) or _SHARD_FILE.fullmatch(n)]:
+        os.remove(os.path.join(out, stale))  # another layout's files would shadow or mix with these
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    groups = _shard_groups(tensors, max_shard_bytes)
+    files = [SINGLE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+                                               for i in range(1, len(groups) + 1)]
+    for name, group in zip(files, groups):
+        _write_file(os.path.join(out, name), {n: tensors[n] for n in group}, metadata or {"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+                 "weight_map": {n: f for f, group in zip(files, groups) for n in group}}
+        with open(os.path.join(out, INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return files
+
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _nbytes(t: Tensor) -> int:
+    return math.prod(t.shape) * np.dtype(t.dtype).itemsize
+
+
+def _shard_groups(tensors: dict[str, Tensor], max_bytes: int) -> list[list[str]]:
+    """The tensors in order, a new file whenever the next would take this one past max_bytes (a tensor
+    larger than max_bytes gets a file of its own), as `save_pretrained` splits."""
+    groups, size = [[]], 0
+    for name, t in tensors.items():
+        if groups[-1] and size + _nbytes(t) > max_bytes:
+            groups, size = groups + [[]], 0
+        groups[-1].append(name)
+        size += _nbytes(t)
+    return groups
+
+
+def _write_file(path: str, tensors: dict[str, Tensor], metadata: dict) -> None:
+    """A safetensors file written one tensor at a time. The library lays the file out (header, order,
+    alignment) from specs that all point at one zero buffer; each tensor is then computed and written at
+    the offsets the header gives, so the bytes equal `safetensors.numpy.save_file` of the same tensors."""
+    import safetensors
+
+    zeros = np.zeros(max((_nbytes(t) for t in tensors.values()), default=0), np.uint8)
+    specs = {n: safetensors.TensorSpec(dtype=np.dtype(t.dtype).name, shape=t.shape, data_ptr=zeros.ctypes.data,
+                                       data_len=_nbytes(t)) for n, t in tensors.items()}
+    safetensors.serialize_file(specs, path, metadata=metadata)
+    del zeros
+    with open(path, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        for name, t in tensors.items():
+            data = np.ascontiguousarray(t.load().astype(t.dtype, copy=False))
+            begin, end = header[name]["data_offsets"]
+            if data.shape != t.shape or data.nbytes != end - begin:
+                raise ValueError(f"{name}: computed {data.shape} {data.dtype}, declared {t.shape} {t.dtype}")
+            f.seek(8 + header_len + begin)
+            f.write(memoryview(data.reshape(-1).view(np.uint8)))
 
 
 def _dtype(name: str):

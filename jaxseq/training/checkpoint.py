@@ -2,6 +2,8 @@
 
 A checkpoint holds the sharded TrainState and a small JSON item (`meta`): the data position and the
 resolved configuration, so a resume continues the same data stream and refuses a different model.
+A resume restores the whole state (`restore`); sampling, conversion and `--init-from` read the params
+alone, shard by shard (`reader`, `restore_params`).
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def resize_vocab(tree, rows: int, shardings):
     (their logits are masked), so this loses nothing."""
 
     def resize(x):
-        if x.shape[0] != rows:
-            return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: min(rows, x.shape[0])].set(x[:rows])
-        return x
+        # A pad, not zeros().at[].set(): XLA partitions a pad between shardings, where it replicated the
+        # scatter's whole table on every device ("involuntary full rematerialization").
+        return jnp.pad(x[:rows], ((0, max(rows - x.shape[0], 0)),) + ((0, 0),) * (x.ndim - 1))
 
     return jax.jit(lambda t: _map_vocab_leaves(resize, t), out_shardings=shardings)(tree)
 
@@ -93,6 +95,42 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
             state = resize_vocab(state, wanted, state_shardings)
         return state, meta
     return None
+
+
+def reader(directory: str) -> ocp.CheckpointManager:
+    """A manager for reading, whose state item is read as a plain PyTree, so that a part of it (the params,
+    without the Adam moments) can be restored alone (orbax's `partial_restore`)."""
+    options = ocp.CheckpointManagerOptions(create=False)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+
+
+def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
+    """The params of checkpoint `step` read straight into `abstract_params` (ShapeDtypeStructs with
+    shardings, any mesh, any dtype): each device reads only its own slices, nothing else is read.
+
+    The vocabulary leaves are padded with zeros or cut to the rows asked for, and the position table may be
+    cut to a shorter seq_len (orbax's non-strict restore); any other difference of shape is refused first,
+    in one line, so nothing changes shape silently."""
+    _check_shapes(mgr.item_metadata(step)["state"]["params"], abstract_params, step)
+    target = {"params": abstract_params}
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype,
+                                                       strict=False), target)
+    restored = mgr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True)))
+    return restored["state"]["params"]
+
+
+def _check_shapes(saved, abstract_params, step: int) -> None:
+    positions = jax.tree.map(lambda _: False, M.vocab_mask()) | {"embed": {"token": False, "position": True}}
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
+    for (path, want), got, vocab, position in zip(leaves, jax.tree.leaves(saved), jax.tree.leaves(M.vocab_mask()),
+                                                  jax.tree.leaves(positions)):
+        got, want = tuple(got.shape), tuple(want.shape)
+        rows_ok = vocab or (position and want[0] <= got[0]) or want[0] == got[0]
+        if not rows_ok or got[1:] != want[1:]:
+            raise ConfigError(f"checkpoint step {step}: {jax.tree_util.keystr(path, simple=True, separator='.')} has "
+                              f"shape {got}, the model needs {want}")
 
 
 def _warn_unreadable(step: int, e: Exception) -> None:

@@ -25,9 +25,9 @@ from jaxseq.parallel.schedule import Schedule
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import aot, rundir
 from jaxseq.training import checkpoint as C
-from jaxseq.training.data import Batches, Corpus, decode_tokens, encode_text, unigram_entropy
+from jaxseq.training.data import Batches, Corpus, decode_tokens, unigram_entropy
 from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
-from jaxseq.training.sampling import sample
+from jaxseq.training.sampling import for_sampling, prompt_ids, sample, validation_prompt
 from jaxseq.training import train_step as T
 
 log = logging.getLogger("jaxseq")
@@ -363,18 +363,21 @@ def _banner(session: Session, corpus: Corpus, start: int) -> str:
 
 
 def _closing_report(session: Session, corpus: Corpus, state) -> None:
-    """The validation loss against the data's unigram entropy, and a sample. Every process computes
-    (the arrays span them all); process 0 prints."""
-    settings = session.run.train
+    """The validation loss against the data's unigram entropy, and a sample continuing the start of a
+    validation document, drawn from the train state's params resharded for sampling (`for_sampling`: never
+    gathered). Every process computes (the arrays span them all); process 0 prints."""
+    run, settings = session.run, session.run.train
     val = session.evaluate(state.params)
-    prompt = "def "
-    ids = sample(state.params, session.run.model, encode_text(prompt, corpus.tokenizer), settings.sample_tokens,
-                 seed=settings.seed)
+    prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
+    if settings.sample_tokens:
+        params, mesh = for_sampling(state.params, run.model, session.mesh)
+        ids = sample(params, run.model, prompt_ids(prompt, corpus.tokenizer), settings.sample_tokens,
+                     seed=settings.seed, mesh=mesh)
     if D.is_main_process():
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)
         print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
               f"({corpus.name}); checkpoint: {session.checkpoint_dir}")
-        print("sample:\n" + prompt + decode_tokens(ids, corpus.tokenizer))
+        print("sample (prompt: the start of a validation document):\n" + prompt + decode_tokens(ids, corpus.tokenizer))
 
 
 def _pipeline_text(p: ParallelConfig, micro: int) -> str:

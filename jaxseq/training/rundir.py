@@ -15,14 +15,17 @@ import os
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig, replace
-from jaxseq.mesh import make_mesh
+from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
+                           replace, validate_parallel)
+from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
 from jaxseq.models import gpt as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
+from jaxseq.training.sampling import sampling_parallel
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -76,61 +79,81 @@ def saved_optimizer(path: str) -> OptimizerConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Restoring on one device (generate, convert, --init-from)
+# Restoring onto a mesh (generate, convert, --init-from): the params alone, shard by shard
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Restored:
     model: ModelConfig
-    params: dict  # on one device, vocabulary padded for tensor = 1
+    params: dict  # on the mesh asked for, in its shardings; vocabulary padded for its tensor size
     tokenizer: str | None  # tokenizer.json path; None: bytes
     step: int
 
 
-class _OneStep:
-    """A checkpoint manager that offers only one step to `checkpoint.restore`."""
-
-    def __init__(self, mgr, step: int):
-        self._mgr, self._step = mgr, step
-
-    def all_steps(self):
-        return [self._step] if self._step in self._mgr.all_steps() else []
-
-    def __getattr__(self, name):
-        return getattr(self._mgr, name)
-
-
-def restore(path: str) -> Restored:
-    """The newest checkpoint of a run or converted directory (or the step RUN/checkpoints/N) on one device."""
+def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32", seq_len: int | None = None) -> Restored:
+    """The params of the newest checkpoint of a run or converted directory (or of the step RUN/checkpoints/N),
+    read onto `mesh` in the train step's master shardings for `parallel` (layers over `pipe`, heads over
+    `tensor`, split over `data` too with the distributed optimizer): every device reads only its own slices,
+    and the optimizer moments are not read at all. Weights the compute dtype copies (`M.cast_mask`) arrive in
+    `dtype`; `seq_len` cuts the position table."""
     saved = read_config(path)
+    model = ModelConfig(**saved["model"])
+    model = replace(model, seq_len=seq_len or model.seq_len)
+    dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask())
+    abstract = jax.tree.map(lambda shape, spec, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec)),
+                            M.param_shapes(model, parallel.tensor), T.master_specs(model, parallel), dtypes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+    step, params = _read_params(path, abstract)
+    return Restored(model=model, params=params, tokenizer=saved["train"].get("tokenizer"), step=step)
+
+
+def _read_params(path: str, abstract) -> tuple[int, dict]:
+    """(step, params) of the checkpoint `path` names; a damaged one is one line naming an earlier step."""
     run_dir, step = split_step(path)
-    cfg = ModelConfig(**saved["model"])
-    parallel = ParallelConfig()
-    mesh = make_mesh(parallel, jax.local_devices()[:1])
-    optimizer = T.make_optimizer(OptimizerConfig(**saved["optimizer"]))
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
-    mgr = C.manager(checkpoint_dir(run_dir), async_save=False)
-    restored = C.restore(mgr if step is None else _OneStep(mgr, step), abstract,
-                         T.state_shardings(cfg, parallel, optimizer, mesh), mesh)
-    if restored is None:
+    directory = checkpoint_dir(run_dir)
+    mgr = C.reader(directory) if os.path.isdir(directory) else None
+    steps = mgr.all_steps() if mgr is not None else []
+    step = max(steps, default=None) if step is None else step
+    if step not in steps:
         raise ConfigError(f"{path!r} holds no checkpoint" + (f" at step {step}" if step is not None else ""))
-    state, _ = restored
-    return Restored(cfg, state.params, saved["train"].get("tokenizer"), int(state.step))
+    try:
+        return step, C.restore_params(mgr, step, abstract)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as e:  # a damaged checkpoint: say which, and what else there is
+        earlier = [s for s in steps if s < step]
+        first_line = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({type(e).__name__}: {first_line})"
+                          + (f"; an earlier one: {os.path.join(directory, str(max(earlier)))}" if earlier else "")
+                          ) from None
+
+
+def resolve_mesh(cfg: ModelConfig, mesh_text: str | None, devices) -> tuple[ParallelConfig, jax.sharding.Mesh]:
+    """The --mesh of generate and convert (train's syntax, `mesh.parse_mesh`), validated for the model; by
+    default every device, tensor-parallel as far as the heads and the MLP split (`sampling_parallel`), the
+    rest data-parallel."""
+    if mesh_text is None:
+        parallel = sampling_parallel(cfg, ParallelConfig(tensor=len(devices)))
+    else:
+        pipe, data, tensor = parse_mesh(mesh_text, len(devices))
+        parallel = ParallelConfig(pipe=pipe, data=data, tensor=tensor)
+    validate_parallel(cfg, parallel, len(devices))
+    return parallel, make_mesh(parallel, devices)
 
 
 def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False) -> dict:
-    """Params (host or one device) padded for the mesh's tensor size and sharded as the train step
-    shards them; every process holds the whole host copy (multi-process safe)."""
-    parallel = ParallelConfig(data=mesh.shape["data"], tensor=mesh.shape["tensor"],
-                              sequence_parallel=sequence_parallel, pipe=mesh.shape["pipe"])
-    replicated = NamedSharding(mesh, P())
-    params = jax.tree.map(lambda x: _put(np.asarray(x), replicated), params)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
-    return C.resize_vocab(params, cfg.padded_vocab(parallel.tensor), shardings)
+    """Params held on the host (NumPy; device arrays are fetched) padded for the mesh's tensor size and put
+    into the train step's shards: each device receives only its own slice (multi-process safe)."""
+    parallel = mesh_parallel(mesh, sequence_parallel)
+    rows = cfg.padded_vocab(parallel.tensor)
 
+    def put(is_vocab, x, spec):
+        x = np.asarray(x)
+        if is_vocab:
+            x = np.concatenate([x[:rows], np.zeros((max(rows - len(x), 0), *x.shape[1:]), x.dtype)])
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
 
-def _put(x: np.ndarray, sharding: NamedSharding):
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.tree.map(put, M.vocab_mask(), params, M.param_specs(parallel))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,17 +185,14 @@ def init_vocab(path: str, corpus_vocab: int) -> int:
 
 
 def init_state(path: str, model: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> T.TrainState:
-    """A fresh TrainState (step 0, new optimizer moments) whose params are the weights saved in `path`,
-    placed on `mesh`."""
-    restored = restore(path)
-    saved = restored.model
+    """A fresh TrainState (step 0, new optimizer moments) whose params are the weights saved in `path`, read
+    straight onto `mesh` in the train step's shardings (no whole copy anywhere)."""
+    saved = saved_model(path)
     diffs = [f"{k}={getattr(saved, k)!r} (saved) vs {getattr(model, k)!r}" for k in ARCHITECTURE_FIELDS
              if k != "seq_len" and getattr(saved, k) != getattr(model, k)]
     if model.seq_len > saved.seq_len:
         diffs.append(f"seq_len={saved.seq_len} (saved) < {model.seq_len}")
     if diffs:
         raise ConfigError(f"--init-from {path}: the model differs: " + ", ".join(diffs))
-    params = jax.tree.map(np.asarray, restored.params)
-    params["embed"]["position"] = params["embed"]["position"][: model.seq_len]
-    params = place(params, model, mesh, parallel.sequence_parallel)
+    params = restore(path, parallel, mesh, seq_len=model.seq_len).params
     return T.state_from_params(params, model, parallel, optimizer, mesh)

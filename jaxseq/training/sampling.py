@@ -1,39 +1,205 @@
-"""Sampling from a model's parameters (the end-of-run sample; `python -m jaxseq.generate` is the command)."""
+"""Sampling from a model's parameters with a KV cache, on one device or on a mesh (the end-of-run sample;
+`python -m jaxseq.generate` is the command).
+
+The prompt is processed once (`_prefill`: the whole window, writing every layer's keys and values into the
+cache), then each new token is one step against the cache (`_decode`); both are compiled once per shape.
+The cache is [layers, batch, seq_len, heads, head_dim] per K and V, heads split over `tensor` like the
+attention's. Positions are learned and absolute, so when the window is full (seq_len tokens) it slides by
+recomputing the last seq_len tokens for every further token, as sampling without a cache did.
+
+On a mesh the weights are in the sampling layout (`sampling_parallel`): the devices of pipe × tensor split
+the heads, the MLP and the vocabulary, data ranks hold copies and compute the same tokens. Why not sample
+through the pipeline: one sequence has no micro-batches to overlap, so p − 1 stages would idle at every
+token while each token still crosses every stage; split over p·t devices instead, every device works on
+every token and holds the same share of the layer weights as in training (`for_sampling` reshards them).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from jaxseq.config import ModelConfig
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
+from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
 from jaxseq.models import gpt as M
 from jaxseq.sharding import Sharder
+from jaxseq.training import checkpoint as C
+from jaxseq.training.data import Corpus, decode_tokens, encode_text, load_tokenizer
+
+# ---------------------------------------------------------------------------------------------
+# The sampling layout
 
 
-@partial(jax.jit, static_argnames=("cfg", "top_k"))
-def _next_token(params, window, length, key, temperature, cfg: ModelConfig, top_k: int):
-    """Sample the token after window[:length] (the rest of the window is ignored: attention is causal)."""
-    x = M.hidden_states(params, window, cfg, Sharder(None), "none")
-    logits = M.logits_fn(params, x, cfg, Sharder(None))[0, length - 1, : cfg.vocab_size]
+@dataclass(frozen=True)
+class OneSequence(Sharder):
+    """The model's sharding rules with the batch (one sequence) replicated: every data rank computes it."""
+
+    @property
+    def rules(self) -> dict[str, str | None]:
+        return {**logical_rules(False), "batch": None}
+
+
+def sampling_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> ParallelConfig:
+    """The layout sampling runs in on the same devices: tensor = the largest divisor of pipe × tensor that
+    divides the heads and the MLP width (a multiple of `tensor`), no pipeline, data = the rest."""
+    group = parallel.pipe * parallel.tensor
+    tensor = max(t for t in range(1, group + 1) if group % t == 0 and cfg.heads % t == 0 and cfg.mlp_hidden % t == 0)
+    return ParallelConfig(data=parallel.num_devices // tensor, tensor=tensor)
+
+
+def sampling_mesh(cfg: ModelConfig, mesh) -> jax.sharding.Mesh:
+    """The sampling layout's mesh over `mesh`'s devices in the same order (one program can then move the
+    weights from one to the other): each tensor group is consecutive devices, i.e. within a host."""
+    return make_mesh(sampling_parallel(cfg, mesh_parallel(mesh)), list(mesh.devices.flat))
+
+
+def resharding(cfg: ModelConfig, mesh):
+    """(jit: params as the train state holds them on `mesh` → params in the sampling layout and compute dtype,
+    the sampling mesh). One program moves every weight from its training shards (any pipe, tensor and
+    distributed-optimizer split) to its sampling shards; nothing is gathered whole."""
+    target = sampling_mesh(cfg, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(mesh_parallel(target)))
+    rows = cfg.padded_vocab(target.shape["tensor"])
+    move = lambda params: C.resize_vocab(M.cast_params(params, jnp.dtype(cfg.dtype)), rows, shardings)
+    return jax.jit(move, out_shardings=shardings), target
+
+
+def for_sampling(params, cfg: ModelConfig, mesh):
+    """(params in the sampling layout, its mesh) from the train state's params on `mesh` (`resharding`)."""
+    move, target = resharding(cfg, mesh)
+    return move(params), target
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill and decode against the cache
+
+
+def _attend(q, k, v, start, cfg: ModelConfig):
+    """q [b, n, a, d] at positions start … start + n − 1 against the cached k, v [b, S, a, d] (causal)."""
+    scores = jnp.einsum("bqad,bkad->baqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
+    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(q.shape[1])[:, None]
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(q.dtype)
+    return jnp.einsum("baqk,bkad->bqad", probs, v)
+
+
+def _layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder):
+    """Layer i (as `M.block` computes it without dropout) on x [b, n, h] at positions start … start + n − 1,
+    writing its keys and values into layer i of the cache (K, V [L, b, S, a, d], updated in place) first."""
+    linear = lambda spec, y, w: M.add_bias(M.matmul(spec, y, w["kernel"], shard.platform), w["bias"])
+    y = M.layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps)
+    qkv = shard(linear("bsh,hcad->bscad", y, p["attn"]["qkv"]), "batch", None, None, "heads", None)
+    q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
+    ctx = _attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache), start, cfg)
+    x = x + shard(linear("bsad,adh->bsh", ctx, p["attn"]["out"]), "batch", None, None)
+    y = M.layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps)
+    hid = shard(M.gelu(linear("bsh,hf->bsf", y, p["mlp"]["wi"])), "batch", None, "mlp")
+    return x + shard(linear("bsf,fh->bsh", hid, p["mlp"]["wo"]), "batch", None, None), cache
+
+
+def _forward(params, tokens, cache, start, cfg: ModelConfig, shard: Sharder):
+    """Final-LN hidden states of tokens [b, n] at positions start …, and the cache with their keys and values."""
+    x = shard.embed(params["embed"]["token"], tokens)
+    x = shard(x + jax.lax.dynamic_slice_in_dim(params["embed"]["position"], start, tokens.shape[1]), "batch", None, None)
+
+    def step(carry, layer):
+        (x, cache), (p, i) = carry, layer
+        return _layer(x, p, cache, i, start, cfg, shard), None
+
+    (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.layers)))
+    return M.layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps), cache
+
+
+def _choose(params, x, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
+    """A token drawn from the logits of x [b, 1, h] (top-k, temperature), [b] int32."""
+    logits = M.logits_fn(params, x, cfg, shard)[:, 0, : cfg.vocab_size]
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][-1]
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
+    return shard(jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6), axis=-1), "batch")
+
+
+@partial(jax.jit, static_argnames=("cfg", "shard", "top_k"))
+def _prefill(params, window, length, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
+    """The token after window[:, :length] ([b, seq_len], the rest padding), and a cache holding the
+    window's keys and values (those past `length` are overwritten before any query can see them)."""
+    params = M.cast_params(params, jnp.dtype(cfg.dtype))
+    b, s = window.shape
+    empty = shard(jnp.zeros((cfg.layers, b, s, cfg.heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
+                  "layers", "batch", None, "heads", None)
+    x, cache = _forward(params, window, (empty, empty), 0, cfg, shard)
+    last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+    return _choose(params, last, key, temperature, cfg, shard, top_k), cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "shard", "top_k"), donate_argnames=("cache",))
+def _decode(params, cache, token, position, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
+    """The token after `token` [b] (at `position`, the cache holding every earlier one), and the cache with it."""
+    params = M.cast_params(params, jnp.dtype(cfg.dtype))
+    x, cache = _forward(params, token[:, None], cache, position, cfg, shard)
+    return _choose(params, x, key, temperature, cfg, shard, top_k), cache
 
 
 def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, temperature: float = 0.8,
-           top_k: int = 40, seed: int = 0) -> list[int]:
-    """Autoregressive sampling in a sliding window of seq_len tokens (no KV cache: models here are small)."""
-    tokens = list(prompt) or [ord("\n")]
-    key = jax.random.key(seed)
+           top_k: int = 40, seed: int = 0, mesh=None) -> list[int]:
+    """max_tokens token ids after `prompt` (non-empty: `prompt_ids`). `params` on one device (mesh None) or in
+    the sampling layout on `mesh` (`for_sampling`, `rundir.restore` with `sampling_parallel`)."""
+    if not prompt:
+        raise ConfigError("the prompt is empty: start it with the tokenizer's document start (prompt_ids)")
+    shard, top_k = OneSequence(mesh), min(top_k, cfg.vocab_size)
+    tokens, key, cache, filled = list(prompt), jax.random.key(seed), None, 0
     for i in range(max_tokens):
-        context = tokens[-cfg.seq_len:]
-        window = np.zeros((1, cfg.seq_len), np.int32)
-        window[0, : len(context)] = context
-        tok = _next_token(params, window, len(context), jax.random.fold_in(key, i), temperature, cfg,
-                          min(top_k, cfg.vocab_size))
-        tokens.append(int(tok))
+        step_key = jax.random.fold_in(key, i)
+        if filled in (0, cfg.seq_len):  # the first token, or a full window sliding by one: recompute it
+            context = tokens[-cfg.seq_len:]
+            window = np.zeros((1, cfg.seq_len), np.int32)
+            window[0, : len(context)] = context
+            token, cache = _prefill(params, window, len(context), step_key, temperature, cfg, shard, top_k)
+            filled = len(context)
+        else:
+            token, cache = _decode(params, cache, np.asarray([tokens[-1]], np.int32), filled, step_key,
+                                   temperature, cfg, shard, top_k)
+            filled += 1
+        tokens.append(int(np.asarray(token)[0]))
     return tokens[len(prompt):]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+# Special tokens that start (or separate) documents, most common first.
+DOCUMENT_TOKENS = ("<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "</s>", "<eos>")
+
+
+def document_start(tokenizer_path: str | None) -> list[int]:
+    """What an empty prompt stands for: the start of a document. The tokenizer's own end-of-text / beginning-
+    of-sequence token where it has one (GPT-2's <|endoftext|>, <s>, …), else its only special token, else a
+    newline as the tokenizer encodes it; for bytes a newline (documents are joined by one)."""
+    if tokenizer_path is None:
+        return list(b"\n")
+    tok = load_tokenizer(tokenizer_path)
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    for name in DOCUMENT_TOKENS:
+        if name in special:
+            return [special[name]]
+    if len(special) == 1:
+        return list(special.values())
+    return tok.encode("\n").ids
+
+
+def prompt_ids(text: str, tokenizer_path: str | None) -> list[int]:
+    """The prompt's token ids; an empty prompt is the start of a document (`document_start`)."""
+    return encode_text(text, tokenizer_path) if text else document_start(tokenizer_path)
+
+
+def validation_prompt(corpus: Corpus, max_tokens: int) -> str:
+    """The end-of-run sample's prompt: the first line of the validation split (the start of a validation
+    document), at most max_tokens tokens; text of the run's own corpus, whatever its language."""
+    text = decode_tokens([int(t) for t in corpus.val[:max_tokens]], corpus.tokenizer).lstrip("\n")
+    return text.split("\n", 1)[0] + "\n" if "\n" in text else text
