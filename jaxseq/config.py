@@ -274,6 +274,10 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
     if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
         resolve_schedule(parallel.schedule, parallel.virtual_stages)
+        if parallel.pipe == 1:  # accepted and ignored, a run would not be what was asked for
+            raise ConfigError(f"schedule={parallel.schedule!r} with virtual_stages={parallel.virtual_stages} needs a "
+                              "pipeline, and pipe=1: set pipe > 1 in the mesh, or leave the schedule (1f1b) and "
+                              "virtual_stages (1) at their defaults")
         stages = parallel.pipe * parallel.virtual_stages
         if model.layers % stages:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
