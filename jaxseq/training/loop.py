@@ -196,7 +196,8 @@ def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
     abstract = jax.eval_shape(
         lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
     restored = C.restore(session.checkpoints, abstract, shardings, mesh,
-                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]))
+                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]),
+                         set_aside=True)
     if restored is None:
         raise ConfigError(f"--resume: no checkpoint in {session.checkpoint_dir}")
     state, meta = restored
