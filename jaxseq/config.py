@@ -164,8 +164,9 @@ def _preset(**kw) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # tiny: for tests; 5as/h = 5·8·64/64 = 40.
     "tiny": _preset(vocab_size=256, seq_len=64, hidden=64, heads=8, layers=2),
-    # The default run: bytes of Python source, small enough to learn in minutes on 2 CPU cores.
-    "stdlib-bytes": _preset(vocab_size=256, seq_len=128, hidden=128, heads=4, layers=4, dropout=0.0),
+    # The default run: bytes of Python source (256 byte ids + the end-of-document id, as the data gives),
+    # small enough to learn in minutes on 2 CPU cores.
+    "stdlib-bytes": _preset(vocab_size=257, seq_len=128, hidden=128, heads=4, layers=4, dropout=0.0),
     "gpt2-124m": _preset(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
     "gpt2-350m": _preset(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
     # GPT-3 XL: 24 heads of width 128 (the GPT-3 paper's d_head), so attention is 3072 wide.
@@ -274,6 +275,10 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
     if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
         resolve_schedule(parallel.schedule, parallel.virtual_stages)
+        if parallel.pipe == 1:  # accepted and ignored, a run would not be what was asked for
+            raise ConfigError(f"schedule={parallel.schedule!r} with virtual_stages={parallel.virtual_stages} needs a "
+                              "pipeline, and pipe=1: set pipe > 1 in the mesh, or leave the schedule (1f1b) and "
+                              "virtual_stages (1) at their defaults")
         stages = parallel.pipe * parallel.virtual_stages
         if model.layers % stages:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "

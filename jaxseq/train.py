@@ -162,27 +162,16 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
 
     configs: "model", "optimizer", "train", and "explicit": the fields ("optimizer.lr", …) the user
     set in the YAML file, a flag or a key=value (a resume keeps the saved value of every other one)."""
-    name = args.preset or DEFAULT_PRESET
-    # The default run's small byte-level model learns fastest at a higher rate than GPT-2's 6e-4.
-    optimizer = OptimizerConfig(lr=2e-3, warmup_steps=50) if name == DEFAULT_PRESET else OptimizerConfig()
-    configs = {"model": preset(name), "optimizer": optimizer, "train": TrainConfig(), "parallel": ParallelConfig()}
-    if name == DEFAULT_PRESET:
-        # float32 compute: the reference run (README). bfloat16 is 1.3x faster on a 2-core CPU with
-        # native bf16 dots (model.matmul) and ends 0.024 nats/byte higher at step 800 (README).
-        configs["model"] = replace(configs["model"], dtype="float32")
-        # 800 steps reach ≈1.7 nats/byte (≤ 1.8 asked) in under 10 minutes on a loaded 2-core CPU.
-        configs["train"] = replace(configs["train"], steps=800)
+    yaml_preset, fields = yaml_fields(args.config) if args.config else (None, {})
+    # `--preset X` and `preset: X` in the YAML file name the same run (the flag wins if both are given).
+    configs = preset_configs(args.preset or yaml_preset or DEFAULT_PRESET)
     explicit = set()
 
     def override(configs, overrides):
         explicit.update(f"{_field_section(key)}.{key.split('.')[-1]}" for key in overrides)
         return apply_overrides(configs, overrides)
 
-    if args.config:
-        model, fields = yaml_fields(args.config)
-        if model is not None:
-            configs["model"] = model
-        configs = override(configs, fields)
+    configs = override(configs, fields)
     flags = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
     if args.resume:
         flags["resume"] = True
@@ -203,19 +192,34 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
     return configs, args.mesh, args.sequence_parallel
 
 
-def yaml_fields(path: str) -> tuple[ModelConfig | None, dict]:
-    """A --config file as (its preset's model or None, {field or section.field: value})."""
+def preset_configs(name: str) -> dict:
+    """The configs a preset starts from: its model, and for the default run its own optimizer and length."""
+    configs = {"model": preset(name), "optimizer": OptimizerConfig(), "train": TrainConfig(),
+               "parallel": ParallelConfig()}
+    if name == DEFAULT_PRESET:
+        # The default run's small byte-level model learns fastest at a higher rate than GPT-2's 6e-4.
+        configs["optimizer"] = OptimizerConfig(lr=2e-3, warmup_steps=50)
+        # float32 compute: the reference run (README). bfloat16 is 1.3x faster on a 2-core CPU with
+        # native bf16 dots (model.matmul) and ends 0.024 nats/byte higher at step 800 (README).
+        configs["model"] = replace(configs["model"], dtype="float32")
+        # 800 steps reach ≈1.7 nats/byte (≤ 1.8 asked) in under 10 minutes on a loaded 2-core CPU.
+        configs["train"] = replace(configs["train"], steps=800)
+    return configs
+
+
+def yaml_fields(path: str) -> tuple[str | None, dict]:
+    """A --config file as (the name of its preset or None, {field or section.field: value})."""
     loaded = read_yaml(path)
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path!r} must hold a mapping")
-    model = preset(loaded.pop("preset")) if "preset" in loaded else None
+    name = loaded.pop("preset", None)
     fields = {}
     for key, value in loaded.items():
         if key in SECTIONS and isinstance(value, dict):
             fields.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             fields[key] = value
-    return model, fields
+    return (None if name is None else str(name)), fields
 
 
 def read_yaml(path: str):

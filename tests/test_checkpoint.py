@@ -1,4 +1,5 @@
-"""Orbax checkpoints: restore onto another mesh (re-padded vocabulary), fall back past a broken one."""
+"""Orbax checkpoints: restore onto another mesh (re-padded vocabulary), fall back past a damaged step (and set it
+aside when resuming), and let a bug propagate."""
 
 import logging
 import os
@@ -57,13 +58,36 @@ def test_restore_on_another_tensor_size_repads_the_vocabulary(devices, tmp_path)
         assert int(restored.step) == int(state.step)
 
 
-def test_unreadable_latest_falls_back_to_the_previous(devices, tmp_path, caplog):
+def _files(step_dir, *parts):
+    """The files under one directory of a checkpoint step."""
+    return [os.path.join(root, f) for root, _, files in os.walk(os.path.join(step_dir, *parts)) for f in files]
+
+
+# How a checkpoint step gets damaged, and what orbax raises reading it (each a different path through restore).
+DAMAGE = {
+    "meta JSON cut short": lambda d: open(os.path.join(d, "meta", "metadata"), "w").write('{"data_posi'),  # ValueError
+    "meta item gone": lambda d: shutil.rmtree(os.path.join(d, "meta")),  # KeyError
+    "state item gone": lambda d: shutil.rmtree(os.path.join(d, "state")),  # KeyError
+    "state metadata gone": lambda d: [os.remove(os.path.join(d, "state", f)) for f in ("_METADATA", "_sharding")],
+    # the arrays' data: orbax raises a bare Exception whose cause is TensorStore's ValueError
+    "array data gone": lambda d: [os.remove(f) for f in _files(d, "state") if os.sep + "d" + os.sep in f],
+}
+
+
+@pytest.fixture(scope="module")
+def two_states(devices):
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
-    _, first = _state(parallel, devices, seed=1)
-    _, second = _state(parallel, devices, seed=2)
+    return parallel, _state(parallel, devices, seed=1)[1], _state(parallel, devices, seed=2)[1]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+# A failed array read leaves orbax's other read coroutines to a closed event loop ("Exception ignored").
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unreadable_latest_falls_back_to_the_previous(devices, tmp_path, caplog, two_states, damage):
+    parallel, first, second = two_states
     _save(str(tmp_path), 1, first)
     _save(str(tmp_path), 2, second)
-    shutil.rmtree(os.path.join(tmp_path, "2", "state"))  # a damaged newest checkpoint
+    DAMAGE[damage](os.path.join(tmp_path, "2"))
     abstract, shardings, mesh = _target(parallel, devices)
     with caplog.at_level(logging.WARNING, logger="jaxseq"):
         restored, meta = C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh)
@@ -71,6 +95,67 @@ def test_unreadable_latest_falls_back_to_the_previous(devices, tmp_path, caplog)
     assert "checkpoint step 2 is unreadable" in caplog.text
     np.testing.assert_array_equal(np.asarray(restored.params["embed"]["token"]),
                                   np.asarray(first.params["embed"]["token"]))
+    assert C.manager(str(tmp_path)).all_steps() == [1, 2]  # a reader (generate, convert) moves nothing
+
+
+@pytest.mark.parametrize("bug", [TypeError, AttributeError, ValueError])
+def test_a_bug_in_restore_propagates(devices, tmp_path, monkeypatch, two_states, bug):
+    """A code bug while restoring (here in the sharding of the target) is not a damaged checkpoint: it
+    is raised, not taken as a reason to fall back to an older step."""
+    parallel, first, second = two_states
+    _save(str(tmp_path), 1, first)
+    _save(str(tmp_path), 2, second)
+
+    def buggy(*args):
+        raise bug("a bug")
+
+    monkeypatch.setattr(C, "_divisible", buggy)
+    abstract, shardings, mesh = _target(parallel, devices)
+    with pytest.raises(bug, match="a bug"):
+        C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh)
+
+
+def test_no_readable_step_is_one_line_naming_each(devices, tmp_path, two_states):
+    parallel, first, second = two_states
+    _save(str(tmp_path), 1, first)
+    _save(str(tmp_path), 2, second)
+    DAMAGE["meta JSON cut short"](os.path.join(tmp_path, "1"))
+    DAMAGE["state item gone"](os.path.join(tmp_path, "2"))
+    abstract, shardings, mesh = _target(parallel, devices)
+    with pytest.raises(ConfigError) as e:
+        C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh, set_aside=True)
+    line = str(e.value)
+    assert line.startswith(f"no readable checkpoint in {tmp_path}: checkpoint step 2 is unreadable (KeyError")
+    assert "checkpoint step 1 is unreadable (JSONDecodeError" in line and "\n" not in line
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # nothing restored, nothing set aside
+
+
+def test_a_resume_past_a_damaged_step_sets_it_aside_and_saves_it_again(tmp_path, caplog):
+    """As a user meets it: a run checkpointed at steps 2 and 4 whose step-4 metadata is damaged. The
+    resume warns, sets step 4 aside (one line says where), resumes from step 2, trains on and saves
+    step 4 again (orbax refused it while the damaged one was there: StepAlreadyExistsError, and every
+    later --resume fell back the same way); a second resume continues from the newest step."""
+    from test_train import TINY, metrics, run
+
+    run_dir = str(tmp_path / "run")
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    run(*TINY, "--steps", "4", "--checkpoint-every", "2", "--run-dir", run_dir)
+    assert sorted(os.listdir(checkpoints)) == ["2", "4"]
+    DAMAGE["meta JSON cut short"](os.path.join(checkpoints, "4"))
+    with caplog.at_level(logging.WARNING, logger="jaxseq"):
+        run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--run-dir", run_dir, "--resume")
+    aside = os.path.join(os.path.abspath(checkpoints), "unreadable", "4")
+    lines = [r.getMessage() for r in caplog.records if aside in r.getMessage()]
+    assert lines == [f"checkpoint step 4 set aside in {aside} (unreadable; the run resumes from step 2)"]
+    assert os.path.isdir(aside)
+    assert sorted(os.listdir(checkpoints)) == ["2", "4", "6", "unreadable"]
+    assert [r["step"] for r in metrics(run_dir)][-4:] == [3, 4, 5, 6]  # the steps after 2, again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxseq"):
+        run(*TINY, "--steps", "7", "--checkpoint-every", "2", "--run-dir", run_dir, "--resume")
+    assert "unreadable" not in caplog.text
+    assert [r["step"] for r in metrics(run_dir)][-1:] == [7]
+    assert sorted(os.listdir(checkpoints)) == ["4", "6", "7", "unreadable"]  # the newest 3 kept
 
 
 def test_incompatible_model_is_refused():

@@ -46,6 +46,16 @@ BAD = [
     (dict(model=replace(preset("tiny"), dtype="fp8")), "dtype='fp8' is not valid"),
     (dict(model=replace(preset("tiny"), dtype="float16")), "dtype='float16' needs loss scaling"),
     (dict(model=replace(preset("tiny"), hidden=60)), "heads=8 does not divide hidden=60"),
+    # A pipeline schedule without a pipeline was accepted and ignored (issue 22, item 13).
+    (dict(parallel=ParallelConfig(data=1, tensor=1, schedule="interleaved", virtual_stages=2)),
+     "schedule='interleaved' with virtual_stages=2 needs a pipeline, and pipe=1"),
+    (dict(parallel=ParallelConfig(data=1, tensor=1, virtual_stages=2)),
+     "schedule='1f1b' with virtual_stages=2 needs a pipeline, and pipe=1"),
+    (dict(parallel=ParallelConfig(data=1, tensor=1, schedule="gpipe")),
+     "schedule='gpipe' with virtual_stages=1 needs a pipeline, and pipe=1"),
+    (dict(parallel=ParallelConfig(data=1, tensor=1, pipe=2, schedule="interleaved", virtual_stages=1)),
+     "schedule=interleaved needs virtual_stages ≥ 2"),
+    (dict(parallel=ParallelConfig(data=1, tensor=1, pipe=2, virtual_stages=1)), None),  # valid: 1F1B on 2 stages
 ]
 
 

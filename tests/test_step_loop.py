@@ -1,7 +1,10 @@
 """The step loop does not block on the device between log/checkpoint boundaries, and still stops on a
-non-finite step before any checkpoint holds it (in-process, tiny model, 8 simulated devices)."""
+non-finite step before any checkpoint holds it; it saves before it evaluates, evaluates the last step
+once, and leaves no signal handler behind (in-process, tiny model, 8 simulated devices)."""
 
+import json
 import os
+import signal
 
 import jax
 import pytest
@@ -11,12 +14,13 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfi
 from jaxseq.training.data import load_corpus
 from jaxseq.training import loop
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the ones a run handles (to checkpoint and stop)
 
-def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3):
+def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3, eval_every=10_000):
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 400)
     model = replace(preset("tiny"), dtype="float32", dropout=0.0)
-    train = TrainConfig(steps=steps, batch_size=8, log_every=log_every, eval_every=10_000, eval_batches=1,
+    train = TrainConfig(steps=steps, batch_size=8, log_every=log_every, eval_every=eval_every, eval_batches=1,
                         checkpoint_every=checkpoint_every, data=str(text), run_dir=str(tmp_path / "run"),
                         sample_tokens=2)
     os.makedirs(train.run_dir, exist_ok=True)
@@ -90,7 +94,46 @@ def test_nothing_compiles_between_train_steps(tmp_path, devices, monkeypatch):
     assert between.count("step") == 6 and "compile" not in between, between
 
 
-def test_a_non_finite_step_between_logs_stops_before_any_checkpoint(tmp_path, devices):
+@pytest.fixture
+def own_signal_handlers():
+    """A handler of the test's own on SIGTERM and SIGINT while it runs: what a run must leave in place."""
+    mine = lambda signum, frame: None  # noqa: E731
+    saved = {sig: signal.signal(sig, mine) for sig in SIGNALS}
+    yield mine
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_non_finite_step_between_logs_stops_before_any_checkpoint(tmp_path, devices, own_signal_handlers):
     with pytest.raises(loop.TrainingError, match=r"non-finite .* at step [123] .*none written"):
         loop.train(*_run(tmp_path, steps=8, log_every=4, checkpoint_every=4, lr=1e30))
     assert not os.listdir(tmp_path / "run" / "checkpoints")
+    # The run's SIGTERM/SIGINT handlers went with it, though an exception ended it.
+    assert [signal.getsignal(sig) for sig in SIGNALS] == [own_signal_handlers] * 2
+
+
+def test_the_last_step_is_evaluated_once_and_its_loss_reported(tmp_path, devices, own_signal_handlers,
+                                                                 monkeypatch, capsys):
+    """4 steps evaluated every 2: two evaluations (steps 2 and 4); the closing report prints step 4's
+    validation loss rather than evaluating again. The run's signal handlers are gone after it."""
+    evaluated = []
+    real_evaluate = loop.Session.evaluate
+    monkeypatch.setattr(loop.Session, "evaluate", lambda self, params: evaluated.append(1) or real_evaluate(self, params))
+    assert loop.train(*_run(tmp_path, steps=4, log_every=2, checkpoint_every=10_000, eval_every=2)) == 0
+    assert len(evaluated) == 2
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+    assert len(val) == 2 and f"validation loss {val[-1]:.3f} nats/token" in capsys.readouterr().out
+    assert [signal.getsignal(sig) for sig in SIGNALS] == [own_signal_handlers] * 2
+
+
+def test_a_failed_evaluation_at_a_checkpoint_step_keeps_the_checkpoint(tmp_path, devices, monkeypatch):
+    """Step 2 both saves and evaluates: the checkpoint is written before the evaluation, so an
+    evaluation that fails there (out of memory, say) loses nothing, and the run can resume from it."""
+    def failing(self, params):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(loop.Session, "evaluate", failing)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        loop.train(*_run(tmp_path, steps=4, log_every=2, checkpoint_every=2, eval_every=2))
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]

@@ -141,6 +141,7 @@ def test_a_failed_execution_is_one_line():
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
     (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
     (["--seq-len", "100000"], "the compiled train step needs"),
+    (["--virtual-stages", "2"], "virtual_stages=2 needs a pipeline, and pipe=1"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)
@@ -200,6 +201,25 @@ def test_config_precedence_preset_yaml_flags_overrides(tmp_path):
     assert (train.batch_size, train.micro_batch_size, train.eval_every, train.seed) == (64, 16, 250, 7)
     assert (train.peak_tflops, train.remat, train.steps) == (989.0, "lean", 40)
     assert mesh is None and sp is None  # resolved later, once the devices are known
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "stdlib-bytes"])
+def test_a_preset_named_in_the_yaml_file_is_the_same_run_as_the_flag(tmp_path, name):
+    """`--preset X` and a --config file holding `preset: X` resolve to the same RunConfig: the YAML
+    form kept the default run's optimizer (lr 2e-3, 50 warmup steps), 800 steps and float32."""
+    from jaxseq.train import build_parser, resolve
+
+    (tmp_path / "run.yaml").write_text(f"preset: {name}\n")
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    common = ["--data", str(tmp_path / "text.txt"), "--run-dir", str(tmp_path / "run"), "--host-devices", "8"]
+    by_flag, _ = resolve(build_parser().parse_intermixed_args(["--preset", name, *common]))
+    by_yaml, _ = resolve(build_parser().parse_intermixed_args(["--config", str(tmp_path / "run.yaml"), *common]))
+    assert by_yaml == by_flag
+    # Both given: the flag wins, as flags win over the file everywhere else.
+    other = "tiny" if name != "tiny" else "gpt2-124m"
+    both, _ = resolve(build_parser().parse_intermixed_args(
+        ["--preset", other, "--config", str(tmp_path / "run.yaml"), *common]))
+    assert both == resolve(build_parser().parse_intermixed_args(["--preset", other, *common]))[0]
 
 
 def test_resume_keeps_the_saved_optimizer_unless_asked():

@@ -8,6 +8,7 @@ alone, shard by shard (`reader`, `restore_params`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -20,6 +21,12 @@ from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
 from jaxseq.models import gpt as M
 
 log = logging.getLogger("jaxseq")
+
+# What reading a torn, truncated or missing checkpoint raises (orbax 0.12.8, each tried): a file or an item
+# that is not there (OSError, KeyError), JSON or TensorStore data that does not parse (ValueError, of which
+# json.JSONDecodeError); orbax wraps a failed array read in a bare Exception caused by one of these.
+UNREADABLE = (OSError, ValueError, KeyError)
+SET_ASIDE = "unreadable"  # DIR/unreadable/STEP: where a resume moves the steps it could not read
 
 
 def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
@@ -66,34 +73,46 @@ def resize_vocab(tree, rows: int, shardings):
     return jax.jit(lambda t: _map_vocab_leaves(resize, t), out_shardings=shardings)(tree)
 
 
-def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, check=None):
+def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, check=None,
+            set_aside: bool = False):
     """Restore the newest readable checkpoint onto `state_shardings` (any mesh).
 
-    Returns (state, meta) or None when there is no checkpoint. `check(meta)` runs before the state is
-    read (to refuse an incompatible model with a clear error). A checkpoint that fails to restore is
-    skipped with a warning and the previous one is tried.
+    Returns (state, meta), or None when there is no checkpoint. `check(meta)` runs before the state is
+    read (to refuse an incompatible model with a clear error). A step that fails to read as a torn or
+    missing checkpoint does is skipped with a warning and the previous one is tried; once one restores,
+    `set_aside` moves the skipped ones out of the way (`set_aside_steps`), so that a resumed run can
+    save those steps again. Any other exception is a bug and propagates; no readable step at all is a
+    ConfigError naming each failure.
     """
+    skipped = []
     for step in sorted(mgr.all_steps(), reverse=True):
         try:
-            meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-        except Exception as e:  # an unreadable checkpoint: fall back to the previous one
-            _warn_unreadable(step, e)
-            continue
-        if check is not None:
-            check(meta)
-        try:
-            rows = _vocab_rows(mgr.item_metadata(step)["state"]["params"])
+            with _reading(step):
+                meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+            if check is not None:
+                check(meta)
+            with _reading(step):
+                saved = mgr.item_metadata(step)["state"]
+                if saved is None:  # its metadata files are gone
+                    raise FileNotFoundError("the state's metadata is missing")
+            rows = _vocab_rows(saved["params"])
             shapes = _map_vocab_leaves(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), abstract_state)
             shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
-            state = mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
-        except Exception as e:
-            _warn_unreadable(step, e)
+            with _reading(step):
+                state = mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
+        except UnreadableStep as e:
+            log.warning("%s; trying the previous one", e)
+            skipped.append(e)
             continue
+        if set_aside and skipped:
+            set_aside_steps(mgr, [e.step for e in skipped], step)
         wanted = _vocab_rows(abstract_state.params)
         if rows != wanted:
             state = resize_vocab(state, wanted, state_shardings)
         return state, meta
+    if skipped:
+        raise ConfigError(f"no readable checkpoint in {mgr.directory}: " + "; ".join(map(str, skipped)))
     return None
 
 
@@ -111,13 +130,18 @@ def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
 
     The vocabulary leaves are padded with zeros or cut to the rows asked for, and the position table may be
     cut to a shorter seq_len (orbax's non-strict restore); any other difference of shape is refused first,
-    in one line, so nothing changes shape silently."""
-    _check_shapes(mgr.item_metadata(step)["state"]["params"], abstract_params, step)
+    in one line, so nothing changes shape silently. A torn or missing checkpoint raises UnreadableStep."""
+    with _reading(step):
+        saved = mgr.item_metadata(step)["state"]
+        if saved is None:  # its metadata files are gone
+            raise FileNotFoundError("the state's metadata is missing")
+    _check_shapes(saved["params"], abstract_params, step)
     target = {"params": abstract_params}
     args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype,
                                                        strict=False), target)
-    restored = mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True)))
+    with _reading(step):
+        restored = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True)))
     return restored["state"]["params"]
 
 
@@ -133,9 +157,47 @@ def _check_shapes(saved, abstract_params, step: int) -> None:
                               f"shape {got}, the model needs {want}")
 
 
-def _warn_unreadable(step: int, e: Exception) -> None:
-    log.warning("checkpoint step %d is unreadable (%s: %s); trying the previous one",
-                step, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+class UnreadableStep(Exception):
+    """Reading checkpoint `step` failed as a torn, truncated or missing checkpoint fails."""
+
+    def __init__(self, step: int, cause: BaseException):
+        first = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+        self.step, self.detail = step, f"{type(cause).__name__}: {first}"
+        super().__init__(f"checkpoint step {step} is unreadable ({self.detail})")
+
+
+@contextlib.contextmanager
+def _reading(step: int):
+    """Around orbax's reads only: what a damaged checkpoint raises becomes UnreadableStep; a bug propagates."""
+    try:
+        yield
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, UNREADABLE):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise UnreadableStep(step, cause) from e
+
+
+def set_aside_steps(mgr: ocp.CheckpointManager, steps: list[int], restored: int) -> None:
+    """Move unreadable steps to DIR/unreadable/STEP (one line each says where) and forget them: left in
+    place, the run that resumed from `restored` could not save those steps again (orbax refuses a step
+    that exists), and every later resume would fall back the same way. Process 0 moves; all wait."""
+    if jax.process_index() == 0:
+        for step in steps:
+            source = os.path.join(str(mgr.directory), str(step))
+            target = os.path.join(str(mgr.directory), SET_ASIDE, str(step))
+            suffix = 1
+            while os.path.exists(target):  # set aside before: keep both
+                suffix += 1
+                target = os.path.join(str(mgr.directory), SET_ASIDE, f"{step}-{suffix}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(source, target)
+            log.warning("checkpoint step %d set aside in %s (unreadable; the run resumes from step %d)",
+                        step, target, restored)
+    ocp.multihost.sync_global_processes(f"jaxseq-set-aside-{'-'.join(map(str, steps))}")
+    mgr.reload()
 
 
 def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:

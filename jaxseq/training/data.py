@@ -6,6 +6,11 @@ Three sources, one shape (a 1-D token array per split):
 - token files (`PREFIX.train.bin` / `PREFIX.val.bin`, memory-mapped uint16/uint32, the nanoGPT /
   Megatron convention) written by `python -m jaxseq.data`, with `PREFIX.json` describing them.
 
+Each file is a document, and every document's tokens are followed by an end-of-document token
+(Megatron's `--append-eod`, GPT-2's `<|endoftext|>`): a byte-level corpus has 257 ids, the 256 byte
+values and BYTE_EOD = 256 (a newline is text, not a boundary). Text is read and tokenized as a stream,
+in pieces and batches of bounded size, so memory does not grow with the corpus.
+
 Batches are a pure function of (seed, position): resuming at a position reproduces the same data,
 and each process materialises only the rows of the global batch that live on its devices.
 """
@@ -15,17 +20,30 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxseq.config import ConfigError
 
-BYTE_VOCAB = 256
+BYTE_VOCAB = 257  # the byte values 0-255 and BYTE_EOD
+BYTE_EOD = 256  # ends each document of a byte-level corpus
+# A tokenizer's end-of-text token, as GPT-2 (and Qwen), Llama 3, Llama 2 / Mistral / T5, and Gemma name it.
+EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+NEW_EOD = "<|endoftext|>"  # added to a trained BPE (last id, as GPT-2's 50256) or a tokenizer with none
 VAL_EVERY = 20  # one file in 20 goes to validation
+PIECE_CHARS = 1 << 20  # a document is read and tokenized in pieces of about this many characters
+BATCH_CHARS = 1 << 22  # characters per `encode_batch_fast` call: what bounds the memory of tokenizing
+
+log = logging.getLogger("jaxseq")
 
 
 @dataclass(frozen=True)
@@ -48,10 +66,6 @@ def _split_files(paths: list[str]) -> tuple[list[str], list[str]]:
     return train, val
 
 
-def _bytes_of(paths: list[str]) -> np.ndarray:
-    return np.frombuffer(b"\n".join(Path(p).read_bytes() for p in paths), dtype=np.uint8)
-
-
 def stdlib_files() -> list[str]:
     """The running interpreter's standard-library modules (top level; no tests), sorted."""
     root = sysconfig.get_paths()["stdlib"]
@@ -63,7 +77,7 @@ def embedded_corpus() -> Corpus:
     if len(files) < 10:
         raise ConfigError(f"the standard library at {sysconfig.get_paths()['stdlib']} has too few .py files")
     train, val = _split_files(files)
-    return Corpus(_bytes_of(train), _bytes_of(val), BYTE_VOCAB, "python-stdlib")
+    return Corpus(_in_memory(train, None, BYTE_EOD), _in_memory(val, None, BYTE_EOD), BYTE_VOCAB, "python-stdlib")
 
 
 def expand(pattern: str) -> list[str]:
@@ -83,12 +97,90 @@ def load_tokenizer(path: str):
     return Tokenizer.from_file(path)
 
 
-def encode(paths: list[str], tokenizer_path: str | None) -> np.ndarray:
-    if tokenizer_path is None:
-        return _bytes_of(paths)
-    tok = load_tokenizer(tokenizer_path)
-    ids = [i for p in paths for i in tok.encode(Path(p).read_text(errors="replace")).ids]
-    return np.asarray(ids, dtype=np.uint32)
+def end_of_document(tok) -> int | None:
+    """The id of the tokenizer's end-of-text token (the first special token of EOD_TOKENS it has), or None."""
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return next((special[text] for text in EOD_TOKENS if text in special), None)
+
+
+def _corpus_tokenizer(tok):
+    """`tok` for documents: a special token's text inside a document is text, not a separator."""
+    tok.encode_special_tokens = True
+    return tok
+
+
+def _cut_point(text: str) -> int:
+    """Where a piece of `text` may end (0: nowhere): just before the last newline, else the last ASCII
+    whitespace, that follows a non-space character. No pre-token of a byte-level BPE (GPT-2's split
+    pattern) spans such a point, so pieces cut there tokenize exactly as the whole text does; other
+    pre-tokenizers may differ next to a cut, one point in about PIECE_CHARS characters."""
+    for pattern in (r"(?<=\S)\n", r"(?<=\S)[ \t\r\f\v]"):
+        last = None
+        for last in re.finditer(pattern, text):
+            pass
+        if last is not None:
+            return last.start()
+    return 0
+
+
+def _text_pieces(path: str, advance: Callable[[int], None]) -> Iterator[str]:
+    """A file's text (UTF-8, bad bytes replaced, universal newlines: as `Path.read_text`) in pieces of
+    about PIECE_CHARS characters (`_cut_point`); advance(bytes read) as it goes."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        carry, done = "", 0
+        while block := f.read(PIECE_CHARS):
+            text = carry + block
+            cut = _cut_point(text)
+            if cut:  # else no cut point yet: read on
+                yield text[:cut]
+            carry = text[cut:]
+            advance(f.buffer.tell() - done)
+            done = f.buffer.tell()
+        if carry:
+            yield carry
+
+
+def _byte_pieces(path: str, advance: Callable[[int], None]) -> Iterator[np.ndarray]:
+    with open(path, "rb") as f:
+        while block := f.read(PIECE_CHARS):
+            advance(len(block))
+            yield np.frombuffer(block, np.uint8)
+
+
+def document_tokens(paths: list[str], tok, eod: int | None,
+                    advance: Callable[[int], None] = lambda n: None) -> Iterator[np.ndarray]:
+    """The tokens of each file in order, each file followed by `eod` (None: nothing), as a stream of
+    arrays of a few MiB: its bytes (uint8; BYTE_EOD in uint16) when `tok` is None, else its tokens
+    (uint32), encoded `BATCH_CHARS` at a time with `encode_batch_fast` (no post-processor: no BOS)."""
+    if tok is None:
+        for path in paths:
+            yield from _byte_pieces(path, advance)
+            if eod is not None:
+                yield np.array([eod], np.uint16)
+        return
+    batch, size = [], 0  # pieces of text, and the ints where a document ends
+    for path in paths:
+        for piece in _text_pieces(path, advance):
+            batch.append(piece)
+            size += len(piece)
+            if size >= BATCH_CHARS:
+                yield _encoded(tok, batch)
+                batch, size = [], 0
+        if eod is not None:
+            batch.append(eod)
+    if batch:
+        yield _encoded(tok, batch)
+
+
+def _encoded(tok, batch: list) -> np.ndarray:
+    encodings = iter(tok.encode_batch_fast([x for x in batch if isinstance(x, str)], add_special_tokens=False))
+    return np.concatenate([np.asarray(next(encodings).ids if isinstance(x, str) else [x], np.uint32) for x in batch])
+
+
+def _in_memory(paths: list[str], tok, eod: int | None) -> np.ndarray:
+    """`document_tokens` as one array: uint16 bytes, or uint32 tokens."""
+    parts = list(document_tokens(paths, tok, eod))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16 if tok is None else np.uint32)
 
 
 def load_corpus(data: str | None, tokenizer: str | None = None) -> Corpus:
@@ -99,13 +191,18 @@ def load_corpus(data: str | None, tokenizer: str | None = None) -> Corpus:
     if os.path.isfile(meta_path) and os.path.isfile(meta_path[:-5] + ".train.bin"):
         return load_token_files(meta_path[:-5])
     paths = expand(data)
-    train, val = _split_files(paths) if len(paths) > 1 else (paths, paths)
-    corpus = Corpus(encode(train, tokenizer), encode(val, tokenizer),
-                    BYTE_VOCAB if tokenizer is None else load_tokenizer(tokenizer).get_vocab_size(), data, tokenizer)
-    if len(paths) == 1:  # one file: the last 5% of its tokens validate
-        cut = int(len(corpus.train) * 0.95)
-        corpus = Corpus(corpus.train[:cut], corpus.train[cut:], corpus.vocab_size, data, tokenizer)
-    return _checked(corpus)
+    tok = None if tokenizer is None else _corpus_tokenizer(load_tokenizer(tokenizer))
+    eod = BYTE_EOD if tok is None else end_of_document(tok)
+    if tok is not None and eod is None:
+        log.warning("tokenizer %s has none of %s: documents are joined without a separator (python -m "
+                    "jaxseq.data adds %s to a copy)", tokenizer, ", ".join(EOD_TOKENS), NEW_EOD)
+    vocab = BYTE_VOCAB if tok is None else tok.get_vocab_size()
+    if len(paths) == 1:  # one file, encoded once: the last 5% of its tokens validate
+        tokens = _in_memory(paths, tok, eod)
+        cut = int(len(tokens) * 0.95)
+        return _checked(Corpus(tokens[:cut], tokens[cut:], vocab, data, tokenizer))
+    train, val = _split_files(paths)
+    return _checked(Corpus(_in_memory(train, tok, eod), _in_memory(val, tok, eod), vocab, data, tokenizer))
 
 
 def _checked(corpus: Corpus) -> Corpus:
@@ -156,45 +253,84 @@ class Batches:
 # python -m jaxseq.data: text → token files
 
 
-def train_bpe(paths: list[str], vocab_size: int, out: str) -> str:
-    """A byte-level BPE trained locally on the text (Hugging Face `tokenizers`), saved as JSON."""
+def train_bpe(paths: list[str], vocab_size: int, progress: bool = False):
+    """A byte-level BPE of `vocab_size` ids trained locally on the text (Hugging Face `tokenizers`):
+    the 256 bytes, the merges, and NEW_EOD as the last id (as GPT-2's 50256; fewer merges if they run out)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=progress)
     tok.train(paths, trainer)
-    tok.save(out)
-    return out
+    tok.add_special_tokens([NEW_EOD])
+    return tok
 
 
-def write_token_files(inputs: str, prefix: str, vocab_size: int | None, tokenizer: str | None) -> dict:
+def _output_tokenizer(paths: list[str], vocab_size: int | None, tokenizer: str | None, progress: bool):
+    """The tokenizer the token files are written with (None: bytes) and a line when NEW_EOD was added to
+    the one given (which has no end-of-text token), else None."""
+    if tokenizer is None:
+        return (None if vocab_size is None else train_bpe(paths, vocab_size, progress)), None
+    tok = load_tokenizer(tokenizer)
+    if end_of_document(tok) is not None:
+        return tok, None
+    tok.add_special_tokens([NEW_EOD])
+    return tok, (f"{tokenizer} has none of {', '.join(EOD_TOKENS)}: added {NEW_EOD} as id "
+                 f"{tok.token_to_id(NEW_EOD)} to end each document")
+
+
+def write_token_files(inputs: str, prefix: str, vocab_size: int | None, tokenizer: str | None,
+                      progress: bool = False) -> tuple[dict, str | None]:
+    """Tokenize the files of `inputs` into PREFIX.{train,val}.bin (streamed: memory does not grow with
+    the corpus), PREFIX.json and PREFIX.tokenizer.json. Returns the metadata and a line to show when
+    the end-of-document token was added to the given tokenizer (else None). `progress`: bars on stderr
+    (training the BPE, tokenizing)."""
     paths = expand(inputs)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    tok_name = None
-    if tokenizer is None and vocab_size is not None:
-        tokenizer = train_bpe(paths, vocab_size, prefix + ".tokenizer.json")
-    if tokenizer is not None:
-        tok_name = os.path.basename(prefix + ".tokenizer.json")
-        if os.path.abspath(tokenizer) != os.path.abspath(prefix + ".tokenizer.json"):
-            Path(prefix + ".tokenizer.json").write_text(Path(tokenizer).read_text())
-        vocab = load_tokenizer(tokenizer).get_vocab_size()
-    else:
-        vocab = BYTE_VOCAB
-    dtype = np.uint16 if vocab <= 65536 else np.uint32
-    train, val = _split_files(paths) if len(paths) > 1 else (paths, paths)
-    splits = {"train": encode(train, tokenizer), "val": encode(val, tokenizer)}
-    if len(paths) == 1:
-        cut = int(len(splits["train"]) * 0.95)
-        splits = {"train": splits["train"][:cut], "val": splits["train"][cut:]}
-    for name, tokens in splits.items():
-        tokens.astype(dtype).tofile(f"{prefix}.{name}.bin")
-    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tok_name,
-            "train_tokens": int(splits["train"].size), "val_tokens": int(splits["val"].size)}
-    Path(prefix + ".json").write_text(json.dumps(meta, indent=2))
-    return meta
+    tok, note = _output_tokenizer(paths, vocab_size, tokenizer, progress)
+    if tok is not None:
+        tok.save(prefix + ".tokenizer.json")
+        tok = _corpus_tokenizer(tok)
+    vocab = BYTE_VOCAB if tok is None else tok.get_vocab_size()
+    eod = BYTE_EOD if tok is None else end_of_document(tok)
+    dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
+    splits = _split_files(paths) if len(paths) > 1 else (paths, [])
+    files = {name: f"{prefix}.{name}.bin" for name in ("train", "val")}
+    counts = {}
+    with tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, desc="tokenizing",
+              disable=not progress) as bar:
+        for (name, path), split in zip(files.items(), splits):
+            counts[name] = _write_tokens(path + ".partial", document_tokens(split, tok, eod, bar.update), dtype)
+    if len(paths) == 1:  # one file: the last 5% of its tokens validate
+        counts = _move_tail(files["train"] + ".partial", files["val"] + ".partial", counts["train"], dtype)
+    for path in files.values():
+        os.replace(path + ".partial", path)
+    meta = {"dtype": dtype.name, "vocab_size": vocab, "eod_token": eod,
+            "tokenizer": None if tok is None else os.path.basename(prefix + ".tokenizer.json"),
+            "train_tokens": counts["train"], "val_tokens": counts["val"]}
+    Path(prefix + ".json").write_text(json.dumps(meta, indent=2))  # last: the files it describes are complete
+    return meta, note
+
+
+def _write_tokens(path: str, stream: Iterator[np.ndarray], dtype: np.dtype) -> int:
+    count = 0
+    with open(path, "wb") as f:
+        for tokens in stream:
+            tokens.astype(dtype, copy=False).tofile(f)
+            count += tokens.size
+    return count
+
+
+def _move_tail(train: str, val: str, total: int, dtype: np.dtype) -> dict:
+    """The last 5% of the tokens in `train` moved to `val`, block by block."""
+    cut = int(total * 0.95)
+    with open(train, "r+b") as src, open(val, "wb") as dst:
+        src.seek(cut * dtype.itemsize)
+        shutil.copyfileobj(src, dst, 1 << 24)
+        src.truncate(cut * dtype.itemsize)
+    return {"train": cut, "val": total - cut}
 
 
 def encode_text(text: str, tokenizer_path: str | None) -> list[int]:

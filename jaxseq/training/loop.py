@@ -62,12 +62,14 @@ class StopFlag:
     process the signal reached and at whichever step. After each step every process adds its flag
     (the signal's number, 0 for none) to a max over all devices, and acts on the max of the step
     before: by the time it is read, the next step is already queued, so the check never makes the
-    host wait for an idle device (docs/DESIGN.md)."""
+    host wait for an idle device (docs/DESIGN.md). The handlers are the run's only (`with StopFlag(…)`):
+    the ones installed before are put back when it ends, normally or by an exception."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, mesh):
         self.local = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._set)
+        self._previous = {}
         self._size = mesh.size
         self._sharding = NamedSharding(mesh, P(mesh.axis_names))  # one flag per device
         self._local_devices = len(self._sharding.addressable_devices)
@@ -75,6 +77,15 @@ class StopFlag:
         flags = jax.ShapeDtypeStruct((self._size,), jnp.int32, sharding=self._sharding)
         self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P())).lower(flags).compile()
         self._pending = None
+
+    def __enter__(self) -> "StopFlag":
+        self._previous = {sig: signal.signal(sig, self._set) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            # None: a handler not installed from Python, which Python cannot put back; the default is nearest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def _set(self, signum, frame):
         self.local = self.local or signum
@@ -185,7 +196,8 @@ def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
     abstract = jax.eval_shape(
         lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
     restored = C.restore(session.checkpoints, abstract, shardings, mesh,
-                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]))
+                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]),
+                         set_aside=True)
     if restored is None:
         raise ConfigError(f"--resume: no checkpoint in {session.checkpoint_dir}")
     state, meta = restored
@@ -287,31 +299,31 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     if D.is_main_process():
         rundir.write_config(run.train.run_dir, run)
         print(_banner(session, corpus, start), flush=True)
-    stop = StopFlag(session.mesh)
-    learning_rate = host_learning_rate(run.optimizer)
-    step_fn, batch = compile_step(session, state, position) if start < run.train.steps else (None, None)
-    progress = Progress(run, session.devices, learning_rate, start)
-    try:
-        state, step, stopping = _run_steps(session, step_fn, batch, state, start, position, stop, progress)
-    except TrainingError:
-        progress.close(session.checkpoints)
-        raise
-    progress.close(session.checkpoints)
-    if stopping:
-        if D.is_main_process():
-            print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume")
-    elif start < run.train.steps:
-        _closing_report(session, corpus, state)
+    with StopFlag(session.mesh) as stop:
+        learning_rate = host_learning_rate(run.optimizer)
+        step_fn, batch = compile_step(session, state, position) if start < run.train.steps else (None, None)
+        progress = Progress(run, session.devices, learning_rate, start)
+        try:
+            state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
+                                                         progress)
+        finally:  # whatever ended the steps, the checkpoints they saved are written
+            progress.close(session.checkpoints)
+        if stopping:
+            if D.is_main_process():
+                print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume")
+        elif start < run.train.steps:
+            _closing_report(session, corpus, state, val_loss)
     return 0
 
 
 def _run_steps(session: Session, step_fn, batch, state, step: int, position: int, stop: StopFlag,
                progress: Progress):
     """The steps after `step` (with `batch` the first one's) to the last, or to the one a signal
-    stops the run at: (state, step, the signal's name or None). Logs, evaluates and checkpoints on
-    the boundaries."""
+    stops the run at: (state, step, the signal's name or None, the last validation loss or None).
+    Logs, checkpoints and evaluates on the boundaries, saving before evaluating: an evaluation that
+    fails loses no checkpoint."""
     settings = session.run.train
-    pending, last_good, late_log = PendingMetrics(), None, None
+    pending, last_good, late_log, val_loss = PendingMetrics(), None, None, None
     while step < settings.steps:
         # Between boundaries nothing on the host waits for the device: the step is dispatched, the
         # next batch built while it runs, and its loss and gradient norm stay on the device. On a
@@ -340,17 +352,17 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
         # Saving or evaluating uses this step's state, which the next step would consume (donated).
         loss, grad_norm = progress.read(pending, step, last_good)
         record = progress.record(step, loss, grad_norm) if log_now else None
-        if evaluate_now:
-            record["val_loss"] = session.evaluate(state.params)
-            progress.restart_clock()
-        if record:
-            progress.write(record)
         if save_now:
             session.save(step, state, position)
             last_good = step
+        if evaluate_now:
+            val_loss = record["val_loss"] = session.evaluate(state.params)
+            progress.restart_clock()
+        if record:
+            progress.write(record)
         if stopping:
-            return state, step, stopping
-    return state, step, None
+            return state, step, stopping, val_loss
+    return state, step, None, val_loss
 
 
 def _banner(session: Session, corpus: Corpus, start: int) -> str:
@@ -362,12 +374,12 @@ def _banner(session: Session, corpus: Corpus, start: int) -> str:
             f"{session.devices[0].platform} devices, remat={run.train.remat}, steps {start}→{run.train.steps}")
 
 
-def _closing_report(session: Session, corpus: Corpus, state) -> None:
-    """The validation loss against the data's unigram entropy, and a sample continuing the start of a
-    validation document, drawn from the train state's params resharded for sampling (`for_sampling`: never
-    gathered). Every process computes (the arrays span them all); process 0 prints."""
+def _closing_report(session: Session, corpus: Corpus, state, val: float) -> None:
+    """The last step's validation loss `val` (evaluated by the step loop) against the data's unigram
+    entropy, and a sample continuing the start of a validation document, drawn from the train state's params
+    resharded for sampling (`for_sampling`: never gathered). Every process computes (the arrays span them
+    all); process 0 prints."""
     run, settings = session.run, session.run.train
-    val = session.evaluate(state.params)
     prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
     if settings.sample_tokens:
         params, mesh = for_sampling(state.params, run.model, session.mesh)

@@ -118,12 +118,9 @@ def _read_params(path: str, abstract) -> tuple[int, dict]:
         raise ConfigError(f"{path!r} holds no checkpoint" + (f" at step {step}" if step is not None else ""))
     try:
         return step, C.restore_params(mgr, step, abstract)
-    except ConfigError:
-        raise
-    except (OSError, ValueError, KeyError) as e:  # a damaged checkpoint: say which, and what else there is
+    except C.UnreadableStep as e:  # a damaged checkpoint: say which, and what else there is
         earlier = [s for s in steps if s < step]
-        first_line = str(e).splitlines()[0][:200] if str(e) else ""
-        raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({type(e).__name__}: {first_line})"
+        raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({e.detail})"
                           + (f"; an earlier one: {os.path.join(directory, str(max(earlier)))}" if earlier else "")
                           ) from None
 
