@@ -45,9 +45,9 @@ ALLOWED = {
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "models.gpt", "sharding"},
-    "training.loop": {"config", "mesh", "models.gpt", "parallel.distributed", "parallel.schedule", "sharding",
-                      "training.aot", "training.checkpoint", "training.data", "training.metrics", "training.rundir",
-                      "training.sampling", "training.train_step"},
+    "training.loop": {"config", "mesh", "models.gpt", "parallel.distributed", "parallel.pipeline", "parallel.schedule",
+                      "sharding", "training.aot", "training.checkpoint", "training.data", "training.metrics",
+                      "training.rundir", "training.sampling", "training.train_step"},
     # planning: XLA's compiled programs read back, the memory model, the plan and its report, the configurator
     "planning.hlo": set(),
     "planning.memory": {"config", "models.gpt", "training.train_step"},

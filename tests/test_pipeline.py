@@ -12,7 +12,8 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import gpt as M
 from jaxseq.parallel import pipeline as PL
 from jaxseq.planning import hlo
-from jaxseq.training import aot
+from jaxseq.sharding import Sharder
+from jaxseq.training import aot, loop
 from jaxseq.training import train_step as T
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
@@ -334,3 +335,60 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     per_layer = hlo.stored_bytes_per_layer(
         aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
     assert stored == held * k * per_layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation under a pipeline: forward only through the stages
+
+
+@pytest.fixture(scope="module")
+def evaluation(devices):
+    """case → (the loop's evaluation program compiled for it, its abstract params), compiled once."""
+    programs = {}
+
+    def compiled(case):
+        if case not in programs:
+            parallel = _parallel(case)
+            mesh = make_mesh(parallel, devices[:parallel.num_devices])
+            params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+            program = loop.make_eval_fn(CFG, parallel, mesh, case[3]).lower(params, batch).compile()
+            programs[case] = (program, params)
+        return programs[case]
+
+    return compiled
+
+
+EVAL_CASES = [CASES[0], CASES[5]]  # 1F1B p=2; interleaved p=4, v=2 with tensor=2 + SP
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
+def test_pipelined_evaluation_equals_the_unpipelined_loss(case, evaluation, params):
+    """The loop's evaluation of a pipelined run (a forward-only schedule over the train step's micro-batches, no
+    dropout) gives the unpipelined model's loss of the same parameters and batch, on one device."""
+    program, abstract = evaluation(case)
+    batch = _batch(case[3])
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
+    expected = float(M.loss_fn(params, batch, CFG, Sharder(None, False), "none"))
+    assert abs(float(program(placed, batch)) - expected) <= 1e-6 * abs(expected)
+
+
+def _spans_stages(groups, stage) -> bool:
+    """Whether a collective's device groups (None: unread, or every device) span two pipeline stages."""
+    return groups is None or any(len({int(stage[i]) for i in g}) > 1 for g in groups)
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
+def test_pipelined_evaluation_never_gathers_the_layers(case, evaluation):
+    """The evaluation program of a pipelined run keeps each stage's layers on their stage: no all-gather spans
+    two stages (the unpipelined loss of pipe-split weights all-gathered every layer over `pipe`, so every device
+    held the whole model), and its temporaries stay below one full copy of the layers per device (the old
+    program's exceeded it)."""
+    schedule, p, v, m, data, tensor, sp = case
+    program, abstract = evaluation(case)
+    stage = np.arange(p * data * tensor) // (data * tensor)
+    spanning = [ins.name for instrs in hlo.parse_hlo(program.as_text()).values() for ins in instrs
+                if ins.opcode.removesuffix("-start") == "all-gather"
+                and _spans_stages(hlo.replica_groups(ins.rest), stage)]
+    assert not spanning
+    full_layers = aot.per_device_bytes(abstract["layers"]) * p  # the layers of every stage, split over tensor
+    assert program.memory_analysis().temp_size_in_bytes < full_layers

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.models import gpt as M
 from jaxseq.parallel import schedule as S
 from jaxseq import remat as R
@@ -89,8 +89,9 @@ class TickRow(NamedTuple):
 FIELDS = TickRow._fields
 
 
-def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int) -> S.Schedule:
-    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers)
+def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> S.Schedule:
+    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
+                           forward_only)
 
 
 def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
@@ -127,7 +128,8 @@ def embed(params, tokens, key, cfg: ModelConfig, shard: Sharder):
 
 
 def chunk(x, layers, keys, cfg: ModelConfig, shard: Sharder, remat: str):
-    """k layers under lax.scan, each under jax.checkpoint with the remat policy (as model.decoder)."""
+    """k layers under lax.scan, each under jax.checkpoint with the remat policy (as model.decoder); keys=None:
+    no dropout (evaluation)."""
     body = jax.checkpoint(partial(M.block, cfg=cfg, shard=shard), policy=R.remat_policy(remat).policy,
                           prevent_cse=False)
     x, _ = jax.lax.scan(lambda x, inp: (body(x, *inp), None), x, (layers, keys))
@@ -188,7 +190,7 @@ class Stage:
     remat: str
     shard: StageSharder
     index: jax.Array  # s: this stage's index on `pipe`
-    key: jax.Array  # the step's dropout key
+    key: jax.Array | None  # the step's dropout key; None: no dropout (evaluation)
     layers: dict  # this stage's chunks, [v, k, …] per leaf, varying over `pipe` and `data`
     others: dict  # {"embed", "final_ln"}: on every stage, varying over `pipe` and `data`
     micro: dict  # {"inputs", "targets"}: [m, b, s] int32, this data rank's rows
@@ -197,9 +199,11 @@ class Stage:
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, data: int, remat: str,
               shard: StageSharder) -> Stage:
         """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
-        [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data."""
+        [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
+        dropout)."""
+        key = None if key_data is None else jax.random.wrap_key_data(key_data)
         return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
-                     key=jax.random.wrap_key_data(key_data), layers=jax.tree.map(lambda a: _varying(a[0]), layers),
+                     key=key, layers=jax.tree.map(lambda a: _varying(a[0]), layers),
                      others=jax.tree.map(_varying, others), micro=micro)
 
     @property
@@ -209,9 +213,12 @@ class Stage:
         return jax.ShapeDtypeStruct((b, self.cfg.seq_len, self.cfg.hidden), jnp.dtype(self.cfg.dtype))
 
     def chunk_inputs(self, mb, c):
-        """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key)."""
+        """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key); the keys are None
+        without dropout."""
         p, k = self.sched.p, self.cfg.layers // (self.sched.p * self.sched.v)
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
+        if self.key is None:
+            return w, None, None
         ids = (c * p + self.index) * k + jnp.arange(k)
         k_embed, layer_keys = micro_keys(self.key, mb, self.cfg)
         return w, layer_keys[ids], k_embed
@@ -224,13 +231,21 @@ class Stage:
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
         return embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
 
+    @property
+    def loss_scale(self) -> float:
+        """1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        return 1.0 / (self.sched.m * self.data)
+
+    def loss(self, y, mb):
+        """Micro-batch mb's loss share from the last chunk's output y (forward only)."""
+        return head(y, self.others, self.micro["targets"][mb], self.cfg, self.shard) * self.loss_scale
+
     def loss_and_grads(self, y, mb):
         """(loss share, dL/dy, d(embedding, final LN)) of the last chunk's output y: the loss right away, so
-        that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits. Scaled by
-        1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits."""
         loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
             y, self.others, self.micro["targets"][mb])
-        scale = 1.0 / (self.sched.m * self.data)
+        scale = self.loss_scale
         return loss * scale, gy * scale, jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh)
 
 
@@ -401,7 +416,7 @@ class TickProgram:
         slot = [buf[row.stash] for buf in carry.stash]
         out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot], slot)
         p = self.stage.sched.p
-        got_x = jax.lax.ppermute(out.send_x, "pipe", [(i, (i + 1) % p) for i in range(p)])
+        got_x = jax.lax.ppermute(out.send_x, "pipe", _to_next(p))
         got_g = jax.lax.ppermute(out.send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
         return Buffers(
             g=carry.g.at[row.g_slot].set(out.g).at[row.recv_g].set(got_g),
@@ -424,6 +439,62 @@ class TickProgram:
                                        add_dw, keep, grads["layers"]),
                 "others": jax.lax.cond((branch == Branch.FORWARD_LAST) | (branch == Branch.BACKWARD_FIRST),
                                        add_d_others, keep, grads["others"])}
+
+
+class ForwardBuffers(NamedTuple):
+    """The forward-only tick loop's carry (evaluation): the received activations and the loss share."""
+
+    x: Any  # [depth x + 1, b, s, h]: received activations (+ the trash slot)
+    loss: Any  # []: float32
+
+
+@dataclass(frozen=True)
+class ForwardProgram:
+    """What a stage runs at each tick of a forward-only schedule (evaluation): the forward branches of
+    `TickProgram` without jax.vjp, stash or gradients, and only the forward ppermute. `no_act`, `no_loss`:
+    what the idle branch (and a forward that sends nothing) returns, made once before the loop."""
+
+    stage: Stage
+    no_act: Any
+    no_loss: Any
+
+    @staticmethod
+    def make(stage: Stage) -> ForwardProgram:
+        act = stage.activation
+        return ForwardProgram(stage, _zeros(act.shape, act.dtype), _zeros((), jnp.float32))
+
+    def buffers(self) -> ForwardBuffers:
+        act = self.stage.activation
+        return ForwardBuffers(x=_zeros((self.stage.sched.depths["x"] + 1, *act.shape), act.dtype), loss=self.no_loss)
+
+    def idle(self, table_row, x):
+        return self.no_act, self.no_loss
+
+    def forward(self, table_row, x, *, first: bool, last: bool):
+        """(the output for stage s + 1, the loss share): first: embed before; last: the loss after."""
+        stage, row = self.stage, TickRow.of(table_row)
+        w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
+        if first:
+            x = stage.embed(stage.others["embed"], row.mb, k_embed)
+        y = chunk(x, w, keys, stage.cfg, stage.shard, stage.remat)
+        if last:
+            return self.no_act, stage.loss(y, row.mb)
+        return y.astype(stage.activation.dtype), self.no_loss
+
+    def tick(self, carry: ForwardBuffers, table_row) -> tuple[ForwardBuffers, None]:
+        row = TickRow.of(table_row)
+        branches = {Branch.IDLE: self.idle, Branch.FORWARD: partial(self.forward, first=False, last=False),
+                    Branch.FORWARD_FIRST: partial(self.forward, first=True, last=False),
+                    Branch.FORWARD_LAST: partial(self.forward, first=False, last=True)}
+        send, loss = jax.lax.switch(row.branch, [branches[b] for b in sorted(branches)], table_row,
+                                    carry.x[row.x_slot])
+        got = jax.lax.ppermute(send, "pipe", _to_next(self.stage.sched.p))
+        return ForwardBuffers(x=carry.x.at[row.recv_x].set(got), loss=carry.loss + loss), None
+
+
+def _to_next(p: int) -> list[tuple[int, int]]:
+    """The forward ppermute: stage s sends to s + 1 (the last to stage 0: its next chunk, interleaved)."""
+    return [(i, (i + 1) % p) for i in range(p)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +577,36 @@ def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, spe
     return layers, _others(cast)
 
 
+def _stage_inputs(params, batch, cfg: ModelConfig, parallel: ParallelConfig, mesh, sched: S.Schedule):
+    """(layers in the stage layout, embedding and final LN, the micro-batches [m, B/m, s] split over
+    `data` on their rows), the executor's shard_map arguments with the in_specs of those three."""
+    layers, others = _stage_weights(params, cfg, parallel, mesh, M.param_specs(parallel))
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
+    return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
+
+
+def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, microbatches: int):
+    """The mean loss over `microbatches` micro-batches of `batch`, forward only and without dropout: the
+    evaluation loss of a pipelined run, equal to `model.loss_fn` of the whole batch, each stage holding only
+    its layers (the unpipelined loss of pipe-split weights gathers every layer onto every device). Runs a
+    forward-only schedule (`Schedule.forward_only`: mv + p − 1 ticks) with `ForwardProgram`. Under jit with
+    the mesh's shardings."""
+    cfg = replace(cfg, dropout=0.0)
+    sched = schedule_of(parallel, microbatches, cfg.layers, forward_only=True)
+    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
+
+    def program(layers, others, micro, rows):
+        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data, remat="none",
+                            shard=StageSharder(mesh, parallel.sequence_parallel))
+        forward = ForwardProgram.make(stage)
+        buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
+        return jax.lax.psum(buffers.loss, ("pipe", "data"))
+
+    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P()), out_specs=P())
+    return fn(*args, jnp.asarray(tick_rows(sched)))
+
+
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
                            microbatches: int, grad_specs=None, inspect=None):
     """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
@@ -519,16 +620,13 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     specs = M.param_specs(parallel)
     data_dims = _data_dims(grad_specs if grad_specs is not None else specs)
     assert all(d != 0 for d in jax.tree.leaves(data_dims["layers"])), "layers are split over pipe, not data"
-    layers, others = _stage_weights(params, cfg, parallel, mesh, specs)
-    shard = Sharder(mesh, parallel.sequence_parallel)
-    micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
+    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data, remat=remat,
                       shard=StageSharder(mesh, parallel.sequence_parallel), data_dims=data_dims, specs=specs,
                       inspect=inspect)
-    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"},
-                       in_specs=(jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"), P(), P()),
+    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(data_dims)))
-    loss, layer_grads, other_grads = fn(layers, others, micro, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
+    loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     grads = {"layers": from_stages(layer_grads), **other_grads}
     return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
 
