@@ -322,7 +322,7 @@ class BranchOut(NamedTuple):
 
     send_x: Any  # [b, s, h]: the forward output for stage s + 1 (zeros when there is none)
     send_g: Any  # [b, s, h]: the input gradient for stage s − 1 (zeros when there is none)
-    slot: list  # the stash slot: written by a forward, passed through otherwise
+    slot: list  # the stash slot a forward writes (zeros from the other branches: nothing is written then)
     g: Any  # [b, s, h]: the gradient slot: the loss gradient from the last chunk's forward, else passed through
     dw: dict  # [k, …] per leaf: the chunk's weight gradients (float32; zeros unless a backward)
     d_others: dict  # embed, final_ln: their gradients (float32; zeros unless the first backward or last forward)
@@ -331,24 +331,22 @@ class BranchOut(NamedTuple):
 
 @dataclass(frozen=True)
 class TickProgram:
-    """What a stage runs at each tick: one branch on slot-sized values between reading and writing the
-    buffers, then the two ppermutes. `nothing`: what a branch returns for an output it has none of (zeros
-    made once, before the loop; its slot and g are always replaced)."""
+    """What a stage runs at each tick: one branch that returns slot-sized values, the buffers written after
+    it on the ticks that change them, then the two ppermutes."""
 
     stage: Stage
     layout: ResidualLayout
-    nothing: BranchOut
 
-    @staticmethod
-    def make(stage: Stage, layout: ResidualLayout) -> TickProgram:
-        """The tick program of `stage`, its stash slots laid out as `layout`."""
-        act = stage.activation
+    def nothing(self, g) -> BranchOut:
+        """What a branch returns for the outputs it has none of: zeros, and the gradient slot `g` unchanged.
+        Made inside each branch: made once before the loop they were loop-carried, the chunk's weight
+        gradients' zeros (f32) and a stash slot's among them, each its size in memory for the whole loop."""
+        act = self.stage.activation
         no_act = _zeros(act.shape, act.dtype)
-        nothing = BranchOut(send_x=no_act, send_g=no_act, slot=None, g=None,
-                            dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), stage.layers),
-                            d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), stage.others),
-                            loss=_zeros((), jnp.float32))
-        return TickProgram(stage, layout, nothing)
+        return BranchOut(send_x=no_act, send_g=no_act, slot=[_zeros(a.shape, a.dtype) for a in self.layout.stashed],
+                         g=g, dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), self.stage.layers),
+                         d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), self.stage.others),
+                         loss=_zeros((), jnp.float32))
 
     def buffers(self) -> Buffers:
         """The empty carry: the schedule's buffer depths (`Schedule.depths`), a trash slot per receive buffer."""
@@ -362,13 +360,13 @@ class TickProgram:
             x=_zeros((depth["x"] + 1, *act.shape), act.dtype),
         )
 
-    # The branches: (table_row, x, g, slot) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
-    # x and g [b, s, h] its activation and gradient slots, slot its stash slot.
+    # The branches: (table_row, x, g, stash) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
+    # x and g [b, s, h] its activation and gradient slots, stash the stash buffers (read by a backward only).
 
-    def idle(self, table_row, x, g, slot) -> BranchOut:
-        return self.nothing._replace(slot=slot, g=g)
+    def idle(self, table_row, x, g, stash) -> BranchOut:
+        return self.nothing(g)
 
-    def forward(self, table_row, x, g, slot, *, first: bool, last: bool) -> BranchOut:
+    def forward(self, table_row, x, g, stash, *, first: bool, last: bool) -> BranchOut:
         """The chunk's forward under jax.vjp, its residuals to the stash slot; first: embed before; last:
         the loss and its gradient after (into the gradient slot this chunk's backward reads)."""
         stage, row = self.stage, TickRow.of(table_row)
@@ -378,21 +376,21 @@ class TickProgram:
         y, f_vjp = stage.chunk_vjp(x, w, keys)
         slot = self.layout.split(f_vjp)
         if not last:
-            return self.nothing._replace(send_x=y.astype(stage.activation.dtype), slot=slot, g=g)
+            return self.nothing(g)._replace(send_x=y.astype(stage.activation.dtype), slot=slot)
         loss, gy, d_others = stage.loss_and_grads(y, row.mb)
-        return self.nothing._replace(slot=slot, g=gy.astype(stage.activation.dtype), d_others=d_others, loss=loss)
+        return self.nothing(gy.astype(stage.activation.dtype))._replace(slot=slot, d_others=d_others, loss=loss)
 
-    def backward(self, table_row, x, g, slot, *, first: bool) -> BranchOut:
-        """The stashed vjp applied to the gradient slot; first: the embedding's vjp after."""
+    def backward(self, table_row, x, g, stash, *, first: bool) -> BranchOut:
+        """The vjp stashed in this op's slot applied to the gradient slot; first: the embedding's vjp after."""
         stage, row = self.stage, TickRow.of(table_row)
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
-        dx, dw = self.layout.join(slot, w, keys)(g)
+        dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
         if not first:
-            return self.nothing._replace(send_g=dx.astype(stage.activation.dtype), slot=slot, g=g, dw=_float32(dw))
+            return self.nothing(g)._replace(send_g=dx.astype(stage.activation.dtype), dw=_float32(dw))
         _, e_vjp = jax.vjp(lambda e: stage.embed(e, row.mb, k_embed), stage.others["embed"])
         (de,) = e_vjp(dx)
-        d_others = dict(self.nothing.d_others, embed=_float32(de))
-        return self.nothing._replace(slot=slot, g=g, dw=_float32(dw), d_others=d_others)
+        nothing = self.nothing(g)
+        return nothing._replace(dw=_float32(dw), d_others=dict(nothing.d_others, embed=_float32(de)))
 
     def branches(self) -> list[Callable]:
         """The switch's branches, indexed by `Branch`."""
@@ -407,14 +405,17 @@ class TickProgram:
         return [by_branch[b] for b in Branch]
 
     def tick(self, carry: Buffers, table_row) -> tuple[Buffers, None]:
-        """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches see and
-        return only slot-sized values (one stash slot, one activation, one chunk's weight gradient); the big
-        buffers are read and written around the switch, so XLA updates them in place instead of copying them
-        into and out of the conditional. The branches and conds read their fields from the whole row (one
+        """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches return only
+        slot-sized values (one stash slot, one activation, one chunk's weight gradient); the big buffers are
+        written after the switch, each under a `lax.cond` on the branch (`stash`, `accumulate`), so XLA updates
+        them in place on the ticks that change them instead of copying them into and out of the conditional.
+        The stash buffers go into the switch read-only and only a backward reads its slot (a slot read before
+        the switch and written back after it on every tick, idle ones included, moved 3 slots per tick, now
+        3 per forward-backward pair: experiments/results/pipeline_stash.md). The branches and conds read their fields from the whole row (one
         int32 [8] operand; fields sliced outside became scalar operands, and XLA's program 64 bytes larger)."""
         row = TickRow.of(table_row)
-        slot = [buf[row.stash] for buf in carry.stash]
-        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot], slot)
+        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot],
+                             carry.stash)
         p = self.stage.sched.p
         got_x = jax.lax.ppermute(out.send_x, "pipe", _to_next(p))
         got_g = jax.lax.ppermute(out.send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
@@ -422,9 +423,17 @@ class TickProgram:
             g=carry.g.at[row.g_slot].set(out.g).at[row.recv_g].set(got_g),
             grads=self.accumulate(carry.grads, table_row, out),
             loss=carry.loss + out.loss,
-            stash=[buf.at[row.stash].set(r) for buf, r in zip(carry.stash, out.slot)],
+            stash=self.stash(carry.stash, table_row, out),
             x=carry.x.at[row.recv_x].set(got_x),
         ), None
+
+    @staticmethod
+    def stash(buffers: list, table_row, out: BranchOut) -> list:
+        """The stash buffers with a forward's residuals written into its slot; untouched on the other ticks."""
+        row = TickRow.of(table_row)
+        forward = (row.branch >= Branch.FORWARD) & (row.branch <= Branch.FORWARD_LAST)
+        write = lambda bufs: [buf.at[row.stash].set(r) for buf, r in zip(bufs, out.slot)]
+        return jax.lax.cond(forward, write, lambda bufs: bufs, buffers)
 
     @staticmethod
     def accumulate(grads: dict, table_row, out: BranchOut) -> dict:
@@ -451,24 +460,18 @@ class ForwardBuffers(NamedTuple):
 @dataclass(frozen=True)
 class ForwardProgram:
     """What a stage runs at each tick of a forward-only schedule (evaluation): the forward branches of
-    `TickProgram` without jax.vjp, stash or gradients, and only the forward ppermute. `no_act`, `no_loss`:
-    what the idle branch (and a forward that sends nothing) returns, made once before the loop."""
+    `TickProgram` without jax.vjp, stash or gradients, and only the forward ppermute."""
 
     stage: Stage
-    no_act: Any
-    no_loss: Any
-
-    @staticmethod
-    def make(stage: Stage) -> ForwardProgram:
-        act = stage.activation
-        return ForwardProgram(stage, _zeros(act.shape, act.dtype), _zeros((), jnp.float32))
 
     def buffers(self) -> ForwardBuffers:
         act = self.stage.activation
-        return ForwardBuffers(x=_zeros((self.stage.sched.depths["x"] + 1, *act.shape), act.dtype), loss=self.no_loss)
+        return ForwardBuffers(x=_zeros((self.stage.sched.depths["x"] + 1, *act.shape), act.dtype),
+                              loss=_zeros((), jnp.float32))
 
     def idle(self, table_row, x):
-        return self.no_act, self.no_loss
+        act = self.stage.activation
+        return _zeros(act.shape, act.dtype), _zeros((), jnp.float32)
 
     def forward(self, table_row, x, *, first: bool, last: bool):
         """(the output for stage s + 1, the loss share): first: embed before; last: the loss after."""
@@ -477,9 +480,10 @@ class ForwardProgram:
         if first:
             x = stage.embed(stage.others["embed"], row.mb, k_embed)
         y = chunk(x, w, keys, stage.cfg, stage.shard, stage.remat)
+        no_act, no_loss = self.idle(table_row, x)
         if last:
-            return self.no_act, stage.loss(y, row.mb)
-        return y.astype(stage.activation.dtype), self.no_loss
+            return no_act, stage.loss(y, row.mb)
+        return y.astype(stage.activation.dtype), no_loss
 
     def tick(self, carry: ForwardBuffers, table_row) -> tuple[ForwardBuffers, None]:
         row = TickRow.of(table_row)
@@ -546,7 +550,7 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
     layout = ResidualLayout.of(stage)
     if inspect is not None:
         inspect(list(layout.stashed), list(layout.reused))
-    program = TickProgram.make(stage, layout)
+    program = TickProgram(stage, layout)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
     return reduce_gradients(buffers, data_dims, specs)
 
@@ -599,7 +603,7 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     def program(layers, others, micro, rows):
         stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data, remat="none",
                             shard=StageSharder(mesh, parallel.sequence_parallel))
-        forward = ForwardProgram.make(stage)
+        forward = ForwardProgram(stage)
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
         return jax.lax.psum(buffers.loss, ("pipe", "data"))
 
