@@ -50,7 +50,7 @@ ALLOWED = {
                       "training.rundir", "training.sampling", "training.train_step"},
     # planning: XLA's compiled programs read back, the memory model, the plan and its report, the configurator
     "planning.hlo": set(),
-    "planning.memory": {"config", "models.gpt", "training.train_step"},
+    "planning.memory": {"config", "models.gpt", "parallel.pipeline", "training.train_step"},
     "planning.measure": {"config", "mesh", "planning.hlo", "planning.memory", "training.aot"},
     "planning.in_flight": {"config", "mesh", "parallel.pipeline", "planning.hlo", "planning.measure", "training.aot"},
     "planning.plan": {"config", "models.formulas", "parallel.schedule", "planning.in_flight", "planning.measure",

@@ -406,6 +406,8 @@ def evaluation(devices):
             parallel = _parallel(case)
             mesh = make_mesh(parallel, devices[:parallel.num_devices])
             params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+            params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+                                  params, T.master_specs(CFG, parallel))  # the train state's: its master weights
             program = loop.make_eval_fn(CFG, parallel, mesh, case[3]).lower(params, batch).compile()
             programs[case] = (program, params)
         return programs[case]
@@ -434,16 +436,66 @@ def _spans_stages(groups, stage) -> bool:
 
 @pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
 def test_pipelined_evaluation_never_gathers_the_layers(case, evaluation):
-    """The evaluation program of a pipelined run keeps each stage's layers on their stage: no all-gather spans
-    two stages (the unpipelined loss of pipe-split weights all-gathered every layer over `pipe`, so every device
-    held the whole model), and its temporaries stay below one full copy of the layers per device (the old
-    program's exceeded it)."""
+    """The evaluation program of a pipelined run keeps each stage's layers on their stage: the only all-gathers
+    that span two stages are of the embedding and the final LayerNorm, which every stage computes with (their
+    master weights are split over `pipe`; the unpipelined loss of pipe-split weights all-gathered every layer
+    over `pipe`, so every device held the whole model), and its temporaries stay below one full copy of the
+    layers per device (the old program's exceeded it)."""
     schedule, p, v, m, data, tensor, sp = case
     program, abstract = evaluation(case)
     stage = np.arange(p * data * tensor) // (data * tensor)
-    spanning = [ins.name for instrs in hlo.parse_hlo(program.as_text()).values() for ins in instrs
+    spanning = [ins.arrays()[0][1] for instrs in hlo.parse_hlo(program.as_text()).values() for ins in instrs
                 if ins.opcode.removesuffix("-start") == "all-gather"
                 and _spans_stages(hlo.replica_groups(ins.rest), stage)]
-    assert not spanning
+    parallel = _parallel(case)
+    shapes, specs = M.param_shapes(CFG, tensor), M.param_specs(parallel)
+    mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+    embedding_group = {NamedSharding(mesh, spec).shard_shape(shape) for part in ("embed", "final_ln")
+                       for shape, spec in zip(jax.tree.leaves(shapes[part], is_leaf=lambda x: isinstance(x, tuple)),
+                                              jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P)))}
+    assert spanning and set(spanning) <= embedding_group, (spanning, embedding_group)
     full_layers = aot.per_device_bytes(abstract["layers"]) * p  # the layers of every stage, split over tensor
     assert program.memory_analysis().temp_size_in_bytes < full_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedding group's optimizer state, split over `pipe`
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-optimizer"])
+def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distributed, devices):
+    """The real pipelined train step (p=2, data=2, tensor=2 + SP): every stage computes with the whole
+    embedding and final LayerNorm, but each device's master weights and Adam moments of them are 1/p of
+    their per-tensor-rank size (1/(p·d) with the distributed optimizer), read from the compiled program's
+    input shardings (they were whole on every stage); and its arguments are jaxseq.plan's per-device state
+    (`memory.state_bytes(one stage's layers, pipe=p)`: master weights + moments) to the byte."""
+    from jaxseq.planning import memory
+
+    parallel = ParallelConfig(data=2, tensor=2, sequence_parallel=True, pipe=2, schedule="1f1b",
+                              distributed_optimizer=distributed)
+    p, d, t, m = parallel.pipe, parallel.data, parallel.tensor, 4
+    mesh = make_mesh(parallel, devices)
+    optimizer = T.make_optimizer(OptimizerConfig())
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
+                         T.state_shardings(CFG, parallel, optimizer, mesh))
+    _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    compiled = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile()
+    shardings = compiled.input_shardings[0][0]  # the TrainState's
+    placed = lambda tree, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
+    group = lambda tree: {"embed": tree["embed"], "final_ln": tree["final_ln"]}
+    per_rank = sum(4 * int(np.prod(NamedSharding(mesh, spec).shard_shape(a.shape)))  # whole over pipe and data
+                   for a, spec in zip(jax.tree.leaves(group(abstract.params)),
+                                      jax.tree.leaves(group(M.param_specs(parallel)), is_leaf=lambda x: isinstance(x, P))))
+    split = p * d if distributed else p
+    assert aot.per_device_bytes(placed(group(abstract.params), group(shardings.params))) * split == per_rank
+    adam = shardings.opt_state[1][0]  # clip_by_global_norm's state, then adamw's: (ScaleByAdamState, …)
+    for moment, sh in ((abstract.opt_state[1][0].mu, adam.mu), (abstract.opt_state[1][0].nu, adam.nu)):
+        assert aot.per_device_bytes(placed(group(moment), group(sh))) * split == per_rank
+    stage = replace(CFG, layers=CFG.layers // p)
+    planned = memory.state_bytes(stage, t, d, distributed, pipe=p)
+    batch_bytes = 2 * 4 * MICRO * m // d * CFG.seq_len
+    counters = 3 * 4 + 8  # the step, Adam's count, the schedule's count (int32); the key (two uint32)
+    assert compiled.memory_analysis().argument_size_in_bytes - batch_bytes - counters == planned.params + planned.optimizer

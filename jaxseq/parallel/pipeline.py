@@ -410,9 +410,10 @@ class TickProgram:
         written after the switch, each under a `lax.cond` on the branch (`stash`, `accumulate`), so XLA updates
         them in place on the ticks that change them instead of copying them into and out of the conditional.
         The stash buffers go into the switch read-only and only a backward reads its slot (a slot read before
-        the switch and written back after it on every tick, idle ones included, moved 3 slots per tick, now
-        3 per forward-backward pair: experiments/results/pipeline_stash.md). The branches and conds read their fields from the whole row (one
-        int32 [8] operand; fields sliced outside became scalar operands, and XLA's program 64 bytes larger)."""
+        the switch and written back after it on every tick, idle ones included, moved 3 slots per tick; now 3
+        per forward-backward pair: experiments/results/pipeline_stash.md). The branches and conds read their
+        fields from the whole row (one int32 [8] operand; fields sliced outside became scalar operands, and
+        XLA's program 64 bytes larger)."""
         row = TickRow.of(table_row)
         out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot],
                              carry.stash)
@@ -505,31 +506,51 @@ def _to_next(p: int) -> list[tuple[int, int]]:
 # After the loop: the step's one data-parallel reduction
 
 
-def _reduce_over_data(g, dim: int, tensor_spec: P):
-    """A gradient summed over `data`: all-reduced (dim −1), or reduce-scattered onto dimension `dim`.
-    The scatter runs manual over `tensor` too (`tensor_spec`: the gradient's split): left to the
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names (None, an axis, or a tuple of axes)."""
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _only(spec: P, axes: tuple[str, ...]) -> P:
+    """`spec` naming only the mesh axes in `axes` (an entry of several keeps their order)."""
+    def keep(entry):
+        kept = tuple(a for a in entry_axes(entry) if a in axes)
+        return kept[0] if len(kept) == 1 else kept or None
+    return P(*(keep(e) for e in spec))
+
+
+def _reduce(g, spec: P, over: tuple[str, ...]):
+    """A gradient summed over the manual axes `over`: reduce-scattered onto each dimension where `spec` (its
+    master weights' split of g's dimensions) names some of them, in the order it names them, and all-reduced
+    over the rest. The scatter runs manual over `tensor` too where `spec` splits over it: left to the
     partitioner, XLA gathered a tensor-split gradient whole before scattering it over `data`."""
-    if dim < 0:
-        return jax.lax.psum(g, "data")
-    scatter = lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=dim, tiled=True)
-    if "tensor" not in tensor_spec:
-        return scatter(g)
-    return jax.shard_map(scatter, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
+    scatters = [(dim, axes) for dim, axes in enumerate(entry_axes(e) for e in _only(spec, over)) if axes]
+    rest = tuple(a for a in over if not any(a in axes for _, axes in scatters))
+
+    def reduce(x):
+        for dim, axes in scatters:
+            x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(x, rest) if rest else x
+
+    tensor_spec = _only(spec, ("tensor",))
+    if not scatters or not any(tensor_spec):
+        return reduce(g)
+    return jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
                          axis_names={"tensor"})(g)
 
 
-def reduce_gradients(buffers: Buffers, data_dims: dict, specs: dict):
+def reduce_gradients(buffers: Buffers, grad_specs: dict):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
-    accumulators: Megatron's one data-parallel reduction (a reduce-scatter onto the master shards where
-    `data_dims` names a dimension, else an all-reduce), and the embedding group's over `pipe`. `specs`:
-    the parameters' PartitionSpecs (`model.param_specs`), for their split over `tensor`."""
+    accumulators: Megatron's one data-parallel reduction, and the embedding group's over `pipe` (the first
+    stage's lookup and the last stage's logits and final LN add to the same parameters); each a reduce-scatter
+    onto the master shards where `grad_specs` (the master weights' PartitionSpecs) split the gradient over
+    those axes, else an all-reduce."""
     loss = jax.lax.psum(buffers.loss, ("pipe", "data"))
-    others = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
-                          jax.lax.psum(_reduce_over_data(g, dim, spec), "pipe"),
-                          buffers.grads["others"], _others(data_dims), _others(specs))
+    others = jax.tree.map(lambda g, spec: _reduce(g, spec, ("pipe", "data")), buffers.grads["others"],
+                          _others(grad_specs))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, dim, spec: _reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
-        buffers.grads["layers"], data_dims["layers"], specs["layers"])
+        lambda g, spec: _reduce(g, P(None, None, *spec[1:]), ("data",))[None], buffers.grads["layers"],
+        grad_specs["layers"])
     return loss, layers, others
 
 
@@ -543,7 +564,7 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
-                  remat: str, shard: StageSharder, data_dims: dict, specs: dict, inspect):
+                  remat: str, shard: StageSharder, grad_specs: dict, inspect):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; the rest as `Stage.enter` and `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
@@ -552,33 +573,30 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
         inspect(list(layout.stashed), list(layout.reused))
     program = TickProgram(stage, layout)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
-    return reduce_gradients(buffers, data_dims, specs)
+    return reduce_gradients(buffers, grad_specs)
 
 
-def _data_dims(grad_specs) -> dict:
-    """Where each gradient is split over `data`, as an index into the parameter's shape (−1: all-reduced)."""
-    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
-def _gradient_specs(data_dims: dict) -> tuple[dict, dict]:
+def _gradient_specs(grad_specs: dict) -> tuple[dict, dict]:
     """The shard_map's out_specs of the reduced gradients: the layers' in the stage layout [p, v, k, …] (a
     parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final LN's; each split over
-    `data` on the dimension where it was reduce-scattered."""
-    layers = jax.tree.map(lambda dim: P("pipe", *[None] * (dim + 1), "data") if dim >= 0 else P("pipe"),
-                          data_dims["layers"])
-    others = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), _others(data_dims))
+    `pipe` and `data` where it was reduce-scattered (`grad_specs`: the master weights' specs)."""
+    layers = jax.tree.map(lambda spec: P("pipe", None, None, *_only(spec, ("data",))[1:]), grad_specs["layers"],
+                          is_leaf=lambda x: isinstance(x, P))
+    others = jax.tree.map(lambda spec: _only(spec, ("pipe", "data")), _others(grad_specs),
+                          is_leaf=lambda x: isinstance(x, P))
     return layers, others
 
 
 def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, specs: dict):
-    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN), cast
-    to the compute dtype."""
+    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN, whole on
+    every stage), cast to the compute dtype. Master weights split over `pipe` or `data` are gathered here, once
+    (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
+    "full rematerialization")."""
     cast = M.cast_params(params, jnp.dtype(cfg.dtype))
-    layers = jax.tree.map(lambda a, spec: jax.lax.with_sharding_constraint(
-                              a, NamedSharding(mesh, P("pipe", None, None, *spec[1:]))),
+    constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    layers = jax.tree.map(lambda a, spec: constrain(a, P("pipe", None, None, *spec[1:])),
                           to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
-    return layers, _others(cast)
+    return layers, jax.tree.map(constrain, _others(cast), _others(specs))
 
 
 def _stage_inputs(params, batch, cfg: ModelConfig, parallel: ParallelConfig, mesh, sched: S.Schedule):
@@ -616,20 +634,20 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
-    the parameters'); a leaf whose spec names `data` (the distributed optimizer's master shards) is
-    reduce-scattered over `data` onto that dimension instead of all-reduced. `inspect`, if given, is called
+    the parameters'); a leaf whose spec names `data` or, for the embedding and final LN, `pipe` (the master
+    shards: `train_step.master_specs`) is reduce-scattered over those axes onto that dimension instead of
+    all-reduced. `inspect`, if given, is called
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    specs = M.param_specs(parallel)
-    data_dims = _data_dims(grad_specs if grad_specs is not None else specs)
-    assert all(d != 0 for d in jax.tree.leaves(data_dims["layers"])), "layers are split over pipe, not data"
+    grad_specs = M.param_specs(parallel) if grad_specs is None else grad_specs
+    assert all(entry_axes(spec[0]) == ("pipe",) for spec in jax.tree.leaves(
+        grad_specs["layers"], is_leaf=lambda x: isinstance(x, P))), "layers are split over pipe on their first dimension"
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data, remat=remat,
-                      shard=StageSharder(mesh, parallel.sequence_parallel), data_dims=data_dims, specs=specs,
-                      inspect=inspect)
+                      shard=StageSharder(mesh, parallel.sequence_parallel), grad_specs=grad_specs, inspect=inspect)
     fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P(), P()),
-                       out_specs=(P(), *_gradient_specs(data_dims)))
+                       out_specs=(P(), *_gradient_specs(grad_specs)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     grads = {"layers": from_stages(layer_grads), **other_grads}
     return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
