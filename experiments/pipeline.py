@@ -5,6 +5,8 @@ memory of the compiled program vs the number of micro-batches m, and CPU step ti
     python experiments/pipeline.py overhead   # the executor's own cost: pipeline_overhead.{json,md} (~17 min)
     python experiments/pipeline.py anatomy    # one tick of GPT-3 175B's pipelined step (compiled only, ~30 s)
     python experiments/pipeline.py report     # pipeline_overhead.md again from the json files
+    python experiments/pipeline.py stash LABEL  # the stash's traffic per step and the compiled memory (~3 min):
+                                                # pipeline_stash.json under LABEL, then pipeline_stash.md
 
 What carries the claims: the tick counts (from the schedule tables, equal to the compiled loop's trip
 count) and the compiled memory (XLA's own accounting). Simulated devices share the machine's cores, so
@@ -503,5 +505,139 @@ def paper_anatomy() -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The stash's traffic: `python experiments/pipeline.py stash LABEL`
+
+
+def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
+    """Bytes per step that one device (stage `stage`) reads from and writes into the stash buffers of the
+    compiled tick loop (the carry's [slots, k, b, …] arrays): every dynamic-slice of a stash buffer (a read of
+    its slot) and dynamic-update-slice into one (a write of the update), found through the loop body, the
+    tuples, fusions and conditionals that pass the buffers on, each × the ticks it runs on: the body's every
+    tick, branch j of the tick's switch the ticks the stage takes branch j, and a lax.cond that returns the stash
+    (the write) its true branch on the forward ticks. XLA writes a slot as a fusion that also reads the slot it
+    replaces: that read is counted."""
+    import re
+    from collections import Counter
+
+    from jaxseq.parallel import pipeline as PL
+    from jaxseq.planning import hlo
+
+    comps = hlo.parse_hlo(text)
+    loop = hlo.while_loop(comps, sched.ticks)
+    carry = loop.arrays()
+    index = lambda ins: int(re.search(r"index=(\d+)", ins.rest).group(1))
+    stash_at = {n for n, (dt, dims) in enumerate(carry) if len(dims) > 3 and dims[:2] == (sched.depths["stash"], k)}
+    shapes = {carry[n] for n in stash_at}
+    taken = Counter(int(b) for b in PL.tick_rows(sched)[:, stage, 0])
+    forward_ticks = sum(taken[b] for b in (PL.Branch.FORWARD, PL.Branch.FORWARD_FIRST, PL.Branch.FORWARD_LAST))
+    moved = Counter()
+
+    def visit(comp: str, stash: set, runs: int):
+        by_name, tuples = {i.name: i for i in comps[comp]}, {}
+        for ins in comps[comp]:
+            ops = ins.operands()
+            if ins.opcode == "tuple" and any(o in stash for o in ops):
+                tuples[ins.name] = {n for n, o in enumerate(ops) if o in stash}
+            elif ins.opcode == "dynamic-slice" and ops[0] in stash:
+                moved["read"] += runs * sum(hlo.array_bytes(*a) for a in ins.arrays())
+            elif ins.opcode == "dynamic-update-slice" and ops[0] in stash:
+                moved["write"] += runs * sum(hlo.array_bytes(*a) for a in by_name[ops[1]].arrays())
+                stash.add(ins.name)
+            elif ins.opcode == "fusion" and any(o in stash for o in ops):
+                callee = ins.attr("calls")
+                params = {int(i.rest.split(")")[0]): i.name for i in comps[callee] if i.opcode == "parameter"}
+                visit(callee, {params[n] for n, o in enumerate(ops) if o in stash}, runs)
+            elif ins.opcode == "conditional":
+                branches = ins.branches()
+                for j, branch in enumerate(branches):
+                    if ops[j + 1] not in tuples:
+                        continue
+                    if len(branches) > 2:  # the tick's switch: branch j on the ticks of pipeline.Branch j
+                        n = taken[j]
+                    else:  # a lax.cond returning the stash: the write, on forward ticks (0: false, 1: true)
+                        assert any(a in shapes for a in ins.arrays()), ins.name
+                        n = forward_ticks if j == 1 else sched.ticks - forward_ticks
+                    param = next(i.name for i in comps[branch] if i.opcode == "parameter")
+                    visit(branch, {i.name for i in comps[branch] if i.opcode == "get-tuple-element"
+                                   and i.operands() == [param] and index(i) in tuples[ops[j + 1]]}, n)
+
+    body = comps[loop.attr("body")]
+    param = next(i.name for i in body if i.opcode == "parameter")
+    visit(loop.attr("body"), {i.name for i in body if i.opcode == "get-tuple-element" and i.operands() == [param]
+                              and index(i) in stash_at}, sched.ticks)
+    slot = sum(hlo.array_bytes(*carry[n]) for n in stash_at) // sched.depths["stash"]
+    return {"read_bytes": moved["read"], "write_bytes": moved["write"], "slot_bytes": slot, "ticks": sched.ticks,
+            "forward_ticks": forward_ticks}
+
+
+STASH_CONFIGS = {  # name → (model overrides on the tiny preset, 8 layers, float32; schedule, v)
+    "h256-s256 1f1b": ({"hidden": 256, "seq_len": 256}, "1f1b", 1),
+    "h256-s256 interleaved": ({"hidden": 256, "seq_len": 256}, "interleaved", 2),
+}
+
+
+def stash(label: str) -> int:
+    """`python experiments/pipeline.py stash LABEL`: the stash traffic per step (`stash_traffic`) and the compiled
+    temp bytes of the pipelined loss-and-gradient program: p = 4, data = 2, m = 8 for the tiny preset at h = s =
+    256 (8 simulated devices), and GPT-3 175B at p = t = 8 (1F1B, m = 8, TP+SP+selective, 64 simulated devices,
+    2 layers per chunk; bytes per step scaled to its 12 layers per chunk where they scale). Run it once on each
+    version of the executor (LABEL: which), from that version's tree; pipeline_stash.md compares the labels."""
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as PS
+
+    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.mesh import make_mesh
+    from jaxseq.parallel import pipeline as PL
+    from jaxseq.training import aot
+
+    def measure(cfg, parallel, m, micro, remat):
+        mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+        sched = PL.schedule_of(parallel, m, cfg.layers)
+        params, batch = aot.abstract_inputs(cfg, parallel, mesh, micro * m)
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
+        compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, batch, key).compile()
+        k = cfg.layers // (parallel.pipe * parallel.virtual_stages)
+        return {**stash_traffic(compiled.as_text(), sched, k), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+    rows = {}
+    for name, (overrides, schedule, v) in STASH_CONFIGS.items():
+        cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
+        parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=schedule, virtual_stages=v)
+        rows[name] = measure(cfg, parallel, OVERHEAD_M, MICRO, "selective")
+        print(label, name, rows[name], flush=True)
+    p, t, k_c = 8, 8, 2
+    cfg = replace(preset("gpt3-175b"), layers=p * k_c, dtype="float32")
+    parallel = ParallelConfig(data=1, tensor=t, sequence_parallel=True, pipe=p, schedule="1f1b")
+    rows["gpt3-175b p=t=8 1f1b (2 layers/chunk)"] = measure(cfg, parallel, 8, 1, "selective")
+    print(label, rows["gpt3-175b p=t=8 1f1b (2 layers/chunk)"], flush=True)
+    path = RESULTS / "pipeline_stash.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[label] = {"rows": rows, "units": "bytes per device: read/write per step (stage 0), temp in the program"}
+    path.write_text(json.dumps(results, indent=1))
+    (RESULTS / "pipeline_stash.md").write_text(stash_markdown(results))
+    return 0
+
+
+def stash_markdown(results: dict) -> str:
+    lines = ["# The pipeline executor's stash traffic and memory", "",
+             "Written by `python experiments/pipeline.py stash LABEL`, run on each version of the executor. Read from "
+             "the compiled pipelined loss-and-gradient program (nothing runs): the bytes one device (stage 0) reads "
+             "from and writes into its stash buffers per step (`stash_traffic`: every dynamic-slice / dynamic-update-"
+             "slice of a stash buffer × the ticks its computation runs on), and XLA's temp bytes per device. The "
+             "GPT-3 175B row is compiled with 2 layers per chunk (its real 12 scale the stash bytes ×6).", "",
+             "| executor | config | ticks (forward) | slot | stash read / step | stash written / step | temp |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, r in results.items():
+        for name, row in r["rows"].items():
+            lines.append(f"| {label} | {name} | {row['ticks']} ({row['forward_ticks']}) | {row['slot_bytes'] / 2**20:.2f} MiB "
+                         f"| {row['read_bytes'] / 2**20:.1f} MiB | {row['write_bytes'] / 2**20:.1f} MiB "
+                         f"| {row['temp_bytes'] / 2**20:.1f} MiB |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["stash"]:
+        sys.exit(stash(sys.argv[2]))
     sys.exit({"overhead": overhead, "overhead-anatomy": refresh_anatomy, "anatomy": paper_anatomy, "report": report}.get((sys.argv[1:] or [""])[0], main)())

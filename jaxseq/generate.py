@@ -36,7 +36,7 @@ def _generate(args) -> int:
     parallel, mesh = rundir.resolve_mesh(cfg, args.mesh, available_devices())
     mesh = sampling_mesh(cfg, mesh)
     run = rundir.restore(args.run_dir, sampling_parallel(cfg, parallel), mesh, dtype=cfg.dtype)
-    ids = sample(run.params, run.model, prompt_ids(args.prompt, run.tokenizer), args.max_tokens, args.temperature,
+    ids = sample(run.params, run.model, prompt_ids(args.prompt, run.tokenizer, run.model.vocab_size), args.max_tokens, args.temperature,
                  args.top_k, args.seed, mesh=mesh)
     print(f"# step {run.step}\n{args.prompt}{decode_tokens(ids, run.tokenizer)}")
     return 0

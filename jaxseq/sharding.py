@@ -159,6 +159,19 @@ class StageSharder(Sharder):
         return lookup(table, tokens)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names (None, an axis, or a tuple of axes)."""
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def only_axes(spec: P, axes: tuple[str, ...]) -> P:
+    """`spec` naming only the mesh axes in `axes` (an entry of several keeps their order)."""
+    def keep(entry):
+        kept = tuple(a for a in entry_axes(entry) if a in axes)
+        return kept[0] if len(kept) == 1 else kept or None
+    return P(*(keep(e) for e in spec))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The global batch [B, s]: rows split over `data`, replicated over `pipe` and `tensor`."""
     return NamedSharding(mesh, P("data", None))

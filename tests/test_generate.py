@@ -142,33 +142,38 @@ def test_bytes_round_trip():
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """A byte-level BPE trained here (no special tokens), and the same with GPT-2's <|endoftext|> added."""
-    from tokenizers import Tokenizer
+    """A byte-level BPE with no special tokens, and the one `jaxseq.data` trains (<|endoftext|> its last id)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tmp = tmp_path_factory.mktemp("bpe")
     (tmp / "text.txt").write_text("def f(x):\n    return x + 1\n" * 50 + "class A:\n    pass\n" * 50)
-    plain = train_bpe([str(tmp / "text.txt")], 300, str(tmp / "plain.json"))
-    tok = Tokenizer.from_file(plain)
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(tmp / "eot.json"))
-    return plain, str(tmp / "eot.json")
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer, plain.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    plain.train([str(tmp / "text.txt")], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    plain.save(str(tmp / "plain.json"))
+    train_bpe([str(tmp / "text.txt")], 300).save(str(tmp / "eot.json"))
+    return str(tmp / "plain.json"), str(tmp / "eot.json")
 
 
 def test_an_empty_prompt_is_the_start_of_a_document(bpe, params):
-    """Bytes: a newline (documents are joined by one). A BPE without special tokens: the newline as it encodes
-    it (not the byte id 10, which is some other token there). With <|endoftext|>: that token."""
+    """Bytes: the end-of-document id 256 that ends every document (a newline for a model of the 256 byte
+    values alone). A BPE without special tokens: the newline as it encodes it (not the byte id 10, which is
+    some other token there). With <|endoftext|>: that token. An id outside the vocabulary: one line."""
     from tokenizers import Tokenizer
 
     plain, eot = bpe
-    assert S.prompt_ids("", None) == [10]
+    assert S.prompt_ids("", None, 257) == [256] and S.prompt_ids("", None, 256) == [10]
     newline = Tokenizer.from_file(plain).encode("\n").ids
-    assert S.prompt_ids("", plain) == newline and newline != [10]
-    assert Tokenizer.from_file(plain).decode(S.prompt_ids("", plain)) == "\n"
-    assert S.prompt_ids("", eot) == [Tokenizer.from_file(eot).token_to_id("<|endoftext|>")]
-    assert S.prompt_ids("def", plain) == encode_text("def", plain)
-    assert len(S.sample(params, CFG, S.prompt_ids("", eot), 3)) == 3
+    assert S.prompt_ids("", plain, 300) == newline and newline != [10]
+    assert Tokenizer.from_file(plain).decode(S.prompt_ids("", plain, 300)) == "\n"
+    assert S.prompt_ids("", eot, 300) == [Tokenizer.from_file(eot).token_to_id("<|endoftext|>")] == [299]
+    assert S.prompt_ids("def", plain, 300) == encode_text("def", plain)
+    assert len(S.sample(params, CFG, S.prompt_ids("", eot, 300), 3)) == 3
     with pytest.raises(ValueError, match="the prompt is empty"):
         S.sample(params, CFG, [], 3)
+    with pytest.raises(ValueError, match=r"^the prompt holds token id 300, outside the model's vocabulary of 300 ids"):
+        S.sample(params, CFG, [1, 300], 3)
 
 
 def test_the_end_of_run_prompt_is_the_start_of_a_validation_document(bpe):

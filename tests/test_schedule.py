@@ -103,6 +103,26 @@ def test_slot_tables_are_consistent(name, p, m, v):
     assert not stash and not xs and not gs
 
 
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_forward_only_runs_the_forwards_in_order_with_no_stash(name, p, m, v):
+    """Evaluation's schedule: every forward once, each after the one it depends on, in the training
+    schedule's forward order; stage 0 never waits (mv + p − 1 ticks) and nothing is stashed or sent back."""
+    sched = S.Schedule.make(name, p, m, v, forward_only=True)
+    full = _make(name, p, m, v)
+    for s in range(p):
+        ran = [row[s] for row in sched.timeline if row[s] is not None]
+        assert ran == [op for op in full.order(s) if op.kind == "F"]
+    when = {(s, op): t for t, row in enumerate(sched.timeline) for s, op in enumerate(row) if op is not None}
+    for (s, op), t in when.items():
+        if s > 0:
+            assert when[(s - 1, op)] < t
+        elif op.chunk > 0:
+            assert when[(p - 1, S.Op("F", op.mb, op.chunk - 1))] < t
+    assert sched.ticks == m * v + p - 1 and sched.busy_ticks == m * v
+    assert sched.depths["stash"] == sched.depths["g"] == 0 and sched.in_flight(0) == 0
+    assert (sched.tables["kind"] != S.BACKWARD).all() and (sched.tables["stash"] == -1).all()
+
+
 @pytest.mark.parametrize("args,message", [
     (("1f1b", 4, 2, 1, 8), "fewer than pipe=4"),
     (("interleaved", 4, 6, 2, 16), "not a multiple of pipe=4"),

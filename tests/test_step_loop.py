@@ -7,28 +7,36 @@ import os
 import signal
 
 import jax
+import numpy as np
 import pytest
 from jax._src.array import ArrayImpl
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+from jaxseq.mesh import make_mesh
 from jaxseq.training.data import load_corpus
 from jaxseq.training import loop
+from jaxseq.training import train_step as T
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the ones a run handles (to checkpoint and stop)
 
-def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3, eval_every=10_000):
+TP_SP = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
+# The tiny preset's 2 layers over 2 stages, 1F1B over m = 8 / 2 = 4 micro-batches.
+PIPELINED = ParallelConfig(data=2, tensor=2, sequence_parallel=True, pipe=2, schedule="1f1b")
+
+
+def _run(tmp_path, steps, log_every, checkpoint_every, lr=1e-3, eval_every=10_000, parallel=TP_SP):
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 400)
     model = replace(preset("tiny"), dtype="float32", dropout=0.0)
-    train = TrainConfig(steps=steps, batch_size=8, log_every=log_every, eval_every=eval_every, eval_batches=1,
+    train = TrainConfig(steps=steps, batch_size=8, micro_batch_size=2 if parallel.pipe > 1 else None,
+                        log_every=log_every, eval_every=eval_every, eval_batches=1,
                         checkpoint_every=checkpoint_every, data=str(text), run_dir=str(tmp_path / "run"),
                         sample_tokens=2)
     os.makedirs(train.run_dir, exist_ok=True)
     corpus = load_corpus(train.data, None)
     model = replace(model, vocab_size=corpus.vocab_size)
     optimizer = OptimizerConfig(lr=lr, warmup_steps=0, decay_steps=steps)
-    return RunConfig(model=model, parallel=ParallelConfig(data=2, tensor=4, sequence_parallel=True),
-                     optimizer=optimizer, train=train), corpus
+    return RunConfig(model=model, parallel=parallel, optimizer=optimizer, train=train), corpus
 
 
 def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monkeypatch):
@@ -68,9 +76,11 @@ def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monke
     assert fetched == [[1, 2, 3], [4, 5, 6]]
 
 
-def test_nothing_compiles_between_train_steps(tmp_path, devices, monkeypatch):
+@pytest.mark.parametrize("parallel", [TP_SP, PIPELINED], ids=["tp-sp", "pipe2"])
+def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monkeypatch):
     """Between the first and the last train step the loop compiles nothing: a compilation in the log
-    path (the learning rate once took 0.45 s at the first log) or the stop flag idles the device."""
+    path (the learning rate once took 0.45 s at the first log), the stop flag or the evaluation (here
+    after steps 2 and 4, between train steps; pipelined with a pipeline) idles the device."""
     events = []
     original_call = jax.stages.Compiled.__call__
 
@@ -79,19 +89,27 @@ def test_nothing_compiles_between_train_steps(tmp_path, devices, monkeypatch):
             events.append("step")
         return original_call(compiled, *args, **kwargs)
 
+    original_evaluate = loop.Session.evaluate
+
+    def evaluate(session, params):
+        events.append("evaluate")
+        return original_evaluate(session, params)
+
     def compiled(event, duration, **kwargs):
         # A compilation, or its program loaded from the session's compilation cache (conftest.py).
         if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
             events.append("compile")
 
     monkeypatch.setattr(jax.stages.Compiled, "__call__", call)
+    monkeypatch.setattr(loop.Session, "evaluate", evaluate)
     jax.monitoring.register_event_duration_secs_listener(compiled)
     try:
-        assert loop.train(*_run(tmp_path, steps=6, log_every=2, checkpoint_every=10_000)) == 0
+        assert loop.train(*_run(tmp_path, steps=6, log_every=2, checkpoint_every=10_000, eval_every=2,
+                                parallel=parallel)) == 0
     finally:
         jax.monitoring.unregister_event_duration_listener(compiled)
     between = events[events.index("step"): len(events) - events[::-1].index("step")]
-    assert between.count("step") == 6 and "compile" not in between, between
+    assert between.count("step") == 6 and between.count("evaluate") == 2 and "compile" not in between, between
 
 
 @pytest.fixture
@@ -137,3 +155,33 @@ def test_a_failed_evaluation_at_a_checkpoint_step_keeps_the_checkpoint(tmp_path,
     with pytest.raises(RuntimeError, match="evaluation failed"):
         loop.train(*_run(tmp_path, steps=4, log_every=2, checkpoint_every=2, eval_every=2))
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+
+
+def test_an_evaluation_that_cannot_fit_is_refused_before_the_first_step(tmp_path, devices, monkeypatch):
+    """The fit check covers the evaluation too (compiled ahead with the train step): the train state and the
+    next batch stay alive while it runs, so its bytes are those plus its own batch, temporaries and output.
+    Here the train step is made to fit (0 bytes) on a device of 1 byte: the evaluation is refused in one line."""
+    monkeypatch.setattr(loop.aot, "step_bytes", lambda compiled: 0)
+    monkeypatch.setattr(loop.aot, "device_bytes", lambda devices: 1)
+    with pytest.raises(ConfigError, match=r"^the compiled evaluation needs [0-9.]+ GiB per device but a device has "
+                                          r"0\.00 GiB; try a smaller --micro-batch-size") as e:
+        loop.train(*_run(tmp_path, steps=2, log_every=1, checkpoint_every=10_000))
+    assert "\n" not in str(e.value)
+
+
+def test_evaluation_runs_the_train_steps_micro_batches(devices):
+    """Without a pipeline the evaluation runs the batch's micro-batches one at a time, as the train step does:
+    the same loss as the whole batch at once, with the temporaries of one micro-batch (the whole batch's
+    logits alone are 4·B·s·V/t bytes)."""
+    cfg = replace(preset("tiny"), dtype="float32", dropout=0.0)
+    mesh = make_mesh(TP_SP, devices)
+    params = T.init_state(jax.random.key(0), cfg, TP_SP, T.make_optimizer(OptimizerConfig()), mesh).params
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, cfg.seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    temp, loss = {}, {}
+    for m in (1, 4):
+        program = loop.make_eval_fn(cfg, TP_SP, mesh, m).lower(params, batch).compile()
+        temp[m], loss[m] = program.memory_analysis().temp_size_in_bytes, float(program(params, batch))
+    assert abs(loss[4] - loss[1]) <= 1e-6 * loss[1]
+    logits = 4 * 16 * cfg.seq_len * cfg.padded_vocab(TP_SP.tensor) // TP_SP.tensor // TP_SP.data
+    assert temp[1] - temp[4] >= logits * 3 // 4, (temp, logits)

@@ -4,7 +4,7 @@ the ranks reduce that sum once per step, after the accumulation.
 Why not leave it to XLA: the gradient of a weight replicated over `data` is reduced where autodiff makes
 it, so under a loop over micro-batches XLA reduces every micro-batch's gradients (m times Megatron's
 traffic). Inside a `jax.shard_map` manual over `data` the weights are cast to varying over `data` before
-the loop (`varying`), so each rank's gradients stay its own, and `reduce_over_data` runs the one reduction
+the loop (`varying`), so each rank's gradients stay its own, and `reduce_over` runs the one reduction
 after it: an all-reduce, or onto the distributed optimizer's master shards a reduce-scatter. The pipeline
 executor (`parallel.pipeline`) does this around its tick loop; `accumulate_loss_and_grad` around a plain
 scan over the micro-batches (no pipeline).
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import gpt as M
-from jaxseq.sharding import Sharder, StageSharder
+from jaxseq.sharding import Sharder, StageSharder, entry_axes, only_axes
 
 
 def varying(x, axes=("pipe", "data")):
@@ -31,22 +31,23 @@ def varying(x, axes=("pipe", "data")):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def data_dims(grad_specs) -> dict:
-    """Where each gradient is split over `data`, as an index into the parameter's shape (−1: all-reduced)."""
-    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
-def reduce_over_data(g, dim: int, tensor_spec: P):
-    """A gradient summed over `data`: all-reduced (dim −1), or reduce-scattered onto dimension `dim`.
-    The scatter runs manual over `tensor` too (`tensor_spec`: the gradient's split): left to the
+def reduce_over(g, spec: P, over: tuple[str, ...]):
+    """A gradient summed over the manual axes `over`: reduce-scattered onto each dimension where `spec` (its
+    master weights' split of g's dimensions) names some of them, in the order it names them, and all-reduced
+    over the rest. The scatter runs manual over `tensor` too where `spec` splits over it: left to the
     partitioner, XLA gathered a tensor-split gradient whole before scattering it over `data`."""
-    if dim < 0:
-        return jax.lax.psum(g, "data")
-    scatter = lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=dim, tiled=True)
-    if "tensor" not in tensor_spec:
-        return scatter(g)
-    return jax.shard_map(scatter, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
+    scatters = [(dim, axes) for dim, axes in enumerate(entry_axes(e) for e in only_axes(spec, over)) if axes]
+    rest = tuple(a for a in over if not any(a in axes for _, axes in scatters))
+
+    def reduce(x):
+        for dim, axes in scatters:
+            x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(x, rest) if rest else x
+
+    tensor_spec = only_axes(spec, ("tensor",))
+    if not scatters or not any(tensor_spec):
+        return reduce(g)
+    return jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=tensor_spec,
                          axis_names={"tensor"})(g)
 
 
@@ -56,15 +57,15 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     [B, s] int32), micro-batch i with dropout key fold_in(key, i), without a pipeline. To be called under
     jit with `params` in their compute layout (`model.param_specs`). Each data rank runs its rows of every
     micro-batch (dropout masks: those rows of the global mask, `model.bernoulli_rows`) and sums its float32
-    gradients in a `lax.scan`; after it the sum is reduced over `data` once, reduce-scattered onto dimension
-    `grad_specs` names `data` on (the distributed optimizer's master shards) or else all-reduced. `tensor`
+    gradients in a `lax.scan`; after it the sum is reduced over `data` once (`reduce_over`), reduce-scattered
+    onto the dimension `grad_specs` splits over `data` (the distributed optimizer's master shards) or else
+    all-reduced. `tensor`
     stays with XLA's partitioner inside (`StageSharder` writes its collectives). The region is manual over
     `pipe` too, of size 1 here, as the pipeline's is: with `pipe` left automatic, the vocab-parallel lookup's
     nested shard_map over `tensor` is not manual over every axis, and XLA:CPU aborted compiling a bfloat16
     step (that psum's reduction was exported ending in a copy, which all-reduce promotion cannot clone)."""
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
-    dims, specs = data_dims(grad_specs), M.param_specs(parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
                                                shard=StageSharder(mesh, parallel.sequence_parallel)))
     scale = 1.0 / (microbatches * parallel.data)  # the mean over micro-batches and data ranks
@@ -80,8 +81,8 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
         zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), ("data",)), (jnp.zeros(()), params))
         (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
         return (jax.lax.psum(loss, "data") * scale,
-                jax.tree.map(lambda g, dim, spec: reduce_over_data(g * scale, dim, spec), grads, dims, specs))
+                jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, ("data",)), grads, grad_specs))
 
-    out_specs = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), dims)
+    out_specs = jax.tree.map(lambda spec: only_axes(spec, ("data",)), grad_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(rank, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(P(), P(None, "data"), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))

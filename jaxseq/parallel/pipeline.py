@@ -43,12 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.models import gpt as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import data_parallel as DP
 from jaxseq import remat as R
-from jaxseq.sharding import Sharder, StageSharder, batch_sharding
+from jaxseq.sharding import Sharder, StageSharder, batch_sharding, entry_axes, only_axes
 
 # ---------------------------------------------------------------------------------------------
 # The tick table as the executor reads it
@@ -90,8 +90,9 @@ class TickRow(NamedTuple):
 FIELDS = TickRow._fields
 
 
-def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int) -> S.Schedule:
-    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers)
+def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> S.Schedule:
+    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
+                           forward_only)
 
 
 def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
@@ -128,7 +129,8 @@ def embed(params, tokens, key, cfg: ModelConfig, shard: Sharder):
 
 
 def chunk(x, layers, keys, cfg: ModelConfig, shard: Sharder, remat: str):
-    """k layers under lax.scan, each under jax.checkpoint with the remat policy (as model.decoder)."""
+    """k layers under lax.scan, each under jax.checkpoint with the remat policy (as model.decoder); keys=None:
+    no dropout (evaluation)."""
     body = jax.checkpoint(partial(M.block, cfg=cfg, shard=shard), policy=R.remat_policy(remat).policy,
                           prevent_cse=False)
     x, _ = jax.lax.scan(lambda x, inp: (body(x, *inp), None), x, (layers, keys))
@@ -181,7 +183,7 @@ class Stage:
     remat: str
     shard: StageSharder
     index: jax.Array  # s: this stage's index on `pipe`
-    key: jax.Array  # the step's dropout key
+    key: jax.Array | None  # the step's dropout key; None: no dropout (evaluation)
     layers: dict  # this stage's chunks, [v, k, …] per leaf, varying over `pipe` and `data`
     others: dict  # {"embed", "final_ln"}: on every stage, varying over `pipe` and `data`
     micro: dict  # {"inputs", "targets"}: [m, b, s] int32, this data rank's rows
@@ -190,9 +192,11 @@ class Stage:
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, data: int, remat: str,
               shard: StageSharder) -> Stage:
         """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
-        [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data."""
+        [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
+        dropout)."""
+        key = None if key_data is None else jax.random.wrap_key_data(key_data)
         return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
-                     key=jax.random.wrap_key_data(key_data), layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
+                     key=key, layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
                      others=jax.tree.map(DP.varying, others), micro=micro)
 
     @property
@@ -202,9 +206,12 @@ class Stage:
         return jax.ShapeDtypeStruct((b, self.cfg.seq_len, self.cfg.hidden), jnp.dtype(self.cfg.dtype))
 
     def chunk_inputs(self, mb, c):
-        """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key)."""
+        """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key); the keys are None
+        without dropout."""
         p, k = self.sched.p, self.cfg.layers // (self.sched.p * self.sched.v)
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers)
+        if self.key is None:
+            return w, None, None
         ids = (c * p + self.index) * k + jnp.arange(k)
         k_embed, layer_keys = micro_keys(self.key, mb, self.cfg)
         return w, layer_keys[ids], k_embed
@@ -217,13 +224,21 @@ class Stage:
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
         return embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
 
+    @property
+    def loss_scale(self) -> float:
+        """1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        return 1.0 / (self.sched.m * self.data)
+
+    def loss(self, y, mb):
+        """Micro-batch mb's loss share from the last chunk's output y (forward only)."""
+        return head(y, self.others, self.micro["targets"][mb], self.cfg, self.shard) * self.loss_scale
+
     def loss_and_grads(self, y, mb):
         """(loss share, dL/dy, d(embedding, final LN)) of the last chunk's output y: the loss right away, so
-        that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits. Scaled by
-        1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits."""
         loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
             y, self.others, self.micro["targets"][mb])
-        scale = 1.0 / (self.sched.m * self.data)
+        scale = self.loss_scale
         return loss * scale, gy * scale, jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh)
 
 
@@ -300,7 +315,7 @@ class BranchOut(NamedTuple):
 
     send_x: Any  # [b, s, h]: the forward output for stage s + 1 (zeros when there is none)
     send_g: Any  # [b, s, h]: the input gradient for stage s − 1 (zeros when there is none)
-    slot: list  # the stash slot: written by a forward, passed through otherwise
+    slot: list  # the stash slot a forward writes (zeros from the other branches: nothing is written then)
     g: Any  # [b, s, h]: the gradient slot: the loss gradient from the last chunk's forward, else passed through
     dw: dict  # [k, …] per leaf: the chunk's weight gradients (float32; zeros unless a backward)
     d_others: dict  # embed, final_ln: their gradients (float32; zeros unless the first backward or last forward)
@@ -309,24 +324,22 @@ class BranchOut(NamedTuple):
 
 @dataclass(frozen=True)
 class TickProgram:
-    """What a stage runs at each tick: one branch on slot-sized values between reading and writing the
-    buffers, then the two ppermutes. `nothing`: what a branch returns for an output it has none of (zeros
-    made once, before the loop; its slot and g are always replaced)."""
+    """What a stage runs at each tick: one branch that returns slot-sized values, the buffers written after
+    it on the ticks that change them, then the two ppermutes."""
 
     stage: Stage
     layout: ResidualLayout
-    nothing: BranchOut
 
-    @staticmethod
-    def make(stage: Stage, layout: ResidualLayout) -> TickProgram:
-        """The tick program of `stage`, its stash slots laid out as `layout`."""
-        act = stage.activation
+    def nothing(self, g) -> BranchOut:
+        """What a branch returns for the outputs it has none of: zeros, and the gradient slot `g` unchanged.
+        Made inside each branch: made once before the loop they were loop-carried, the chunk's weight
+        gradients' zeros (f32) and a stash slot's among them, each its size in memory for the whole loop."""
+        act = self.stage.activation
         no_act = _zeros(act.shape, act.dtype)
-        nothing = BranchOut(send_x=no_act, send_g=no_act, slot=None, g=None,
-                            dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), stage.layers),
-                            d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), stage.others),
-                            loss=_zeros((), jnp.float32))
-        return TickProgram(stage, layout, nothing)
+        return BranchOut(send_x=no_act, send_g=no_act, slot=[_zeros(a.shape, a.dtype) for a in self.layout.stashed],
+                         g=g, dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), self.stage.layers),
+                         d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), self.stage.others),
+                         loss=_zeros((), jnp.float32))
 
     def buffers(self) -> Buffers:
         """The empty carry: the schedule's buffer depths (`Schedule.depths`), a trash slot per receive buffer."""
@@ -340,13 +353,13 @@ class TickProgram:
             x=_zeros((depth["x"] + 1, *act.shape), act.dtype),
         )
 
-    # The branches: (table_row, x, g, slot) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
-    # x and g [b, s, h] its activation and gradient slots, slot its stash slot.
+    # The branches: (table_row, x, g, stash) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
+    # x and g [b, s, h] its activation and gradient slots, stash the stash buffers (read by a backward only).
 
-    def idle(self, table_row, x, g, slot) -> BranchOut:
-        return self.nothing._replace(slot=slot, g=g)
+    def idle(self, table_row, x, g, stash) -> BranchOut:
+        return self.nothing(g)
 
-    def forward(self, table_row, x, g, slot, *, first: bool, last: bool) -> BranchOut:
+    def forward(self, table_row, x, g, stash, *, first: bool, last: bool) -> BranchOut:
         """The chunk's forward under jax.vjp, its residuals to the stash slot; first: embed before; last:
         the loss and its gradient after (into the gradient slot this chunk's backward reads)."""
         stage, row = self.stage, TickRow.of(table_row)
@@ -356,21 +369,21 @@ class TickProgram:
         y, f_vjp = stage.chunk_vjp(x, w, keys)
         slot = self.layout.split(f_vjp)
         if not last:
-            return self.nothing._replace(send_x=y.astype(stage.activation.dtype), slot=slot, g=g)
+            return self.nothing(g)._replace(send_x=y.astype(stage.activation.dtype), slot=slot)
         loss, gy, d_others = stage.loss_and_grads(y, row.mb)
-        return self.nothing._replace(slot=slot, g=gy.astype(stage.activation.dtype), d_others=d_others, loss=loss)
+        return self.nothing(gy.astype(stage.activation.dtype))._replace(slot=slot, d_others=d_others, loss=loss)
 
-    def backward(self, table_row, x, g, slot, *, first: bool) -> BranchOut:
-        """The stashed vjp applied to the gradient slot; first: the embedding's vjp after."""
+    def backward(self, table_row, x, g, stash, *, first: bool) -> BranchOut:
+        """The vjp stashed in this op's slot applied to the gradient slot; first: the embedding's vjp after."""
         stage, row = self.stage, TickRow.of(table_row)
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
-        dx, dw = self.layout.join(slot, w, keys)(g)
+        dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
         if not first:
-            return self.nothing._replace(send_g=dx.astype(stage.activation.dtype), slot=slot, g=g, dw=_float32(dw))
+            return self.nothing(g)._replace(send_g=dx.astype(stage.activation.dtype), dw=_float32(dw))
         _, e_vjp = jax.vjp(lambda e: stage.embed(e, row.mb, k_embed), stage.others["embed"])
         (de,) = e_vjp(dx)
-        d_others = dict(self.nothing.d_others, embed=_float32(de))
-        return self.nothing._replace(slot=slot, g=g, dw=_float32(dw), d_others=d_others)
+        nothing = self.nothing(g)
+        return nothing._replace(dw=_float32(dw), d_others=dict(nothing.d_others, embed=_float32(de)))
 
     def branches(self) -> list[Callable]:
         """The switch's branches, indexed by `Branch`."""
@@ -385,24 +398,36 @@ class TickProgram:
         return [by_branch[b] for b in Branch]
 
     def tick(self, carry: Buffers, table_row) -> tuple[Buffers, None]:
-        """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches see and
-        return only slot-sized values (one stash slot, one activation, one chunk's weight gradient); the big
-        buffers are read and written around the switch, so XLA updates them in place instead of copying them
-        into and out of the conditional. The branches and conds read their fields from the whole row (one
-        int32 [8] operand; fields sliced outside became scalar operands, and XLA's program 64 bytes larger)."""
+        """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches return only
+        slot-sized values (one stash slot, one activation, one chunk's weight gradient); the big buffers are
+        written after the switch, each under a `lax.cond` on the branch (`stash`, `accumulate`), so XLA updates
+        them in place on the ticks that change them instead of copying them into and out of the conditional.
+        The stash buffers go into the switch read-only and only a backward reads its slot (a slot read before
+        the switch and written back after it on every tick, idle ones included, moved 3 slots per tick; now 3
+        per forward-backward pair: experiments/results/pipeline_stash.md). The branches and conds read their
+        fields from the whole row (one int32 [8] operand; fields sliced outside became scalar operands, and
+        XLA's program 64 bytes larger)."""
         row = TickRow.of(table_row)
-        slot = [buf[row.stash] for buf in carry.stash]
-        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot], slot)
+        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot],
+                             carry.stash)
         p = self.stage.sched.p
-        got_x = jax.lax.ppermute(out.send_x, "pipe", [(i, (i + 1) % p) for i in range(p)])
+        got_x = jax.lax.ppermute(out.send_x, "pipe", _to_next(p))
         got_g = jax.lax.ppermute(out.send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
         return Buffers(
             g=carry.g.at[row.g_slot].set(out.g).at[row.recv_g].set(got_g),
             grads=self.accumulate(carry.grads, table_row, out),
             loss=carry.loss + out.loss,
-            stash=[buf.at[row.stash].set(r) for buf, r in zip(carry.stash, out.slot)],
+            stash=self.stash(carry.stash, table_row, out),
             x=carry.x.at[row.recv_x].set(got_x),
         ), None
+
+    @staticmethod
+    def stash(buffers: list, table_row, out: BranchOut) -> list:
+        """The stash buffers with a forward's residuals written into its slot; untouched on the other ticks."""
+        row = TickRow.of(table_row)
+        forward = (row.branch >= Branch.FORWARD) & (row.branch <= Branch.FORWARD_LAST)
+        write = lambda bufs: [buf.at[row.stash].set(r) for buf, r in zip(bufs, out.slot)]
+        return jax.lax.cond(forward, write, lambda bufs: bufs, buffers)
 
     @staticmethod
     def accumulate(grads: dict, table_row, out: BranchOut) -> dict:
@@ -419,22 +444,73 @@ class TickProgram:
                                        add_d_others, keep, grads["others"])}
 
 
+class ForwardBuffers(NamedTuple):
+    """The forward-only tick loop's carry (evaluation): the received activations and the loss share."""
+
+    x: Any  # [depth x + 1, b, s, h]: received activations (+ the trash slot)
+    loss: Any  # []: float32
+
+
+@dataclass(frozen=True)
+class ForwardProgram:
+    """What a stage runs at each tick of a forward-only schedule (evaluation): the forward branches of
+    `TickProgram` without jax.vjp, stash or gradients, and only the forward ppermute."""
+
+    stage: Stage
+
+    def buffers(self) -> ForwardBuffers:
+        act = self.stage.activation
+        return ForwardBuffers(x=_zeros((self.stage.sched.depths["x"] + 1, *act.shape), act.dtype),
+                              loss=_zeros((), jnp.float32))
+
+    def idle(self, table_row, x):
+        act = self.stage.activation
+        return _zeros(act.shape, act.dtype), _zeros((), jnp.float32)
+
+    def forward(self, table_row, x, *, first: bool, last: bool):
+        """(the output for stage s + 1, the loss share): first: embed before; last: the loss after."""
+        stage, row = self.stage, TickRow.of(table_row)
+        w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
+        if first:
+            x = stage.embed(stage.others["embed"], row.mb, k_embed)
+        y = chunk(x, w, keys, stage.cfg, stage.shard, stage.remat)
+        no_act, no_loss = self.idle(table_row, x)
+        if last:
+            return no_act, stage.loss(y, row.mb)
+        return y.astype(stage.activation.dtype), no_loss
+
+    def tick(self, carry: ForwardBuffers, table_row) -> tuple[ForwardBuffers, None]:
+        row = TickRow.of(table_row)
+        branches = {Branch.IDLE: self.idle, Branch.FORWARD: partial(self.forward, first=False, last=False),
+                    Branch.FORWARD_FIRST: partial(self.forward, first=True, last=False),
+                    Branch.FORWARD_LAST: partial(self.forward, first=False, last=True)}
+        send, loss = jax.lax.switch(row.branch, [branches[b] for b in sorted(branches)], table_row,
+                                    carry.x[row.x_slot])
+        got = jax.lax.ppermute(send, "pipe", _to_next(self.stage.sched.p))
+        return ForwardBuffers(x=carry.x.at[row.recv_x].set(got), loss=carry.loss + loss), None
+
+
+def _to_next(p: int) -> list[tuple[int, int]]:
+    """The forward ppermute: stage s sends to s + 1 (the last to stage 0: its next chunk, interleaved)."""
+    return [(i, (i + 1) % p) for i in range(p)]
+
+
 # ---------------------------------------------------------------------------------------------
 # After the loop: the step's one data-parallel reduction
 
 
-def reduce_gradients(buffers: Buffers, data_dims: dict, specs: dict):
+def reduce_gradients(buffers: Buffers, grad_specs: dict):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
-    accumulators: Megatron's one data-parallel reduction (a reduce-scatter onto the master shards where
-    `data_dims` names a dimension, else an all-reduce), and the embedding group's over `pipe`. `specs`:
-    the parameters' PartitionSpecs (`model.param_specs`), for their split over `tensor`."""
+    accumulators: Megatron's one data-parallel reduction, and the embedding group's over `pipe` (the first
+    stage's lookup and the last stage's logits and final LN add to the same parameters); each a reduce-scatter
+    onto the master shards where `grad_specs` (the master weights' PartitionSpecs) split the gradient over
+    those axes, else an all-reduce."""
     loss = jax.lax.psum(buffers.loss, ("pipe", "data"))
-    others = jax.tree.map(lambda g, dim, spec: jax.lax.psum(g, ("pipe", "data")) if dim < 0 else
-                          jax.lax.psum(DP.reduce_over_data(g, dim, spec), "pipe"),
-                          buffers.grads["others"], _others(data_dims), _others(specs))
+    others = jax.tree.map(lambda g, spec: DP.reduce_over(g, spec, ("pipe", "data")), buffers.grads["others"],
+                          _others(grad_specs))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, dim, spec: DP.reduce_over_data(g, dim + 1 if dim >= 0 else -1, P(None, None, *spec[1:]))[None],
-        buffers.grads["layers"], data_dims["layers"], specs["layers"])
+        lambda g, spec: DP.reduce_over(g, P(None, None, *spec[1:]), ("data",))[None], buffers.grads["layers"],
+        grad_specs["layers"])
     return loss, layers, others
 
 
@@ -448,36 +524,69 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
-                  remat: str, shard: StageSharder, data_dims: dict, specs: dict, inspect):
+                  remat: str, shard: StageSharder, grad_specs: dict, inspect):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; the rest as `Stage.enter` and `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
     layout = ResidualLayout.of(stage)
     if inspect is not None:
         inspect(list(layout.stashed), list(layout.reused))
-    program = TickProgram.make(stage, layout)
+    program = TickProgram(stage, layout)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
-    return reduce_gradients(buffers, data_dims, specs)
+    return reduce_gradients(buffers, grad_specs)
 
 
-def _gradient_specs(data_dims: dict) -> tuple[dict, dict]:
+def _gradient_specs(grad_specs: dict) -> tuple[dict, dict]:
     """The shard_map's out_specs of the reduced gradients: the layers' in the stage layout [p, v, k, …] (a
     parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final LN's; each split over
-    `data` on the dimension where it was reduce-scattered."""
-    layers = jax.tree.map(lambda dim: P("pipe", *[None] * (dim + 1), "data") if dim >= 0 else P("pipe"),
-                          data_dims["layers"])
-    others = jax.tree.map(lambda dim: P(*[None] * dim, "data") if dim >= 0 else P(), _others(data_dims))
+    `pipe` and `data` where it was reduce-scattered (`grad_specs`: the master weights' specs)."""
+    layers = jax.tree.map(lambda spec: P("pipe", None, None, *only_axes(spec, ("data",))[1:]), grad_specs["layers"],
+                          is_leaf=lambda x: isinstance(x, P))
+    others = jax.tree.map(lambda spec: only_axes(spec, ("pipe", "data")), _others(grad_specs),
+                          is_leaf=lambda x: isinstance(x, P))
     return layers, others
 
 
 def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, specs: dict):
-    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN), cast
-    to the compute dtype."""
+    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN, whole on
+    every stage), cast to the compute dtype. Master weights split over `pipe` or `data` are gathered here, once
+    (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
+    "full rematerialization")."""
     cast = M.cast_params(params, jnp.dtype(cfg.dtype))
-    layers = jax.tree.map(lambda a, spec: jax.lax.with_sharding_constraint(
-                              a, NamedSharding(mesh, P("pipe", None, None, *spec[1:]))),
+    constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    layers = jax.tree.map(lambda a, spec: constrain(a, P("pipe", None, None, *spec[1:])),
                           to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
-    return layers, _others(cast)
+    return layers, jax.tree.map(constrain, _others(cast), _others(specs))
+
+
+def _stage_inputs(params, batch, cfg: ModelConfig, parallel: ParallelConfig, mesh, sched: S.Schedule):
+    """(layers in the stage layout, embedding and final LN, the micro-batches [m, B/m, s] split over
+    `data` on their rows), the executor's shard_map arguments with the in_specs of those three."""
+    layers, others = _stage_weights(params, cfg, parallel, mesh, M.param_specs(parallel))
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
+    return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
+
+
+def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, microbatches: int):
+    """The mean loss over `microbatches` micro-batches of `batch`, forward only and without dropout: the
+    evaluation loss of a pipelined run, equal to `model.loss_fn` of the whole batch, each stage holding only
+    its layers (the unpipelined loss of pipe-split weights gathers every layer onto every device). Runs a
+    forward-only schedule (`Schedule.forward_only`: mv + p − 1 ticks) with `ForwardProgram`. Under jit with
+    the mesh's shardings."""
+    cfg = replace(cfg, dropout=0.0)
+    sched = schedule_of(parallel, microbatches, cfg.layers, forward_only=True)
+    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
+
+    def program(layers, others, micro, rows):
+        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data, remat="none",
+                            shard=StageSharder(mesh, parallel.sequence_parallel))
+        forward = ForwardProgram(stage)
+        buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
+        return jax.lax.psum(buffers.loss, ("pipe", "data"))
+
+    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P()), out_specs=P())
+    return fn(*args, jnp.asarray(tick_rows(sched)))
 
 
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
@@ -485,24 +594,21 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
-    the parameters'); a leaf whose spec names `data` (the distributed optimizer's master shards) is
-    reduce-scattered over `data` onto that dimension instead of all-reduced. `inspect`, if given, is called
+    the parameters'); a leaf whose spec names `data` or, for the embedding and final LN, `pipe` (the master
+    shards: `train_step.master_specs`) is reduce-scattered over those axes onto that dimension instead of
+    all-reduced. `inspect`, if given, is called
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    specs = M.param_specs(parallel)
-    data_dims = DP.data_dims(grad_specs if grad_specs is not None else specs)
-    assert all(d != 0 for d in jax.tree.leaves(data_dims["layers"])), "layers are split over pipe, not data"
-    layers, others = _stage_weights(params, cfg, parallel, mesh, specs)
-    shard = Sharder(mesh, parallel.sequence_parallel)
-    micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
+    grad_specs = M.param_specs(parallel) if grad_specs is None else grad_specs
+    assert all(entry_axes(spec[0]) == ("pipe",) for spec in jax.tree.leaves(
+        grad_specs["layers"], is_leaf=lambda x: isinstance(x, P))), "layers are split over pipe on their first dimension"
+    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data, remat=remat,
-                      shard=StageSharder(mesh, parallel.sequence_parallel), data_dims=data_dims, specs=specs,
-                      inspect=inspect)
-    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"},
-                       in_specs=(jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"), P(), P()),
-                       out_specs=(P(), *_gradient_specs(data_dims)))
-    loss, layer_grads, other_grads = fn(layers, others, micro, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
+                      shard=StageSharder(mesh, parallel.sequence_parallel), grad_specs=grad_specs, inspect=inspect)
+    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P(), P()),
+                       out_specs=(P(), *_gradient_specs(grad_specs)))
+    loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     grads = {"layers": from_stages(layer_grads), **other_grads}
     return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
 

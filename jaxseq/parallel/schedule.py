@@ -14,6 +14,9 @@ assignment; with v = 1 stage s holds the s-th block of L/p layers).
 - Buffer slots: the executor keeps each F's residuals in a stash slot until its B, and each received
   activation / gradient in a receive slot until it is consumed; slots are assigned here, lowest free first,
   so the buffers' depths are the schedule's true in-flight counts.
+- Forward only (evaluation): each stage runs its forwards in the same order and nothing else, so stage 0
+  never waits: mv + p − 1 ticks, no stash, no gradient slots (Megatron's `forward_only` runs every
+  micro-batch as warm-up the same way).
 
 `python -m jaxseq.schedule --pipe 4 --microbatches 8 [--virtual-stages 2] [--schedule 1f1b]` prints one.
 """
@@ -87,11 +90,13 @@ class Schedule:
     pipe: int
     microbatches: int
     virtual_stages: int = 1
+    forward_only: bool = False  # evaluation: the forwards in the schedule's order, no backward
 
     @staticmethod
-    def make(schedule: str, pipe: int, microbatches: int, virtual_stages: int = 1, layers: int | None = None):
+    def make(schedule: str, pipe: int, microbatches: int, virtual_stages: int = 1, layers: int | None = None,
+             forward_only: bool = False):
         name = validate_pipeline(pipe, microbatches, virtual_stages, schedule, layers)
-        return Schedule(name, pipe, microbatches, virtual_stages)
+        return Schedule(name, pipe, microbatches, virtual_stages, forward_only)
 
     @property
     def p(self) -> int:
@@ -106,7 +111,8 @@ class Schedule:
         return self.virtual_stages
 
     def order(self, s: int) -> list[Op]:
-        return stage_order(self.name, self.p, self.m, self.v, s)
+        ops = stage_order(self.name, self.p, self.m, self.v, s)
+        return [op for op in ops if op.kind == "F"] if self.forward_only else ops
 
     def layers_of(self, s: int, c: int, layers: int) -> list[int]:
         """The model layers stage s runs as chunk c (Megatron's interleaved assignment)."""
@@ -161,8 +167,9 @@ class Schedule:
 
     @property
     def busy_ticks(self) -> int:
-        """Ops per stage: a forward and a backward of each micro-batch through each of its v chunks."""
-        return 2 * self.m * self.v
+        """Ops per stage: a forward and a backward of each micro-batch through each of its v chunks (forward
+        only: the forwards)."""
+        return (1 if self.forward_only else 2) * self.m * self.v
 
     @property
     def idle_ticks(self) -> int:
@@ -179,7 +186,10 @@ class Schedule:
         return paper_bubble(self.name, self.p, self.m, self.v)
 
     def in_flight(self, s: int) -> int:
-        """Most chunk inputs stage s holds at once (forwards whose backward has not run yet)."""
+        """Most chunk inputs stage s holds at once (forwards whose backward has not run yet; forward only:
+        none, nothing is kept for a backward)."""
+        if self.forward_only:
+            return 0
         held = most = 0
         for op in self.order(s):
             held += 1 if op.kind == "F" else -1
@@ -228,10 +238,11 @@ class Schedule:
                 key = (op.mb, op.chunk)
                 if op.kind == "F":
                     tab["kind"][t, s] = FORWARD
-                    tab["stash"][t, s] = stash[s].take(key)
+                    if not self.forward_only:
+                        tab["stash"][t, s] = stash[s].take(key)
                     if not first:
                         tab["x_slot"][t, s] = xbuf[s].release(key)
-                    if last:  # the loss gradient waits in a gradient slot for this chunk's B
+                    if last and not self.forward_only:  # the loss gradient waits in a gradient slot for this chunk's B
                         tab["g_slot"][t, s] = gbuf[s].take(key)
                 else:
                     tab["kind"][t, s] = BACKWARD

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import gpt as M
+from jaxseq.sharding import entry_axes
 from jaxseq.training import train_step as T
 
 MIB, GIB = 2**20, 2**30
@@ -24,10 +25,11 @@ MIB, GIB = 2**20, 2**30
 
 @dataclass(frozen=True)
 class _Leaf:
+    part: str  # "layers", or "embedding group" (the embedding and the final LayerNorm)
     elements: int  # on one device, split by tensor
     master_elements: int  # of its master weights and of each Adam moment on one device
     cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
-    sharded: bool  # over data (distributed optimizer): the step gathers a full copy of it
+    sharded: bool  # over data or pipe (master_specs): the step gathers a full copy of it
 
     def copy_bytes(self, cfg: ModelConfig) -> int:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
@@ -38,18 +40,27 @@ class _Leaf:
         return self.elements * e if self.cast and cfg.dtype != "float32" else 0
 
 
-def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> list[_Leaf]:
-    """Every parameter's per-device elements under the train step's own specs (`T.master_specs`)."""
-    parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False,
+EMBEDDING_GROUP = "embedding group"  # the embedding and the final LayerNorm: every pipeline stage computes with them
+
+
+def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1) -> list[_Leaf]:
+    """Every parameter's per-device elements under the train step's own specs (`T.master_specs`). With
+    pipe > 1, `cfg` is one stage's (its layers), and the embedding group's master weights and moments are
+    split over `pipe` as the pipelined step's are."""
+    parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False, pipe=pipe,
                               distributed_optimizer=distributed_optimizer)
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    shapes = jax.tree.leaves(M.param_shapes(cfg, tensor), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=is_spec)
+    sizes = {"tensor": tensor, "data": data, "pipe": pipe}
     out = []
-    for shape, spec, cast in zip(shapes, specs, jax.tree.leaves(M.cast_mask())):
-        n = int(np.prod(shape, dtype=np.int64)) // tensor ** sum(1 for axis in spec if axis == "tensor")
-        sharded = "data" in spec
-        out.append(_Leaf(n, n // data if sharded else n, cast, sharded))
+    for part, specs in T.master_specs(cfg, parallel).items():
+        is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        shapes = jax.tree.leaves(M.param_shapes(cfg, tensor)[part], is_leaf=lambda x: isinstance(x, tuple))
+        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask()[part])):
+            if part == "layers":  # dimension 0's `pipe` is the stage's layers, which `cfg` already holds
+                spec = spec[1:]
+            axes = [a for entry in spec for a in entry_axes(entry)]
+            n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
+            split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe")]))
+            out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast, split > 1))
     return out
 
 
@@ -80,10 +91,24 @@ class State:
         return self.params + self.gradients + self.optimizer + self.weight_copy
 
 
-def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False) -> State:
+def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
+                pipe: int = 1) -> State:
     """Per-device state bytes; the distributed optimizer divides master weights and moments by
-    `data` for every parameter with a dimension `data` divides (the others are counted whole)."""
-    leaves = _leaves(cfg, tensor, data, distributed_optimizer)
+    `data` for every parameter with a dimension `data` divides (the others are counted whole). With
+    pipe = p > 1, `cfg` holds one stage's layers (the first stage's: L/p), and the embedding group's
+    master weights and moments are divided by p too, as the pipelined step splits them over `pipe`
+    (`state_bytes_by_part` tells the two apart)."""
+    return _state(_leaves(cfg, tensor, data, distributed_optimizer, pipe), cfg)
+
+
+def state_bytes_by_part(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
+                        pipe: int = 1) -> dict[str, State]:
+    """`state_bytes` of the layers and of the embedding group (`EMBEDDING_GROUP`), which sum to it."""
+    leaves = _leaves(cfg, tensor, data, distributed_optimizer, pipe)
+    return {part: _state([l for l in leaves if l.part == part], cfg) for part in ("layers", EMBEDDING_GROUP)}
+
+
+def _state(leaves: list[_Leaf], cfg: ModelConfig) -> State:
     total = sum(l.elements for l in leaves)
     master = sum(l.master_elements for l in leaves)
     return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))

@@ -16,7 +16,7 @@ from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
 from jaxseq.planning.memory import (GIB, State, activation_bytes, non_layer_activation_bytes,
-                                    parameter_elements_per_device, peak_bytes, state_bytes)
+                                    parameter_elements_per_device, peak_bytes, state_bytes, state_bytes_by_part)
 from jaxseq.remat import POLICIES
 
 
@@ -106,6 +106,7 @@ class Plan:
             "units": "bytes and FLOPs per device; *_per_layer: one transformer layer, forward + backward",
             "rows": [asdict(r) for r in self.rows],
             "optimizer_state": self.optimizer_state(),
+            "stage_state": self.stage_state() if self.pipeline > 1 else None,
         }
 
     def optimizer_state(self) -> dict:
@@ -113,12 +114,27 @@ class Plan:
         stage = replace(self.config, layers=-(-self.config.layers // self.pipeline))
         out = {}
         for key, distributed in (("without_distributed_optimizer", False), ("with_distributed_optimizer", True)):
-            state = state_bytes(stage, self.tensor, self.data, distributed)
-            parts = {"weight_copy": state.weight_copy, "gradients": state.gradients, "master_weights": state.params,
-                     "adam_moments": state.optimizer, "total": state.total}
+            parts = _parts(state_bytes(stage, self.tensor, self.data, distributed, self.pipeline))
             out[key] = {"bytes_per_device": parts,
                         "bytes_per_parameter": {k: v / self.parameters_per_device for k, v in parts.items()}}
         return out
+
+    def stage_state(self) -> dict:
+        """With a pipeline: each device's state by part, as the rows count it (the plan's data size and
+        distributed-optimizer choice). In jaxseq's one SPMD program every stage holds the same: its L/p layers,
+        and the embedding group (embedding and final LayerNorm) whole for compute, its master weights and
+        moments split over `pipe`; Megatron-LM's first and last stages hold that group's state whole (its
+        optimizer state unsplit), its middle stages none of it."""
+        stage = replace(self.config, layers=-(-self.config.layers // self.pipeline))
+        parts = state_bytes_by_part(stage, self.tensor, self.data, self.distributed_optimizer, self.pipeline)
+        megatron = state_bytes_by_part(stage, self.tensor, self.data, self.distributed_optimizer)["embedding group"]
+        return {"layers": _parts(parts["layers"]), "embedding_group": _parts(parts["embedding group"]),
+                "megatron_first_stage_embedding_group": _parts(megatron)}
+
+
+def _parts(state: State) -> dict:
+    return {"weight_copy": state.weight_copy, "gradients": state.gradients, "master_weights": state.params,
+            "adam_moments": state.optimizer, "total": state.total}
 
 
 def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
@@ -160,7 +176,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
-                     state_bytes(stage, c.tensor, data, distributed_optimizer)) for c, m in measured.items()]
+                     state_bytes(stage, c.tensor, data, distributed_optimizer, pipeline)) for c, m in measured.items()]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
                 compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
@@ -232,7 +248,7 @@ def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
     if not isinstance(data, int) or data <= 0:
         raise ConfigError(f"data={data!r} must be a positive integer")
     stage = replace(p.config, layers=-(-p.config.layers // p.pipeline))
-    rows = [dataclasses.replace(r, **_state_columns(state_bytes(stage, r.tensor, data, distributed_optimizer),
+    rows = [dataclasses.replace(r, **_state_columns(state_bytes(stage, r.tensor, data, distributed_optimizer, p.pipeline),
                                                     r.activation_bytes_per_device, r.working_bytes_per_device))
             for r in p.rows]
     return dataclasses.replace(p, rows=rows, data=data, distributed_optimizer=distributed_optimizer)

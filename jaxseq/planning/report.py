@@ -42,6 +42,8 @@ def format_table(p: Plan) -> str:
     if p.in_flight is not None:
         lines += format_in_flight(p)
     lines += ["", *format_optimizer_state(p)]
+    if p.pipeline > 1:
+        lines += ["", *format_stage_state(p)]
     return "\n".join(lines)
 
 
@@ -145,6 +147,10 @@ def format_in_flight(p: Plan) -> list[str]:
     ]
 
 
+STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients", "master_weights": "fp32 master weights",
+                "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
+
+
 def format_optimizer_state(p: Plan) -> list[str]:
     """The state per device without and with the distributed optimizer, in bytes per parameter
     (of the parameters on one device) and in total."""
@@ -155,13 +161,33 @@ def format_optimizer_state(p: Plan) -> list[str]:
     lines = [f"training state per device (t={p.tensor}, d={p.data}, {p.parameters_per_device / 1e6:,.1f}M parameters "
              f"per device; the totals above use: {used}):",
              f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
-    names = {"weight_copy": f"{p.config.dtype} weight copy", "gradients": "fp32 gradients",
-             "master_weights": "fp32 master weights", "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
-    for key, label in names.items():
+    for key, label in STATE_LABELS.items():
+        label = label.format(dtype=p.config.dtype)
         lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}{with_it['bytes_per_parameter'][key]:>14.2f}"
                      f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
     lines.append("  with: master weights and moments split over data (--distributed-optimizer); the weight copy is "
                  "gathered over data once per step; gradients are full during backward, then reduce-scattered")
+    return lines
+
+
+def format_stage_state(p: Plan) -> list[str]:
+    """With a pipeline: the state each device holds by part, its layers and the embedding group, beside what
+    Megatron-LM's first stage holds of that group (its last stage the same, its middle stages none)."""
+    parts, cfg = p.stage_state(), p.config
+    unit, scale = _unit(parts["layers"]["total"], BYTES_MODEL)
+    stage_layers = -(-cfg.layers // p.pipeline)
+    lines = [f"state per device on every pipeline stage (p={p.pipeline}; one SPMD program: each stage holds what "
+             f"stage 0 holds), {unit}, as the totals above count it:",
+             f"  {'':<24}{f'{stage_layers} layers':>12}{'embedding + final LN':>22}{'Megatron first/last stage':>27}"]
+    for key, label in STATE_LABELS.items():
+        lines.append(f"  {label.format(dtype=cfg.dtype):<24}{parts['layers'][key] / scale:>12.2f}"
+                     f"{parts['embedding_group'][key] / scale:>22.2f}"
+                     f"{parts['megatron_first_stage_embedding_group'][key] / scale:>27.2f}")
+    saved = parts["megatron_first_stage_embedding_group"]["total"] - parts["embedding_group"]["total"]
+    lines.append(f"  the embedding and final LayerNorm are whole on every stage for compute (the first stage's lookup "
+                 f"and the last stage's logits need them inside the tick loop); their master weights and moments are "
+                 f"split over pipe, so the first stage, which sets the peak, holds {saved / scale:.2f} {unit} less of "
+                 f"them than Megatron-LM's (whose middle stages hold none)")
     return lines
 
 

@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
@@ -70,6 +71,25 @@ def step_bytes(compiled) -> int | None:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
+def evaluation_bytes(evaluation, step, params) -> int | None:
+    """Per-device bytes while the compiled `evaluation` runs between train steps: what stays alive from the
+    step (its arguments: the whole train state and the next batch, already queued) + the evaluation's own
+    arguments but the parameters (they are the state's: its batch), temporaries and output. The step's
+    temporaries are freed by then (its loss was read before evaluating). None where either program gives no
+    analysis. `params`: the parameters evaluated (arrays or ShapeDtypeStructs with shardings)."""
+    m, s = evaluation.memory_analysis(), step.memory_analysis()
+    if m is None or s is None:
+        return None
+    own = m.argument_size_in_bytes - per_device_bytes(params)
+    return s.argument_size_in_bytes + own + m.temp_size_in_bytes + m.output_size_in_bytes
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's shard of every array in `tree` (each leaf has .shape, .dtype and .sharding)."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
+
+
 def device_bytes(devices) -> int | None:
     """Memory one device may use: the backend's `bytes_limit` (GPU, TPU); for CPU devices, which
     share the host's memory, the physical memory divided among the local devices; None if unknown."""
@@ -88,11 +108,19 @@ def device_bytes(devices) -> int | None:
     return None
 
 
-def check_fits(needed: int | None, available: int | None) -> None:
-    """Refuse, in one line, a step that needs more memory than a device has (either unknown: no check)."""
+# What would help, by program: the evaluation stores nothing for a backward, so remat does not change it.
+REMEDIES = {
+    "train step": "try a smaller --micro-batch-size, a remat policy that stores less (--remat full or lean), "
+                  "or more tensor parallelism (--mesh tensor=N --sequence-parallel)",
+    "evaluation": "try a smaller --micro-batch-size, or more tensor or pipeline parallelism "
+                  "(--mesh tensor=N --sequence-parallel, pipe=P)",
+}
+
+
+def check_fits(needed: int | None, available: int | None, what: str = "train step") -> None:
+    """Refuse, in one line, a program (`REMEDIES`' keys: the train step, the evaluation) that needs more
+    memory than a device has (either unknown: no check)."""
     if needed is None or available is None or needed <= available:
         return
-    raise ConfigError(
-        f"the compiled train step needs {needed / GIB:.2f} GiB per device but a device has {available / GIB:.2f} GiB; "
-        "try a smaller --micro-batch-size, a remat policy that stores less (--remat full or lean), "
-        "or more tensor parallelism (--mesh tensor=N --sequence-parallel)")
+    raise ConfigError(f"the compiled {what} needs {needed / GIB:.2f} GiB per device but a device has "
+                      f"{available / GIB:.2f} GiB; {REMEDIES[what]}")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import jax
@@ -21,6 +23,7 @@ from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelCon
 from jaxseq.mesh import available_devices, make_mesh
 from jaxseq.models import gpt as M
 from jaxseq.parallel import distributed as D
+from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import aot, rundir
@@ -37,13 +40,29 @@ class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss); the message is one line."""
 
 
-def _eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh):
-    """The loss of the state's params as they are stored (split over data by the distributed optimizer)."""
-    shard = Sharder(mesh, parallel.sequence_parallel)
+def make_eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
+    """jit(params, batch) → the mean loss (no dropout) of the state's params as they are stored (master
+    weights, split over data by the distributed optimizer), over the batch split into `micro_batches` as the
+    train step splits it: its activations are one micro-batch's. With a pipeline, forward only through the
+    stages (`pipeline.pipeline_loss`), each holding only its layers; without, the model's loss of each
+    micro-batch in turn on the compute copy the train step makes."""
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), T.master_specs(cfg, parallel))
     batch_sh = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
-    return jax.jit(lambda p, b: M.loss_fn(p, b, cfg, shard, "none"), in_shardings=(param_sh, batch_sh),
-                   out_shardings=NamedSharding(mesh, P()))
+    if parallel.pipe > 1:
+        loss = partial(pipeline_loss, cfg=cfg, parallel=parallel, mesh=mesh, microbatches=micro_batches)
+    else:
+        loss = partial(_accumulated_loss, cfg=cfg, parallel=parallel, mesh=mesh, micro_batches=micro_batches)
+    return jax.jit(loss, in_shardings=(param_sh, batch_sh), out_shardings=NamedSharding(mesh, P()))
+
+
+def _accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
+    """The mean of `model.loss_fn` over the micro-batches of `batch`, one at a time (lax.map), on the
+    compute copy of the weights made once (gathered over data, as the train step's)."""
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
+                           M.cast_params(params, jnp.dtype(cfg.dtype)), M.param_specs(parallel))
+    micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
+    return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))
 
 
 def _global(batch: dict, mesh, batch_size: int) -> dict:
@@ -142,7 +161,7 @@ class Session:
     optimizer: optax.GradientTransformation
     micro_batches: int
     step_fn: Callable  # jit(step)(state, batch, key) → (state, metrics), compiled by `compile_step`
-    eval_fn: Callable
+    eval_fn: Callable  # jit(params, batch) → loss (`make_eval_fn`), compiled by `compile_step`
     key: jax.Array  # the dropout key of every step
     rows: slice  # this process's rows of each global batch
     train_batches: Batches
@@ -170,7 +189,7 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     return Session(
         run=run, devices=devices, mesh=mesh, optimizer=optimizer, micro_batches=micro,
         step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
-        eval_fn=_eval_fn(run.model, run.parallel, mesh), key=jax.random.key(settings.seed + 1),
+        eval_fn=make_eval_fn(run.model, run.parallel, mesh, micro), key=jax.random.key(settings.seed + 1),
         rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
         val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
@@ -205,15 +224,20 @@ def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
 
 
 def compile_step(session: Session, state, position: int):
-    """The train step compiled ahead (no throughput figure includes compilation) and refused if it
-    does not fit the device; with the first batch."""
+    """The train step and the evaluation compiled ahead (no throughput figure includes compilation, and
+    nothing compiles between train steps), each refused if it does not fit the device: (the session with
+    its compiled evaluation, the compiled step, the first batch). An evaluation batch has the train batch's
+    shape and sharding."""
     compile_start = time.perf_counter()
     batch = session.batch(position)
     step_fn = session.step_fn.lower(state, batch, session.key).compile()
-    aot.check_fits(aot.step_bytes(step_fn), aot.device_bytes(session.devices))
+    eval_fn = session.eval_fn.lower(state.params, batch).compile()
+    available = aot.device_bytes(session.devices)
+    aot.check_fits(aot.step_bytes(step_fn), available)
+    aot.check_fits(aot.evaluation_bytes(eval_fn, step_fn, state.params), available, what="evaluation")
     if D.is_main_process():
-        print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s", flush=True)
-    return step_fn, batch
+        print(f"compiled the train step and the evaluation in {time.perf_counter() - compile_start:.1f} s", flush=True)
+    return dataclasses.replace(session, eval_fn=eval_fn), step_fn, batch
 
 
 class PendingMetrics:
@@ -301,7 +325,10 @@ def train(run: RunConfig, corpus: Corpus) -> int:
         print(_banner(session, corpus, start), flush=True)
     with StopFlag(session.mesh) as stop:
         learning_rate = host_learning_rate(run.optimizer)
-        step_fn, batch = compile_step(session, state, position) if start < run.train.steps else (None, None)
+        if start < run.train.steps:
+            session, step_fn, batch = compile_step(session, state, position)
+        else:
+            step_fn, batch = None, None
         progress = Progress(run, session.devices, learning_rate, start)
         try:
             state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
@@ -383,7 +410,7 @@ def _closing_report(session: Session, corpus: Corpus, state, val: float) -> None
     prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
     if settings.sample_tokens:
         params, mesh = for_sampling(state.params, run.model, session.mesh)
-        ids = sample(params, run.model, prompt_ids(prompt, corpus.tokenizer), settings.sample_tokens,
+        ids = sample(params, run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size), settings.sample_tokens,
                      seed=settings.seed, mesh=mesh)
     if D.is_main_process():
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)

@@ -30,7 +30,7 @@ from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
 from jaxseq.models import gpt as M
 from jaxseq.sharding import Sharder
 from jaxseq.training import checkpoint as C
-from jaxseq.training.data import Corpus, decode_tokens, encode_text, load_tokenizer
+from jaxseq.training.data import BYTE_EOD, Corpus, decode_tokens, encode_text, load_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # The sampling layout
@@ -152,6 +152,9 @@ def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, tempera
     the sampling layout on `mesh` (`for_sampling`, `rundir.restore` with `sampling_parallel`)."""
     if not prompt:
         raise ConfigError("the prompt is empty: start it with the tokenizer's document start (prompt_ids)")
+    if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
+        raise ConfigError(f"the prompt holds token id {max(prompt) if max(prompt) >= cfg.vocab_size else min(prompt)}, "
+                          f"outside the model's vocabulary of {cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
     shard, top_k = OneSequence(mesh), min(top_k, cfg.vocab_size)
     tokens, key, cache, filled = list(prompt), jax.random.key(seed), None, 0
     for i in range(max_tokens):
@@ -177,12 +180,13 @@ def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, tempera
 DOCUMENT_TOKENS = ("<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "</s>", "<eos>")
 
 
-def document_start(tokenizer_path: str | None) -> list[int]:
+def document_start(tokenizer_path: str | None, vocab_size: int) -> list[int]:
     """What an empty prompt stands for: the start of a document. The tokenizer's own end-of-text / beginning-
     of-sequence token where it has one (GPT-2's <|endoftext|>, <s>, …), else its only special token, else a
-    newline as the tokenizer encodes it; for bytes a newline (documents are joined by one)."""
+    newline as the tokenizer encodes it; for bytes the end-of-document id (BYTE_EOD) that ends every document
+    of a byte-level corpus, or a newline for a model of the 256 byte values alone."""
     if tokenizer_path is None:
-        return list(b"\n")
+        return [BYTE_EOD] if vocab_size > BYTE_EOD else list(b"\n")
     tok = load_tokenizer(tokenizer_path)
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     for name in DOCUMENT_TOKENS:
@@ -193,9 +197,9 @@ def document_start(tokenizer_path: str | None) -> list[int]:
     return tok.encode("\n").ids
 
 
-def prompt_ids(text: str, tokenizer_path: str | None) -> list[int]:
+def prompt_ids(text: str, tokenizer_path: str | None, vocab_size: int) -> list[int]:
     """The prompt's token ids; an empty prompt is the start of a document (`document_start`)."""
-    return encode_text(text, tokenizer_path) if text else document_start(tokenizer_path)
+    return encode_text(text, tokenizer_path) if text else document_start(tokenizer_path, vocab_size)
 
 
 def validation_prompt(corpus: Corpus, max_tokens: int) -> str:

@@ -14,7 +14,7 @@ from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import gpt as M
 from jaxseq.parallel.data_parallel import accumulate_loss_and_grad
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
-from jaxseq.sharding import Sharder, batch_sharding
+from jaxseq.sharding import Sharder, batch_sharding, entry_axes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
@@ -45,33 +45,53 @@ def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
     )
 
 
-def data_sharded_spec(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) -> P:
-    """`spec` plus `data` on the largest dimension that no mesh axis of size > 1 splits yet and that
-    |data| divides (the first such if several are equally large); `spec` unchanged when there is none."""
-    data = axis_sizes["data"]
+def sharded_spec(shape: tuple[int, ...], spec: P, axis: str, axis_sizes: dict[str, int], join: str | None = None) -> P:
+    """`spec` plus `axis` on the largest dimension that no mesh axis of size > 1 splits yet and that |axis|
+    divides (the first such if several are equally large); failing that, with `join`, after `join` on the
+    dimension `join` splits, if |join|·|axis| divides it; `spec` unchanged when there is none."""
+    size = axis_sizes[axis]
     axes = list(spec) + [None] * (len(shape) - len(spec))
-    free = [i for i, (n, axis) in enumerate(zip(shape, axes))
-            if (axis is None or axis_sizes.get(axis) == 1) and n % data == 0]
-    if data == 1 or not free:
+    split = lambda i: [a for a in entry_axes(axes[i]) if axis_sizes.get(a, 1) > 1]
+    free = [i for i, n in enumerate(shape) if not split(i) and n % size == 0]
+    if size == 1:
         return spec
-    axes[max(free, key=lambda i: shape[i])] = "data"
+    if free:
+        axes[max(free, key=lambda i: shape[i])] = axis
+    elif join is not None:
+        joined = [i for i, n in enumerate(shape) if split(i) == [join] and n % (axis_sizes[join] * size) == 0]
+        if not joined:
+            return spec
+        axes[joined[0]] = (join, axis)
+    else:
+        return spec
     return P(*axes)
 
 
 def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     """Specs of the fp32 master weights (the TrainState's params) and of each Adam moment.
 
-    Without the distributed optimizer these are the compute specs (`model.param_specs`). With it every
-    leaf is also split over `data` (`data_sharded_spec`): each data rank keeps and updates 1/d of the
-    master weights and moments. A leaf with no dimension that |data| divides (e.g. a [layers, mlp/t] bias when neither
-    is a multiple of d) stays replicated over `data`: `jaxseq.plan` counts it at full size.
+    Without the distributed optimizer and without a pipeline these are the compute specs
+    (`model.param_specs`). With a pipeline the embedding's and the final LayerNorm's (the parameters every
+    stage holds for its compute) are split over `pipe` (`sharded_spec`): each stage keeps and updates 1/p
+    of their master weights and moments, Megatron's embedding group holding its optimizer state once. With
+    the distributed optimizer every leaf is also split over `data` (joined to `pipe` on one dimension where no
+    other is free): each data rank keeps and updates 1/d of the master weights and moments. A leaf with no
+    dimension that the size divides (e.g. a [layers, mlp/t] bias when neither is a multiple of d) stays
+    replicated over that axis: `jaxseq.plan` counts it at full size.
     """
-    specs = M.param_specs(parallel)
-    if not parallel.distributed_optimizer:
-        return specs
     sizes = {"pipe": parallel.pipe, "data": parallel.data, "tensor": parallel.tensor}
-    return jax.tree.map(lambda shape, spec: data_sharded_spec(shape, spec, sizes), M.param_shapes(cfg, parallel.tensor),
-                        specs, is_leaf=lambda x: isinstance(x, tuple))
+
+    def master(part: str, shape, spec):
+        embedding_group = part != "layers"
+        if embedding_group:
+            spec = sharded_spec(shape, spec, "pipe", sizes)
+        if parallel.distributed_optimizer:
+            spec = sharded_spec(shape, spec, "data", sizes, join="pipe" if embedding_group else None)
+        return spec
+
+    specs, shapes = M.param_specs(parallel), M.param_shapes(cfg, parallel.tensor)
+    return {part: jax.tree.map(partial(master, part), shapes[part], specs[part], is_leaf=lambda x: isinstance(x, tuple))
+            for part in specs}
 
 
 def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
@@ -127,6 +147,8 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     ranks reduce the sum once after the accumulation (an all-reduce, or a reduce-scatter onto the master
     shards): in a plain scan without a pipeline (`parallel.data_parallel.accumulate_loss_and_grad`), through
     the pipeline schedule with parallel.pipe > 1 (`parallel.pipeline.pipeline_loss_and_grad`, same keys).
+    Under a pipeline the embedding's and final LayerNorm's master weights and moments are split over `pipe`
+    too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
