@@ -69,10 +69,10 @@ def test_decode_is_one_position_against_the_cache(params):
     shard = S.OneSequence(None)
     key, temp = jax.random.key(0), np.float32(1.0)
     window = np.zeros((1, CFG.seq_len), np.int32)
-    prefill = S._prefill.lower(params, window, 4, key, temp, CFG, shard, 1).compile()
-    _, cache = S._prefill(params, window, 4, key, temp, CFG, shard, 1)
+    prefill = S._prefill.lower(params, window, 4, key, 0, temp, CFG, shard, 1).compile()
+    _, cache = S._prefill(params, window, 4, key, 0, temp, CFG, shard, 1)
     assert [c.shape for c in cache] == [(CFG.layers, 1, CFG.seq_len, CFG.heads, CFG.head_dim)] * 2
-    decode = S._decode.lower(params, cache, np.zeros((1,), np.int32), 4, key, temp, CFG, shard, 1).compile()
+    decode = S._decode.lower(params, cache, np.zeros((1,), np.int32), 4, key, 1, temp, CFG, shard, 1).compile()
     assert decode.cost_analysis()["flops"] < prefill.cost_analysis()["flops"] / 4
     assert "input_output_alias" in decode.as_text()  # the cache's buffers are reused
 
@@ -94,7 +94,7 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     for leaf in jax.tree.leaves(ready["layers"]["attn"]) + jax.tree.leaves(ready["layers"]["mlp"]["wi"]):
         if leaf.ndim > 2:  # the kernels: a quarter of each on every device
             assert all(s.data.size == leaf.size // 4 for s in leaf.addressable_shards)
-    _, cache = S._prefill(ready, np.zeros((1, CFG.seq_len), np.int32), 4, jax.random.key(0), np.float32(1.0), CFG,
+    _, cache = S._prefill(ready, np.zeros((1, CFG.seq_len), np.int32), 4, jax.random.key(0), 0, np.float32(1.0), CFG,
                           S.OneSequence(sampling_mesh), 1)
     assert cache[0].sharding.is_equivalent_to(NamedSharding(sampling_mesh, P(None, None, None, "tensor", None)), 5)
     assert S.sample(ready, CFG, PROMPT, 20, temperature=1.0, top_k=1, mesh=sampling_mesh) == window_greedy(params, PROMPT, 20)
@@ -117,15 +117,14 @@ def test_sampling_from_pipe_8_gathers_no_model_onto_a_device(devices):
                             - m.alias_size_in_bytes)(c.memory_analysis())
     move, sampling_mesh = S.resharding(cfg, mesh)
     assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 1, "tensor": 8}
-    ready = move(state_params)
-    shard, args = S.OneSequence(sampling_mesh), (jax.random.key(0), np.float32(1.0), cfg)
-    window = np.zeros((1, cfg.seq_len), np.int32)
-    _, cache = S._prefill(ready, window, 4, *args, shard, 1)
-    compiled = {"reshard": move.lower(state_params).compile(),
-                "prefill": S._prefill.lower(ready, window, 4, *args, shard, 1).compile(),
-                "decode": S._decode.lower(ready, cache, np.zeros((1,), np.int32), 4, *args, shard, 1).compile()}
-    for name, program in compiled.items():
+    programs = S.compile_sampler(state_params, cfg, mesh)  # what the loop compiles before the first step
+    for name in ("reshard", "prefill", "decode"):
+        program = getattr(programs, name)
         assert per_device(program) < whole / 2, (name, per_device(program), whole)
+    # The programs compiled ahead sample what the jitted functions sample (past seq_len: prefills and decodes)
+    prompt = [t % cfg.vocab_size for t in PROMPT]
+    ahead = S.sample(programs.reshard(state_params), cfg, prompt, 70, seed=3, programs=programs)
+    assert ahead == S.sample(move(state_params), cfg, prompt, 70, seed=3, mesh=sampling_mesh)
 
 
 def test_seeded_sampling(params):
@@ -167,7 +166,8 @@ def test_an_empty_prompt_is_the_start_of_a_document(bpe, params):
     newline = Tokenizer.from_file(plain).encode("\n").ids
     assert S.prompt_ids("", plain, 300) == newline and newline != [10]
     assert Tokenizer.from_file(plain).decode(S.prompt_ids("", plain, 300)) == "\n"
-    assert S.prompt_ids("", eot, 300) == [Tokenizer.from_file(eot).token_to_id("<|endoftext|>")] == [299]
+    eot_id = Tokenizer.from_file(eot).token_to_id("<|endoftext|>")
+    assert S.prompt_ids("", eot, 300) == [eot_id] == [Tokenizer.from_file(eot).get_vocab_size() - 1]  # its last id
     assert S.prompt_ids("def", plain, 300) == encode_text("def", plain)
     assert len(S.sample(params, CFG, S.prompt_ids("", eot, 300), 3)) == 3
     with pytest.raises(ValueError, match="the prompt is empty"):

@@ -80,7 +80,8 @@ def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monke
 def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monkeypatch):
     """Between the first and the last train step the loop compiles nothing: a compilation in the log
     path (the learning rate once took 0.45 s at the first log), the stop flag or the evaluation (here
-    after steps 2 and 4, between train steps; pipelined with a pipeline) idles the device."""
+    after steps 2 and 4, between train steps; pipelined with a pipeline) idles the device. Nor does the closing
+    report: the end-of-run sample's programs were compiled (and fit-checked) with the train step."""
     events = []
     original_call = jax.stages.Compiled.__call__
 
@@ -100,8 +101,16 @@ def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monke
         if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
             events.append("compile")
 
+    original_closing = loop._closing_report
+
+    def closing_report(*args):
+        events.append("closing")
+        original_closing(*args)
+        events.append("closed")
+
     monkeypatch.setattr(jax.stages.Compiled, "__call__", call)
     monkeypatch.setattr(loop.Session, "evaluate", evaluate)
+    monkeypatch.setattr(loop, "_closing_report", closing_report)
     jax.monitoring.register_event_duration_secs_listener(compiled)
     try:
         assert loop.train(*_run(tmp_path, steps=6, log_every=2, checkpoint_every=10_000, eval_every=2,
@@ -110,6 +119,9 @@ def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monke
         jax.monitoring.unregister_event_duration_listener(compiled)
     between = events[events.index("step"): len(events) - events[::-1].index("step")]
     assert between.count("step") == 6 and between.count("evaluate") == 2 and "compile" not in between, between
+    # The closing report: the last step's evaluation reused, the sample's programs compiled before the first step
+    closing = events[events.index("closing"): events.index("closed")]
+    assert "compile" not in closing and "evaluate" not in closing, closing
 
 
 @pytest.fixture
@@ -167,6 +179,19 @@ def test_an_evaluation_that_cannot_fit_is_refused_before_the_first_step(tmp_path
                                           r"0\.00 GiB; try a smaller --micro-batch-size") as e:
         loop.train(*_run(tmp_path, steps=2, log_every=1, checkpoint_every=10_000))
     assert "\n" not in str(e.value)
+
+
+def test_a_sample_that_cannot_fit_is_refused_before_the_first_step(tmp_path, devices, monkeypatch):
+    """The end-of-run sample's programs are compiled and fit-checked with the train step: the train state
+    stays alive beside the resharded weights and the KV cache. The step and the evaluation made to fit
+    (0 bytes) on a device of 1 byte: the sample is refused in one line, before any step runs."""
+    monkeypatch.setattr(loop.aot, "step_bytes", lambda compiled: 0)
+    monkeypatch.setattr(loop.aot, "evaluation_bytes", lambda *args: 0)
+    monkeypatch.setattr(loop.aot, "device_bytes", lambda devices: 1)
+    with pytest.raises(ConfigError, match=r"^the compiled end-of-run sample needs [0-9.]+ GiB per device but a "
+                                          r"device has 0\.00 GiB; try sample_tokens=0") as e:
+        loop.train(*_run(tmp_path, steps=2, log_every=1, checkpoint_every=10_000))
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 def test_evaluation_runs_the_train_steps_micro_batches(devices):

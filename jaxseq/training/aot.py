@@ -84,6 +84,20 @@ def evaluation_bytes(evaluation, step, params) -> int | None:
     return s.argument_size_in_bytes + own + m.temp_size_in_bytes + m.output_size_in_bytes
 
 
+def sampling_bytes(sampler, step) -> int | None:
+    """Per-device bytes while the end-of-run sample runs (`sampling.compile_sampler`'s programs: `reshard`,
+    `prefill`, `decode`): the train state stays alive (the step's arguments), the resharded parameters (the
+    reshard's output) beside it, and the largest of the reshard's temporaries and a prefill's or decode's
+    own (its cache and token out, temporaries; the decode's cache is donated). None where a program gives no
+    analysis."""
+    s, r, p, d = (x.memory_analysis() for x in (step, sampler.reshard, sampler.prefill, sampler.decode))
+    if None in (s, r, p, d):
+        return None
+    prefill = p.temp_size_in_bytes + p.output_size_in_bytes
+    decode = d.temp_size_in_bytes + d.output_size_in_bytes  # its cache argument is its output's buffer
+    return s.argument_size_in_bytes + r.output_size_in_bytes + max(r.temp_size_in_bytes, prefill, decode)
+
+
 def per_device_bytes(tree) -> int:
     """Bytes of one device's shard of every array in `tree` (each leaf has .shape, .dtype and .sharding)."""
     return sum(int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64)) * np.dtype(a.dtype).itemsize
@@ -114,11 +128,13 @@ REMEDIES = {
                   "or more tensor parallelism (--mesh tensor=N --sequence-parallel)",
     "evaluation": "try a smaller --micro-batch-size, or more tensor or pipeline parallelism "
                   "(--mesh tensor=N --sequence-parallel, pipe=P)",
+    "end-of-run sample": "try sample_tokens=0 (no sample), or more tensor or pipeline parallelism "
+                         "(--mesh tensor=N, pipe=P: sampling splits the weights over both)",
 }
 
 
 def check_fits(needed: int | None, available: int | None, what: str = "train step") -> None:
-    """Refuse, in one line, a program (`REMEDIES`' keys: the train step, the evaluation) that needs more
+    """Refuse, in one line, a program (`REMEDIES`' keys: the train step, the evaluation, the sample) that needs more
     memory than a device has (either unknown: no check)."""
     if needed is None or available is None or needed <= available:
         return

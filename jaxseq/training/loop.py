@@ -30,7 +30,7 @@ from jaxseq.training import aot, rundir
 from jaxseq.training import checkpoint as C
 from jaxseq.training.data import Batches, Corpus, decode_tokens, unigram_entropy
 from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
-from jaxseq.training.sampling import for_sampling, prompt_ids, sample, validation_prompt
+from jaxseq.training.sampling import Sampler, compile_sampler, prompt_ids, sample, validation_prompt
 from jaxseq.training import train_step as T
 
 log = logging.getLogger("jaxseq")
@@ -162,6 +162,7 @@ class Session:
     micro_batches: int
     step_fn: Callable  # jit(step)(state, batch, key) → (state, metrics), compiled by `compile_step`
     eval_fn: Callable  # jit(params, batch) → loss (`make_eval_fn`), compiled by `compile_step`
+    sampler: Sampler | None  # the end-of-run sample's programs, compiled by `compile_step` (None: no sample)
     key: jax.Array  # the dropout key of every step
     rows: slice  # this process's rows of each global batch
     train_batches: Batches
@@ -189,7 +190,7 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     return Session(
         run=run, devices=devices, mesh=mesh, optimizer=optimizer, micro_batches=micro,
         step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
-        eval_fn=make_eval_fn(run.model, run.parallel, mesh, micro), key=jax.random.key(settings.seed + 1),
+        eval_fn=make_eval_fn(run.model, run.parallel, mesh, micro), sampler=None, key=jax.random.key(settings.seed + 1),
         rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
         val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
@@ -224,10 +225,10 @@ def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
 
 
 def compile_step(session: Session, state, position: int):
-    """The train step and the evaluation compiled ahead (no throughput figure includes compilation, and
-    nothing compiles between train steps), each refused if it does not fit the device: (the session with
-    its compiled evaluation, the compiled step, the first batch). An evaluation batch has the train batch's
-    shape and sharding."""
+    """The train step, the evaluation and the end-of-run sample compiled ahead (no throughput figure includes
+    compilation, nothing compiles between train steps or after the last), each refused if it does not fit the
+    device: (the session with its compiled evaluation and sample, the compiled step, the first batch). An
+    evaluation batch has the train batch's shape and sharding."""
     compile_start = time.perf_counter()
     batch = session.batch(position)
     step_fn = session.step_fn.lower(state, batch, session.key).compile()
@@ -235,9 +236,13 @@ def compile_step(session: Session, state, position: int):
     available = aot.device_bytes(session.devices)
     aot.check_fits(aot.step_bytes(step_fn), available)
     aot.check_fits(aot.evaluation_bytes(eval_fn, step_fn, state.params), available, what="evaluation")
+    sampler = compile_sampler(state.params, session.run.model, session.mesh) if session.run.train.sample_tokens else None
+    if sampler is not None:
+        aot.check_fits(aot.sampling_bytes(sampler, step_fn), available, what="end-of-run sample")
     if D.is_main_process():
-        print(f"compiled the train step and the evaluation in {time.perf_counter() - compile_start:.1f} s", flush=True)
-    return dataclasses.replace(session, eval_fn=eval_fn), step_fn, batch
+        print(f"compiled the train step, the evaluation{' and the sample' if sampler else ''} in "
+              f"{time.perf_counter() - compile_start:.1f} s", flush=True)
+    return dataclasses.replace(session, eval_fn=eval_fn, sampler=sampler), step_fn, batch
 
 
 class PendingMetrics:
@@ -404,14 +409,14 @@ def _banner(session: Session, corpus: Corpus, start: int) -> str:
 def _closing_report(session: Session, corpus: Corpus, state, val: float) -> None:
     """The last step's validation loss `val` (evaluated by the step loop) against the data's unigram
     entropy, and a sample continuing the start of a validation document, drawn from the train state's params
-    resharded for sampling (`for_sampling`: never gathered). Every process computes (the arrays span them
-    all); process 0 prints."""
+    resharded for sampling by the programs `compile_step` compiled (`compile_sampler`: never gathered, nothing
+    compiled now). Every process computes (the arrays span them all); process 0 prints."""
     run, settings = session.run, session.run.train
     prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
     if settings.sample_tokens:
-        params, mesh = for_sampling(state.params, run.model, session.mesh)
-        ids = sample(params, run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size), settings.sample_tokens,
-                     seed=settings.seed, mesh=mesh)
+        sampler = session.sampler
+        ids = sample(sampler.reshard(state.params), run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size),
+                     settings.sample_tokens, seed=settings.seed, programs=sampler)
     if D.is_main_process():
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)
         print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "

@@ -17,6 +17,7 @@ every token and holds the same share of the layer weights as in training (`for_s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -126,10 +127,11 @@ def _choose(params, x, key, temperature, cfg: ModelConfig, shard: Sharder, top_k
 
 
 @partial(jax.jit, static_argnames=("cfg", "shard", "top_k"))
-def _prefill(params, window, length, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
-    """The token after window[:, :length] ([b, seq_len], the rest padding), and a cache holding the
-    window's keys and values (those past `length` are overwritten before any query can see them)."""
-    params = M.cast_params(params, jnp.dtype(cfg.dtype))
+def _prefill(params, window, length, key, i, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
+    """Token i of a sample (drawn with fold_in(key, i)): the token after window[:, :length] ([b, seq_len],
+    the rest padding), and a cache holding the window's keys and values (those past `length` are overwritten
+    before any query can see them)."""
+    params, key = M.cast_params(params, jnp.dtype(cfg.dtype)), jax.random.fold_in(key, i)
     b, s = window.shape
     empty = shard(jnp.zeros((cfg.layers, b, s, cfg.heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
                   "layers", "batch", None, "heads", None)
@@ -139,38 +141,69 @@ def _prefill(params, window, length, key, temperature, cfg: ModelConfig, shard: 
 
 
 @partial(jax.jit, static_argnames=("cfg", "shard", "top_k"), donate_argnames=("cache",))
-def _decode(params, cache, token, position, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
-    """The token after `token` [b] (at `position`, the cache holding every earlier one), and the cache with it."""
-    params = M.cast_params(params, jnp.dtype(cfg.dtype))
+def _decode(params, cache, token, position, key, i, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
+    """Token i of a sample (fold_in(key, i)): the token after `token` [b] (at `position`, the cache holding
+    every earlier one), and the cache with it."""
+    params, key = M.cast_params(params, jnp.dtype(cfg.dtype)), jax.random.fold_in(key, i)
     x, cache = _forward(params, token[:, None], cache, position, cfg, shard)
     return _choose(params, x, key, temperature, cfg, shard, top_k), cache
 
 
 def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, temperature: float = 0.8,
-           top_k: int = 40, seed: int = 0, mesh=None) -> list[int]:
+           top_k: int = 40, seed: int = 0, mesh=None, programs: Sampler | None = None) -> list[int]:
     """max_tokens token ids after `prompt` (non-empty: `prompt_ids`). `params` on one device (mesh None) or in
-    the sampling layout on `mesh` (`for_sampling`, `rundir.restore` with `sampling_parallel`)."""
+    the sampling layout on `mesh` (`for_sampling`, `rundir.restore` with `sampling_parallel`), or with
+    `programs` compiled ahead (`compile_sampler`, which fixed the layout and top_k) on its `reshard` output."""
     if not prompt:
         raise ConfigError("the prompt is empty: start it with the tokenizer's document start (prompt_ids)")
     if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
         raise ConfigError(f"the prompt holds token id {max(prompt) if max(prompt) >= cfg.vocab_size else min(prompt)}, "
                           f"outside the model's vocabulary of {cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
-    shard, top_k = OneSequence(mesh), min(top_k, cfg.vocab_size)
+    if programs is None:
+        static = dict(cfg=cfg, shard=OneSequence(mesh), top_k=min(top_k, cfg.vocab_size))
+        programs = Sampler(reshard=None, prefill=partial(_prefill, **static), decode=partial(_decode, **static))
     tokens, key, cache, filled = list(prompt), jax.random.key(seed), None, 0
     for i in range(max_tokens):
-        step_key = jax.random.fold_in(key, i)
         if filled in (0, cfg.seq_len):  # the first token, or a full window sliding by one: recompute it
             context = tokens[-cfg.seq_len:]
             window = np.zeros((1, cfg.seq_len), np.int32)
             window[0, : len(context)] = context
-            token, cache = _prefill(params, window, len(context), step_key, temperature, cfg, shard, top_k)
+            token, cache = programs.prefill(params, window, len(context), key, i, temperature)
             filled = len(context)
         else:
-            token, cache = _decode(params, cache, np.asarray([tokens[-1]], np.int32), filled, step_key,
-                                   temperature, cfg, shard, top_k)
+            token, cache = programs.decode(params, cache, np.asarray([tokens[-1]], np.int32), filled, key, i,
+                                           temperature)
             filled += 1
         tokens.append(int(np.asarray(token)[0]))
     return tokens[len(prompt):]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampler:
+    """A sample's programs: compiled ahead by `compile_sampler` for a run's end-of-run sample (before its
+    first step, so that the fit check covers them and nothing compiles after the last step), or the jitted
+    functions `sample` uses by default."""
+
+    reshard: Callable | None  # the train state's params → the sampling layout (`resharding`)
+    prefill: Callable  # (params, window, length, key, i, temperature) → (token, cache)
+    decode: Callable  # (params, cache, token, position, key, i, temperature) → (token, cache)
+
+
+def compile_sampler(params, cfg: ModelConfig, mesh, top_k: int = 40, temperature: float = 0.8) -> Sampler:
+    """The end-of-run sample's three programs compiled for `params` as the train state holds them on `mesh`
+    (arrays or ShapeDtypeStructs with shardings)."""
+    move, target = resharding(cfg, mesh)
+    reshard = move.lower(params).compile()
+    sampling = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            jax.eval_shape(move, params), reshard.output_shardings)
+    static = dict(cfg=cfg, shard=OneSequence(target), top_k=min(top_k, cfg.vocab_size))
+    key, window = jax.random.key(0), np.zeros((1, cfg.seq_len), np.int32)
+    prefill = _prefill.lower(sampling, window, 1, key, 0, temperature, **static).compile()
+    _, cache = prefill.output_shardings
+    cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         jax.eval_shape(partial(_prefill, **static), sampling, window, 1, key, 0, temperature)[1], cache)
+    decode = _decode.lower(sampling, cache, np.zeros((1,), np.int32), 1, key, 1, temperature, **static).compile()
+    return Sampler(reshard=reshard, prefill=prefill, decode=decode)
 
 
 # ---------------------------------------------------------------------------------------------
