@@ -14,8 +14,9 @@ Memory per device: jaxseq's compiled train step's own accounting (held to `memor
 compiled step, pipelined or not, in tests/test_search.py), of the first stage (the most activations; every
 stage of the SPMD program allocates the same buffers):
   state of L/p layers + embedding (fp32 master weights, fp32 gradients — the pipeline's accumulators —,
-  Adam moments, the compute copy; with the distributed optimizer master weights and moments split d ways),
-  from shapes
+  Adam moments, the compute copy; with the distributed optimizer master weights and moments split d ways;
+  with a pipeline the embedding group's — embedding and final LayerNorm — split p ways too, its compute copy
+  gathered whole, in float32 as well: `memory.state_bytes(pipe=p)`), from shapes
   + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
     `Schedule.in_flight_layers`, its stash of chunks of k = L/(p·v) layers; L layers without a pipeline)
   + the embedding/logits activations (shapes) + the step's working memory (compiled float32 step)
@@ -23,10 +24,11 @@ stage of the SPMD program allocates the same buffers):
     data rank sums its own gradients before the step's one reduction, so it is whole even with the
     distributed optimizer, as Megatron's gradient buffer).
   + with a pipeline, the executor's own buffers (`ExecutorBuffers`, one term per buffer of
-    `parallel.pipeline`): receive buffers, the tick's two stash slots, float32 zeros of a chunk's and the
-    embedding's gradients, the chunk gradient a backward tick makes, and the regrouped weights.
-  A Megatron-LM stage keeps neither the zeros nor the chunk gradient nor the extra slots (1.2–1.5× less at
-  the tests' tiny shapes, ~10% less at 175B's), so the papers' configurations can be over budget here.
+    `parallel.pipeline`): receive buffers, the switch's stash-slot output and a backward's copy of the slot
+    it reads, a backward's copy of its chunk's weights (interleaved), the float32 embedding gradients a
+    branch returns, the chunk gradient a backward tick makes, and the regrouped weights.
+  A Megatron-LM stage keeps neither the copies nor the branch's gradients nor the extra slot (1.09–1.43× less at
+  the tests' tiny shapes, ~9% less at 175B's), so the papers' configurations can be over budget here.
 
 Time per step (a stated model; the slowest stage is the last, which also runs the logits):
   per micro-batch on a stage: compute = L/p × (each GEMM of a layer — forward, backward, the policy's
@@ -119,13 +121,15 @@ class StateCost:
     parameters: int  # parameter elements on the device
     master_bytes: float  # fp32 master weights (split d ways with the distributed optimizer)
     layer_parameters: int  # those of the stage's layers (the rest: embedding and final LayerNorm)
-    weight_copy_bytes: float  # the compute-dtype copy a step makes (none: float32 without the distributed optimizer)
+    weight_copy_bytes: float  # the compute copy a step makes (float32 without the distributed optimizer: of the
+    #                           embedding group only, gathered from its `pipe` split under a pipeline, else none)
+    layer_copy_bytes: float  # of that, the stage's layers' (none: float32 without the distributed optimizer)
 
 
 class Costs(Protocol):
     def prepare(self, keys: list[tuple[int, bool, str]], micro_batches: tuple[int, ...]) -> None: ...  # compile all at once
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> LayerCost: ...
-    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> StateCost: ...
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> StateCost: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,27 +279,33 @@ def schedule_figures(p: int, m: int, v: int, layers: int) -> tuple[int, float]:
 @dataclass(frozen=True)
 class ExecutorBuffers:
     """Per device, what jaxseq's pipeline executor (`parallel.pipeline`) keeps beyond a Megatron stage, each
-    term one buffer of its compiled step; all are alive at its peak, a backward tick (as XLA's buffer
-    assignment of the compiled step shows; tests/test_search.py holds the total to `memory_analysis()`). Its
-    stash is the activations' term, its float32 accumulators (`Buffers.grads`) the state's gradients, its
-    compute copy the state's weight copy."""
+    term one buffer of its compiled step; all are alive at its peak, the first chunk's backward tick (as XLA's
+    buffer assignment of the compiled step shows; tests/test_search.py holds the total to `memory_analysis()`).
+    Its stash is the activations' term, its float32 accumulators (`Buffers.grads`) the state's gradients, its
+    compute copy (the embedding group's gathered from its `pipe` split, f32 included) the state's weight copy.
+    A backward runs its chunk's k layers as a scan, whose inputs XLA copies out of the buffers they are sliced
+    from at the tick's dynamic slot and chunk; with k = 1 XLA drops the one-iteration loop and the layer reads
+    them in place (no copies)."""
 
     receive_bytes: float  # Buffers.x, Buffers.g: (depth + 1 trash slot) activations [b, s, h] each, /t under SP
-    tick_slot_bytes: float  # the stash slot read before the switch + the branch's own (a forward's new residuals,
-    #                         a backward's copy of them): 2 chunks' residuals
-    zero_gradient_bytes: float  # TickProgram.nothing: f32 zeros of a chunk's weight gradients and the embedding/final LN's
+    tick_slot_bytes: float  # BranchOut.slot, the switch's stash-slot output (zeros from a backward), + with k > 1 a
+    #                         backward's copy of the slot it reads: 1 or 2 chunks' residuals
+    chunk_weight_bytes: float  # with v > 1 and k > 1, a backward's copy of its chunk's weights out of the [v, k, …]
+    #                            stage weights (compute dtype); with v = 1 the chunk is the whole block (no copy)
+    others_gradient_bytes: float  # BranchOut.d_others: the f32 embedding/final LN gradients a branch returns (the
+    #                               first chunk's backward's; zeros from the others, made in the branch)
     chunk_gradient_bytes: float  # BranchOut.dw: the f32 weight gradients of the chunk a backward tick runs
     stage_copy_bytes: float  # the layers regrouped [v, k, …] (`to_stages`) where the state has no compute copy
-    #                          to regroup: float32, v > 1, no distributed optimizer
+    #                          of them to regroup: float32, v > 1, no distributed optimizer
 
     @property
     def total_bytes(self) -> float:
-        return (self.receive_bytes + self.tick_slot_bytes + self.zero_gradient_bytes + self.chunk_gradient_bytes
-                + self.stage_copy_bytes)
+        return (self.receive_bytes + self.tick_slot_bytes + self.chunk_weight_bytes + self.others_gradient_bytes
+                + self.chunk_gradient_bytes + self.stage_copy_bytes)
 
 
-NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, zero_gradient_bytes=0.0,
-                              chunk_gradient_bytes=0.0, stage_copy_bytes=0.0)
+NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, chunk_weight_bytes=0.0,
+                              others_gradient_bytes=0.0, chunk_gradient_bytes=0.0, stage_copy_bytes=0.0)
 
 
 def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> ExecutorBuffers:
@@ -303,18 +313,20 @@ def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: St
     depth = pipeline_schedule(c.pipe, c.microbatches, c.virtual).depths
     k = cfg.layers // (c.pipe * c.virtual)
     activation = c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
-    chunk = 4 * state.layer_parameters / c.virtual  # one chunk's f32 weight gradients
-    others = 4 * (state.parameters - state.layer_parameters)  # the embedding's and final LayerNorm's
-    regroup = c.virtual > 1 and state.weight_copy_bytes == 0
+    chunk_parameters = state.layer_parameters / c.virtual
+    regroup = c.virtual > 1 and state.layer_copy_bytes == 0
     return ExecutorBuffers(receive_bytes=(depth["x"] + 1 + depth["g"] + 1) * activation,
-                           tick_slot_bytes=2 * k * layer.stored_bytes, zero_gradient_bytes=chunk + others,
-                           chunk_gradient_bytes=chunk,
+                           tick_slot_bytes=(2 if k > 1 else 1) * k * layer.stored_bytes,
+                           chunk_weight_bytes=cfg.itemsize * chunk_parameters if c.virtual > 1 and k > 1 else 0.0,
+                           others_gradient_bytes=4 * (state.parameters - state.layer_parameters),
+                           chunk_gradient_bytes=4 * chunk_parameters,
                            stage_copy_bytes=cfg.itemsize * state.layer_parameters if regroup else 0.0)
 
 
 MEMORY_ACCOUNTING = ("jaxseq's compiled train step, per device (the first pipeline stage); with a pipeline, "
-                     "jaxseq's executor's buffers too (receive buffers, tick slots, float32 zero and chunk "
-                     "gradients, regrouped weights), more than the Megatron-LM stage the papers count")
+                     "jaxseq's executor's buffers too (receive buffers, tick slots, a chunk's weights, float32 "
+                     "embedding and chunk gradients, regrouped weights), more than the Megatron-LM stage the papers "
+                     "count")
 
 
 @dataclass(frozen=True)
@@ -430,7 +442,7 @@ class Evaluated:
 
 def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
-    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
     mem = memory(cfg, c, layer, state)
     t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
     tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
@@ -548,7 +560,7 @@ def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, cos
     """The compute efficiency that makes candidate c's predicted step time equal `seconds`. The time falls
     as the efficiency rises (until every GEMM is memory-bound), so bisection finds it."""
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
-    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
     at = lambda eff: step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=eff)).total_s
     if seconds <= at(1.0):
         raise ConfigError(f"{seconds:g} s is less than the time at peak efficiency, {at(1.0):.3f} s: cannot calibrate")

@@ -7,7 +7,8 @@ from dataclasses import asdict
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
 from jaxseq.planning import search as S
 from jaxseq.planning.measure import MEASURE_LAYERS, Compiler, RowSpec
-from jaxseq.planning.memory import non_layer_activation_bytes, parameter_elements_per_device, state_bytes
+from jaxseq.planning.memory import (non_layer_activation_bytes, parameter_elements_per_device, state_bytes,
+                                    state_bytes_by_part)
 
 
 class SearchCosts:
@@ -55,12 +56,13 @@ class SearchCosts:
             m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
             non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel))
 
-    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool) -> S.StateCost:
-        key = (stage, tensor, data, distributed_optimizer)
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> S.StateCost:
+        key = (stage, tensor, data, distributed_optimizer, pipe)
         if key not in self._states:
-            state = state_bytes(stage, tensor, data, distributed_optimizer)
+            parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe)
+            state = state_bytes(stage, tensor, data, distributed_optimizer, pipe)
             parameters = parameter_elements_per_device(stage, tensor)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
             self._states[key] = S.StateCost(state.total, parameters, state.params, parameters - outside_layers,
-                                            state.weight_copy)
+                                            state.weight_copy, parts["layers"].weight_copy)
         return self._states[key]
