@@ -55,9 +55,10 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
         shapes = jax.tree.leaves(M.param_shapes(cfg, tensor)[part], is_leaf=lambda x: isinstance(x, tuple))
         for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask()[part])):
-            if part == "layers":  # dimension 0's `pipe` is the stage's layers, which `cfg` already holds
-                spec = spec[1:]
-            axes = [a for entry in spec for a in entry_axes(entry)]
+            # a layer's dimension 0 is split over `pipe` into the stages' layers, which `cfg` already holds (at
+            # pipe = 1 the distributed optimizer may put `data` there: that split counts)
+            axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)
+                    if not (part == "layers" and i == 0 and a == "pipe")]
             n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
             split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe")]))
             out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast, split > 1))
