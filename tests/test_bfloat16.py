@@ -65,6 +65,7 @@ def test_bfloat16_step_matches_float32(parallel, devices):
     assert worst > U / 8
 
 
+@pytest.mark.slow
 def test_bfloat16_accumulated_step_matches_float32(devices):
     """The same through the train step's gradient accumulation (2 micro-batches, each data rank summing its
     own float32 gradients before the one reduction over `data`): with SGD at learning rate 1 the update is

@@ -130,6 +130,7 @@ def test_no_readable_step_is_one_line_naming_each(devices, tmp_path, two_states)
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # nothing restored, nothing set aside
 
 
+@pytest.mark.slow
 def test_a_resume_past_a_damaged_step_sets_it_aside_and_saves_it_again(tmp_path, caplog):
     """As a user meets it: a run checkpointed at steps 2 and 4 whose step-4 metadata is damaged. The
     resume warns, sets step 4 aside (one line says where), resumes from step 2, trains on and saves

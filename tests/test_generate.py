@@ -100,6 +100,7 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     assert S.sample(ready, CFG, PROMPT, 20, temperature=1.0, top_k=1, mesh=sampling_mesh) == window_greedy(params, PROMPT, 20)
 
 
+@pytest.mark.slow
 def test_sampling_from_pipe_8_gathers_no_model_onto_a_device(devices):
     """A train state with its 8 layers over pipe=8 (each device holds one layer): every program the end-of-run
     sample compiles needs less than half the whole model's bytes per device (arguments + outputs + temporaries

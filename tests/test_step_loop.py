@@ -76,7 +76,7 @@ def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monke
     assert fetched == [[1, 2, 3], [4, 5, 6]]
 
 
-@pytest.mark.parametrize("parallel", [TP_SP, PIPELINED], ids=["tp-sp", "pipe2"])
+@pytest.mark.parametrize("parallel", [TP_SP, pytest.param(PIPELINED, marks=pytest.mark.slow)], ids=["tp-sp", "pipe2"])
 def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monkeypatch):
     """Between the first and the last train step the loop compiles nothing: a compilation in the log
     path (the learning rate once took 0.45 s at the first log), the stop flag or the evaluation (here

@@ -66,6 +66,7 @@ def test_gradient_accumulation_equals_the_full_batch():
 
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_dropout_is_the_mean_of_the_micro_batches():
     """Each data rank draws its rows of micro-batch i's global dropout masks (key fold_in(key, i)): the
     accumulated gradient is the mean of the micro-batches' gradients computed whole (`make_loss_and_grad`)."""
@@ -146,7 +147,9 @@ def _unmatched(reduced: list, expected: list, tensor: int) -> tuple[list, list]:
     return reduced, expected
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-optimizer"])
+# the fast tier keeps the distributed optimizer's (a reduce-scatter onto the master shards); Adam's all-reduce is slow-tier
+@pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["adam", "distributed-optimizer"])
 @pytest.mark.parametrize("name", list(ACCUMULATING))
 def test_accumulation_reduces_each_gradient_over_data_once_per_step(accumulating_hlo, name, distributed):
     """As Megatron: each data rank sums its micro-batches' gradients locally and the ranks reduce the sum
