@@ -37,15 +37,6 @@ from jaxseq.training import train_step as T  # noqa: E402
 MICRO_BATCHES = 4
 
 
-def abstract_step_inputs(cfg, parallel, mesh, optimizer, batch: int):
-    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    _, tokens = aot.abstract_inputs(cfg, parallel, mesh, batch)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return state, tokens, key
-
-
 def data_traffic(text: str, data: int, tensor: int) -> dict:
     """Per-device bytes per step of the floating-point collectives whose groups span two data ranks (on a
     data × tensor mesh): buffer bytes (each collective's full buffer × its runs per step) and ring bytes
@@ -90,7 +81,7 @@ def compiled_steps() -> dict[str, str]:
     for name, distributed in CASES.items():
         parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=distributed)
         mesh = make_mesh(parallel)
-        inputs = abstract_step_inputs(cfg, parallel, mesh, optimizer, parallel.data * MICRO_BATCHES)
+        inputs = aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, parallel.data * MICRO_BATCHES)
         step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, MICRO_BATCHES)
         texts[name] = step.lower(*inputs).compile().as_text()
     return texts

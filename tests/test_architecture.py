@@ -48,8 +48,8 @@ ALLOWED = {
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.gpt", "sharding", "training.checkpoint", "training.data"},
-    "training.loop": {"config", "mesh", "models.gpt", "parallel.distributed", "parallel.pipeline", "parallel.schedule",
-                      "sharding", "training.aot", "training.checkpoint", "training.data", "training.metrics",
+    "training.loop": {"config", "mesh", "parallel.data_parallel", "parallel.distributed", "parallel.pipeline",
+                      "parallel.schedule", "sharding", "training.aot", "training.checkpoint", "training.data", "training.metrics",
                       "training.rundir", "training.sampling", "training.train_step"},
     # planning: XLA's compiled programs read back, the memory model, the plan and its report, the configurator
     "planning.hlo": set(),

@@ -79,7 +79,7 @@ def test_decode_is_one_position_against_the_cache(params):
 
 def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     """The train state of pipe=2 × data=2 × tensor=2 with the distributed optimizer (layers over pipe, masters
-    split over data): `for_sampling` moves it to tensor=4 (pipe × tensor) × data=2, each device holding a
+    split over data): `resharding` moves it to tensor=4 (pipe × tensor) × data=2, each device holding a
     quarter of every layer weight (as many bytes as in training), never the whole; the cache splits its heads
     over tensor like the attention; the greedy tokens equal one device's."""
     parallel = ParallelConfig(pipe=2, data=2, tensor=2, distributed_optimizer=True)
@@ -87,7 +87,8 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     masters = T.state_shardings(CFG, parallel, T.make_optimizer(OptimizerConfig()), mesh).params
     placed = jax.device_put(rundir.place(params, CFG, mesh), masters)
     assert placed["layers"]["mlp"]["wi"]["kernel"].sharding.spec == P("pipe", "data", "tensor")
-    ready, sampling_mesh = S.for_sampling(placed, CFG, mesh)
+    move, sampling_mesh = S.resharding(CFG, mesh)
+    ready = move(placed)
     assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
     for leaf, spec in zip(jax.tree.leaves(ready), jax.tree.leaves(M.param_specs(ParallelConfig(data=2, tensor=4)))):
         assert leaf.sharding.spec == spec

@@ -7,9 +7,7 @@ answer in one line."""
 import itertools
 
 import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as PS
 
 from jaxseq import plan as plan_command
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
@@ -20,7 +18,6 @@ from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning import search as S
 from jaxseq.planning.search_costs import SearchCosts
-from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
@@ -335,14 +332,9 @@ def predicted_and_compiled(cfg: ModelConfig, c: S.Candidate, costs: SearchCosts)
                               virtual_stages=c.virtual)
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
     optimizer = T.make_optimizer(OptimizerConfig())
-    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    tokens = jax.ShapeDtypeStruct((c.data * c.micro_batch * c.microbatches, cfg.seq_len), jnp.int32,
-                                  sharding=batch_sharding(mesh))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
+    inputs = aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, c.data * c.micro_batch * c.microbatches)
     step = T.make_train_step(cfg, parallel, c.remat, optimizer, mesh, c.microbatches)
-    compiled = aot.step_bytes(step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile())
+    compiled = aot.step_bytes(step.lower(*inputs).compile())
     print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
     return predicted, compiled
 

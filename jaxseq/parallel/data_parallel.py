@@ -16,7 +16,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import gpt as M
@@ -86,3 +86,14 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     out_specs = jax.tree.map(lambda spec: only_axes(spec, ("data",)), grad_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(rank, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(P(), P(None, "data"), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
+
+
+def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
+    """The mean of `model.loss_fn` (no dropout) over the micro-batches of `batch`, one at a time (lax.map),
+    on the compute copy of the weights made once (gathered over data, as the train step's): the evaluation's
+    forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
+    shard = Sharder(mesh, parallel.sequence_parallel)
+    weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
+                           M.cast_params(params, jnp.dtype(cfg.dtype)), M.param_specs(parallel))
+    micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
+    return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))

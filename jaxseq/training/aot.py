@@ -45,15 +45,22 @@ def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh
     return fn.lower(params, batch, key).compile()
 
 
-def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
-    """The real train step (AdamW, donated state) of one micro-batch, compiled for `mesh`."""
-    optimizer = T.make_optimizer(OptimizerConfig())
+def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh, rows: int):
+    """(state, batch of `rows` sequences, key) of the train step as sharded ShapeDtypeStructs, the state in
+    its own shardings (`T.state_shardings`): lower and compile the step without allocating anything."""
     shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    _, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    _, batch = abstract_inputs(cfg, parallel, mesh, rows)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return T.make_train_step(cfg, parallel, remat, optimizer, mesh).lower(state, batch, key).compile()
+    return state, batch, key
+
+
+def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The real train step (AdamW, donated state) of one micro-batch, compiled for `mesh`."""
+    optimizer = T.make_optimizer(OptimizerConfig())
+    inputs = abstract_step_inputs(cfg, parallel, optimizer, mesh, micro_batch)
+    return T.make_train_step(cfg, parallel, remat, optimizer, mesh).lower(*inputs).compile()
 
 
 # ---------------------------------------------------------------------------------------------

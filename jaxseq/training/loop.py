@@ -21,11 +21,11 @@ from tqdm import tqdm
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig
 from jaxseq.mesh import available_devices, make_mesh
-from jaxseq.models import gpt as M
 from jaxseq.parallel import distributed as D
+from jaxseq.parallel.data_parallel import accumulated_loss
 from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.sharding import Sharder, batch_sharding
+from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot, rundir
 from jaxseq.training import checkpoint as C
 from jaxseq.training.data import Batches, Corpus, decode_tokens, unigram_entropy
@@ -51,18 +51,8 @@ def make_eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches
     if parallel.pipe > 1:
         loss = partial(pipeline_loss, cfg=cfg, parallel=parallel, mesh=mesh, microbatches=micro_batches)
     else:
-        loss = partial(_accumulated_loss, cfg=cfg, parallel=parallel, mesh=mesh, micro_batches=micro_batches)
+        loss = partial(accumulated_loss, cfg=cfg, parallel=parallel, mesh=mesh, micro_batches=micro_batches)
     return jax.jit(loss, in_shardings=(param_sh, batch_sh), out_shardings=NamedSharding(mesh, P()))
-
-
-def _accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
-    """The mean of `model.loss_fn` over the micro-batches of `batch`, one at a time (lax.map), on the
-    compute copy of the weights made once (gathered over data, as the train step's)."""
-    shard = Sharder(mesh, parallel.sequence_parallel)
-    weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
-                           M.cast_params(params, jnp.dtype(cfg.dtype)), M.param_specs(parallel))
-    micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
-    return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))
 
 
 def _global(batch: dict, mesh, batch_size: int) -> dict:

@@ -11,7 +11,7 @@ On a mesh the weights are in the sampling layout (`sampling_parallel`): the devi
 the heads, the MLP and the vocabulary, data ranks hold copies and compute the same tokens. Why not sample
 through the pipeline: one sequence has no micro-batches to overlap, so p − 1 stages would idle at every
 token while each token still crosses every stage; split over p·t devices instead, every device works on
-every token and holds the same share of the layer weights as in training (`for_sampling` reshards them).
+every token and holds the same share of the layer weights as in training (`resharding` moves them).
 """
 
 from __future__ import annotations
@@ -69,12 +69,6 @@ def resharding(cfg: ModelConfig, mesh):
     rows = cfg.padded_vocab(target.shape["tensor"])
     move = lambda params: C.resize_vocab(M.cast_params(params, jnp.dtype(cfg.dtype)), rows, shardings)
     return jax.jit(move, out_shardings=shardings), target
-
-
-def for_sampling(params, cfg: ModelConfig, mesh):
-    """(params in the sampling layout, its mesh) from the train state's params on `mesh` (`resharding`)."""
-    move, target = resharding(cfg, mesh)
-    return move(params), target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +146,7 @@ def _decode(params, cache, token, position, key, i, temperature, cfg: ModelConfi
 def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, temperature: float = 0.8,
            top_k: int = 40, seed: int = 0, mesh=None, programs: Sampler | None = None) -> list[int]:
     """max_tokens token ids after `prompt` (non-empty: `prompt_ids`). `params` on one device (mesh None) or in
-    the sampling layout on `mesh` (`for_sampling`, `rundir.restore` with `sampling_parallel`), or with
+    the sampling layout on `mesh` (`resharding`, `rundir.restore` with `sampling_parallel`), or with
     `programs` compiled ahead (`compile_sampler`, which fixed the layout and top_k) on its `reshard` output."""
     if not prompt:
         raise ConfigError("the prompt is empty: start it with the tokenizer's document start (prompt_ids)")
