@@ -76,7 +76,7 @@ def compiled_steps() -> dict[str, str]:
     distributed optimizer. Uses only what the code before the change has too, so `hlo DIR` run in an old
     checkout gives the "before" programs."""
     cfg = replace(preset("gpt2-124m"), dtype="float32")
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     texts = {}
     for name, distributed in CASES.items():
         parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=distributed)
@@ -119,7 +119,7 @@ def step_time(steps: int = 12) -> dict:
     """The tiny preset as it is (bfloat16, dropout 0.1), data=2 × tensor=4 + SP, selective, 4 micro-batches of
     8 sequences: seconds per train step after 3 warm-up steps."""
     cfg, parallel = preset("tiny"), ParallelConfig(data=2, tensor=4, sequence_parallel=True)
-    mesh, optimizer = make_mesh(parallel), T.make_optimizer(OptimizerConfig())
+    mesh, optimizer = make_mesh(parallel), T.make_optimizer(OptimizerConfig(), cfg)
     state = T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (8 * MICRO_BATCHES, cfg.seq_len + 1), dtype=np.int32)
@@ -137,7 +137,7 @@ def variants(rounds: int = 6, calls: int = 4) -> dict:
     bf16 temporaries are not a GPU's)."""
     from functools import partial
 
-    from jaxseq.models import gpt as M
+    from jaxseq.models import model as M
     from jaxseq.parallel import data_parallel as DP
     from jaxseq.parallel import pipeline as PL
     from jaxseq.sharding import batch_sharding
@@ -145,11 +145,11 @@ def variants(rounds: int = 6, calls: int = 4) -> dict:
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel)
     replicated, tokens_sh = NamedSharding(mesh, P()), batch_sharding(mesh)
-    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(parallel))
+    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(preset("tiny"), parallel))
 
     def programs(cfg):
         scan = partial(DP.accumulate_loss_and_grad, cfg=cfg, parallel=parallel, remat="selective", mesh=mesh,
-                       microbatches=MICRO_BATCHES, grad_specs=M.param_specs(parallel))
+                       microbatches=MICRO_BATCHES, grad_specs=M.param_specs(cfg, parallel))
         return {"scan in shard_map": jax.jit(scan, in_shardings=(param_sh, {"inputs": tokens_sh, "targets": tokens_sh},
                                                                  replicated), out_shardings=(replicated, param_sh)),
                 "executor, p = 1": PL.make_loss_and_grad(cfg, parallel, "selective", mesh, MICRO_BATCHES)}

@@ -31,16 +31,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
+from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models import gpt as M  # noqa: E402
+from jaxseq.models import model as M  # noqa: E402
 from jaxseq.planning import hlo as A  # noqa: E402
 from jaxseq.planning import memory  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
 from jaxseq.sharding import batch_sharding  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
 
-OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))
+OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), ModelConfig())
 MESHES = [(8, 1, False), (4, 2, True), (2, 4, True)]
 GIB = 2**30
 
@@ -61,7 +61,7 @@ def weight_shapes(cfg, parallel: ParallelConfig) -> set:
     """Per-device shapes of the compute weights (split by tensor only)."""
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(M.param_specs(parallel), is_leaf=is_spec)
+    specs = jax.tree.leaves(M.param_specs(cfg, parallel), is_leaf=is_spec)
     return {tuple(n // (parallel.tensor if axis == "tensor" else 1) for n, axis in zip(shape, [*spec, *[None] * 8]))
             for shape, spec in zip(shapes, specs)}
 

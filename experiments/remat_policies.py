@@ -67,7 +67,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     rotates every round) so that machine drift and other load fall on all of them alike."""
     import jax
 
-    from jaxseq.models import gpt as M
+    from jaxseq.models import model as M
     from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, ParallelConfig
     from jaxseq.mesh import make_mesh
@@ -78,7 +78,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     parallel = ParallelConfig(data=1, tensor=1, sequence_parallel=False)
     mesh = make_mesh(parallel, devices[:1])
     params = jax.device_put(M.init_params(jax.random.key(0), cfg), jax.tree.map(
-        lambda s: jax.sharding.NamedSharding(mesh, s), M.param_specs(parallel)))
+        lambda s: jax.sharding.NamedSharding(mesh, s), M.param_specs(cfg, parallel)))
     tokens = jax.random.randint(jax.random.key(1), (8, cfg.seq_len), 0, cfg.vocab_size)
     batch = {"inputs": tokens, "targets": tokens}
     key = jax.random.key(2)

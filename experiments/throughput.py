@@ -214,9 +214,9 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
     import jax
 
     if without_attention:  # the ceiling: each layer's attention replaced by its values (no QKᵀ, softmax, ×V)
-        from jaxseq.models import gpt as model
+        from jaxseq.models import gpt, llama
 
-        model.attention = lambda q, k, v, *args, **kwargs: v
+        gpt.attention = llama.attention = lambda q, k, v, *args, **kwargs: v
     clock = StepClock()
     from jaxseq import train
 
@@ -350,7 +350,7 @@ def ceiling(args) -> dict:
 def matmul(args) -> dict:
     """One weight matmul of issue 15's step per device ([b·s, h] × [h, n] at data=2 × tensor=4: 1024 tokens,
     h = 256) on one CPU device, written as a plain bf16 dot, as a bf16 × bf16 → f32 dot, as that dot
-    rounded to bf16 (model.matmul's CPU form) and in f32; CPU seconds per dot (median of 5 × 50 calls)
+    rounded to bf16 (models/cpu_matmul.py's form) and in f32; CPU seconds per dot (median of 5 × 50 calls)
     and whether XLA ran it on its YNNPACK kernels with bf16 operands (hlo.dots on the optimized HLO)."""
     import jax
     import jax.numpy as jnp
@@ -363,7 +363,7 @@ def matmul(args) -> dict:
     forms = {
         "bf16 dot (plain einsum)": lambda a, b: a @ b,
         "bf16 x bf16 -> f32": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
-        "bf16 x bf16 -> f32 -> bf16 (model.matmul on CPU)":
+        "bf16 x bf16 -> f32 -> bf16 (models/cpu_matmul on CPU)":
             lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
         "f32 dot": lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32),
     }

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 from jaxseq.remat import POLICIES
 
+FAMILIES = ("gpt", "llama")  # model families (models/gpt.py, models/llama.py)
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
+MATMUL_FORMS = ("einsum", "cpu-bf16")  # models/ops.MATMULS: the portable einsum, XLA:CPU's bf16 form
+ROPE_SCALINGS = ("llama3",)
+
+
+def matmul_for(platform: str) -> str:
+    """The matmul form for devices of `platform` ("cpu", "gpu", "tpu"): XLA:CPU's bf16 form on CPU
+    (models/cpu_matmul.py), the portable einsum elsewhere. The commands choose it once, at their edge."""
+    return "cpu-bf16" if platform == "cpu" else "einsum"
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes per element of each compute dtype
 
@@ -18,8 +27,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A GPT-2/3 style decoder (pre-LayerNorm, learned positions, tied embeddings)."""
+    """A decoder of a family: "gpt" (GPT-2/3: pre-LayerNorm, learned positions, GELU, tied embeddings) or
+    "llama" (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied lm_head, no biases)."""
 
+    family: str = "gpt"
     vocab_size: int = 50257
     seq_len: int = 1024
     hidden: int = 768
@@ -31,6 +42,20 @@ class ModelConfig:
     attention: str = "explicit"  # "explicit" (scores materialised) or "fused" (jax.nn.dot_product_attention)
     ln_eps: float = 1e-5
     kv_channels: int | None = None  # per-head width; None: hidden // heads (Megatron's --kv-channels)
+    matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
+    # The Llama family's (models/llama.py):
+    kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
+    ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None  # None, or "llama3" (Llama 3.1's frequency scaling, the fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
 
     @property
     def head_dim(self) -> int:
@@ -47,7 +72,7 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return self.mlp_ratio * self.hidden
+        return self.ffn_hidden if self.ffn_hidden is not None else self.mlp_ratio * self.hidden
 
     def padded_vocab(self, tensor: int) -> int:
         """Vocabulary rounded up to a multiple of 128·tensor, as Megatron pads it (even vocab shards)."""
@@ -55,15 +80,20 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_params(self) -> int:
-        """Trainable parameters without vocabulary padding (positions and tied embedding included)."""
+        """Trainable parameters without vocabulary padding (GPT: positions and the tied embedding included;
+        Llama: the embedding and the lm_head)."""
         h, f, L, w = self.hidden, self.mlp_hidden, self.layers, self.attention_width
+        if self.family == "llama":
+            kv = 2 * self.num_kv_heads * self.head_dim
+            per_layer = h * w + h * kv + w * h + 3 * h * f + 2 * h
+            return 2 * self.vocab_size * h + L * per_layer + h
         per_layer = (h * 3 * w + 3 * w) + (w * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return self.vocab_size * h + self.seq_len * h + L * per_layer + 2 * h
 
 
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
-RUNTIME_FIELDS = ("dropout", "dtype", "attention")
+RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
@@ -180,6 +210,16 @@ PRESETS: dict[str, ModelConfig] = {
     # 1008B rows are mt-nlg-530b and megatron-1t): experiments/autoconfig.py searches them.
     "megatron-1.7b": _preset(vocab_size=51200, seq_len=2048, hidden=2304, heads=24, layers=24),
     "megatron-145.6b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=80),
+    # The Llama family, with the published shapes (dropout 0 as trained). tiny-llama: for tests (8 query
+    # heads sharing 2 K/V heads, an MLP width that is no multiple of hidden).
+    "tiny-llama": _preset(family="llama", vocab_size=256, seq_len=64, hidden=64, heads=8, kv_heads=2, layers=2,
+                          ffn_hidden=176, dropout=0.0, ln_eps=1e-5),
+    "llama2-7b": _preset(family="llama", vocab_size=32000, seq_len=4096, hidden=4096, heads=32, layers=32,
+                         ffn_hidden=11008, dropout=0.0, ln_eps=1e-5),
+    "llama3-8b": _preset(family="llama", vocab_size=128256, seq_len=8192, hidden=4096, heads=32, kv_heads=8,
+                         layers=32, ffn_hidden=14336, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
+    "llama3-70b": _preset(family="llama", vocab_size=128256, seq_len=8192, hidden=8192, heads=64, kv_heads=8,
+                          layers=80, ffn_hidden=28672, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
 }
 
 
@@ -256,6 +296,38 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(
             f"attention={model.attention!r} is not valid; valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}"
         )
+    if model.matmul not in MATMUL_FORMS:
+        raise ConfigError(f"matmul={model.matmul!r} is not valid; valid: {', '.join(MATMUL_FORMS)}")
+    validate_family(model)
+
+
+def validate_family(model: ModelConfig) -> None:
+    """The family and the fields only one family has."""
+    if model.family not in FAMILIES:
+        raise ConfigError(f"family={model.family!r} is not valid; valid: {', '.join(FAMILIES)}")
+    llama_only = {"kv_heads": None, "rope_scaling": None}
+    if model.family == "gpt":
+        for name, default in llama_only.items():
+            if getattr(model, name) != default:
+                raise ConfigError(f"{name}={getattr(model, name)!r} is a Llama-family setting; the gpt family has "
+                                  "none (set family: llama)")
+        return
+    kv = model.kv_heads
+    if kv is not None and (not isinstance(kv, int) or kv <= 0 or model.heads % kv):
+        raise ConfigError(f"kv_heads={kv!r} must be a positive integer dividing heads={model.heads}")
+    if model.ffn_hidden is not None and (not isinstance(model.ffn_hidden, int) or model.ffn_hidden <= 0):
+        raise ConfigError(f"ffn_hidden={model.ffn_hidden!r} must be a positive integer")
+    if model.head_dim % 2:
+        raise ConfigError(f"head width {model.head_dim} must be even (RoPE rotates pairs)")
+    if not model.rope_theta > 0:
+        raise ConfigError(f"rope_theta={model.rope_theta!r} must be positive")
+    if model.rope_scaling is not None and model.rope_scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"rope_scaling={model.rope_scaling!r} is not a known RoPE scaling; valid: none, "
+                          f"{', '.join(ROPE_SCALINGS)}")
+    if model.rope_scaling == "llama3" and not (model.rope_factor > 0 and
+                                               0 < model.rope_low_freq_factor < model.rope_high_freq_factor):
+        raise ConfigError(f"llama3 RoPE scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor; got "
+                          f"{model.rope_factor}, {model.rope_low_freq_factor}, {model.rope_high_freq_factor}")
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
@@ -269,6 +341,10 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
     t = parallel.tensor
     if model.heads % t:
         raise ConfigError(f"tensor={t} does not divide heads={model.heads}")
+    kv = model.num_kv_heads
+    if kv % t and t % kv:
+        raise ConfigError(f"tensor={t} neither divides kv_heads={kv} nor is a multiple of it (K/V heads are split "
+                          "over tensor, or each repeated over tensor/kv_heads ranks)")
     if model.mlp_hidden % t:
         raise ConfigError(f"tensor={t} does not divide mlp width={model.mlp_hidden}")
     if parallel.sequence_parallel and model.seq_len % t:

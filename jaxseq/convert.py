@@ -25,7 +25,7 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, Optimi
                            TrainConfig, replace, validate_model)
 from jaxseq.interop import hf
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel, use_host_devices
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import checkpoint as C
 from jaxseq.training import rundir

@@ -79,6 +79,7 @@ def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, 
         "layers": "pipe" if pipeline else None,
         "batch": "data",
         "heads": "tensor",
+        "kv_heads": "tensor",  # where kv_heads divides by t; a family replicates them otherwise
         "mlp": "tensor",
         "vocab": "tensor",
         "seq_sp": "tensor" if sequence_parallel else None,

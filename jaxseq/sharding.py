@@ -31,10 +31,9 @@ class Sharder:
         return logical_rules(self.sequence_parallel)
 
     @property
-    def platform(self) -> str:
-        """Where the program runs ("cpu", "gpu", "tpu"): the mesh's devices, the default backend without
-        a mesh. The model writes its bf16 matmuls for it (`model.matmul`)."""
-        return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+    def tensor(self) -> int:
+        """Ranks of the `tensor` axis (1 without a mesh)."""
+        return self.mesh.shape["tensor"] if self.mesh is not None else 1
 
     def spec(self, *axes: str | None) -> P:
         return logical_to_spec(axes, self.rules)
@@ -48,7 +47,8 @@ class Sharder:
         return jax.lax.with_sharding_constraint(x, self.named(*axes))
 
     def column_parallel(self, fn, x: jax.Array, params, param_axes, out_axes: tuple):
-        """fn(x, params) for a column-parallel linear whose input x is [b, s(/t), h].
+        """fn(x, params) for a column-parallel linear whose input x is [b, s(/t), h]; out_axes are the logical
+        axes of its output, or a tuple of them where fn returns several outputs (one all-gather for all).
 
         With sequence parallelism this is Megatron's exit from the sequence-parallel region, written
         as an explicit all-gather inside `shard_map` (its transpose is a reduce-scatter). Why not a
@@ -59,12 +59,18 @@ class Sharder:
         if self.mesh is None:
             return fn(x, params)
         if not self.sequence_parallel:
-            return self(fn(self(x, "batch", None, None), params), *out_axes)
+            return _map_outputs(lambda y, axes: self(y, *axes), fn(self(x, "batch", None, None), params), out_axes)
         local = lambda y, p: fn(jax.lax.all_gather(y, "tensor", axis=1, tiled=True), p)
         specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(self.spec("batch", "seq_sp", None), specs), out_specs=self.spec(*out_axes)
-        )(x, params)
+            local, mesh=self.mesh, in_specs=(self.spec("batch", "seq_sp", None), specs),
+            out_specs=self.out_specs(out_axes))(x, params)
+
+    def out_specs(self, out_axes):
+        """The specs of `column_parallel`'s outputs: one tuple of logical axes, or a tuple of such tuples."""
+        if _several(out_axes):
+            return tuple(self.spec(*axes) for axes in out_axes)
+        return self.spec(*out_axes)
 
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """Vocab-parallel lookup of tokens [b, s] in table [V, h] (rows split over `tensor`) → [b, s(/t), h].
@@ -102,7 +108,7 @@ class StageSharder(Sharder):
         mesh = jax.sharding.get_abstract_mesh()
         x_spec = self.spec("batch", "seq_sp", None)
         p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
-        out_spec = self.spec(*out_axes)
+        out_spec = self.out_specs(out_axes)
         gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
         nested = partial(jax.shard_map, mesh=mesh, axis_names={"tensor"})
 
@@ -157,6 +163,17 @@ class StageSharder(Sharder):
         lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
                       lambda res, g: (backward(*res, g), None))
         return lookup(table, tokens)
+
+
+def _several(out_axes) -> bool:
+    """Whether column_parallel's out_axes name several outputs (a tuple of axis tuples)."""
+    return len(out_axes) > 0 and isinstance(out_axes[0], tuple)
+
+
+def _map_outputs(fn, outputs, out_axes):
+    if _several(out_axes):
+        return tuple(fn(y, axes) for y, axes in zip(outputs, out_axes))
+    return fn(outputs, out_axes)
 
 
 def entry_axes(entry) -> tuple[str, ...]:

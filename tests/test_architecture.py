@@ -28,32 +28,39 @@ ALLOWED = {
     "sharding": {"mesh"},
     "cli": {"config"},
     "hardware": set(),
-    # the model family and the paper's formulas
-    "models.gpt": {"config", "mesh", "remat", "sharding"},
+    # the models: the one door (model), the families behind it, their shared ops and parameter declarations,
+    # the CPU matmul form an edge may choose, and the paper's formulas
+    "models.model": {"config", "mesh", "models.gpt", "models.llama", "models.ops", "models.params", "remat",
+                     "sharding"},
+    "models.gpt": {"config", "models.ops", "models.params", "remat", "sharding"},
+    "models.llama": {"config", "models.ops", "models.params", "remat", "sharding"},
+    "models.ops": {"config", "models.cpu_matmul", "remat", "sharding"},
+    "models.params": {"config"},
+    "models.cpu_matmul": {"remat"},
     "models.formulas": {"config", "remat"},
     # formats from the outside world
     "interop.hf": {"config"},
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.data_parallel": {"config", "models.gpt", "sharding"},
-    "parallel.pipeline": {"config", "models.gpt", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
+    "parallel.data_parallel": {"config", "models.model", "sharding"},
+    "parallel.pipeline": {"config", "models.model", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "models.gpt", "parallel.data_parallel", "parallel.pipeline", "sharding"},
-    "training.aot": {"config", "models.gpt", "sharding", "training.train_step"},
-    "training.checkpoint": {"config", "models.gpt"},
-    "training.rundir": {"config", "mesh", "models.gpt", "training.checkpoint", "training.sampling",
+    "training.train_step": {"config", "models.model", "parallel.data_parallel", "parallel.pipeline", "sharding"},
+    "training.aot": {"config", "models.model", "sharding", "training.train_step"},
+    "training.checkpoint": {"config", "models.model"},
+    "training.rundir": {"config", "mesh", "models.model", "training.checkpoint", "training.sampling",
                         "training.train_step"},
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
-    "training.sampling": {"config", "mesh", "models.gpt", "sharding", "training.checkpoint", "training.data"},
+    "training.sampling": {"config", "mesh", "models.model", "sharding", "training.checkpoint", "training.data"},
     "training.loop": {"config", "mesh", "parallel.data_parallel", "parallel.distributed", "parallel.pipeline",
                       "parallel.schedule", "sharding", "training.aot", "training.checkpoint", "training.data", "training.metrics",
                       "training.rundir", "training.sampling", "training.train_step"},
     # planning: XLA's compiled programs read back, the memory model, the plan and its report, the configurator
     "planning.hlo": set(),
-    "planning.memory": {"config", "models.gpt", "sharding", "training.train_step"},
+    "planning.memory": {"config", "models.model", "sharding", "training.train_step"},
     "planning.measure": {"config", "mesh", "planning.hlo", "planning.memory", "training.aot"},
     "planning.in_flight": {"config", "mesh", "parallel.pipeline", "planning.hlo", "planning.measure", "training.aot"},
     "planning.plan": {"config", "models.formulas", "parallel.schedule", "planning.in_flight", "planning.measure",
@@ -69,7 +76,7 @@ ALLOWED = {
     "plan": {"cli", "config", "hardware", "planning.memory", "planning.plan", "planning.report", "planning.search",
              "planning.search_costs"},
     "generate": {"cli", "config", "mesh", "training.data", "training.rundir", "training.sampling"},
-    "convert": {"cli", "config", "interop.hf", "mesh", "models.gpt", "sharding", "training.checkpoint",
+    "convert": {"cli", "config", "interop.hf", "mesh", "models.model", "sharding", "training.checkpoint",
                 "training.rundir", "training.train_step"},
     "data": {"cli", "config", "training.data"},
     "schedule": {"cli", "config", "parallel.schedule"},
@@ -187,10 +194,10 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_edge(graph, cycle):
 
 
 def test_a_lower_layer_importing_a_higher_one_is_caught():
-    graph = {"models.gpt": {"training.train_step"}, "training.train_step": {"models.gpt"},
-             "interop.hf": {"models.gpt"}}
-    assert layering_violations(graph) == ["interop.hf (interop) imports models.gpt (models)",
-                                          "models.gpt (models) imports training.train_step (training)"]
+    graph = {"models.model": {"training.train_step"}, "training.train_step": {"models.model"},
+             "interop.hf": {"models.model"}}
+    assert layering_violations(graph) == ["interop.hf (interop) imports models.model (models)",
+                                          "models.model (models) imports training.train_step (training)"]
 
 
 def test_local_imports_count(tmp_path):

@@ -1,11 +1,11 @@
 """The bfloat16 compute path (every GPU preset's default) against the float32 one: same parameters,
 batch and dropout key, loss and every gradient within a stated bf16 tolerance, on 1 device and on
-data=2 × tensor=4 + SP. Then the weight matmuls' CPU form (`model.matmul`): each against the float32
+data=2 × tensor=4 + SP. Then the weight matmuls' CPU form (`models/cpu_matmul.py`): each against the float32
 einsum rounded once, and, read from the compiled step, every one taking bf16 operands.
 
 The tolerance. bfloat16 keeps 8 significant bits: unit roundoff u = 2⁻⁸ ≈ 3.9e-3. Parameters stay
 float32 and are cast once; matmuls accumulate in f32; LayerNorm statistics, softmax, GELU and the
-cross-entropy compute in f32 (models/gpt.py); so the bf16 error is the rounding of each stored activation
+cross-entropy compute in f32 (models/ops.py); so the bf16 error is the rounding of each stored activation
 and cotangent to bf16 at the op boundaries, ≤ u/2 each. A gradient leaf passes through roughly a
 dozen such roundings (embedding, 2 layers × LN/QKV/softmax/context/projection/MLP, their cotangents);
 their errors are independent, so a leaf's relative error (‖g_bf16 − g_f32‖ / ‖g_f32‖) is a few u
@@ -24,7 +24,8 @@ import pytest
 
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
+from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.planning import hlo as HLO
 from jaxseq.training import train_step as T
 
@@ -32,7 +33,7 @@ U = 2.0**-8  # bfloat16 unit roundoff
 GRAD_TOL, LOSS_TOL = 8 * U, U / 8
 
 # vocab 250: padded (to 128·t), as real vocabularies are; dropout on (the masks do not depend on dtype).
-CFG = replace(preset("tiny"), vocab_size=250, dropout=0.1, dtype="float32")
+CFG = replace(preset("tiny"), vocab_size=250, dropout=0.1, dtype="float32", matmul="cpu-bf16")  # as train runs on CPU
 
 
 def _batch(batch_size=8):
@@ -102,7 +103,7 @@ def test_cpu_bf16_matmul_and_its_gradients_are_the_float32_einsum_rounded_once(s
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, x_shape, jnp.bfloat16)
     w = jax.random.normal(kw, w_shape, jnp.bfloat16)
-    y, vjp = jax.vjp(lambda x, w: M.matmul(spec, x, w, "cpu"), x, w)
+    y, vjp = jax.vjp(lambda x, w: bf16_matmul(spec, x, w), x, w)
     g = jax.random.normal(kg, y.shape, jnp.bfloat16)
     dx, dw = vjp(g)
     f32 = lambda a: np.asarray(a, np.float32)

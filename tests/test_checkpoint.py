@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), vocab_size=300, dtype="float32")  # padded to 512 rows at t=4 and t=2, 384 at t=1
-OPT = T.make_optimizer(OptimizerConfig())
+OPT = T.make_optimizer(OptimizerConfig(), CFG)
 
 
 def _state(parallel, devices, seed=0):
@@ -168,7 +168,7 @@ def test_incompatible_model_is_refused():
 def _abstract_params(cfg, parallel, devices):
     mesh = make_mesh(parallel, devices)
     return jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec)),
-                        M.param_shapes(cfg, parallel.tensor), M.param_specs(parallel), is_leaf=lambda x: isinstance(x, tuple))
+                        M.param_shapes(cfg, parallel.tensor), M.param_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def test_restore_params_reads_the_params_alone_onto_another_mesh(devices, tmp_path):

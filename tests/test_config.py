@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ConfigError, ModelConfig, PRESETS, ParallelConfig, preset, replace, validate
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 
 
 def test_paper_presets():
@@ -108,7 +108,7 @@ GOLDEN = {
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_param_specs_golden(sequence_parallel):
-    specs = M.param_specs(ParallelConfig(data=2, tensor=4, sequence_parallel=sequence_parallel))
+    specs = M.param_specs(ModelConfig(), ParallelConfig(data=2, tensor=4, sequence_parallel=sequence_parallel))
     flat = {jax.tree_util.keystr(path): spec for path, spec in
             jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))}
     assert flat == GOLDEN

@@ -113,7 +113,7 @@ def test_to_hf_loads_in_transformers(hf_model, converted, tmp_path):
 def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     """What `train --init-from` uses: the saved weights placed on data=2 × tensor=4 + SP, padded for it."""
     from jaxseq.training import rundir
-    from jaxseq.models import gpt as M
+    from jaxseq.models import model as M
     from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, OptimizerConfig
 
@@ -121,10 +121,10 @@ def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     assert (model.vocab_size, model.hidden, model.seq_len) == (VOCAB, 64, 16)
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices)
-    state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig()), mesh)
+    state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig(), model), mesh)
     _, saved = convert.load(converted)
     assert state.params["embed"]["token"].shape == (model.padded_vocab(4), 64)
-    assert state.params["embed"]["token"].sharding.spec == M.param_specs(parallel)["embed"]["token"]
+    assert state.params["embed"]["token"].sharding.spec == M.param_specs(model, parallel)["embed"]["token"]
     np.testing.assert_array_equal(np.asarray(state.params["embed"]["token"])[:VOCAB],
                                   np.asarray(saved["embed"]["token"])[:VOCAB])
     np.testing.assert_array_equal(np.asarray(state.params["embed"]["position"]),

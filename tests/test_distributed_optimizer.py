@@ -13,14 +13,14 @@ import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.planning import hlo as A
 from jaxseq.planning import memory
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 
 CFG = replace(preset("tiny"), dtype="float32")  # dropout 0.1: masks do not depend on the sharding
-OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))
+OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), CFG)
 BATCH, STEPS, SAVED_AT = 16, 4, 2
 # name → (data, tensor, sequence parallel, micro-batches); data=2 runs on the first 4 devices.
 MESHES = {"data=4,tensor=2+sp": (4, 2, True, 4), "data=8": (8, 1, False, 1), "data=2,tensor=2+sp": (2, 2, True, 4)}
@@ -156,7 +156,7 @@ def test_each_weight_is_all_gathered_once_per_step(devices):
     s = setup("data=4,tensor=2+sp", True)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(jax.eval_shape(lambda: s.init().params))
-    compute_specs = jax.tree.leaves(M.param_specs(s.parallel), is_leaf=is_spec)
+    compute_specs = jax.tree.leaves(M.param_specs(CFG, s.parallel), is_leaf=is_spec)
     master = jax.tree.leaves(T.master_specs(CFG, s.parallel), is_leaf=is_spec)
     expected = sorted(
         tuple(n // (s.parallel.tensor if axis == "tensor" else 1) for n, axis in zip(x.shape, [*spec, *[None] * 8]))

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import Sharder
 from jaxseq.training import rundir
 from jaxseq.training import sampling as S
@@ -84,13 +84,13 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     over tensor like the attention; the greedy tokens equal one device's."""
     parallel = ParallelConfig(pipe=2, data=2, tensor=2, distributed_optimizer=True)
     mesh = make_mesh(parallel, devices)
-    masters = T.state_shardings(CFG, parallel, T.make_optimizer(OptimizerConfig()), mesh).params
+    masters = T.state_shardings(CFG, parallel, T.make_optimizer(OptimizerConfig(), CFG), mesh).params
     placed = jax.device_put(rundir.place(params, CFG, mesh), masters)
     assert placed["layers"]["mlp"]["wi"]["kernel"].sharding.spec == P("pipe", "data", "tensor")
     move, sampling_mesh = S.resharding(CFG, mesh)
     ready = move(placed)
     assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
-    for leaf, spec in zip(jax.tree.leaves(ready), jax.tree.leaves(M.param_specs(ParallelConfig(data=2, tensor=4)))):
+    for leaf, spec in zip(jax.tree.leaves(ready), jax.tree.leaves(M.param_specs(CFG, ParallelConfig(data=2, tensor=4)))):
         assert leaf.sharding.spec == spec
     for leaf in jax.tree.leaves(ready["layers"]["attn"]) + jax.tree.leaves(ready["layers"]["mlp"]["wi"]):
         if leaf.ndim > 2:  # the kernels: a quarter of each on every device
@@ -112,7 +112,7 @@ def test_sampling_from_pipe_8_gathers_no_model_onto_a_device(devices):
     cfg = replace(CFG, layers=8, seq_len=64, vocab_size=256)
     parallel = ParallelConfig(pipe=8)
     mesh = make_mesh(parallel, devices)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     state_params = jax.jit(lambda k: M.init_params(k, cfg, 1), out_shardings=shardings)(jax.random.key(0))
     whole = sum(x.nbytes for x in jax.tree.leaves(state_params))
     per_device = lambda c: (lambda m: m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

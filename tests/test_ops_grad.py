@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxseq.models import gpt as M
+from jaxseq.models import ops as M
 
 BF16_TOL = 2.0**-7
 EPS_LN = 1e-3  # not the default 1e-5: a VJP that ignored eps would show

@@ -6,7 +6,7 @@ import pytest
 
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.remat import POLICIES
 from jaxseq.sharding import Sharder
 from jaxseq.training import train_step as T

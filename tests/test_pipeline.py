@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
+from jaxseq.models import ops as O
 from jaxseq.parallel import pipeline as PL
 from jaxseq.planning import hlo
 from jaxseq.sharding import Sharder
@@ -167,7 +168,7 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
     """A data rank's dropout mask inside the executor (manual over `data`) equals its rows of
     jax.random.bernoulli of the global shape: the pipeline's masks are the unpipelined model's."""
     key = jax.random.key(3)
-    rows_of = jax.jit(M.bernoulli_rows, static_argnums=(1, 2))  # one compile per shape, not per op
+    rows_of = jax.jit(O.bernoulli_rows, static_argnums=(1, 2))  # one compile per shape, not per op
     for shape, ranks in (((8, 5, 7), 4), ((4, 3, 16, 16), 2), ((6, 100, 300), 3)):
         full = np.asarray(jax.random.bernoulli(key, 0.9, shape))
         rows = shape[0] // ranks
@@ -175,7 +176,7 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
             part = rows_of(key, 0.9, (rows, *shape[1:]), r * rows)
             np.testing.assert_array_equal(part, full[r * rows:(r + 1) * rows])
     # The 64-bit element index: rows beyond 2³² elements.
-    hi, lo = M._mul_u32(jax.numpy.asarray([1, 5000, 2**32 - 1], jax.numpy.uint32), 3_000_000_000)
+    hi, lo = O._mul_u32(jax.numpy.asarray([1, 5000, 2**32 - 1], jax.numpy.uint32), 3_000_000_000)
     assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * 3_000_000_000, 2**32) for x in (1, 5000, 2**32 - 1)]
 
 
@@ -203,7 +204,7 @@ def _over_data(text: str, p: int, data: int, tensor: int):
 def _elements_per_device(tree, parallel: ParallelConfig) -> int:
     """Elements per device of the gradients of `tree` (a part of the parameters) split over pipe and tensor."""
     sizes = {"pipe": parallel.pipe, "tensor": parallel.tensor, "data": 1, None: 1}
-    shapes, specs = M.param_shapes(CFG, parallel.tensor), M.param_specs(parallel)
+    shapes, specs = M.param_shapes(CFG, parallel.tensor), M.param_specs(CFG, parallel)
     return sum(int(np.prod(shape)) // int(np.prod([sizes[a] for a in spec]))
                for shape, spec in zip(jax.tree.leaves(tree(shapes), is_leaf=lambda x: isinstance(x, tuple)),
                                       jax.tree.leaves(tree(specs), is_leaf=lambda x: isinstance(x, P))))
@@ -234,7 +235,7 @@ def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
                               schedule="1f1b")
     m = 4
     mesh = make_mesh(parallel, devices)
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), CFG)
     shardings = T.state_shardings(CFG, parallel, optimizer, mesh)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
@@ -448,7 +449,7 @@ def test_pipelined_evaluation_never_gathers_the_layers(case, evaluation):
                 if ins.opcode.removesuffix("-start") == "all-gather"
                 and _spans_stages(hlo.replica_groups(ins.rest), stage)]
     parallel = _parallel(case)
-    shapes, specs = M.param_shapes(CFG, tensor), M.param_specs(parallel)
+    shapes, specs = M.param_shapes(CFG, tensor), M.param_specs(CFG, parallel)
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
     embedding_group = {NamedSharding(mesh, spec).shard_shape(shape) for part in ("embed", "final_ln")
                        for shape, spec in zip(jax.tree.leaves(shapes[part], is_leaf=lambda x: isinstance(x, tuple)),
@@ -476,7 +477,7 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
                               distributed_optimizer=distributed)
     p, d, t, m = parallel.pipe, parallel.data, parallel.tensor, 4
     mesh = make_mesh(parallel, devices)
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), CFG)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
                          T.state_shardings(CFG, parallel, optimizer, mesh))
@@ -488,7 +489,7 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
     group = lambda tree: {"embed": tree["embed"], "final_ln": tree["final_ln"]}
     per_rank = sum(4 * int(np.prod(NamedSharding(mesh, spec).shard_shape(a.shape)))  # whole over pipe and data
                    for a, spec in zip(jax.tree.leaves(group(abstract.params)),
-                                      jax.tree.leaves(group(M.param_specs(parallel)), is_leaf=lambda x: isinstance(x, P))))
+                                      jax.tree.leaves(group(M.param_specs(CFG, parallel)), is_leaf=lambda x: isinstance(x, P))))
     split = p * d if distributed else p
     assert aot.per_device_bytes(placed(group(abstract.params), group(shardings.params))) * split == per_rank
     adam = shardings.opt_state[1][0]  # clip_by_global_norm's state, then adamw's: (ScaleByAdamState, …)

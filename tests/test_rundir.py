@@ -10,7 +10,7 @@ import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import rundir
 from jaxseq.training import train_step as T
@@ -25,7 +25,7 @@ def test_place_shards_layers_over_pipe_as_the_train_step_does(parallel, devices)
     cfg = preset("tiny")
     host = jax.tree.map(np.asarray, M.init_params(jax.random.key(0), cfg, 1))
     placed = rundir.place(host, cfg, make_mesh(parallel, devices), parallel.sequence_parallel)
-    for leaf, spec in zip(jax.tree.leaves(placed), jax.tree.leaves(M.param_specs(parallel))):
+    for leaf, spec in zip(jax.tree.leaves(placed), jax.tree.leaves(M.param_specs(cfg, parallel))):
         assert leaf.sharding.spec == spec
     kernel = placed["layers"]["mlp"]["wi"]["kernel"]  # [L, h, f]: layers over pipe, f over tensor
     assert kernel.addressable_shards[0].data.size == kernel.size // (parallel.pipe * parallel.tensor)
@@ -42,7 +42,7 @@ def saved_run(tmp_path_factory, devices):
     run_dir = str(tmp_path_factory.mktemp("saved"))
     parallel = ParallelConfig(pipe=2, data=2, tensor=2, distributed_optimizer=True)
     mesh = make_mesh(parallel, devices)
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), CFG)
     state = T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh)
     state = T.TrainState(jnp.int32(3), state.params, state.opt_state)
     run = RunConfig(model=CFG, parallel=parallel, optimizer=OptimizerConfig(), train=TrainConfig(run_dir=run_dir))
@@ -107,7 +107,7 @@ def test_init_from_reads_the_params_straight_into_the_train_steps_shards(saved_r
     monkeypatch.setattr(ocp.CheckpointManager, "restore", lambda self, step, args=None, **kw: (
         asked.append(args), restore(self, step, args=args, **kw))[1])
     parallel = ParallelConfig(pipe=4, data=2, tensor=1, distributed_optimizer=True)
-    mesh, optimizer = make_mesh(parallel, devices), T.make_optimizer(OptimizerConfig())
+    mesh, optimizer = make_mesh(parallel, devices), T.make_optimizer(OptimizerConfig(), CFG)
     state = rundir.init_state(run_dir, replace(CFG, dropout=0.0), parallel, optimizer, mesh)
     wanted = T.state_shardings(CFG, parallel, optimizer, mesh)
     read = [jax.tree.leaves(a["state"].item) for a in asked if "state" in a]

@@ -331,7 +331,7 @@ def predicted_and_compiled(cfg: ModelConfig, c: S.Candidate, costs: SearchCosts)
                               distributed_optimizer=c.distributed_optimizer, pipe=c.pipe, schedule=c.schedule,
                               virtual_stages=c.virtual)
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     inputs = aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, c.data * c.micro_batch * c.microbatches)
     step = T.make_train_step(cfg, parallel, c.remat, optimizer, mesh, c.microbatches)
     compiled = aot.step_bytes(step.lower(*inputs).compile())

@@ -200,7 +200,7 @@ def test_evaluation_runs_the_train_steps_micro_batches(devices):
     logits alone are 4·B·s·V/t bytes)."""
     cfg = replace(preset("tiny"), dtype="float32", dropout=0.0)
     mesh = make_mesh(TP_SP, devices)
-    params = T.init_state(jax.random.key(0), cfg, TP_SP, T.make_optimizer(OptimizerConfig()), mesh).params
+    params = T.init_state(jax.random.key(0), cfg, TP_SP, T.make_optimizer(OptimizerConfig(), cfg), mesh).params
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, cfg.seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     temp, loss = {}, {}

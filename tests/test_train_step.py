@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
 from test_pipeline import _over_data
@@ -23,7 +23,7 @@ def _batch(cfg, n=8, seed=0):
 
 def _setup(cfg, micro_batches=1, optimizer=None):
     mesh = make_mesh(PARALLEL)
-    optimizer = optimizer or T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100))
+    optimizer = optimizer or T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), cfg)
     state = T.init_state(jax.random.key(0), cfg, PARALLEL, optimizer, mesh)
     step = T.make_train_step(cfg, PARALLEL, "selective", optimizer, mesh, micro_batches=micro_batches)
     return state, step
@@ -104,7 +104,7 @@ def accumulating_hlo(devices):
         if (name, distributed) not in texts:
             parallel = replace(ACCUMULATING[name], distributed_optimizer=distributed)
             mesh = make_mesh(parallel, devices)
-            optimizer = T.make_optimizer(OptimizerConfig())
+            optimizer = T.make_optimizer(OptimizerConfig(), cfg)
             shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
             abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
             state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)

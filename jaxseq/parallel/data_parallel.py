@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import Sharder, StageSharder, entry_axes, only_axes
 
 
@@ -94,6 +94,6 @@ def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfi
     forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
     shard = Sharder(mesh, parallel.sequence_parallel)
     weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
-                           M.cast_params(params, jnp.dtype(cfg.dtype)), M.param_specs(parallel))
+                           M.cast_params(params, cfg), M.param_specs(cfg, parallel))
     micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
     return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))

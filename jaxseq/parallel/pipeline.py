@@ -44,10 +44,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import data_parallel as DP
-from jaxseq import remat as R
 from jaxseq.sharding import Sharder, StageSharder, batch_sharding, entry_axes, only_axes
 
 # ---------------------------------------------------------------------------------------------
@@ -121,26 +120,6 @@ def tick_rows(sched: S.Schedule) -> np.ndarray:
 # What one stage computes for one micro-batch chunk
 
 
-def embed(params, tokens, key, cfg: ModelConfig, shard: Sharder):
-    """model.hidden_states up to the layers: lookup + positions, then the embedding dropout."""
-    x = shard.embed(params["token"], tokens) + params["position"][: tokens.shape[1]]
-    x = shard(x, "batch", "seq_sp", None)
-    return M.dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK)
-
-
-def chunk(x, layers, keys, cfg: ModelConfig, shard: Sharder, remat: str):
-    """k layers under lax.scan, each under jax.checkpoint with the remat policy (as model.decoder); keys=None:
-    no dropout (evaluation)."""
-    body = jax.checkpoint(partial(M.block, cfg=cfg, shard=shard), policy=R.remat_policy(remat).policy,
-                          prevent_cse=False)
-    x, _ = jax.lax.scan(lambda x, inp: (body(x, *inp), None), x, (layers, keys))
-    return x
-
-
-def head(x, params, targets, cfg: ModelConfig, shard: Sharder):
-    """Final LayerNorm, tied-embedding logits and the mean cross-entropy (model.loss_fn's tail)."""
-    x = M.layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps)
-    return M.cross_entropy(M.logits_fn(params, x, cfg, shard), targets)
 
 
 def micro_keys(key, mb, cfg: ModelConfig):
@@ -218,11 +197,11 @@ class Stage:
 
     def chunk_vjp(self, x, w, keys):
         """(y, vjp) of one chunk's k layers: x, y [b, s, h]."""
-        return jax.vjp(lambda x, w: chunk(x, w, keys, self.cfg, self.shard, self.remat), x, w)
+        return jax.vjp(lambda x, w: M.layers(x, w, keys, self.cfg, self.shard, self.remat), x, w)
 
     def embed(self, embed_params, mb, k_embed):
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
-        return embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
+        return M.embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
 
     @property
     def loss_scale(self) -> float:
@@ -231,13 +210,13 @@ class Stage:
 
     def loss(self, y, mb):
         """Micro-batch mb's loss share from the last chunk's output y (forward only)."""
-        return head(y, self.others, self.micro["targets"][mb], self.cfg, self.shard) * self.loss_scale
+        return M.head_loss(self.others, y, self.micro["targets"][mb], self.cfg, self.shard) * self.loss_scale
 
     def loss_and_grads(self, y, mb):
         """(loss share, dL/dy, d(embedding, final LN)) of the last chunk's output y: the loss right away, so
         that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits."""
-        loss, (gy, gh) = jax.value_and_grad(partial(head, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
-            y, self.others, self.micro["targets"][mb])
+        loss, (gh, gy) = jax.value_and_grad(partial(M.head_loss, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
+            self.others, y, self.micro["targets"][mb])
         scale = self.loss_scale
         return loss * scale, gy * scale, jax.tree.map(lambda a: a.astype(jnp.float32) * scale, gh)
 
@@ -473,7 +452,7 @@ class ForwardProgram:
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
         if first:
             x = stage.embed(stage.others["embed"], row.mb, k_embed)
-        y = chunk(x, w, keys, stage.cfg, stage.shard, stage.remat)
+        y = M.layers(x, w, keys, stage.cfg, stage.shard, stage.remat)
         no_act, no_loss = self.idle(table_row, x)
         if last:
             return no_act, stage.loss(y, row.mb)
@@ -515,8 +494,8 @@ def reduce_gradients(buffers: Buffers, grad_specs: dict):
 
 
 def _others(tree: dict) -> dict:
-    """The parameters every stage holds: the embedding and the final LayerNorm."""
-    return {"embed": tree["embed"], "final_ln": tree["final_ln"]}
+    """The parameters every stage holds: all but the layers (the embedding, the final norm, an untied head)."""
+    return {name: part for name, part in tree.items() if name != "layers"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +531,7 @@ def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, spe
     every stage), cast to the compute dtype. Master weights split over `pipe` or `data` are gathered here, once
     (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
     "full rematerialization")."""
-    cast = M.cast_params(params, jnp.dtype(cfg.dtype))
+    cast = M.cast_params(params, cfg)
     constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
     layers = jax.tree.map(lambda a, spec: constrain(a, P("pipe", None, None, *spec[1:])),
                           to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
@@ -562,7 +541,7 @@ def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, spe
 def _stage_inputs(params, batch, cfg: ModelConfig, parallel: ParallelConfig, mesh, sched: S.Schedule):
     """(layers in the stage layout, embedding and final LN, the micro-batches [m, B/m, s] split over
     `data` on their rows), the executor's shard_map arguments with the in_specs of those three."""
-    layers, others = _stage_weights(params, cfg, parallel, mesh, M.param_specs(parallel))
+    layers, others = _stage_weights(params, cfg, parallel, mesh, M.param_specs(cfg, parallel))
     shard = Sharder(mesh, parallel.sequence_parallel)
     micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
     return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
@@ -600,7 +579,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    grad_specs = M.param_specs(parallel) if grad_specs is None else grad_specs
+    grad_specs = M.param_specs(cfg, parallel) if grad_specs is None else grad_specs
     assert all(entry_axes(spec[0]) == ("pipe",) for spec in jax.tree.leaves(
         grad_specs["layers"], is_leaf=lambda x: isinstance(x, P))), "layers are split over pipe on their first dimension"
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
@@ -615,7 +594,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(parallel))
+    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(cfg, parallel))
     replicated = NamedSharding(mesh, P())
     fn = partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
                  microbatches=microbatches)

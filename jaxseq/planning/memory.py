@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import entry_axes
 from jaxseq.training import train_step as T
 
@@ -54,7 +54,7 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
     for part, specs in T.master_specs(cfg, parallel).items():
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
         shapes = jax.tree.leaves(M.param_shapes(cfg, tensor)[part], is_leaf=lambda x: isinstance(x, tuple))
-        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask()[part])):
+        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask(cfg)[part])):
             # a layer's dimension 0 is split over `pipe` into the stages' layers, which `cfg` already holds (at
             # pipe = 1 the distributed optimizer may put `data` there: that split counts)
             axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)

@@ -13,14 +13,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import Sharder
 from jaxseq.training import train_step as T
 
 
 def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
     """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
-    specs = M.param_specs(parallel)
+    specs = M.param_specs(cfg, parallel)
     shapes = M.param_shapes(cfg, parallel.tensor)
     params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
                           shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
@@ -58,7 +58,7 @@ def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, 
 
 def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
     """The real train step (AdamW, donated state) of one micro-batch, compiled for `mesh`."""
-    optimizer = T.make_optimizer(OptimizerConfig())
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     inputs = abstract_step_inputs(cfg, parallel, optimizer, mesh, micro_batch)
     return T.make_train_step(cfg, parallel, remat, optimizer, mesh).lower(*inputs).compile()
 

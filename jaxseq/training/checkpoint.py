@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 
 log = logging.getLogger("jaxseq")
 
@@ -41,19 +41,26 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, force: bool =
     return mgr.save(step, args=args, force=force)
 
 
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
 def _vocab_rows(params) -> int:
     """Rows of the parameters' vocabulary leaves (the vocabulary is padded per tensor size)."""
-    return next(x.shape[0] for v, x in zip(jax.tree.leaves(M.vocab_mask()), jax.tree.leaves(params)) if v)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return next(x.shape[0] for path, x in leaves if _names(path) in M.vocab_paths())
+
+
+def _params_like(x) -> bool:
+    return isinstance(x, dict) and "layers" in x and "embed" in x
 
 
 def _map_vocab_leaves(fn, tree):
-    """`tree` with fn(leaf) at every vocabulary leaf (`M.vocab_mask`) of each parameter-shaped subtree:
+    """`tree` with fn(leaf) at every vocabulary leaf (`M.vocab_paths`) of each parameter-shaped subtree:
     the params themselves and each Adam moment."""
-    mask = M.vocab_mask()
-    structure = jax.tree.structure(mask)
-    params_like = lambda x: jax.tree.structure(x) == structure
-    at = lambda params: jax.tree.map(lambda v, x: fn(x) if v else x, mask, params)
-    return jax.tree.map(lambda x: at(x) if params_like(x) else x, tree, is_leaf=params_like)
+    vocab = M.vocab_paths()
+    at = lambda params: jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _names(path) in vocab else x, params)
+    return jax.tree.map(lambda x: at(x) if _params_like(x) else x, tree, is_leaf=_params_like)
 
 
 def _abstract(state_shardings, shapes_like):
@@ -146,10 +153,9 @@ def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
 
 
 def _check_shapes(saved, abstract_params, step: int) -> None:
-    positions = jax.tree.map(lambda _: False, M.vocab_mask()) | {"embed": {"token": False, "position": True}}
     leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
-    for (path, want), got, vocab, position in zip(leaves, jax.tree.leaves(saved), jax.tree.leaves(M.vocab_mask()),
-                                                  jax.tree.leaves(positions)):
+    for (path, want), got in zip(leaves, jax.tree.leaves(saved)):
+        vocab, position = _names(path) in M.vocab_paths(), _names(path) in M.position_paths()
         got, want = tuple(got.shape), tuple(want.shape)
         rows_ok = vocab or (position and want[0] <= got[0]) or want[0] == got[0]
         if not rows_ok or got[1:] != want[1:]:

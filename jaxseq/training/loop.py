@@ -174,7 +174,7 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     settings = run.train
     devices = available_devices()
     mesh = make_mesh(run.parallel, devices)
-    optimizer = T.make_optimizer(run.optimizer)
+    optimizer = T.make_optimizer(run.optimizer, run.model)
     micro = (settings.batch_size // settings.micro_batch_size) if settings.micro_batch_size else 1
     checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
     return Session(

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            replace, validate_parallel)
 from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 from jaxseq.training.sampling import sampling_parallel
@@ -99,7 +99,7 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     saved = read_config(path)
     model = ModelConfig(**saved["model"])
     model = replace(model, seq_len=seq_len or model.seq_len)
-    dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask())
+    dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask(model))
     abstract = jax.tree.map(lambda shape, spec, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec)),
                             M.param_shapes(model, parallel.tensor), T.master_specs(model, parallel), dtypes,
                             is_leaf=lambda x: isinstance(x, tuple))
@@ -150,7 +150,7 @@ def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False)
             x = np.concatenate([x[:rows], np.zeros((max(rows - len(x), 0), *x.shape[1:]), x.dtype)])
         return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
 
-    return jax.tree.map(put, M.vocab_mask(), params, M.param_specs(parallel))
+    return jax.tree.map(put, M.vocab_mask(cfg), params, M.param_specs(cfg, parallel))
 
 
 # ---------------------------------------------------------------------------------------------

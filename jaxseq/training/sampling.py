@@ -3,9 +3,9 @@
 
 The prompt is processed once (`_prefill`: the whole window, writing every layer's keys and values into the
 cache), then each new token is one step against the cache (`_decode`); both are compiled once per shape.
-The cache is [layers, batch, seq_len, heads, head_dim] per K and V, heads split over `tensor` like the
-attention's. Positions are learned and absolute, so when the window is full (seq_len tokens) it slides by
-recomputing the last seq_len tokens for every further token, as sampling without a cache did.
+The cache is [layers, batch, seq_len, K/V heads, head_dim] per K and V, heads split over `tensor` like the
+attention's. Positions are absolute (learned, or rotary from 0), so when the window is full (seq_len tokens)
+it slides by recomputing the last seq_len tokens for every further token, as sampling without a cache did.
 
 On a mesh the weights are in the sampling layout (`sampling_parallel`): the devices of pipe × tensor split
 the heads, the MLP and the vocabulary, data ranks hold copies and compute the same tokens. Why not sample
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
 from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.sharding import Sharder
 from jaxseq.training import checkpoint as C
 from jaxseq.training.data import BYTE_EOD, Corpus, decode_tokens, encode_text, load_tokenizer
@@ -50,7 +50,8 @@ def sampling_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> ParallelCon
     """The layout sampling runs in on the same devices: tensor = the largest divisor of pipe × tensor that
     divides the heads and the MLP width (a multiple of `tensor`), no pipeline, data = the rest."""
     group = parallel.pipe * parallel.tensor
-    tensor = max(t for t in range(1, group + 1) if group % t == 0 and cfg.heads % t == 0 and cfg.mlp_hidden % t == 0)
+    fits = lambda t: cfg.heads % t == 0 and cfg.mlp_hidden % t == 0 and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)
+    tensor = max(t for t in range(1, group + 1) if group % t == 0 and fits(t))
     return ParallelConfig(data=parallel.num_devices // tensor, tensor=tensor)
 
 
@@ -65,9 +66,9 @@ def resharding(cfg: ModelConfig, mesh):
     the sampling mesh). One program moves every weight from its training shards (any pipe, tensor and
     distributed-optimizer split) to its sampling shards; nothing is gathered whole."""
     target = sampling_mesh(cfg, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(mesh_parallel(target)))
+    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(cfg, mesh_parallel(target)))
     rows = cfg.padded_vocab(target.shape["tensor"])
-    move = lambda params: C.resize_vocab(M.cast_params(params, jnp.dtype(cfg.dtype)), rows, shardings)
+    move = lambda params: C.resize_vocab(M.cast_params(params, cfg), rows, shardings)
     return jax.jit(move, out_shardings=shardings), target
 
 
@@ -76,39 +77,29 @@ def resharding(cfg: ModelConfig, mesh):
 
 
 def _attend(q, k, v, start, cfg: ModelConfig):
-    """q [b, n, a, d] at positions start … start + n − 1 against the cached k, v [b, S, a, d] (causal)."""
-    scores = jnp.einsum("bqad,bkad->baqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
-    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(q.shape[1])[:, None]
+    """q [b, n, a, d] at positions start … start + n − 1 against the cached k, v [b, S, kv, d] (causal; each
+    group of a/kv query heads shares one K/V head)."""
+    b, n, a, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, n, kv, a // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
+    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(n)[:, None]
     probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(q.dtype)
-    return jnp.einsum("baqk,bkad->bqad", probs, v)
-
-
-def _layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder):
-    """Layer i (as `M.block` computes it without dropout) on x [b, n, h] at positions start … start + n − 1,
-    writing its keys and values into layer i of the cache (K, V [L, b, S, a, d], updated in place) first."""
-    linear = lambda spec, y, w: M.add_bias(M.matmul(spec, y, w["kernel"], shard.platform), w["bias"])
-    y = M.layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps)
-    qkv = shard(linear("bsh,hcad->bscad", y, p["attn"]["qkv"]), "batch", None, None, "heads", None)
-    q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
-    cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
-    ctx = _attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache), start, cfg)
-    x = x + shard(linear("bsad,adh->bsh", ctx, p["attn"]["out"]), "batch", None, None)
-    y = M.layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps)
-    hid = shard(M.gelu(linear("bsh,hf->bsf", y, p["mlp"]["wi"])), "batch", None, "mlp")
-    return x + shard(linear("bsf,fh->bsh", hid, p["mlp"]["wo"]), "batch", None, None), cache
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, n, a, d)
 
 
 def _forward(params, tokens, cache, start, cfg: ModelConfig, shard: Sharder):
-    """Final-LN hidden states of tokens [b, n] at positions start …, and the cache with their keys and values."""
-    x = shard.embed(params["embed"]["token"], tokens)
-    x = shard(x + jax.lax.dynamic_slice_in_dim(params["embed"]["position"], start, tokens.shape[1]), "batch", None, None)
+    """Final-norm hidden states of tokens [b, n] at positions start …, and the cache with their keys and values."""
+    family = M.family(cfg)
+    x = family.decode_embed(params, tokens, start, cfg, shard)
+    attend = lambda q, k, v: _attend(q, k, v, start, cfg)
 
     def step(carry, layer):
         (x, cache), (p, i) = carry, layer
-        return _layer(x, p, cache, i, start, cfg, shard), None
+        return family.decode_layer(x, p, cache, i, start, cfg, shard, attend), None
 
     (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.layers)))
-    return M.layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps), cache
+    return M.final_norm(params, x, cfg), cache
 
 
 def _choose(params, x, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
@@ -125,9 +116,10 @@ def _prefill(params, window, length, key, i, temperature, cfg: ModelConfig, shar
     """Token i of a sample (drawn with fold_in(key, i)): the token after window[:, :length] ([b, seq_len],
     the rest padding), and a cache holding the window's keys and values (those past `length` are overwritten
     before any query can see them)."""
-    params, key = M.cast_params(params, jnp.dtype(cfg.dtype)), jax.random.fold_in(key, i)
+    params, key = M.cast_params(params, cfg), jax.random.fold_in(key, i)
     b, s = window.shape
-    empty = shard(jnp.zeros((cfg.layers, b, s, cfg.heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
+    heads = M.family(cfg).cache_heads(cfg, shard.tensor)
+    empty = shard(jnp.zeros((cfg.layers, b, s, heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
                   "layers", "batch", None, "heads", None)
     x, cache = _forward(params, window, (empty, empty), 0, cfg, shard)
     last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
@@ -138,7 +130,7 @@ def _prefill(params, window, length, key, i, temperature, cfg: ModelConfig, shar
 def _decode(params, cache, token, position, key, i, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
     """Token i of a sample (fold_in(key, i)): the token after `token` [b] (at `position`, the cache holding
     every earlier one), and the cache with it."""
-    params, key = M.cast_params(params, jnp.dtype(cfg.dtype)), jax.random.fold_in(key, i)
+    params, key = M.cast_params(params, cfg), jax.random.fold_in(key, i)
     x, cache = _forward(params, token[:, None], cache, position, cfg, shard)
     return _choose(params, x, key, temperature, cfg, shard, top_k), cache
 

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.models import gpt as M
+from jaxseq.models import model as M
 from jaxseq.parallel.data_parallel import accumulate_loss_and_grad
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
 from jaxseq.sharding import Sharder, batch_sharding, entry_axes
@@ -35,13 +35,13 @@ def learning_rate_schedule(opt: OptimizerConfig):
     )
 
 
-def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; weight decay where the parameter declares it (`model.PARAMS`)."""
+def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; weight decay where the family's table declares it (`M.decay_mask`)."""
 
     return optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                    weight_decay=opt.weight_decay, mask=M.decay_mask()),
+                    weight_decay=opt.weight_decay, mask=M.decay_mask(cfg)),
     )
 
 
@@ -89,7 +89,7 @@ def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
             spec = sharded_spec(shape, spec, "data", sizes, join="pipe" if embedding_group else None)
         return spec
 
-    specs, shapes = M.param_specs(parallel), M.param_shapes(cfg, parallel.tensor)
+    specs, shapes = M.param_specs(cfg, parallel), M.param_shapes(cfg, parallel.tensor)
     return {part: jax.tree.map(partial(master, part), shapes[part], specs[part], is_leaf=lambda x: isinstance(x, tuple))
             for part in specs}
 
@@ -152,7 +152,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     """
     shard = Sharder(mesh, parallel.sequence_parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
-    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
+    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
     accumulate = pipeline_loss_and_grad if parallel.pipe > 1 else accumulate_loss_and_grad
@@ -161,7 +161,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
         key = jax.random.fold_in(key, state.step)
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
         # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
-        weights = constrain(M.cast_params(state.params, jnp.dtype(cfg.dtype)), compute_sh)
+        weights = constrain(M.cast_params(state.params, cfg), compute_sh)
         if parallel.pipe > 1 or micro_batches > 1:
             loss, grads = accumulate(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
                                      microbatches=micro_batches, grad_specs=master_specs(cfg, parallel))
@@ -189,7 +189,7 @@ def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = Sharder(mesh, parallel.sequence_parallel)
-    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(parallel))
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     replicated = NamedSharding(mesh, P())
     fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     return jax.jit(

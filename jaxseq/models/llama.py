@@ -1,0 +1,144 @@
+"""The Llama family (Llama 2/3, Mistral-shaped): RMSNorm, rotary positions on Q and K, a SwiGLU MLP,
+grouped-query attention (kv_heads K/V heads shared by groups of query heads), an untied lm_head, no biases.
+
+One family's home, as models/gpt.py is GPT's: its parameter table, embedding, block, head and the block
+against a KV cache. Tensor parallelism splits the query heads over `tensor`; the K/V heads split too where
+kv_heads is a multiple of t. Where t is a multiple of kv_heads (8 K/V heads at t = 16) each K/V head is
+held by the t/kv_heads ranks whose query heads use it (Megatron-LM's answer): the K/V kernel is stored
+whole on every rank and each rank takes its head's slice; the slices' gradients sum back over `tensor`.
+
+Shapes: b batch, s sequence, h hidden, a heads, k K/V heads, d head_dim, f MLP width, V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxseq.config import ModelConfig
+from jaxseq import remat as R
+from jaxseq.models.ops import attention, dropout, matmul, rms_norm, rope, swiglu, vocab_logits
+from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale
+from jaxseq.sharding import Sharder
+
+
+def table(cfg: ModelConfig, tensor: int) -> dict:
+    """The parameters. Q is [h, a, d]; K and V one kernel [h, 2, k, d] (one matmul); gate and up one kernel
+    [h, 2, f]. The K/V heads split over `tensor` (logical axis kv_heads) only where t divides them."""
+    kv_axis = "kv_heads" if cfg.num_kv_heads % tensor == 0 else None
+    return {
+        "embed": {"token": kernel(("V", "h"), ("vocab", None))},
+        "layers": {
+            "attn_norm": {"scale": norm_scale(layers=True)},
+            "attn": {
+                "q": {"kernel": kernel(("L", "h", "a", "d"), ("layers", None, "heads", None))},
+                "kv": {"kernel": kernel(("L", "h", "2", "k", "d"), ("layers", None, None, kv_axis, None))},
+                "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, None), "residual")},
+            },
+            "mlp_norm": {"scale": norm_scale(layers=True)},
+            "mlp": {
+                "wi": {"kernel": kernel(("L", "h", "2", "f"), ("layers", None, None, "mlp"))},
+                "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", None), "residual")},
+            },
+        },
+        "final_norm": {"scale": norm_scale(layers=False)},
+        "lm_head": {"kernel": kernel(("V", "h"), ("vocab", None))},
+    }
+
+
+def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
+    return drop_layer_axis(derive(table(cfg, tensor), lambda p: p.axes)["layers"])
+
+
+def cache_heads(cfg: ModelConfig, tensor: int) -> int:
+    """K/V heads as a layer computes them on `tensor` ranks: kv_heads, or t where t is a multiple of it (each
+    head repeated over the t/kv_heads ranks that use it)."""
+    return max(cfg.num_kv_heads, tensor)
+
+
+def _kv_kernel(w, cfg: ModelConfig, shard: Sharder):
+    """The K/V kernel [h, 2, k, d] with its heads repeated to one per tensor rank where t > kv_heads, split
+    over `tensor` (each rank's block: the head its query heads use)."""
+    repeat = cache_heads(cfg, shard.tensor) // cfg.num_kv_heads
+    return w if repeat == 1 else shard(jnp.repeat(w, repeat, axis=2), None, None, "heads", None)
+
+
+def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
+    """tokens [b, s] → the first block's input [b, s(/t), h]: the vocab-parallel lookup, then dropout."""
+    x = shard(shard.embed(group["token"], tokens), "batch", "seq_sp", None)
+    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK)
+
+
+def final_norm(params, x, cfg: ModelConfig):
+    return rms_norm(x, params["final_norm"]["scale"], cfg.ln_eps)
+
+
+def logits(params, x, cfg: ModelConfig, shard: Sharder):
+    """Untied lm_head logits [b, s, V] sharded over vocab; padded vocabulary entries are -inf."""
+    return vocab_logits(params["lm_head"]["kernel"], x, cfg, shard)
+
+
+def _project_qkv(y, w, cfg: ModelConfig):
+    return (matmul("bsh,had->bsad", y, w["q"], cfg), matmul("bsh,hckd->bsckd", y, w["kv"], cfg))
+
+
+def block(x, p, key, cfg: ModelConfig, shard: Sharder):
+    """One pre-norm block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
+    train = key is not None
+    k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
+    x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
+
+    # Attention: RMSNorm on the (sequence-sharded) stream, all-gather, column-parallel Q and K/V (one gather).
+    y = checkpoint_name(shard(rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
+    w = {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}
+    q, kv = shard.column_parallel(lambda y, w: _project_qkv(y, w, cfg), y, w,
+                                  {"q": (None, "heads", None), "kv": (None, None, "heads", None)},
+                                  (("batch", None, "heads", None), ("batch", None, None, "heads", None)))
+    k, v = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
+    positions = jnp.arange(q.shape[1])
+    q, k = rope(q, positions, cfg), rope(k, positions, cfg)
+    q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
+    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
+    # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
+    out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
+                          R.OUT_PROJ)
+    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
+
+    # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
+    y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
+    hid = shard.column_parallel(lambda y, w: matmul("bsh,hcf->bscf", y, w["kernel"], cfg), y,
+                                {"kernel": p["mlp"]["wi"]["kernel"]}, {"kernel": (None, None, "mlp")},
+                                ("batch", None, None, "mlp"))
+    hid = checkpoint_name(shard(hid, "batch", None, None, "mlp"), R.MLPWI)
+    out = checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["mlp"]["wo"]["kernel"], cfg), "batch", "seq_sp", None),
+                          R.MLPWO)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
+    return shard(x, "batch", "seq_sp", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the same model against a KV cache
+
+
+def decode_embed(params, tokens, start, cfg: ModelConfig, shard: Sharder):
+    """`embed` without dropout (positions enter each layer, as RoPE)."""
+    return shard(shard.embed(params["embed"]["token"], tokens), "batch", None, None)
+
+
+def decode_layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend):
+    """Layer i (as `block` computes it without dropout) on x [b, n, h] at positions start … start + n − 1,
+    writing its keys and values into layer i of the cache (K, V [L, b, S, cache_heads, d]) first;
+    `attend(q, k, v)` is the cached attention."""
+    y = rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps)
+    q, kv = _project_qkv(y, {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}, cfg)
+    positions = start + jnp.arange(x.shape[1])
+    q = shard(rope(q, positions, cfg), "batch", None, "heads", None)
+    k = shard(rope(kv[:, :, 0], positions, cfg), "batch", None, "heads", None)
+    v = shard(kv[:, :, 1], "batch", None, "heads", None)
+    cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
+    ctx = attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache))
+    x = x + shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", None, None)
+    y = rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps)
+    hid = shard(swiglu(matmul("bsh,hcf->bscf", y, p["mlp"]["wi"]["kernel"], cfg)), "batch", None, "mlp")
+    return x + shard(matmul("bsf,fh->bsh", hid, p["mlp"]["wo"]["kernel"], cfg), "batch", None, None), cache

@@ -1,0 +1,164 @@
+"""The model, whatever its family: the one door through which the train step, the pipeline executor, the
+sampler, the planner and the converters reach it.
+
+A family (models/gpt.py, models/llama.py) is one file: its parameter table, `embed`, `block`, `final_norm`,
+`logits`, and its KV-cache forms for sampling. Everything else is the same for every family and lives here:
+the trees derived from the table (models/params.py), the layer stack under `lax.scan` and
+`jax.checkpoint`, the loss. Adding a family is one file plus its entry in FAMILIES and a preset.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache, partial
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.mesh import logical_rules, logical_to_spec
+from jaxseq import remat as R
+from jaxseq.models import gpt, llama
+from jaxseq.models import params as P
+from jaxseq.models.ops import cross_entropy
+from jaxseq.sharding import Sharder
+
+FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
+
+
+def family(cfg: ModelConfig) -> ModuleType:
+    return FAMILIES[cfg.family]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, from the family's table
+
+
+def param_table(cfg: ModelConfig, tensor: int = 1) -> dict:
+    return family(cfg).table(cfg, tensor)
+
+
+def param_axes(cfg: ModelConfig, tensor: int = 1) -> dict:
+    """Logical axes of every parameter."""
+    return P.derive(param_table(cfg, tensor), lambda p: p.axes)
+
+
+def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    """PartitionSpecs of the weights the layers compute with (`mesh.logical_rules` of `param_axes`): split
+    over `tensor` (and the stacked layers over `pipe`), replicated over `data`."""
+    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
+    return P.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
+
+
+def param_shapes(cfg: ModelConfig, tensor: int) -> dict:
+    return P.shapes(param_table(cfg, tensor), cfg, tensor)
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, tensor: int = 1) -> dict:
+    return P.init(param_table(cfg, tensor), key, cfg, tensor)
+
+
+def decay_mask(cfg: ModelConfig) -> dict:
+    """True where AdamW applies weight decay (kernels, token embedding); not biases, norms, positions."""
+    return P.derive(param_table(cfg), lambda p: p.decay)
+
+
+def cast_mask(cfg: ModelConfig) -> dict:
+    """True where a parameter is copied to the compute dtype; norm parameters stay float32."""
+    return P.derive(param_table(cfg), lambda p: p.cast)
+
+
+def vocab_mask(cfg: ModelConfig) -> dict:
+    """True where a parameter's rows are the padded vocabulary V (re-padded when the tensor size changes)."""
+    return P.derive(param_table(cfg), lambda p: p.dims[0] == "V")
+
+
+@lru_cache(maxsize=None)
+def _paths(first_dim: str) -> frozenset[tuple[str, ...]]:
+    """The paths (key names) of every family's parameters whose rows are `first_dim`."""
+    paths = set()
+    for name in FAMILIES:
+        leaves = jax.tree_util.tree_leaves_with_path(param_table(ModelConfig(family=name)), is_leaf=P.is_param)
+        paths |= {tuple(k.key for k in path) for path, p in leaves if p.dims[0] == first_dim}
+    return frozenset(paths)
+
+
+def vocab_paths() -> frozenset[tuple[str, ...]]:
+    """Where a parameter tree of any family holds vocabulary rows ("embed"/"token", "lm_head"/"kernel"): a
+    checkpoint's are re-padded when the tensor size changes, whatever model wrote it."""
+    return _paths("V")
+
+
+def position_paths() -> frozenset[tuple[str, ...]]:
+    """Where a parameter tree holds position rows (a shorter seq_len may cut them)."""
+    return _paths("s")
+
+
+def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
+    return family(cfg).layer_axes(cfg, tensor)
+
+
+def cast_params(params, cfg: ModelConfig):
+    """Compute-dtype copy of the weights, made once per step *outside* the scan (a cast inside a
+    layer would be stored for backward as if it were an activation)."""
+    dtype = jnp.dtype(cfg.dtype)
+    return jax.tree.map(lambda p, cast: p.astype(dtype) if cast else p, params, cast_mask(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward pass
+
+
+def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
+    """tokens [b, s] → the first block's input, from the embedding group params["embed"]."""
+    return family(cfg).embed(group, tokens, key, cfg, shard)
+
+
+def block(x, p, key, cfg: ModelConfig, shard: Sharder):
+    return family(cfg).block(x, p, key, cfg, shard)
+
+
+def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
+    """Layers [k, …] under lax.scan, each under jax.checkpoint with the named policy; keys [k] or None (no
+    dropout). The whole stack (`decoder`) and a pipeline chunk are this.
+
+    Scan keeps compile time flat in depth, and it is what makes remat work on XLA:CPU (unrolled
+    layers let CSE undo the checkpoint). Residuals become stacked [k, …] buffers of the loop."""
+    body = jax.checkpoint(partial(block, cfg=cfg, shard=shard), policy=R.remat_policy(remat).policy,
+                          prevent_cse=False)
+    x, _ = jax.lax.scan(lambda x, inputs: (body(x, *inputs), None), x, (stacked, keys))
+    return x
+
+
+def decoder(x, stacked, key, cfg: ModelConfig, shard: Sharder, remat: str):
+    """Every layer; key=None: no dropout."""
+    return layers(x, stacked, None if key is None else jax.random.split(key, cfg.layers), cfg, shard, remat)
+
+
+def final_norm(params, x, cfg: ModelConfig):
+    return family(cfg).final_norm(params, x, cfg)
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+    """tokens [b, s] → final-norm output [b, s, h] (sequence-sharded under SP). key=None: no dropout."""
+    params = cast_params(params, cfg)
+    k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+    x = embed(params["embed"], tokens, k_embed, cfg, shard)
+    x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
+    return final_norm(params, x, cfg)
+
+
+def logits_fn(params, x, cfg: ModelConfig, shard: Sharder):
+    """Logits [b, s, V] (float32) sharded over vocab; padded vocabulary entries are -inf."""
+    return family(cfg).logits(params, x, cfg, shard)
+
+
+def head_loss(params, x, targets, cfg: ModelConfig, shard: Sharder):
+    """The mean cross-entropy of the last layer's output x: final norm, logits, loss."""
+    return cross_entropy(logits_fn(params, final_norm(params, x, cfg), cfg, shard), targets)
+
+
+def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+    """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32)."""
+    x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
+    return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"])

@@ -1,0 +1,339 @@
+"""The ops the model families share, each written so that its backward stores exactly what Megatron-LM's
+does (custom VJPs where plain jnp versions would store more), and the portable matmul.
+
+Shapes: b batch, s sequence, h hidden, a heads, k K/V heads, d head_dim, f MLP width, V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.random import threefry2x32_p
+
+from jaxseq.config import ModelConfig
+from jaxseq import remat as R
+from jaxseq.models.cpu_matmul import bf16_matmul
+from jaxseq.sharding import Sharder
+
+# ---------------------------------------------------------------------------------------------
+# Matmuls
+
+# ModelConfig.matmul → the function a weight matmul runs (`jnp.einsum` signature). The model names
+# the portable einsum; an edge may choose the CPU form (models/cpu_matmul.py) once, in the config.
+MATMULS = {"einsum": jnp.einsum, "cpu-bf16": bf16_matmul}
+
+
+def matmul(spec: str, x, w, cfg: ModelConfig):
+    """jnp.einsum(spec, x, w) for activations x times a weight w, in the form cfg.matmul names."""
+    return MATMULS[cfg.matmul](spec, x, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise and normalisation ops
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps):
+    y, _ = _layer_norm_fwd(x, scale, bias, eps)
+    return y
+
+
+def _ln_stats(x, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)
+    return mean, rstd
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    mean, rstd = _ln_stats(x, eps)
+    mean, rstd = checkpoint_name(mean, R.LN_STATS), checkpoint_name(rstd, R.LN_STATS)
+    y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(x.dtype)
+    return y, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, res, g):
+    x, mean, rstd, scale = res
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    g = g.astype(jnp.float32)
+    dscale = jnp.sum(g * xhat, axis=tuple(range(g.ndim - 1)))
+    dbias = jnp.sum(g, axis=tuple(range(g.ndim - 1)))
+    gx = g * scale
+    dx = rstd * (gx - jnp.mean(gx, axis=-1, keepdims=True) - xhat * jnp.mean(gx * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_f32(x):
+    return 0.5 * x * (1.0 + jnp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+
+
+def _gelu(x):
+    # Named here, not only in `gelu`: the VJP's forward must itself produce the tagged value.
+    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), R.GELU_OUTPUT)
+
+
+@jax.custom_vjp
+def gelu(x):
+    """GPT-2's tanh GELU; backward keeps only the input (jax.nn.gelu's autodiff keeps more)."""
+    return _gelu(x)
+
+
+def _gelu_fwd(x):
+    return _gelu(x), x
+
+
+def _gelu_bwd(x, g):
+    xf = x.astype(jnp.float32)
+    u = _GELU_C * (xf + 0.044715 * xf**3)
+    t = jnp.tanh(u)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    return ((g.astype(jnp.float32) * dgelu).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def _causal_softmax(scores, scale):
+    s_q, s_k = scores.shape[-2:]
+    causal = jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
+    logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
+    return checkpoint_name(probs, R.ATTN_PROBS)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def causal_softmax(scores, scale):
+    """softmax(scale·scores) over keys with a causal mask, in float32; backward keeps only the output."""
+    return _causal_softmax(scores, scale)
+
+
+def _softmax_fwd(scores, scale):
+    probs = _causal_softmax(scores, scale)
+    return probs, probs
+
+
+def _softmax_bwd(scale, probs, g):
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    ds = p * (g - jnp.sum(g * p, axis=-1, keepdims=True)) * scale  # masked entries have p = 0
+    return (ds.astype(probs.dtype),)
+
+
+causal_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_bias(x, bias, bias_ndim):
+    return x + bias
+
+
+def _add_bias_fwd(x, bias, bias_ndim):
+    return x + bias, None
+
+
+def _add_bias_bwd(bias_ndim, _, g):
+    axes = tuple(range(g.ndim - bias_ndim))
+    return g, jnp.sum(g.astype(jnp.float32), axis=axes).astype(g.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def add_bias(x, bias):
+    """x + bias over x's trailing axes. Backward sums the bias gradient in float32 explicitly (the
+    sum any backend accumulates in f32 anyway): left to autodiff, a bf16 sum over every token
+    becomes a slow pairwise reduce-window on XLA:CPU."""
+    return _add_bias(x, bias.astype(x.dtype), bias.ndim)
+
+
+def dropout(x, rate: float, key, mask_name: str):
+    """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`).
+
+    The mask is `jax.random.bernoulli(key, 1 − rate, global shape)`, whatever the sharding: inside a region
+    manual over `data` (the pipeline executor) x holds one data rank's rows of the batch, and the rank draws
+    exactly those rows of the global mask (`bernoulli_rows`)."""
+    if rate == 0.0 or key is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and "data" in mesh.manual_axes:
+        keep = bernoulli_rows(key, 1.0 - rate, x.shape, jax.lax.axis_index("data") * x.shape[0])
+    else:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = checkpoint_name(keep, mask_name)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _mul_u32(x, c: int):
+    """(high, low) uint32 words of the 64-bit product x · c (x: uint32 array, 0 ≤ c < 2³²)."""
+    u = lambda v: jnp.asarray(v, jnp.uint32)
+    x_lo, x_hi, c_lo, c_hi = x & u(0xFFFF), x >> u(16), c & 0xFFFF, c >> 16
+    ll, lh, hl, hh = x_lo * u(c_lo), x_lo * u(c_hi), x_hi * u(c_lo), x_hi * u(c_hi)
+    mid = (ll >> u(16)) + (lh & u(0xFFFF)) + (hl & u(0xFFFF))
+    return hh + (lh >> u(16)) + (hl >> u(16)) + (mid >> u(16)), (ll & u(0xFFFF)) | (mid << u(16))
+
+
+def bernoulli_rows(key, p: float, shape, first_row):
+    """Rows first_row … first_row + shape[0] − 1 of `jax.random.bernoulli(key, p, (R, *shape[1:]))` for any
+    R past them, computing only those rows.
+
+    Why: `jax_threefry_partitionable` (on by default) makes element i of a random array threefry(key, i),
+    i its row-major index as two uint32 words, and a float32 uniform is the top 23 bits as a mantissa in
+    [1, 2) minus 1; that is what this recomputes at an offset (jax.random offers no offset). It leans on
+    JAX's implementation: tests/test_pipeline.py compares it with jax.random.bernoulli."""
+    u = lambda v: jnp.asarray(v, jnp.uint32)
+    row_size = math.prod(shape[1:])
+    if str(jax.random.key_impl(key)) != "threefry2x32" or row_size >= 2**32:
+        raise ValueError(f"bernoulli_rows needs a threefry2x32 key and rows under 2³² elements, got "
+                         f"{str(jax.random.key_impl(key))}, {row_size}")
+    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_row).astype(jnp.uint32)
+    within, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in range(len(shape) - 1, 0, -1):
+        within = within + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * u(stride)
+        stride *= shape[axis]
+    hi, lo = _mul_u32(rows, row_size)
+    index_lo = lo + within
+    index_hi = hi + (index_lo < lo).astype(jnp.uint32)  # the carry
+    words = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(words[0], words[1], index_hi, index_lo)
+    bits = bits1 ^ bits2
+    # The primitive's type drops the manual axes its inputs vary over (inside shard_map): restore them.
+    varying = (jax.typeof(words).mat.varying | jax.typeof(index_lo).mat.varying) - jax.typeof(bits).mat.varying
+    bits = jax.lax.pcast(bits, tuple(sorted(varying)), to="varying") if varying else bits
+    mantissa = (bits >> u(9)) | u(0x3F800000)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0) < jnp.float32(p)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, scale, eps):
+    """x / rms(x) · scale over the last axis, statistics in float32 (Llama's RMSNorm); backward keeps x
+    and 1/rms (R.LN_STATS: 4 bytes per token)."""
+    y, _ = _rms_norm_fwd(x, scale, eps)
+    return y
+
+
+def _rms_norm_fwd(x, scale, eps):
+    xf = x.astype(jnp.float32)
+    rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), R.LN_STATS)
+    return (xf * rstd * scale).astype(x.dtype), (x, rstd, scale)
+
+
+def _rms_norm_bwd(eps, res, g):
+    x, rstd, scale = res
+    xhat = x.astype(jnp.float32) * rstd
+    g = g.astype(jnp.float32)
+    dscale = jnp.sum(g * xhat, axis=tuple(range(g.ndim - 1)))
+    gx = g * scale
+    dx = rstd * (gx - xhat * jnp.mean(gx * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def _swiglu(gate_up):
+    g = gate_up[..., 0, :].astype(jnp.float32)
+    u = gate_up[..., 1, :].astype(jnp.float32)
+    return checkpoint_name((jax.nn.silu(g) * u).astype(gate_up.dtype), R.GELU_OUTPUT)
+
+
+@jax.custom_vjp
+def swiglu(gate_up):
+    """silu(gate) · up of gate_up [..., 2, f] (gate, up), in float32; backward keeps only the input (the
+    output, the second MLP matmul's input, is tagged as GELU's is)."""
+    return _swiglu(gate_up)
+
+
+def _swiglu_bwd(gate_up, g):
+    gate, up = gate_up[..., 0, :].astype(jnp.float32), gate_up[..., 1, :].astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    return (jnp.stack([dgate, g * silu], axis=-2).astype(gate_up.dtype),)
+
+
+swiglu.defvjp(lambda gate_up: (_swiglu(gate_up), gate_up), _swiglu_bwd)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [d/2] (float32), with Llama 3's frequency scaling where cfg asks for it:
+    wavelengths longer than original/low_freq_factor divided by `factor`, shorter than
+    original/high_freq_factor kept, and a smooth blend between (as transformers' "llama3" rope type)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if cfg.rope_scaling == "llama3":
+        low, high = cfg.rope_original_positions / cfg.rope_low_freq_factor, cfg.rope_original_positions / cfg.rope_high_freq_factor
+        wavelen = 2 * np.pi / inv
+        smooth = (cfg.rope_original_positions / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        blended = (1 - smooth) * inv / cfg.rope_factor + smooth * inv
+        inv = np.where(wavelen > low, inv / cfg.rope_factor, np.where(wavelen < high, inv, blended))
+    return inv.astype(np.float32)
+
+
+def rope(x, positions, cfg: ModelConfig):
+    """Rotary position embedding of x [b, s, heads, d] at positions [s], rotate-half convention (the first
+    and second halves of d are the pair's two coordinates: how Hugging Face stores Llama's q and k).
+    Computed in float32; a linear map, so its backward stores nothing."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(cfg))[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
+    """Causal attention of q [b, s, a, d] over k, v [b, s, kv, d] (kv dividing a: grouped-query attention,
+    each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d]."""
+    if cfg.attention == "fused":
+        # cuDNN flash attention on GPU (bf16/fp16), XLA elsewhere; grouped K/V heads natively. No dropout
+        # argument exists, so attention-probs dropout is not applied with the fused implementation.
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # JAX picks cuDNN where it can
+    b, s, a, d = q.shape
+    kv = k.shape[2]
+    if kv == a:
+        scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
+        scores = shard(scores, "batch", "heads", None, None)
+        probs = _probs(scores, cfg, key)
+        return jnp.einsum("baqk,bkad->bqad", probs, v)
+    q = q.reshape(b, s, kv, a // kv, d)
+    scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), R.ATTN_SCORES)
+    scores = shard(scores, "batch", "heads", None, None, None)
+    probs = _probs(scores, cfg, key)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, a, d)
+
+
+def _probs(scores, cfg: ModelConfig, key):
+    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim))
+    return checkpoint_name(dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK), R.ATTN_PROBS_DROPOUT)
+
+
+def cross_entropy(logits, targets):
+    """Mean token cross-entropy of vocab-sharded logits, never gathering the vocabulary (Megatron's
+    vocab-parallel cross-entropy: each rank's max, sum-exp and target logit, reduced across ranks)."""
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[..., 0]
+    target = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(lse - target)
+
+
+def vocab_logits(table, x, cfg: ModelConfig, shard: Sharder):
+    """x [b, s, h] times a vocabulary table [V, h] (vocab-sharded) → float32 logits [b, s, V] sharded over
+    vocab, padded entries -inf: a column-parallel matmul over the vocabulary (all-gathering the sequence
+    under SP). The tied embedding (GPT) or the untied lm_head (Llama)."""
+    table = {"table": table.astype(x.dtype)}
+    logits = shard.column_parallel(lambda y, p: matmul("bsh,vh->bsv", y, p["table"], cfg), x, table,
+                                   {"table": ("vocab", None)}, ("batch", None, "vocab"))
+    logits = shard(logits.astype(jnp.float32), "batch", None, "vocab")
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    return jnp.where(vocab_ids < cfg.vocab_size, logits, -jnp.inf)
