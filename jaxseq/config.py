@@ -31,6 +31,15 @@ class ModelConfig:
     attention: str = "explicit"  # "explicit" (scores materialised) or "fused" (jax.nn.dot_product_attention)
     ln_eps: float = 1e-5
     kv_channels: int | None = None  # per-head width; None: hidden // heads (Megatron's --kv-channels)
+    family: str = "gpt"  # "gpt" | "llama"
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None: = heads
+    ffn_hidden: int | None = None  # MLP width; None: mlp_ratio * hidden
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None  # None or "llama3"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
 
     @property
     def head_dim(self) -> int:
@@ -47,7 +56,7 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return self.mlp_ratio * self.hidden
+        return self.ffn_hidden if self.ffn_hidden is not None else self.mlp_ratio * self.hidden
 
     def padded_vocab(self, tensor: int) -> int:
         """Vocabulary rounded up to a multiple of 128·tensor, as Megatron pads it (even vocab shards)."""

@@ -179,7 +179,7 @@ class Leaf:
         return self.read(tuple(slice(0, n) for n in self.shape))
 
 
-def _whole(weights: Weights, name: str) -> Leaf:
+def tensor_leaf(weights: Weights, name: str) -> Leaf:
     return Leaf(weights.shapes[name], lambda idx: np.asarray(weights.read(name, idx), np.float32))
 
 
@@ -222,7 +222,7 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
 
     ln = lambda k: {"scale": stack(f"{k}.scale", (h,)), "bias": stack(f"{k}.bias", (h,))}
     params = {
-        "embed": {"token": _whole(weights, p + "wte.weight"), "position": _whole(weights, p + "wpe.weight")},
+        "embed": {"token": tensor_leaf(weights, p + "wte.weight"), "position": tensor_leaf(weights, p + "wpe.weight")},
         "layers": {
             "ln1": ln("ln1"),
             "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},
@@ -232,7 +232,7 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
                            "bias": stack("wi.bias", (cfg.mlp_hidden,))},
                     "wo": {"kernel": stack("wo.kernel", (cfg.mlp_hidden, h)), "bias": stack("wo.bias", (h,))}},
         },
-        "final_ln": {"scale": _whole(weights, p + "ln_f.weight"), "bias": _whole(weights, p + "ln_f.bias")},
+        "final_ln": {"scale": tensor_leaf(weights, p + "ln_f.weight"), "bias": tensor_leaf(weights, p + "ln_f.bias")},
     }
     check_params(weights, expect, used)
     if "lm_head.weight" in weights:
