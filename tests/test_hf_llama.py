@@ -242,6 +242,7 @@ def test_written_config_is_what_transformers_writes():
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='yarn'"),
     ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}}, "low_freq_factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"hidden_size": None}, "hidden_size"),
 ])
 def test_refusals_name_the_value(tmp_path, change, named):
@@ -282,3 +283,24 @@ def test_refuses_weights_that_disagree_with_the_config(saved, tmp_path):
     json.dump(config, open(tmp_path / "bias" / "config.json", "w"))
     with pytest.raises(ConfigError, match="q_proj.bias, which jaxseq cannot represent"):
         hf_llama.to_params(hf_llama.model_config(config), hf_llama.read_dir(str(tmp_path / "bias"))[1])
+
+
+def test_inverse_frequency_buffers_come_back(saved, tmp_path):
+    """Older conversions saved RoPE's inv_freq per layer: kept verbatim, never read as a parameter."""
+    from safetensors.torch import save_file
+
+    path = saved["theta"][1]
+    state = load_file(os.path.join(path, hf.SINGLE))
+    for i in range(LAYERS):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = 1 / 500000.0 ** (torch.arange(0, 16, 2) / 16)
+    os.makedirs(tmp_path / "old")
+    save_file(state, str(tmp_path / "old" / hf.SINGLE), metadata={"format": "pt"})
+    json.dump(json.load(open(os.path.join(path, "config.json"))), open(tmp_path / "old" / "config.json", "w"))
+    _, cfg, params, record, buffers = read(str(tmp_path / "old"))
+    assert sorted(buffers) == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(LAYERS)]
+    params = _tree({name: leaf.whole() for name, leaf in leaves(params)})
+    hf.write_dir(str(tmp_path / "back"), hf_llama.hf_config(cfg), hf_llama.from_params(cfg, params, record, buffers))
+    back = load_file(str(tmp_path / "back" / hf.SINGLE))
+    assert sorted(back) == sorted(state)
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name

@@ -75,7 +75,7 @@ def _rope(hf: dict, refuse) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
         refuse(f"rope_type={kind!r} (only {' / '.join(ROPE_TYPES)})")
-    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
     if partial != 1.0:
         refuse(f"partial_rotary_factor={partial!r} (only 1.0)")
     fields = {"rope_theta": float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0))),
