@@ -165,9 +165,9 @@ def _stacked(layers: int, layer_shape: tuple[int, ...], block) -> Leaf:
     return Leaf(shape, read)
 
 
-def _pair(first, second, idx_pair: slice, axis: int) -> np.ndarray:
-    """Two blocks (index 0, 1 of a size-2 axis) stacked along `axis`, only those idx_pair asks for."""
-    return np.stack([(first, second)[j]() for j in range(2)[idx_pair]], axis=axis)
+def _pair(block, idx_pair: slice, axis: int) -> np.ndarray:
+    """The blocks block(j) of a size-2 axis (K | V, gate | up) that idx_pair asks for, stacked along `axis`."""
+    return np.stack([block(j) for j in range(2)[idx_pair]], axis=axis)
 
 
 def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> tuple[dict, dict, dict]:
@@ -204,9 +204,8 @@ def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> t
                 # q_proj [a·d, h] → [h, a, d]; k_proj, v_proj [k·d, h] → [h, 2, k, d]; o_proj [h, a·d] → [a, d, h].
                 "q": {"kernel": _stacked(L, (h, a, d), lambda i, idx: _head_rows(
                     weights, names[i]["q"], d, idx[1], idx[2], idx[0]).transpose(2, 0, 1))},
-                "kv": {"kernel": _stacked(L, (h, 2, k, d), lambda i, idx: _pair(
-                    *[lambda key=key: _head_rows(weights, names[i][key], d, idx[2], idx[3], idx[0]).transpose(2, 0, 1)
-                      for key in ("k", "v")], idx[1], axis=1))},
+                "kv": {"kernel": _stacked(L, (h, 2, k, d), lambda i, idx: _pair(lambda j: _head_rows(
+                    weights, names[i]["kv"[j]], d, idx[2], idx[3], idx[0]).transpose(2, 0, 1), idx[1], axis=1))},
                 "out": {"kernel": _stacked(L, (a, d, h), lambda i, idx: _head_cols(
                     weights, names[i]["o"], d, idx[0], idx[1], idx[2]))},
             },
@@ -214,7 +213,7 @@ def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> t
             "mlp": {
                 # gate_proj, up_proj [f, h] → [h, 2, f]; down_proj [h, f] → [f, h].
                 "wi": {"kernel": _stacked(L, (h, 2, f), lambda i, idx: _pair(
-                    *[lambda key=key: read(i, key, (idx[2], idx[0])).T for key in ("gate", "up")], idx[1], axis=1))},
+                    lambda j: read(i, ("gate", "up")[j], (idx[2], idx[0])).T, idx[1], axis=1))},
                 "wo": {"kernel": _stacked(L, (f, h), lambda i, idx: read(i, "down", (idx[1], idx[0])).T)},
             },
         },
