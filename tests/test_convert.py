@@ -394,8 +394,6 @@ def test_generate_and_convert_take_a_mesh(converted, tmp_path):
 def test_round_trip_of_bfloat16(hf_model, tmp_path):
     """A bfloat16 checkpoint (as most recent uploads are; NumPy has no bfloat16): its weights read as float32
     equal torch's, and to-hf writes every tensor back exactly, in bfloat16."""
-    import ml_dtypes
-
     model = transformers.GPT2LMHeadModel(hf_model[0].config)
     model.load_state_dict(hf_model[0].state_dict())
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
