@@ -389,3 +389,24 @@ def test_generate_and_convert_take_a_mesh(converted, tmp_path):
         done = command(main, *argv, "--mesh", "tensor=3", check=False)
         assert done.returncode == 2 and done.stderr.startswith("error: tensor=3 does not divide heads=4"), done.stderr
         assert done.stderr.count("\n") == 1
+
+
+def test_round_trip_of_bfloat16(hf_model, tmp_path):
+    """A bfloat16 checkpoint (as most recent uploads are; NumPy has no bfloat16): its weights read as float32
+    equal torch's, and to-hf writes every tensor back exactly, in bfloat16."""
+    model = transformers.GPT2LMHeadModel(hf_model[0].config)
+    model.load_state_dict(hf_model[0].state_dict())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    _, params = convert.load_hf_gpt2(str(tmp_path / "bf16"))
+    wte = model.transformer.wte.weight.detach().float().numpy()
+    assert not np.array_equal(wte, hf_model[0].transformer.wte.weight.detach().numpy())  # rounded: really bf16
+    np.testing.assert_array_equal(params["embed"]["token"], wte)
+    assert convert.main(["from-hf", str(tmp_path / "bf16"), str(tmp_path / "conv")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "conv"), str(tmp_path / "back")]) == 0
+    src = {k: v.float() for k, v in model.state_dict().items()}
+    from safetensors.torch import load_file as load_torch
+
+    back = load_torch(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) <= set(src) and "transformer.wte.weight" in back
+    for name, t in back.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t.float(), src[name]), name
