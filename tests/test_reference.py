@@ -91,7 +91,7 @@ def test_loss_and_every_gradient_match_pytorch(hf_model):
     ref_loss, ref_grads = torch_loss_and_grads(model, inputs, targets)
     assert set(ref_grads) >= {"transformer.wte.weight", "transformer.h.1.mlp.c_proj.bias"}
 
-    cfg, params = convert.load_hf_gpt2(path)
+    cfg, params = convert.load_hf(path)
     assert (cfg.dropout, cfg.dtype, cfg.ln_eps, cfg.vocab_size) == (0.0, "float32", LN_EPS, VOCAB)
     rows = cfg.padded_vocab(1)
     assert rows == 384
