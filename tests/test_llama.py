@@ -97,3 +97,166 @@ def _cases(names, fast):
 def test_mesh_matches_single_device(mesh_name, dropout, reference):
     parallel, remat = MESHES[mesh_name]
     assert_same(loss_and_grads(parallel, remat, dropout), reference(dropout))
+
+
+# One policy in the fast tier: `lean` saves what the matmuls need (its own name whitelist); the rest are slow.
+@pytest.mark.parametrize("remat", [pytest.param(p, marks=() if p == "lean" else pytest.mark.slow)
+                                   for p in POLICIES if p != "none"])
+def test_remat_policy_matches_none(remat, reference):
+    """Every policy recomputes RMSNorm, RoPE, SwiGLU and the dropout masks to the same gradients (against the
+    one compiled baseline: one device, nothing recomputed)."""
+    assert_same(loss_and_grads(MESHES["data=2,tensor=4+sp"][0], remat, 0.1), reference(0.1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline: 8 layers (divisible by p·v = 2 and 8), micro-batches of 2 sequences, dropout on.
+
+PIPE_CFG = replace(CFG, layers=8, seq_len=16, dropout=0.1)
+MICRO = 2
+# (schedule, p, v, m, data, tensor, sequence parallel): 1F1B with repeated K/V heads (tensor=4 + SP inside
+# the stages), interleaved with data=2.
+PIPE_CASES = {"1f1b-p2-tensor=4+sp": ("1f1b", 2, 1, 4, 1, 4, True),
+              "interleaved-p4v2-data=2": ("interleaved", 4, 2, 8, 2, 1, False)}
+
+
+@pytest.fixture(scope="module")
+def accumulated(devices):
+    """m → one device's mean over micro-batch i of (loss, grads) with key fold_in(key, i): what the pipeline's
+    step equals. Compiled once for the module."""
+    parallel = ParallelConfig()
+    fn = T.make_loss_and_grad(PIPE_CFG, parallel, "selective", make_mesh(parallel, devices[:1]))
+    cache = {}
+
+    def get(params, batch, key, m):
+        if m not in cache:
+            parts = [fn(params, {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}, jax.random.fold_in(key, i))
+                     for i in range(m)]
+            cache[m] = (float(np.mean([float(loss) for loss, _ in parts])),
+                        jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[jax.device_get(g) for _, g in parts]))
+        return cache[m]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, n in enumerate(PIPE_CASES)])
+def test_pipeline_equals_unpipelined(name, accumulated, devices):
+    """The executor carries the family's non-layer groups (embed, final_norm, lm_head) on every stage. RoPE's
+    frequencies are a constant among a chunk's residuals (invariant over `pipe` and `data`): the stash holds
+    them varying, as every value the tick loop carries."""
+    schedule, p, v, m, data, tensor, sp = PIPE_CASES[name]
+    parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, pipe=p, schedule=schedule,
+                              virtual_stages=v)
+    mesh = make_mesh(parallel, devices[:parallel.num_devices])
+    params = M.init_params(jax.random.key(0), PIPE_CFG)
+    abstract, _ = aot.abstract_inputs(PIPE_CFG, parallel, mesh, MICRO * m)
+    batch, key = _batch(PIPE_CFG, MICRO * m), jax.random.key(7)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
+    loss, grads = PL.make_loss_and_grad(PIPE_CFG, parallel, "selective", mesh, m)(placed, batch, key)
+    assert_same((float(loss), jax.device_get(grads)), accumulated(params, batch, key, m))
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step: the distributed optimizer, gradient accumulation. The optimizer is optax.trace(0): its state
+# is the step's gradient, exactly (an update read as params − new params loses float32 digits to cancellation).
+
+STEP_CASES = {"distributed-optimizer": (ParallelConfig(data=4, tensor=2, sequence_parallel=True,
+                                                       distributed_optimizer=True), 1),
+              "accumulation": (ParallelConfig(data=2, tensor=4, sequence_parallel=True), 2)}
+
+
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_train_step_gradient_equals_single_device(name, devices):
+    """The step's gradient is one device's: of the whole batch (the distributed optimizer: masters split
+    over `data`, gradients reduce-scattered onto them), or the mean of the micro-batches' (key fold_in(key, i))."""
+    cfg = replace(CFG, dropout=0.1)
+    parallel, micro_batches = STEP_CASES[name]
+    mesh = make_mesh(parallel, devices[:parallel.num_devices])
+    optimizer = optax.trace(0.0)
+    params, batch = _params(), _batch(cfg)
+    state = T.state_from_params(params, cfg, parallel, optimizer, mesh)
+    if parallel.distributed_optimizer:
+        assert "data" in jax.tree.leaves(tuple(state.opt_state.trace["layers"]["attn"]["kv"]["kernel"].sharding.spec))
+    step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches, donate=False)
+    state, metrics = step(state, batch, jax.random.key(1))
+    one = make_mesh(ParallelConfig(), devices[:1])
+    fn = T.make_loss_and_grad(cfg, ParallelConfig(), "none", one)
+    key, rows = jax.random.fold_in(jax.random.key(1), 0), len(batch["inputs"]) // micro_batches  # step 0's key
+    if micro_batches == 1:
+        parts = [fn(params, batch, key)]
+    else:
+        parts = [fn(params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}, jax.random.fold_in(key, i))
+                 for i in range(micro_batches)]
+    ref_loss = float(np.mean([float(loss) for loss, _ in parts]))
+    ref_grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[jax.device_get(g) for _, g in parts])
+    assert_same((float(metrics["loss"]), jax.device_get(state.opt_state.trace)), (ref_loss, ref_grads))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the KV cache (K/V heads as a layer computes them: 2, or 4 repeated on tensor=4) gives the tokens
+# that recomputing the whole window gives. seq_len 16: 30 tokens after a 4-token prompt prefill, decode
+# against the cache, then slide the window.
+
+SAMPLE_CFG = replace(CFG, seq_len=16)
+PROMPT = [5, 200, 17, 133]
+
+
+@pytest.fixture(scope="module")
+def sample_params():
+    return M.init_params(jax.random.key(0), SAMPLE_CFG)
+
+
+@pytest.fixture(scope="module")
+def window_greedy(sample_params):
+    """30 greedy tokens after PROMPT, the whole window (the last seq_len tokens, padded after: attention is
+    causal) recomputed for every token from M.hidden_states and M.logits_fn, no cache."""
+    logits = jax.jit(lambda p, w: M.logits_fn(p, M.hidden_states(p, w, SAMPLE_CFG, Sharder(None), "none"),
+                                             SAMPLE_CFG, Sharder(None)))
+    tokens = list(PROMPT)
+    for _ in range(30):
+        context = tokens[-SAMPLE_CFG.seq_len:]
+        window = np.zeros((1, SAMPLE_CFG.seq_len), np.int32)
+        window[0, : len(context)] = context
+        tokens.append(int(np.argmax(np.asarray(logits(sample_params, window))[0, len(context) - 1,
+                                                                              : SAMPLE_CFG.vocab_size])))
+    assert len(set(tokens[len(PROMPT):])) > 3  # not a degenerate repetition of one token
+    return tokens[len(PROMPT):]
+
+
+def test_kv_cache_sampling_equals_window_recomputing(sample_params, window_greedy):
+    assert S.sample(sample_params, SAMPLE_CFG, PROMPT, 30, temperature=1.0, top_k=1) == window_greedy
+
+
+def test_sampling_on_a_mesh_repeats_the_kv_heads(sample_params, window_greedy, devices):
+    """data=2 × tensor=4: the sampling layout keeps tensor=4 (it divides the heads and the MLP, and is a multiple
+    of the 2 K/V heads); the cache holds 4 K/V heads, one per tensor rank."""
+    parallel = ParallelConfig(data=2, tensor=4)
+    mesh = make_mesh(parallel, devices)
+    placed = jax.device_put(sample_params, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                        M.param_specs(SAMPLE_CFG, parallel)))
+    move, sampling_mesh = S.resharding(SAMPLE_CFG, mesh)
+    assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
+    ready = move(placed)
+    _, cache = S._prefill(ready, np.zeros((1, SAMPLE_CFG.seq_len), np.int32), 4, jax.random.key(0), 0,
+                          np.float32(1.0), SAMPLE_CFG, S.OneSequence(sampling_mesh), 1)
+    assert cache[0].shape == (SAMPLE_CFG.layers, 1, SAMPLE_CFG.seq_len, 4, SAMPLE_CFG.head_dim)
+    assert cache[0].sharding.is_equivalent_to(NamedSharding(sampling_mesh, P(None, None, None, "tensor", None)), 5)
+    assert S.sample(ready, SAMPLE_CFG, PROMPT, 30, temperature=1.0, top_k=1, mesh=sampling_mesh) == window_greedy
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad Llama settings: one line naming the value
+
+
+@pytest.mark.parametrize("model,parallel,message", [
+    (replace(CFG, kv_heads=3), ParallelConfig(), "kv_heads=3 must be a positive integer dividing heads=8"),
+    (replace(CFG, hidden=96, heads=12, kv_heads=4), ParallelConfig(tensor=6),
+     "tensor=6 neither divides kv_heads=4 nor is a multiple of it"),
+    (replace(CFG, rope_scaling="yarn"), ParallelConfig(), "rope_scaling='yarn' is not a known RoPE scaling"),
+    (replace(preset("tiny"), kv_heads=2), ParallelConfig(), "kv_heads=2 is a Llama-family setting"),
+    (replace(CFG, family="mamba"), ParallelConfig(), "family='mamba' is not valid; valid: gpt, llama"),
+], ids=["kv-heads", "tensor-vs-kv-heads", "rope-scaling", "gpt-kv-heads", "family"])
+def test_bad_llama_settings_are_one_line_errors(model, parallel, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(model, parallel, "selective")
+    assert "\n" not in str(e.value)
