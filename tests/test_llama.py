@@ -4,6 +4,9 @@ accumulation; the KV cache gives the window-recomputing tokens; the train comman
 are one line. tiny-llama has 8 query heads sharing 2 K/V heads: tensor=2 splits the K/V heads, tensor=4 and 8
 repeat each over 2 and 4 ranks."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import optax
@@ -83,7 +86,9 @@ def test_kv_heads_split_over_tensor_or_repeated():
 
 def test_dropout_is_on(reference):
     """Guard: the dropout 0.1 comparisons would be vacuous if dropout did nothing."""
-    assert abs(reference(0.1)[0] - reference(0.0)[0]) > 1e-4
+    batch = _batch(CFG)
+    no_dropout = float(jax.jit(lambda p: M.loss_fn(p, batch, CFG, Sharder(None), "none"))(_params()))
+    assert abs(no_dropout - reference(0.1)[0]) > 1e-4
 
 
 def _cases(names, fast):
@@ -99,9 +104,9 @@ def test_mesh_matches_single_device(mesh_name, dropout, reference):
     assert_same(loss_and_grads(parallel, remat, dropout), reference(dropout))
 
 
-# One policy in the fast tier: `lean` saves what the matmuls need (its own name whitelist); the rest are slow.
-@pytest.mark.parametrize("remat", [pytest.param(p, marks=() if p == "lean" else pytest.mark.slow)
-                                   for p in POLICIES if p != "none"])
+# Slow: the fast tier's mesh case runs `selective`.
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [p for p in POLICIES if p != "none"])
 def test_remat_policy_matches_none(remat, reference):
     """Every policy recomputes RMSNorm, RoPE, SwiGLU and the dropout masks to the same gradients (against the
     one compiled baseline: one device, nothing recomputed)."""
@@ -165,7 +170,8 @@ STEP_CASES = {"distributed-optimizer": (ParallelConfig(data=4, tensor=2, sequenc
               "accumulation": (ParallelConfig(data=2, tensor=4, sequence_parallel=True), 2)}
 
 
-@pytest.mark.parametrize("name", list(STEP_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "distributed-optimizer" else ())
+                                  for n in STEP_CASES])
 def test_train_step_gradient_equals_single_device(name, devices):
     """The step's gradient is one device's: of the whole batch (the distributed optimizer: masters split
     over `data`, gradients reduce-scattered onto them), or the mean of the micro-batches' (key fold_in(key, i))."""
@@ -260,3 +266,49 @@ def test_bad_llama_settings_are_one_line_errors(model, parallel, message):
     with pytest.raises(ConfigError, match=message) as e:
         validate(model, parallel, "selective")
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The train command
+
+TINY_LLAMA = ["--preset", "tiny-llama", "--dtype", "float32", "--batch-size", "8", "--host-devices", "8",
+              "--steps", "3", "--log-every", "1", "--eval-every", "100", "--warmup-steps", "1", "eval_batches=1",
+              "sample_tokens=8"]
+
+
+@pytest.mark.slow
+def test_train_command_gives_the_same_losses_on_two_meshes(tmp_path):
+    """`python -m jaxseq.train --preset tiny-llama` (the embedded corpus) on data=2 × tensor=4 + SP (K/V heads
+    repeated) and on data=8: the same losses within test_train.py's tolerance across meshes (1e-4)."""
+    from test_train import losses, run
+
+    runs = {"data=2,tensor=4": "data=2 × tensor=4 + SP", "data=8,tensor=1": "data=8 × tensor=1"}
+    for mesh, shown in runs.items():
+        runs[mesh] = str(tmp_path / mesh)
+        assert f"mesh {shown} on 8 cpu devices" in run(*TINY_LLAMA, "--mesh", mesh, "--run-dir", runs[mesh]).stdout
+    tensor, data = (losses(d) for d in runs.values())
+    assert sorted(tensor) == [1, 2, 3]
+    for step in tensor:
+        assert abs(tensor[step] - data[step]) <= 1e-4 * abs(data[step]), (step, tensor[step], data[step])
+    assert json.load(open(os.path.join(runs["data=8,tensor=1"], "config.json")))["model"]["family"] == "llama"
+
+
+def test_a_yaml_config_selects_the_family(tmp_path):
+    """`preset: tiny-llama` in a --config file is the Llama family with its fields (a Llama field overridden
+    there); `family: llama` over the default GPT preset makes that shape a Llama."""
+    from jaxseq.train import build_parser, configs_from_args
+
+    model = lambda text: configs_from_args(build_parser().parse_intermixed_args(
+        ["--config", str((tmp_path / "run.yaml").write_text(text) and tmp_path / "run.yaml")]))[0]["model"]
+    named = model("preset: tiny-llama\nmodel:\n  kv_heads: 4\n")
+    assert (named.family, named.kv_heads, named.ffn_hidden) == ("llama", 4, 176)
+    made = model("family: llama\nkv_heads: 2\nrope_theta: 500000\n")
+    assert (made.family, made.kv_heads, made.rope_theta) == ("llama", 2, 500000.0)
+
+
+def test_the_train_command_refuses_bad_kv_heads_in_one_line(tmp_path):
+    from test_train import run
+
+    out = run(*TINY_LLAMA, "--run-dir", str(tmp_path), "kv_heads=3", check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: kv_heads=3 must be a positive integer dividing heads=8"]
