@@ -114,9 +114,9 @@ def test_remat_policy_matches_none(remat, reference):
 
 
 # ---------------------------------------------------------------------------------------------
-# The pipeline: 8 layers (divisible by p·v = 2 and 8), micro-batches of 2 sequences, dropout on.
+# The pipeline: 8 layers (divisible by p·v = 2 and 8), micro-batches of 2 sequences.
 
-PIPE_CFG = replace(CFG, layers=8, seq_len=16, dropout=0.1)
+PIPE_CFG = replace(CFG, layers=8, seq_len=16)
 MICRO = 2
 # (schedule, p, v, m, data, tensor, sequence parallel): 1F1B with repeated K/V heads (tensor=4 + SP inside
 # the stages), interleaved with data=2.
@@ -124,41 +124,34 @@ PIPE_CASES = {"1f1b-p2-tensor=4+sp": ("1f1b", 2, 1, 4, 1, 4, True),
               "interleaved-p4v2-data=2": ("interleaved", 4, 2, 8, 2, 1, False)}
 
 
-@pytest.fixture(scope="module")
-def accumulated(devices):
-    """m → one device's mean over micro-batch i of (loss, grads) with key fold_in(key, i): what the pipeline's
-    step equals. Compiled once for the module."""
-    parallel = ParallelConfig()
-    fn = T.make_loss_and_grad(PIPE_CFG, parallel, "selective", make_mesh(parallel, devices[:1]))
-    cache = {}
-
-    def get(params, batch, key, m):
-        if m not in cache:
-            parts = [fn(params, {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}, jax.random.fold_in(key, i))
-                     for i in range(m)]
-            cache[m] = (float(np.mean([float(loss) for loss, _ in parts])),
-                        jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[jax.device_get(g) for _, g in parts]))
-        return cache[m]
-
-    return get
+def mean_of_micro_batches(fn, params, batch, key, m):
+    """(loss, grads): the mean over micro-batch i of fn(params, rows i, fold_in(key, i)), as accumulation and
+    the pipeline compute them."""
+    rows = len(batch["inputs"]) // m
+    parts = [fn(params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}, jax.random.fold_in(key, i))
+             for i in range(m)]
+    return (float(np.mean([float(loss) for loss, _ in parts])),
+            jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[jax.device_get(g) for _, g in parts]))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
-                                  for i, n in enumerate(PIPE_CASES)])
-def test_pipeline_equals_unpipelined(name, accumulated, devices):
+# The fast tier keeps 1F1B with dropout.
+@pytest.mark.parametrize("name,dropout", _cases(PIPE_CASES, ("1f1b-p2-tensor=4+sp", 0.1)))
+def test_pipeline_equals_unpipelined(name, dropout, devices):
     """The executor carries the family's non-layer groups (embed, final_norm, lm_head) on every stage. RoPE's
     frequencies are a constant among a chunk's residuals (invariant over `pipe` and `data`): the stash holds
     them varying, as every value the tick loop carries."""
+    cfg = replace(PIPE_CFG, dropout=dropout)
     schedule, p, v, m, data, tensor, sp = PIPE_CASES[name]
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, pipe=p, schedule=schedule,
                               virtual_stages=v)
     mesh = make_mesh(parallel, devices[:parallel.num_devices])
-    params = M.init_params(jax.random.key(0), PIPE_CFG)
-    abstract, _ = aot.abstract_inputs(PIPE_CFG, parallel, mesh, MICRO * m)
-    batch, key = _batch(PIPE_CFG, MICRO * m), jax.random.key(7)
+    params = M.init_params(jax.random.key(0), cfg)
+    abstract, _ = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+    batch, key = _batch(cfg, MICRO * m), jax.random.key(7)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
-    loss, grads = PL.make_loss_and_grad(PIPE_CFG, parallel, "selective", mesh, m)(placed, batch, key)
-    assert_same((float(loss), jax.device_get(grads)), accumulated(params, batch, key, m))
+    loss, grads = PL.make_loss_and_grad(cfg, parallel, "selective", mesh, m)(placed, batch, key)
+    one = T.make_loss_and_grad(cfg, ParallelConfig(), "selective", make_mesh(ParallelConfig(), devices[:1]))
+    assert_same((float(loss), jax.device_get(grads)), mean_of_micro_batches(one, params, batch, key, m))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,12 +163,12 @@ STEP_CASES = {"distributed-optimizer": (ParallelConfig(data=4, tensor=2, sequenc
               "accumulation": (ParallelConfig(data=2, tensor=4, sequence_parallel=True), 2)}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "distributed-optimizer" else ())
-                                  for n in STEP_CASES])
-def test_train_step_gradient_equals_single_device(name, devices):
+# The fast tier keeps accumulation with dropout.
+@pytest.mark.parametrize("name,dropout", _cases(STEP_CASES, ("accumulation", 0.1)))
+def test_train_step_gradient_equals_single_device(name, dropout, devices):
     """The step's gradient is one device's: of the whole batch (the distributed optimizer: masters split
     over `data`, gradients reduce-scattered onto them), or the mean of the micro-batches' (key fold_in(key, i))."""
-    cfg = replace(CFG, dropout=0.1)
+    cfg = replace(CFG, dropout=dropout)
     parallel, micro_batches = STEP_CASES[name]
     mesh = make_mesh(parallel, devices[:parallel.num_devices])
     optimizer = optax.trace(0.0)
@@ -185,17 +178,12 @@ def test_train_step_gradient_equals_single_device(name, devices):
         assert "data" in jax.tree.leaves(tuple(state.opt_state.trace["layers"]["attn"]["kv"]["kernel"].sharding.spec))
     step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches, donate=False)
     state, metrics = step(state, batch, jax.random.key(1))
-    one = make_mesh(ParallelConfig(), devices[:1])
-    fn = T.make_loss_and_grad(cfg, ParallelConfig(), "none", one)
-    key, rows = jax.random.fold_in(jax.random.key(1), 0), len(batch["inputs"]) // micro_batches  # step 0's key
-    if micro_batches == 1:
-        parts = [fn(params, batch, key)]
-    else:
-        parts = [fn(params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}, jax.random.fold_in(key, i))
-                 for i in range(micro_batches)]
-    ref_loss = float(np.mean([float(loss) for loss, _ in parts]))
-    ref_grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[jax.device_get(g) for _, g in parts])
-    assert_same((float(metrics["loss"]), jax.device_get(state.opt_state.trace)), (ref_loss, ref_grads))
+    one = T.make_loss_and_grad(cfg, ParallelConfig(), "none", make_mesh(ParallelConfig(), devices[:1]))
+    key = jax.random.fold_in(jax.random.key(1), 0)  # step 0's key
+    expected = one(params, batch, key) if micro_batches == 1 else \
+        mean_of_micro_batches(one, params, batch, key, micro_batches)
+    assert_same((float(metrics["loss"]), jax.device_get(state.opt_state.trace)),
+                (float(expected[0]), jax.device_get(expected[1])))
 
 
 # ---------------------------------------------------------------------------------------------
