@@ -67,10 +67,13 @@ def paper_hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> 
 
 
 def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
-    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences."""
+    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences. K and V are
+    kv_heads wide (grouped-query attention); Llama's SwiGLU multiplies by two up kernels (gate and up)."""
     b, s, h, w, f = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden
-    return {"qkv": 2 * b * s * h * 3 * w, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
-            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * f, "mlp_down": 2 * b * s * f * h}
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    up = 2 if cfg.family == "llama" else 1
+    return {"qkv": 2 * b * s * h * (w + kv), "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
+            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up * f, "mlp_down": 2 * b * s * f * h}
 
 
 def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None) -> float:
