@@ -40,6 +40,7 @@ ALLOWED = {
     "models.formulas": {"config", "remat"},
     # formats from the outside world
     "interop.hf": {"config"},
+    "interop.hf_llama": {"config", "interop.hf"},
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
@@ -76,7 +77,7 @@ ALLOWED = {
     "plan": {"cli", "config", "hardware", "planning.memory", "planning.plan", "planning.report", "planning.search",
              "planning.search_costs"},
     "generate": {"cli", "config", "mesh", "training.data", "training.rundir", "training.sampling"},
-    "convert": {"cli", "config", "interop.hf", "mesh", "models.model", "sharding", "training.checkpoint",
+    "convert": {"cli", "config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "sharding", "training.checkpoint",
                 "training.rundir", "training.train_step"},
     "data": {"cli", "config", "training.data"},
     "schedule": {"cli", "config", "parallel.schedule"},
