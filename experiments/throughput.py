@@ -6,6 +6,7 @@
     python experiments/throughput.py default                # `python -m jaxseq.train` (shortened to 200 steps)
     python experiments/throughput.py ceiling --baseline DIR # the issue's run with the attention deleted: an upper bound
     python experiments/throughput.py matmul                 # one dot, bf16 written three ways and f32: CPU s per dot
+    python experiments/throughput.py family                 # issue 15's GPT beside a Llama of its size, interleaved
     python experiments/throughput.py report                 # results/throughput_tables.md from the JSON files
 
 Every measurement runs the real command (`python -m jaxseq.train …`, the loop with its data, metrics,
@@ -56,6 +57,11 @@ ISSUE_ARGS = ["--preset", "tiny", "--mesh", "data=2,tensor=4", "--sequence-paral
               "--steps", "30", "--batch-size", "8", "--seq-len", "256", "--log-every", "5",
               "--eval-every", "100000", "--checkpoint-every", "100000",
               "hidden=256", "heads=4", "layers=2", "mlp_ratio=4", "kv_channels=64", "dropout=0.0"]
+# The Llama of ISSUE_ARGS's size and shapes: the same hidden, heads × width and layers; 4 K/V heads (no
+# grouping: the same K/V matmuls); SwiGLU width 684 ≈ 8h/3 (3·h·684 weights ≈ GPT's 2·h·4h), divisible by
+# tensor=4; its untied lm_head (257 × 256) in place of GPT's learned positions (256 × 256). Same mesh,
+# policy, batch and sequence.
+LLAMA_ARGS = ["--preset", "tiny-llama", *ISSUE_ARGS[2:], "kv_heads=4", "ffn_hidden=684"]
 GRID = {
     "dtype": ("bfloat16", "float32"),
     "remat": ("full", "selective"),
@@ -133,6 +139,32 @@ def _is_train_step(args) -> bool:
     return len(args) == 3 and type(args[0]).__name__ == "TrainState"
 
 
+# The elementwise functions that tell which model op an "other" fusion computes, first found wins: sine/cosine
+# (RoPE angles), logistic (SwiGLU's SiLU), tanh/erf (GELU), rsqrt (RMSNorm, LayerNorm), exponential (softmax).
+TAGS = ("sine", "cosine", "logistic", "tanh", "erf", "rsqrt", "exponential")
+
+
+def _tags(hlo_text: str) -> dict[str, str]:
+    """HLO op name → the first of TAGS its fused computation holds ("plain" if none): what the "other"
+    fusions are made of."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+        elif current:
+            comps[current].append(line)
+    tags = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", line)
+        if m:
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            body = "\n".join(comps.get(called.group(1), [])) if called else line
+            tags[m.group(1)] = next((t for t in TAGS if f" {t}(" in body), "plain")
+    return tags
+
+
 def _categorise(hlo_text: str):
     """HLO op name → category, from the optimized HLO of the profiled executable."""
     comps, current = {}, None
@@ -182,14 +214,14 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
     jax.block_until_ready(out)
     alone = (time.perf_counter() - start) / steps
     alone_cpu = (time.process_time() - cpu) / steps
-    kinds = _categorise(compiled.as_text())
+    kinds, tags = _categorise(compiled.as_text()), _tags(compiled.as_text())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(3):
                 state, out = compiled(state, batch, key)
             jax.block_until_ready(out)
         data = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
-    ns, top = collections.Counter(), collections.Counter()
+    ns, top, other = collections.Counter(), collections.Counter(), collections.Counter()
     for line in data.find_plane_with_name("/host:CPU").lines:
         for e in line.events:
             stats = dict(e.stats)
@@ -199,11 +231,17 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
             if kind:
                 ns[kind] += e.duration_ns
                 top[e.name] += e.duration_ns
+                if kind == "other":
+                    other[tags.get(e.name, "plain")] += e.duration_ns
     total = sum(ns.values()) or 1
     return {
         "step_alone_s": alone,
         "step_alone_cpu_s": alone_cpu,
         "thread_time_share": {k: v / total for k, v in ns.most_common()},
+        # thread ms per step (the trace's 3 steps, all 8 devices' threads): by category, and the "other"
+        # fusions by the elementwise function they compute (TAGS)
+        "thread_ms_per_step": {k: v / 3 / 1e6 for k, v in ns.most_common()},
+        "other_thread_ms_per_step": {k: v / 3 / 1e6 for k, v in other.most_common()},
         "top_ops": [(name, kinds.get(name), round(v / total, 4)) for name, v in top.most_common(12)],
         "hlo_op_counts": dict(collections.Counter(
             m for m in re.findall(r"= (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", compiled.as_text())).most_common(12)),
@@ -244,7 +282,7 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
     cfg = ModelConfig(**config["model"])
     tps = Mx.throughput(cfg, t["remat"], t["batch_size"], 1, med["period"], jax.device_count(), None)
     result = {
-        "argv": argv, "rc": rc, "wall_s": wall, "steps_timed": len(plain),
+        "argv": argv, "rc": rc, "wall_s": wall, "steps_timed": len(plain), "num_params": cfg.num_params(),
         "median_period_s": med["period"], "median_device_s": med["device"], "median_host_s": med["host"],
         "host_share": tot["host"] / tot["period"],
         "cpu_s_per_step": cpu_per_step,
@@ -344,6 +382,34 @@ def ceiling(args) -> dict:
             out["medians"][f"ceiling_over_{name}/{dtype}"] = ratio
             print(f"{dtype}: without attention / {name} tokens/s (medians) = {ratio:.3f}, "
                   f"CPU s per step {ref['cpu_s_per_step'] / top['cpu_s_per_step']:.3f}")
+    return out
+
+
+def family(args) -> dict:
+    """Issue 15's GPT beside the Llama of its size (LLAMA_ARGS), interleaved (A B B A …), the first round
+    profiled: tokens/s, the step's median times and its thread time by op category, per family and dtype,
+    and the Llama / GPT ratios. Both runs do the same matmuls (to 0.2%), so what differs is the elementwise
+    work (RMSNorm, RoPE, SwiGLU against LayerNorm, learned positions, GELU) and how XLA fuses it."""
+    runs = {"gpt": ISSUE_ARGS, "llama": LLAMA_ARGS}
+    out = {"command": " ".join(sys.argv), "args": runs, "rounds": []}
+    for r in range(args.rounds):
+        for dtype in args.dtypes:
+            for name, argv in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
+                res = run_child(argv + ["--dtype", dtype], ROOT, profile=r == 0)
+                res.update(family=name, dtype=dtype, round=r)
+                out["rounds"].append(res)
+                print(f"round {r} {name:6s} {dtype:8s} {_summary(res)}  {_shares(res)}", flush=True)
+    out["medians"] = {}
+    for dtype in args.dtypes:
+        for name in runs:
+            xs = [x for x in out["rounds"] if x["family"] == name and x["dtype"] == dtype]
+            out["medians"][f"{name}/{dtype}"] = {k: statistics.median(x[k] for x in xs) for k in
+                                                 ("tokens_per_sec", "median_device_s", "median_host_s",
+                                                  "cpu_s_per_step", "tflops_per_device")}
+        gpt, llama = out["medians"][f"gpt/{dtype}"], out["medians"][f"llama/{dtype}"]
+        out["medians"][f"llama_over_gpt/{dtype}"] = {k: llama[k] / gpt[k] for k in gpt if gpt[k]}
+        print(f"{dtype}: llama / gpt tokens/s (medians) = {llama['tokens_per_sec'] / gpt['tokens_per_sec']:.3f}, "
+              f"CPU s per step {llama['cpu_s_per_step'] / gpt['cpu_s_per_step']:.3f}", flush=True)
     return out
 
 
@@ -506,7 +572,7 @@ def report(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("issue", "ceiling", "grid", "default", "matmul", "report", "child"))
+    p.add_argument("mode", choices=("issue", "ceiling", "grid", "default", "matmul", "family", "report", "child"))
     p.add_argument("--baseline", help="issue: another checkout to interleave with (its root, used as PYTHONPATH)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -526,7 +592,8 @@ def main() -> int:
     if args.mode == "report":
         report(args)
         return 0
-    result = {"issue": issue, "ceiling": ceiling, "grid": grid, "default": default, "matmul": matmul}[args.mode](args)
+    result = {"issue": issue, "ceiling": ceiling, "grid": grid, "default": default, "matmul": matmul,
+              "family": family}[args.mode](args)
     result["load_average_end"] = os.getloadavg()
     out = Path(args.out) if args.out else RESULTS / f"throughput_{args.mode}.json"
     out.write_text(json.dumps(result, indent=1))

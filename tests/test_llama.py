@@ -300,3 +300,25 @@ def test_the_train_command_refuses_bad_kv_heads_in_one_line(tmp_path):
     out = run(*TINY_LLAMA, "--run-dir", str(tmp_path), "kv_heads=3", check=False)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: kv_heads=3 must be a positive integer dividing heads=8"]
+
+
+@pytest.mark.slow
+def test_pipelined_train_command_matches_and_resumes_on_another_mesh(tmp_path):
+    """pipe=2 × data=2 × tensor=2 + SP with the distributed optimizer (1F1B, 4 micro-batches, 4 layers): the
+    losses and the pipelined evaluation of data=2 × tensor=4 (1e-4: another mesh); its checkpoint resumes on
+    data=2 × tensor=4 (the K/V kernel, split over tensor=2, whole there) with the reference's step-3 loss."""
+    from test_train import losses, metrics, run
+
+    base = [*TINY_LLAMA, "--micro-batch-size", "2", "layers=4", "decay_steps=4", "--eval-every", "2",
+            "--checkpoint-every", "2"]
+    piped, ref = str(tmp_path / "piped"), str(tmp_path / "ref")
+    out = run(*base, "--mesh", "pipe=2,data=2,tensor=2", "--distributed-optimizer", "--steps", "2", "--run-dir", piped)
+    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule" in out.stdout
+    run(*base, "--mesh", "data=2,tensor=4", "--steps", "3", "--run-dir", ref)
+    run(*base, "--mesh", "data=2,tensor=4", "--steps", "3", "--run-dir", piped, "--resume")
+    got, want = losses(piped), losses(ref)
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), (step, got[step], want[step])
+    val = lambda run_dir: next(m["val_loss"] for m in metrics(run_dir) if m["step"] == 2)
+    assert abs(val(piped) - val(ref)) <= 1e-4 * val(ref)

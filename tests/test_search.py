@@ -192,10 +192,14 @@ def test_gemm_efficiency_rises_to_the_calibrated_peak_fraction():
     assert by_size == sorted(by_size) and 0.5 - by_size[-1] < 0.001
 
 
-def test_layer_gemms_are_the_formulas_flops():
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_layer_gemms_are_the_formulas_flops(family):
     """The GEMM list (forward, both backward GEMMs of each, the policy's replays) does the FLOPs of
-    `formulas.train_flops`, which tests/test_flops.py holds to XLA's cost analysis."""
+    `formulas.train_flops`, which tests/test_flops.py holds to XLA's cost analysis. Llama: 4 K/V heads (split
+    over t ≤ 4) and SwiGLU's two up kernels."""
     cfg = replace(CFG, vocab_size=1024)  # a multiple of 128·t: the logits are not padded
+    if family == "llama":
+        cfg = replace(cfg, family="llama", kv_heads=4, ffn_hidden=192)
     for remat in ("none", "selective", "full"):
         for t in (1, 2, 4):
             layer = sum(g.flops for g in K.layer_gemms(cfg, 3, t, remat))

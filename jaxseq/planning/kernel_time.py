@@ -56,12 +56,15 @@ class Gemm:
 
 
 def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
-    """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t)."""
+    """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t;
+    more where t exceeds Llama's K/V heads: each rank then computes its repeated K/V head)."""
     s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     tokens, heads = s * b, b * cfg.heads // t
-    return {"qkv": Gemm("qkv", tokens, 3 * w // t, h), "scores": Gemm("scores", s, s, d, heads),
+    kv = 2 * d * max(cfg.num_kv_heads, t)  # K and V columns over the t ranks
+    up = 2 if cfg.family == "llama" else 1  # SwiGLU's gate and up
+    return {"qkv": Gemm("qkv", tokens, (w + kv) // t, h), "scores": Gemm("scores", s, s, d, heads),
             "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t),
-            "mlp_up": Gemm("mlp_up", tokens, f // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
+            "mlp_up": Gemm("mlp_up", tokens, up * f // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
 
 
 def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
