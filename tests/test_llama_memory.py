@@ -1,0 +1,74 @@
+"""Stored bytes per layer per device of every remat policy, read from the compiled program, against
+`formulas.activation_bytes` (docs/DESIGN.md, "Stored bytes per layer, by family"): exactly, for Llama with its
+K/V heads split over tensor and repeated, and for GPT with and without dropout."""
+
+import pytest
+
+from jaxseq.config import preset, replace
+from jaxseq.models import formulas as F
+from jaxseq.planning import hlo as HLO
+from jaxseq.remat import POLICIES
+
+from compiled import B, MEMORY_CFG, hlo
+
+TINY_LLAMA = replace(preset("tiny-llama"), dtype="bfloat16")  # s=64 h=64 a=8 kv=2 f=176
+# (cfg, t): t > kv_heads repeats each K/V head to one per rank; t < kv_heads splits them.
+CASES = {
+    "llama-kv-repeated": (TINY_LLAMA, 4),  # 2 K/V heads, 4 ranks: each rank one copy
+    "llama-kv-split": (replace(TINY_LLAMA, kv_heads=4), 2),  # 4 K/V heads, 2 per rank
+    "gpt-dropout": (MEMORY_CFG, 4),
+    "gpt-no-dropout": (replace(MEMORY_CFG, dropout=0.0), 4),
+}
+
+
+def measured(case: str, remat: str, sp: bool) -> int:
+    cfg, t = CASES[case]
+    return HLO.stored_bytes_per_layer(hlo(remat, sp, t, cfg), cfg.layers)
+
+
+def formula(case: str, remat: str, sp: bool) -> float:
+    cfg, t = CASES[case]
+    return F.activation_bytes(cfg, remat, B, t, sp)
+
+
+def test_every_policy_has_a_formula():
+    assert set(F.POLICY_TERMS) == set(POLICIES)
+
+
+def test_formula_is_the_papers_table_2_plus_layernorm_statistics():
+    cfg = replace(preset("gpt3-175b"), dtype="bfloat16", dropout=0.1)
+    s, b, h, a, t = cfg.seq_len, 1, cfg.hidden, cfg.heads, 8
+    for name, c in F.PAPER_CONFIGURATIONS.items():
+        tt = t if c.tensor_parallel else 1
+        stats = 0 if c.remat == "full" else 16 * s * b / (tt if c.sequence_parallel else 1)
+        assert F.activation_bytes(cfg, c.remat, b, tt, c.sequence_parallel) == pytest.approx(
+            F.paper_activation_bytes(name, s, b, h, a, tt) + stats, rel=1e-12), name
+
+
+def test_llama_selective_with_sp_is_the_yardstick():
+    """sb·[h·(12 + 4·max(g, t)/a) + 6F]/t bytes (bf16) plus the RMSNorm statistics, 8·sb/t."""
+    cfg = preset("llama3-8b")
+    s, h, a, g, f = cfg.seq_len, cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.mlp_hidden
+    for t in (1, 4, 8, 16):
+        yardstick = s * (h * (12 + 4 * max(g, t) / a) + 6 * f) / t + 8 * s / t
+        assert F.activation_bytes(cfg, "selective", 1, t, True) == pytest.approx(yardstick, rel=1e-12)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_selective_matches_the_compiled_layer(sp):
+    assert measured("llama-kv-repeated", "selective", sp) == formula("llama-kv-repeated", "selective", sp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("remat", sorted(POLICIES))
+@pytest.mark.parametrize("case", CASES)
+def test_every_policy_matches_the_compiled_layer(case, remat, sp):
+    assert measured(case, remat, sp) == formula(case, remat, sp)
+
+
+def test_probabilities_are_stored_once_without_dropout():
+    """Dropout 0 stores the softmax output once (the dropout-output tag would have stored it again)."""
+    cfg, t = CASES["gpt-no-dropout"]
+    probs = 2 * cfg.heads * cfg.seq_len ** 2 * B / t
+    assert measured("gpt-no-dropout", "none", True) - measured("gpt-no-dropout", "selective", True) == probs
