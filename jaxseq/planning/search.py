@@ -4,7 +4,8 @@ Enumerates every valid (t, p, v, d, micro-batch b, remat policy, SP, distributed
 and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
 step, drops those over the memory budget, and ranks the rest by predicted time.
 
-Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads; t·p·d = G;
+Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads, and divides the
+K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times); t·p·d = G;
 p·v divides the layers; d·b divides B, m = B/(d·b) micro-batches per step; with p > 1, m ≥ p, and the
 interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP needs t > 1, the
 distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
@@ -217,6 +218,8 @@ def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
     """Why no candidate of mesh family (t, p) is valid, or None if some are."""
     if cfg.heads % t or cfg.mlp_hidden % t:
         return f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t else f"t={t} does not divide mlp={cfg.mlp_hidden}"
+    if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
+        return f"t={t} neither divides kv_heads={cfg.num_kv_heads} nor is a multiple of it"
     if r.gpus % (t * p):
         return f"t·p={t * p} does not divide {r.gpus} GPUs"
     if cfg.layers % p:
@@ -550,7 +553,9 @@ def to_json(res: Result, top: int = 10) -> dict:
 
 def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float, accounting: str) -> float:
     """TFLOP/s per GPU as a paper counts it: `model` (Korthikanti's MFU numerator) or `full`
-    (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute)."""
+    (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute: GPT's shapes only)."""
+    if accounting == "full" and cfg.family != "gpt":
+        raise ConfigError(f"accounting={accounting!r} is the papers' GPT formula; family={cfg.family!r} has none")
     flops = (paper_hardware_flops(batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size, "full")
              if accounting == "full" else train_flops(cfg, batch))
     return flops / seconds / gpus / 1e12
