@@ -7,6 +7,8 @@ import pytest
 from jaxseq.config import preset, replace
 from jaxseq.models import formulas as F
 from jaxseq.planning import hlo as HLO
+from jaxseq.planning import plan as P
+from jaxseq.planning.measure import RowSpec
 from jaxseq.remat import POLICIES
 
 from compiled import B, MEMORY_CFG, hlo
@@ -72,3 +74,14 @@ def test_probabilities_are_stored_once_without_dropout():
     cfg, t = CASES["gpt-no-dropout"]
     probs = 2 * cfg.heads * cfg.seq_len ** 2 * B / t
     assert measured("gpt-no-dropout", "none", True) - measured("gpt-no-dropout", "selective", True) == probs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat, sp", [("selective", True), ("none", False)], ids=["tp+sp+selective", "tp"])
+def test_llama3_8b_layer_is_the_plans_formula(remat, sp):
+    """At Llama 3 8B's layer (s = 8192, 8 K/V heads, one per rank at t = 8), compiled abstractly: the stored
+    bytes are the formula the plan prints for the row (bf16: 136 MiB + 8 KiB of RMSNorm statistics per
+    sequence with SP and selective)."""
+    cfg = replace(preset("llama3-8b"), layers=2)
+    row = RowSpec("row", remat, sp, 8, None)
+    assert HLO.stored_bytes_per_layer(hlo(remat, sp, 8, cfg), 2) == P.formula_bytes_per_layer(cfg, row, B)
