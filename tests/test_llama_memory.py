@@ -9,6 +9,7 @@ from jaxseq.models import formulas as F
 from jaxseq.planning import hlo as HLO
 from jaxseq.planning import plan as P
 from jaxseq.planning.measure import RowSpec
+from jaxseq.planning.memory import parameter_elements_per_device
 from jaxseq.remat import POLICIES
 
 from compiled import B, MEMORY_CFG, hlo
@@ -85,3 +86,16 @@ def test_llama3_8b_layer_is_the_plans_formula(remat, sp):
     cfg = replace(preset("llama3-8b"), layers=2)
     row = RowSpec("row", remat, sp, 8, None)
     assert HLO.stored_bytes_per_layer(hlo(remat, sp, 8, cfg), 2) == P.formula_bytes_per_layer(cfg, row, B)
+
+
+@pytest.mark.parametrize("kv_heads, t", [(8, 8), (4, 8), (8, 4)], ids=["kv-one-per-rank", "kv-repeated", "kv-split"])
+def test_parameters_per_device_follow_the_llama_table(kv_heads, t):
+    """The plan's and the search's state (`memory.parameter_elements_per_device`, from the family's table): the
+    K/V kernel is split over tensor where t divides kv_heads and whole on every rank where it repeats them;
+    the norm scales are whole; the untied embedding and lm_head split over the vocabulary padded for t."""
+    cfg = replace(preset("llama3-8b"), kv_heads=kv_heads)
+    L, h, d, a, f, V = cfg.layers, cfg.hidden, cfg.head_dim, cfg.heads, cfg.mlp_hidden, cfg.padded_vocab(t)
+    kv = L * h * 2 * kv_heads * d
+    split = L * (h * a * d + a * d * h + 3 * h * f) + 2 * V * h + (kv if kv_heads % t == 0 else 0)
+    whole = (2 * L + 1) * h + (0 if kv_heads % t == 0 else kv)
+    assert parameter_elements_per_device(cfg, t)[0] == split // t + whole
