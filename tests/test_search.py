@@ -5,12 +5,13 @@ step within 10% at p ∈ {2, 4}, v ∈ {1, 2}, with and without the distributed 
 answer in one line."""
 
 import itertools
+import json
 
 import jax
 import pytest
 
 from jaxseq import plan as plan_command
-from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
+from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, preset, replace, validate_pipeline
 from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
@@ -18,6 +19,7 @@ from jaxseq.models.formulas import train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning import search as S
+from jaxseq.planning.memory import non_layer_activation_bytes
 from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
@@ -412,18 +414,19 @@ def test_llama_elementwise_bytes_count_swiglu_and_rope():
 
 @pytest.mark.slow
 def test_search_for_a_llama_preset_predicts_its_compiled_layer(capsys):
-    """`plan --search` for tiny-llama (t = 4 repeats its 2 K/V heads): the memory of what it ranks first is the
-    compiled layer's stored bytes, which are the Llama formula's, × the layers, + the rest."""
-    cfg = replace(LLAMA, seq_len=64, layers=2)
-    r = S.Request(gpus=8, global_batch=8, hardware=replace(NODE, gpus_per_node=8), micro_batches=(1,),
-                  remats=("selective", "full"), tensor_sizes=(2, 4))
-    costs = SearchCosts(cfg, jax.devices())
-    res = S.search(cfg, r, costs, "tiny-llama")
-    best = res.ranked[0]
-    c = best.candidate
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
-    assert layer.stored_bytes == F.activation_bytes(cfg, c.remat, c.micro_batch, c.tensor, c.sequence_parallel)
-    assert best.memory.activation_bytes == layer.stored_bytes * best.memory.in_flight_layers + layer.non_layer_activation_bytes
-    for t, sp, remat in {(e.candidate.tensor, e.candidate.sequence_parallel, e.candidate.remat) for e in res.ranked}:
-        assert costs.layer(t, sp, remat, 1).stored_bytes == F.activation_bytes(cfg, remat, 1, t, sp)
-    assert "tiny-llama" in S.format_result(res)
+    """`plan --search --preset tiny-llama` (2 K/V heads: t = 2 splits them, t = 4 repeats them) ranks
+    configurations whose activations are the Llama formula's stored bytes (which tests/test_llama_memory.py
+    holds to the compiled layer) × the layers in flight + the embedding/logits part."""
+    argv = ["--search", "--preset", "tiny-llama", "--gpus", "8", "--global-batch", "8", "--gpus-per-node", "8",
+            "--tensor-sizes", "2,4", "--remat-policies", "selective,full", "--micro-batch-sizes", "1", "--json",
+            "--top", "1000"]
+    assert plan_command.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == "llama" and out["kv_heads"] == 2 and out["ranked"]
+    cfg = preset("tiny-llama")
+    assert {e["tensor"] for e in out["ranked"]} == {2, 4}
+    for e in out["ranked"]:
+        b, t, sp, remat = e["micro_batch"], e["tensor"], e["sequence_parallel"], e["remat"]
+        expected = (F.activation_bytes(cfg, remat, b, t, sp) * e["memory_gib"]["in_flight_layers"]
+                    + non_layer_activation_bytes(cfg, b, t, sp))
+        assert e["memory_gib"]["activations"] * S.GIB == pytest.approx(expected, rel=1e-12), e

@@ -26,7 +26,8 @@ def format_table(p: Plan) -> str:
     (with a pipeline) and the training state."""
     cfg = p.config
     lines = [
-        f"{p.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
+        f"{p.model}: h={cfg.hidden} a={cfg.heads}"
+        f"{'' if cfg.family == 'gpt' else f' kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}'} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
         f"micro-batch={p.micro_batch} tensor={p.tensor} {cfg.dtype} {cfg.attention} attention "
         f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "

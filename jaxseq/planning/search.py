@@ -504,10 +504,15 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
 # Output
 
 
+def _gqa_mlp(cfg: ModelConfig) -> str:
+    """A Llama shape's K/V heads and MLP width (GPT's are a and 4h)."""
+    return "" if cfg.family == "gpt" else f" kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}"
+
+
 def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
     lines = [
-        f"{res.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
+        f"{res.model}: h={cfg.hidden} a={cfg.heads}{_gqa_mlp(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
         f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
         f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
@@ -528,7 +533,9 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}")
-    lines += ["", "TFLOP/s: model FLOPs per GPU (72·B·s·L·h²·(1 + s/(6h) + V/(12hL)), no recompute) / predicted step time; "
+    flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
+             else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
+    lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share"]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
@@ -539,7 +546,8 @@ def format_result(res: Result, top: int = 10) -> str:
 def to_json(res: Result, top: int = 10) -> dict:
     r = res.request
     return {
-        "model": res.model, "hidden": res.config.hidden, "heads": res.config.heads, "layers": res.config.layers,
+        "model": res.model, "family": res.config.family, "hidden": res.config.hidden, "heads": res.config.heads,
+        "kv_heads": res.config.num_kv_heads, "mlp_hidden": res.config.mlp_hidden, "layers": res.config.layers,
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
