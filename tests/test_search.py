@@ -410,6 +410,8 @@ def test_llama_elementwise_bytes_count_swiglu_and_rope():
     backward = 32 * 2 * 10 + 128 * 10 + 48 * 4 + 128 * 6
     assert K.layer_elementwise_bytes(cfg, 1, 1, False, "none") == forward + backward
     assert K.layer_elementwise_bytes(cfg, 1, 1, False, "full") == 2 * forward + backward
+    # head: the lookup 32·(2e + 2e) = 256 (no positions), final RMSNorm 32·(2e + 3e) = 320, logits 8·256·3e
+    assert K.head_elementwise_bytes(cfg, 1, 1, False) == 256 + 320 + 12288
 
 
 @pytest.mark.slow

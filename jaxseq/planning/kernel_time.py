@@ -131,9 +131,11 @@ def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: 
     """HBM bytes of the embedding, final LayerNorm and cross-entropy kernels, per device: the embedding's
     position add and dropout over s·b·h (forward: read, write and the mask, 3e + r; backward: read dy and the
     mask, write, 2e + r), the final LayerNorm (2e; 3e, /t under SP), and the vocab-parallel cross-entropy over
-    the s·b·V/t logits (read them twice, write their gradient: 3e)."""
+    the s·b·V/t logits (read them twice, write their gradient: 3e). Llama has no positions to add: its lookup
+    reads a row and writes it (2e)."""
     e, tokens, r = cfg.itemsize, cfg.seq_len * b, 1 if cfg.dropout > 0 else 0
-    embedding = tokens * cfg.hidden * (3 * e + r + 2 * e + r)
+    lookup = 2 * e if cfg.family == "llama" else 3 * e
+    embedding = tokens * cfg.hidden * (lookup + r + 2 * e + r)
     final_ln = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
     return embedding + final_ln + tokens * cfg.padded_vocab(t) / t * 3 * e
 
