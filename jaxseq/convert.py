@@ -1,5 +1,8 @@
-"""GPT-2 weights in and out: `python -m jaxseq.convert from-hf HF_DIR OUT` / `to-hf RUN_DIR_OR_CKPT OUT`,
-and a small Python API (`load_hf_gpt2`, `load`, `logits`) to compute logits on any mesh.
+"""Hugging Face weights in and out (GPT-2 and Llama): `python -m jaxseq.convert from-hf HF_DIR OUT` / `to-hf
+RUN_DIR_OR_CKPT OUT`, and a small Python API (`load_hf`, `load`, `logits`) to compute logits on any mesh.
+
+config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama);
+a jaxseq model's family picks it back.
 
 Why the converted checkpoint is a jaxseq run directory (config.json + an orbax checkpoint at step 0,
 written by `jaxseq.training.checkpoint`): then one reader serves converted weights and trained runs alike,
@@ -23,7 +26,7 @@ from jax.sharding import NamedSharding
 from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
-from jaxseq.interop import hf
+from jaxseq.interop import hf, hf_llama
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel, use_host_devices
 from jaxseq.models import model as M
 from jaxseq.sharding import Sharder, batch_sharding
@@ -37,13 +40,36 @@ HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-
 # Python API
 
 
-def load_hf_gpt2(hf_dir: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(cfg, params) of a local Hugging Face GPT-2 directory; params are NumPy float32 (dropout 0),
-    the token embedding unpadded."""
-    config, weights = hf.read_dir(hf_dir)
-    cfg = replace(hf.model_config(config, dtype), dropout=0.0)
-    leaves, _, _ = hf.to_params(cfg, weights)
-    return cfg, jax.tree.map(lambda leaf: leaf.whole(), leaves, is_leaf=lambda x: isinstance(x, hf.Leaf))
+FORMATS = {"gpt2": hf, "llama": hf_llama}  # config.json's model_type → the module that reads and writes it
+FAMILY_FORMAT = {"gpt": "gpt2", "llama": "llama"}  # ModelConfig.family → model_type
+
+
+def read_hf(hf_dir: str, dtype: str = "float32"):
+    """(config.json, cfg, params as hf.Leaf read on demand, record, buffers) of a local HF directory; every
+    refusal (an unknown model_type, a feature jaxseq lacks, a tensor that disagrees) before any weight is read."""
+    config = hf.read_config(hf_dir)
+    if config.get("model_type") not in FORMATS:
+        raise ConfigError(f"config.json: model_type={config.get('model_type')!r} is not supported by jaxseq "
+                          f"(only {' / '.join(repr(t) for t in FORMATS)})")
+    fmt = FORMATS[config["model_type"]]
+    cfg = fmt.model_config(config, dtype)
+    validate_model(cfg)
+    weights = hf.open_weights(hf_dir)
+    if fmt is hf_llama:
+        leaves, record, buffers = hf_llama.to_params(cfg, weights, tied=config.get("tie_word_embeddings", False))
+    else:
+        leaves, record, buffers = hf.to_params(cfg, weights)
+    record = {**record, "metadata": weights.metadata}
+    return config, cfg, leaves, record, buffers
+
+
+def load_hf(hf_dir: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(cfg, params) of a local Hugging Face GPT-2 or Llama directory; params are NumPy float32 (dropout 0),
+    the vocabulary leaves unpadded."""
+    _, cfg, leaves, _, _ = read_hf(hf_dir, dtype)
+    return replace(cfg, dropout=0.0), jax.tree.map(lambda leaf: leaf.whole(), leaves,
+                                                   is_leaf=lambda x: isinstance(x, hf.Leaf))
+
 
 
 def load(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, dict]:
@@ -81,12 +107,9 @@ def _logits_fn(cfg: ModelConfig, mesh, sequence_parallel: bool):
 
 
 def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
-    """Convert a local HF GPT-2 directory into a jaxseq checkpoint directory (step 0, the weights alone),
-    reading each HF tensor only for the device shards that need it, straight into the shards of the mesh."""
-    config, weights = hf.read_dir(hf_dir)
-    cfg = hf.model_config(config)
-    validate_model(cfg)
-    leaves, record, buffers = hf.to_params(cfg, weights)
+    """Convert a local HF GPT-2 or Llama directory into a jaxseq checkpoint directory (step 0, the weights
+    alone), reading each HF tensor only for the device shards that need it, straight into the shards of the mesh."""
+    _, cfg, leaves, record, buffers = read_hf(hf_dir)
     ckpt = rundir.checkpoint_dir(out)
     if os.path.isdir(ckpt) and os.listdir(ckpt):
         raise ConfigError(f"{out!r} already holds checkpoints; choose an empty OUT")
@@ -98,7 +121,7 @@ def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
     tokenizer = os.path.abspath(os.path.join(out, "tokenizer.json")) if os.path.isfile(
         os.path.join(out, "tokenizer.json")) else None
     with open(os.path.join(side, "record.json"), "w") as f:
-        json.dump({**record, "metadata": weights.metadata}, f, indent=1)
+        json.dump(record, f, indent=1)
     if buffers:
         hf.safetensors_numpy().save_file(buffers, os.path.join(side, "buffers.safetensors"))
     run = RunConfig(model=cfg, parallel=ParallelConfig(), optimizer=OptimizerConfig(),
@@ -162,7 +185,7 @@ def _layer(x: jax.Array, i) -> jax.Array:
 
 
 def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: int = 5 * 10**9) -> ModelConfig:
-    """Write a checkpoint as an HF GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out)` loads:
+    """Write a checkpoint as an HF directory that `transformers` loads (GPT2LMHeadModel, LlamaForCausalLM):
     restored onto the mesh shard by shard, written one tensor at a time (sharded files over max_shard_bytes).
 
     A converted directory gives back its original names, dtypes, buffers and config.json (byte for
@@ -171,16 +194,24 @@ def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: in
     restored = rundir.restore(path, parallel, mesh)
     cfg, tokenizer = restored.model, restored.tokenizer
     side = os.path.join(rundir.split_step(path)[0], HF_SUBDIR)
-    record, buffers, metadata, keep_config = None, None, None, False
+    fmt = FORMATS[FAMILY_FORMAT[cfg.family]]
+    record, buffers, metadata, original = None, None, None, None
     if os.path.isfile(os.path.join(side, "record.json")):
         record = json.load(open(os.path.join(side, "record.json")))
         metadata = record.pop("metadata", None)
         if os.path.isfile(os.path.join(side, "buffers.safetensors")):
             buffers = hf.safetensors_numpy().load_file(os.path.join(side, "buffers.safetensors"))
-        original = hf.model_config(json.load(open(os.path.join(side, "config.json"))))
-        keep_config = all(getattr(original, k) == getattr(cfg, k) for k in ARCHITECTURE_FIELDS)
-    tensors = hf.from_params(cfg, jax.tree.map(_OnHost, restored.params), record, buffers)
-    hf.write_dir(out, hf.hf_config(cfg), tensors, metadata, max_shard_bytes)
+        original = fmt.model_config(json.load(open(os.path.join(side, "config.json"))))
+    params = jax.tree.map(_OnHost, restored.params)
+    if fmt is hf_llama:
+        tied = hf_llama.tie_embeddings(cfg, params, record)
+        tensors, config = hf_llama.from_params(cfg, params, record, buffers, tied=tied), hf_llama.hf_config(cfg, tied)
+    else:
+        tied = False
+        tensors, config = hf.from_params(cfg, params, record, buffers), hf.hf_config(cfg)
+    keep_config = original is not None and tied == record.get("tied", False) and all(
+        getattr(original, k) == getattr(cfg, k) for k in ARCHITECTURE_FIELDS)
+    hf.write_dir(out, config, tensors, metadata, max_shard_bytes)
     if os.path.isdir(side):
         hf.copy_side_files(side, out, [n for n in hf.SIDE_FILES if n != "config.json" or keep_config])
     elif tokenizer and os.path.isfile(tokenizer):
@@ -194,7 +225,8 @@ def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: in
 
 def main(argv=None) -> int:
     p = cli.ArgumentParser(prog="python -m jaxseq.convert",
-                           description="Convert GPT-2 checkpoints between Hugging Face and jaxseq (offline).")
+                           description="Convert GPT-2 and Llama checkpoints between Hugging Face and jaxseq "
+                                                       "(offline).")
     devices = cli.ArgumentParser(add_help=False)
     devices.add_argument("--mesh", help="the devices the weights are split over while converting, e.g. tensor=8 or "
                                         "pipe=2,data=2,tensor=2 (default: every device, tensor=the largest that "
@@ -202,11 +234,11 @@ def main(argv=None) -> int:
     devices.add_argument("--host-devices", type=int, help="simulated CPU devices when there is no accelerator")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", parents=[devices],
-                       help="HF GPT-2 directory (config.json + model.safetensors) → jaxseq checkpoint")
+                       help="HF GPT-2 or Llama directory (config.json + safetensors) → jaxseq checkpoint")
     a.add_argument("hf_dir")
     a.add_argument("out")
     b = sub.add_parser("to-hf", parents=[devices],
-                       help="jaxseq run/converted directory (or RUN/checkpoints/N) → HF GPT-2 directory")
+                       help="jaxseq run/converted directory (or RUN/checkpoints/N) → HF directory")
     b.add_argument("run_dir")
     b.add_argument("out")
     b.add_argument("--max-shard-gb", type=float, default=5.0,
@@ -224,8 +256,10 @@ def _convert(args) -> int:
         if not args.max_shard_gb > 0:
             raise ConfigError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
         cfg = to_hf(args.run_dir, args.out, args.mesh, int(args.max_shard_gb * 10**9))
-    print(f"wrote {args.out}: GPT-2 with {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, "
-          f"vocab {cfg.vocab_size}, {cfg.seq_len} positions ({cfg.num_params() / 1e6:.2f}M parameters)")
+    kv = f" ({cfg.num_kv_heads} K/V)" if cfg.num_kv_heads != cfg.heads else ""
+    print(f"wrote {args.out}: {FAMILY_FORMAT[cfg.family]} with {cfg.layers} layers, hidden {cfg.hidden}, "
+          f"{cfg.heads} heads{kv}, vocab {cfg.vocab_size}, {cfg.seq_len} positions "
+          f"({cfg.num_params() / 1e6:.2f}M parameters)")
     return 0
 
 

@@ -78,8 +78,8 @@ def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
 
 
-def test_load_hf_gpt2_api(hf_model):
-    cfg, params = convert.load_hf_gpt2(hf_model[1])
+def test_load_hf_api(hf_model):
+    cfg, params = convert.load_hf(hf_model[1])
     np.testing.assert_allclose(convert.logits(params, TOKENS[:1], cfg), reference_logits(hf_model[0], TOKENS[:1]),
                                atol=1e-4, rtol=0)
 
@@ -133,7 +133,7 @@ def test_init_state_on_a_tensor_sp_mesh(converted, devices):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "llama"}, "model_type"),
+    ({"model_type": "mistral"}, "model_type"),
     ({"activation_function": "relu"}, "activation_function"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
@@ -204,14 +204,14 @@ def test_sharded_safetensors(hf_model, tmp_path):
     """A checkpoint split over several files (model.safetensors.index.json) reads the same weights."""
     hf_model[0].save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
-    (_, sharded), (_, whole) = convert.load_hf_gpt2(str(tmp_path / "sharded")), convert.load_hf_gpt2(hf_model[1])
+    (_, sharded), (_, whole) = convert.load_hf(str(tmp_path / "sharded")), convert.load_hf(hf_model[1])
     jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
 def test_logits_refuses_bad_tokens(hf_model):
     from jaxseq.config import ConfigError
 
-    cfg, params = convert.load_hf_gpt2(hf_model[1])
+    cfg, params = convert.load_hf(hf_model[1])
     for bad in (np.zeros((1, POSITIONS + 1)), [[0, VOCAB]], [0, 1]):
         with pytest.raises(ConfigError):
             convert.logits(params, bad, cfg)
@@ -389,3 +389,24 @@ def test_generate_and_convert_take_a_mesh(converted, tmp_path):
         done = command(main, *argv, "--mesh", "tensor=3", check=False)
         assert done.returncode == 2 and done.stderr.startswith("error: tensor=3 does not divide heads=4"), done.stderr
         assert done.stderr.count("\n") == 1
+
+
+def test_round_trip_of_bfloat16(hf_model, tmp_path):
+    """A bfloat16 checkpoint (as most recent uploads are; NumPy has no bfloat16): its weights read as float32
+    equal torch's, and to-hf writes every tensor back exactly, in bfloat16."""
+    model = transformers.GPT2LMHeadModel(hf_model[0].config)
+    model.load_state_dict(hf_model[0].state_dict())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    _, params = convert.load_hf(str(tmp_path / "bf16"))
+    wte = model.transformer.wte.weight.detach().float().numpy()
+    assert not np.array_equal(wte, hf_model[0].transformer.wte.weight.detach().numpy())  # rounded: really bf16
+    np.testing.assert_array_equal(params["embed"]["token"], wte)
+    assert convert.main(["from-hf", str(tmp_path / "bf16"), str(tmp_path / "conv")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "conv"), str(tmp_path / "back")]) == 0
+    src = {k: v.float() for k, v in model.state_dict().items()}
+    from safetensors.torch import load_file as load_torch
+
+    back = load_torch(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) <= set(src) and "transformer.wte.weight" in back
+    for name, t in back.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t.float(), src[name]), name

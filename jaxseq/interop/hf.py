@@ -109,6 +109,8 @@ class Weights:
                 view = handle.get_slice(key)
                 self.names.append(key)
                 self.shapes[key], self.codes[key], self._file[key] = tuple(view.get_shape()), view.get_dtype(), handle
+        if "BF16" in self.codes.values():
+            import ml_dtypes  # noqa: F401  registers NumPy's "bfloat16", which safetensors' NumPy API reads into
 
     def __contains__(self, name: str) -> bool:
         return name in self._file
@@ -121,12 +123,22 @@ class Weights:
 
 
 def read_dir(hf_dir: str) -> tuple[dict, Weights]:
-    """(config dict, the weights, read lazily) of a local HF directory; no network."""
+    """(config dict, the weights, read lazily) of a local HF GPT-2 directory; no network."""
+    config = read_config(hf_dir)
+    model_config(config)  # refuse before reading gigabytes
+    return config, open_weights(hf_dir)
+
+
+def read_config(hf_dir: str) -> dict:
+    """The config.json of a local HF directory, or a ConfigError when there is none."""
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{hf_dir!r} has no config.json (not a Hugging Face model directory)")
-    config = json.load(open(cfg_path))
-    model_config(config)  # refuse before reading gigabytes
+    return json.load(open(cfg_path))
+
+
+def open_weights(hf_dir: str) -> Weights:
+    """The tensors of a local HF directory, one file or the sharded layout's index, read lazily."""
     index = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index):
         files = sorted(set(json.load(open(index))["weight_map"].values()))
@@ -135,7 +147,7 @@ def read_dir(hf_dir: str) -> tuple[dict, Weights]:
     else:
         raise ConfigError(f"{hf_dir!r} has no {SINGLE} (re-save with save_pretrained(safe_serialization=True))")
     safetensors_numpy()  # the library, or a one-line error
-    return config, Weights(hf_dir, files)
+    return Weights(hf_dir, files)
 
 
 def _prefix(weights: Weights) -> str:
@@ -167,7 +179,7 @@ class Leaf:
         return self.read(tuple(slice(0, n) for n in self.shape))
 
 
-def _whole(weights: Weights, name: str) -> Leaf:
+def tensor_leaf(weights: Weights, name: str) -> Leaf:
     return Leaf(weights.shapes[name], lambda idx: np.asarray(weights.read(name, idx), np.float32))
 
 
@@ -210,7 +222,7 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
 
     ln = lambda k: {"scale": stack(f"{k}.scale", (h,)), "bias": stack(f"{k}.bias", (h,))}
     params = {
-        "embed": {"token": _whole(weights, p + "wte.weight"), "position": _whole(weights, p + "wpe.weight")},
+        "embed": {"token": tensor_leaf(weights, p + "wte.weight"), "position": tensor_leaf(weights, p + "wpe.weight")},
         "layers": {
             "ln1": ln("ln1"),
             "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},
@@ -220,25 +232,31 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
                            "bias": stack("wi.bias", (cfg.mlp_hidden,))},
                     "wo": {"kernel": stack("wo.kernel", (cfg.mlp_hidden, h)), "bias": stack("wo.bias", (h,))}},
         },
-        "final_ln": {"scale": _whole(weights, p + "ln_f.weight"), "bias": _whole(weights, p + "ln_f.bias")},
+        "final_ln": {"scale": tensor_leaf(weights, p + "ln_f.weight"), "bias": tensor_leaf(weights, p + "ln_f.bias")},
     }
-    _check_params(weights, expect, used)
+    check_params(weights, expect, used)
     if "lm_head.weight" in weights:
         if not np.array_equal(weights.read("lm_head.weight"), weights.read(p + "wte.weight")):
             raise ConfigError("lm_head.weight differs from wte.weight (untied embeddings) is not supported by jaxseq")
         used.add("lm_head.weight")
+    buffers, record = leftovers(weights, used, BUFFER_SUFFIXES)
+    return params, {"prefix": p, **record, "lm_head": "lm_head.weight" in weights}, buffers
+
+
+def leftovers(weights: Weights, used: set, buffer_suffixes: tuple[str, ...]) -> tuple[dict, dict]:
+    """(buffers, record) once the parameters are `used`: the other tensors are buffers, kept verbatim, when
+    their names end with buffer_suffixes, and refused otherwise; the record keeps the names' order and every
+    tensor's dtype, so that writing back reproduces each tensor exactly."""
     extra = [n for n in weights.names if n not in used]
-    unknown = [n for n in extra if not n.endswith(BUFFER_SUFFIXES)]
+    unknown = [n for n in extra if not n.endswith(buffer_suffixes)]
     if unknown:
         raise ConfigError(f"model.safetensors holds {unknown[0]}, which jaxseq cannot represent")
     buffers = {n: weights.read(n) for n in extra}
     dtypes = {n: PARAM_DTYPES[weights.codes[n]] for n in weights.names if n not in buffers}
-    record = {"prefix": p, "order": list(weights.names), "dtypes": {**dtypes, **{n: str(b.dtype) for n, b in buffers.items()}},
-              "lm_head": "lm_head.weight" in weights}
-    return params, record, buffers
+    return buffers, {"order": list(weights.names), "dtypes": {**dtypes, **{n: str(b.dtype) for n, b in buffers.items()}}}
 
 
-def _check_params(weights: Weights, expect: dict, used: set) -> None:
+def check_params(weights: Weights, expect: dict, used: set) -> None:
     """Every parameter tensor present with the shape (or, per layer, the size) the config gives, and a dtype
     jaxseq reads."""
     for name in sorted(used):
@@ -274,9 +292,9 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
     lay = params["layers"]
     token = params["embed"]["token"]
     tensors = {p + "wte.weight": ((cfg.vocab_size, h), lambda: f32(token)[: cfg.vocab_size]),
-               p + "wpe.weight": _unstacked(params["embed"]["position"]),
-               p + "ln_f.weight": _unstacked(params["final_ln"]["scale"]),
-               p + "ln_f.bias": _unstacked(params["final_ln"]["bias"])}
+               p + "wpe.weight": unstacked(params["embed"]["position"]),
+               p + "ln_f.weight": unstacked(params["final_ln"]["scale"]),
+               p + "ln_f.bias": unstacked(params["final_ln"]["bias"])}
     sources = {"ln1.scale": lay["ln1"]["scale"], "ln1.bias": lay["ln1"]["bias"], "ln2.scale": lay["ln2"]["scale"],
                "ln2.bias": lay["ln2"]["bias"], "qkv.kernel": lay["attn"]["qkv"]["kernel"],
                "qkv.bias": lay["attn"]["qkv"]["bias"], "out.kernel": lay["attn"]["out"]["kernel"],
@@ -293,13 +311,20 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
             tensors[names[i][key]] = (shape, lambda s=stacked, i=i, shape=shape: f32(s[i]).reshape(shape))
     if record.get("lm_head"):
         tensors["lm_head.weight"] = tensors[p + "wte.weight"]
-    tensors.update({n: (b.shape, lambda b=b: b) for n, b in (buffers or {}).items()})
+    return as_tensors(tensors, record, buffers)
+
+
+def as_tensors(tensors: dict, record: dict, buffers: dict[str, np.ndarray] | None = None) -> dict[str, Tensor]:
+    """{name: (shape, load)} and the buffers as `Tensor`s in the record's order and dtypes (float32 and
+    sorted names without one); a name the record's order lacks comes last."""
+    tensors = {**tensors, **{n: (b.shape, lambda b=b: b) for n, b in (buffers or {}).items()}}
     dtypes = record.get("dtypes", {})
-    order = record.get("order") or sorted(tensors)
+    order = [n for n in record.get("order") or sorted(tensors) if n in tensors]
+    order += sorted(n for n in tensors if n not in order)
     return {n: Tensor(tuple(tensors[n][0]), _dtype(dtypes.get(n, "float32")), tensors[n][1]) for n in order}
 
 
-def _unstacked(x) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
+def unstacked(x) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
     return tuple(x.shape), lambda: np.asarray(x, np.float32)
 
 

@@ -262,10 +262,11 @@ class ResidualLayout:
         return ResidualLayout(treedef, source, tuple(avals))
 
     def split(self, f_vjp) -> list:
-        """The leaves of a forward's vjp that go to the stash."""
+        """The leaves of a forward's vjp that go to the stash, varying over `pipe` and `data` as the stash is: a
+        constant among them (Llama's RoPE frequencies, closed over by the layer) is invariant."""
         leaves = jax.tree.leaves(f_vjp)
         assert [a.shape for a in leaves] == [a.shape for a in self.avals], "a chunk's vjp changed its layout"
-        return [leaf for leaf, i in zip(leaves, self.source) if i < 0]
+        return [DP.varying(leaf) for leaf, i in zip(leaves, self.source) if i < 0]
 
     def join(self, stashed: list, w, keys) -> Callable:
         """The vjp of a chunk from its stash slot and its live weights and keys. The treedef traced in `of`

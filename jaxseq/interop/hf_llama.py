@@ -1,0 +1,273 @@
+"""The Hugging Face Llama format: `config.json` + safetensors ↔ a jaxseq Llama config and parameter tree.
+
+Pure NumPy, like `hf` (GPT-2), whose reading, writing and record-keeping it reuses: only the names,
+layouts and refusals here are Llama's. torch's Linear stores weights as [out, in], so every kernel is
+transposed; q/k/v are split into heads. HF stores q and k for rotate-half RoPE, which jaxseq applies
+too, so no rows are permuted. Everything refusable is refused from config.json and the files' headers,
+before a weight is read.
+
+Tied embeddings: the jaxseq tree always has its own lm_head; a tied checkpoint (no lm_head.weight, or one
+equal to the embedding) gives lm_head a copy of the embedding, and the record says it was tied. Writing
+back, the embeddings stay tied only while the two are still equal (`tie_embeddings`); once training has
+moved them apart the directory is written untied, with lm_head.weight and tie_word_embeddings false.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxseq.config import ConfigError, ModelConfig
+from jaxseq.interop.hf import (Leaf, Tensor, Weights, as_tensors, check_params, leftovers, open_weights, read_config,
+                               tensor_leaf, unstacked)
+
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_positions"}
+# Older conversions saved RoPE's inverse frequencies as a buffer: kept verbatim, never used.
+BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json ↔ ModelConfig
+
+
+def model_config(hf: dict, dtype: str = "float32") -> ModelConfig:
+    """The jaxseq model an HF Llama config describes, or a ConfigError naming what does not fit."""
+    def refuse(what):
+        raise ConfigError(f"config.json: {what} is not supported by jaxseq")
+
+    if hf.get("model_type") != "llama":
+        refuse(f"model_type={hf.get('model_type')!r} (only 'llama')")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            refuse(f"{flag}=true")
+    if hf.get("sliding_window") is not None:
+        refuse(f"sliding_window={hf['sliding_window']!r} (only null)")
+    try:
+        h, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+        vocab, positions, ffn = int(hf["vocab_size"]), int(hf["max_position_embeddings"]), int(hf["intermediate_size"])
+    except KeyError as e:
+        raise ConfigError(f"config.json: {e.args[0]} is missing") from None
+    kv = int(hf.get("num_key_value_heads") or heads)
+    if kv <= 0 or heads % kv:
+        refuse(f"num_key_value_heads={kv} not dividing num_attention_heads={heads}")
+    head_dim = hf.get("head_dim")
+    if head_dim is None and h % heads:
+        refuse(f"num_attention_heads={heads} not dividing hidden_size={h} without a head_dim")
+    head_dim = int(head_dim if head_dim is not None else h // heads)
+    return ModelConfig(family="llama", vocab_size=vocab, seq_len=positions, hidden=h, heads=heads, layers=layers,
+                       kv_heads=None if kv == heads else kv, ffn_hidden=ffn,
+                       kv_channels=None if head_dim * heads == h else head_dim,
+                       dropout=float(hf.get("attention_dropout", 0.0)), dtype=dtype,
+                       ln_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope(hf, refuse))
+
+
+def _rope(hf: dict, refuse) -> dict:
+    """RoPE's ModelConfig fields from either spelling: transformers 5's `rope_parameters` (type, theta and
+    scaling in one dict), or 4's top-level `rope_theta` beside `rope_scaling` (`rope_type`, earlier `type`)."""
+    scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(scaling, dict) or any(isinstance(v, dict) for v in scaling.values()):
+        refuse(f"rope parameters {scaling!r} (one dict expected)")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        refuse(f"rope_type={kind!r} (only {' / '.join(ROPE_TYPES)})")
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        refuse(f"partial_rotary_factor={partial!r} (only 1.0)")
+    fields = {"rope_theta": float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0))),
+              "rope_scaling": None if kind == "default" else kind}
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_ROPE if k not in scaling]
+        if missing:
+            raise ConfigError(f"config.json: the llama3 rope scaling has no {missing[0]}")
+        fields.update({ours: float(scaling[k]) for k, ours in LLAMA3_ROPE.items()})
+        fields["rope_original_positions"] = int(scaling["original_max_position_embeddings"])
+    return fields
+
+
+def hf_config(cfg: ModelConfig, tied: bool = False) -> dict:
+    """A Llama config.json for a jaxseq model, written as the installed transformers (5.x) writes it:
+    RoPE in `rope_parameters`. tied: the embeddings are tied (no lm_head.weight is written)."""
+    if cfg.family != "llama":
+        raise ConfigError(f"family={cfg.family!r}: HF Llama needs family='llama'")
+    rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        rope.update({k: getattr(cfg, ours) for k, ours in LLAMA3_ROPE.items()})
+    elif cfg.rope_scaling is not None:
+        raise ConfigError(f"rope_scaling={cfg.rope_scaling!r}: HF Llama takes None or 'llama3'")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads or cfg.heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.seq_len,
+            "rms_norm_eps": cfg.ln_eps, "rope_parameters": rope, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": cfg.dropout, "tie_word_embeddings": tied, "dtype": "float32"}
+
+
+def read_dir(hf_dir: str) -> tuple[dict, Weights]:
+    """(config dict, the weights, read lazily) of a local HF Llama directory; no network."""
+    config = read_config(hf_dir)
+    model_config(config)  # refuse before reading gigabytes
+    return config, open_weights(hf_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: HF tensors → jaxseq leaves, each block read from only the rows and columns it needs
+
+
+def _prefix(weights: Weights) -> str:
+    """'model.' as LlamaForCausalLM saves; '' as LlamaModel saves."""
+    for p in ("model.", ""):
+        if p + "embed_tokens.weight" in weights:
+            return p
+    raise ConfigError("model.safetensors has no model.embed_tokens.weight (not a Llama checkpoint)")
+
+
+def _layer_names(p: str, i: int) -> dict[str, str]:
+    b = f"{p}layers.{i}."
+    return {"q": b + "self_attn.q_proj.weight", "k": b + "self_attn.k_proj.weight", "v": b + "self_attn.v_proj.weight",
+            "o": b + "self_attn.o_proj.weight", "gate": b + "mlp.gate_proj.weight", "up": b + "mlp.up_proj.weight",
+            "down": b + "mlp.down_proj.weight", "attn_norm": b + "input_layernorm.weight",
+            "mlp_norm": b + "post_attention_layernorm.weight"}
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x, np.float32)
+
+
+def _head_rows(weights: Weights, name: str, d: int, heads: slice, dims: slice, cols: slice) -> np.ndarray:
+    """Block [heads, dims, cols] of a [n·d, X] weight seen as [n, d, X], reading only those heads' rows."""
+    r = range(weights.shapes[name][0] // d)[heads]
+    x = _f32(weights.read(name, (slice(r.start * d, r.stop * d), cols)))
+    return x.reshape(len(r), d, x.shape[1])[:, dims, :]
+
+
+def _head_cols(weights: Weights, name: str, d: int, heads: slice, dims: slice, rows: slice) -> np.ndarray:
+    """Block [heads, dims, rows] of a [X, n·d] weight seen as [n, d, X], reading only those heads' columns."""
+    r = range(weights.shapes[name][1] // d)[heads]
+    x = _f32(weights.read(name, (rows, slice(r.start * d, r.stop * d))))
+    return x.reshape(x.shape[0], len(r), d)[:, :, dims].transpose(1, 2, 0)
+
+
+def _stacked(layers: int, layer_shape: tuple[int, ...], block) -> Leaf:
+    """[L, *layer_shape] whose layer i's block `idx` is block(i, idx)."""
+    shape = (layers, *layer_shape)
+
+    def read(idx):
+        out = tuple(len(range(n)[s]) for n, s in zip(shape, idx))
+        if not math.prod(out):
+            return np.zeros(out, np.float32)
+        return np.stack([block(i, idx[1:]) for i in range(layers)[idx[0]]])
+
+    return Leaf(shape, read)
+
+
+def _pair(block, idx_pair: slice, axis: int) -> np.ndarray:
+    """The blocks block(j) of a size-2 axis (K | V, gate | up) that idx_pair asks for, stacked along `axis`."""
+    return np.stack([block(j) for j in range(2)[idx_pair]], axis=axis)
+
+
+def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> tuple[dict, dict, dict]:
+    """HF tensors → (jaxseq Llama params as `Leaf`s, read on demand, the record from_params needs to write
+    them back, buffers). The embedding and lm_head keep their vocab_size rows.
+
+    tied: config.json's tie_word_embeddings; None: tied exactly when there is no lm_head.weight. A tied
+    lm_head is the embedding (an lm_head.weight saved beside it must equal it)."""
+    p, h, a, d, L, f = _prefix(weights), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.mlp_hidden
+    k = cfg.kv_heads or cfg.heads
+    embed, norm = p + "embed_tokens.weight", p + "norm.weight"
+    tied = "lm_head.weight" not in weights if tied is None else tied
+    if not tied and "lm_head.weight" not in weights:
+        raise ConfigError("model.safetensors has no lm_head.weight (tie_word_embeddings=false in config.json)")
+    expect = {embed: (cfg.vocab_size, h), norm: (h,), "lm_head.weight": (cfg.vocab_size, h)}
+    used = {embed, norm} | ({"lm_head.weight"} if "lm_head.weight" in weights else set())
+    names = [_layer_names(p, i) for i in range(L)]
+    layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "gate": (f, h), "up": (f, h),
+                    "down": (h, f), "attn_norm": (h,), "mlp_norm": (h,)}
+    for i, layer in enumerate(names):
+        missing = [n for n in layer.values() if n not in weights]
+        if missing:
+            raise ConfigError(f"model.safetensors has no {missing[0]} (num_hidden_layers={L} in config.json)")
+        expect.update({layer[key]: shape for key, shape in layer_expect.items()})
+        used.update(layer.values())
+    check_params(weights, expect, used)
+
+    read = lambda i, key, idx: _f32(weights.read(names[i][key], idx))
+    params = {
+        "embed": {"token": tensor_leaf(weights, embed)},
+        "layers": {
+            "attn_norm": {"scale": _stacked(L, (h,), lambda i, idx: read(i, "attn_norm", idx))},
+            "attn": {
+                # q_proj [a·d, h] → [h, a, d]; k_proj, v_proj [k·d, h] → [h, 2, k, d]; o_proj [h, a·d] → [a, d, h].
+                "q": {"kernel": _stacked(L, (h, a, d), lambda i, idx: _head_rows(
+                    weights, names[i]["q"], d, idx[1], idx[2], idx[0]).transpose(2, 0, 1))},
+                "kv": {"kernel": _stacked(L, (h, 2, k, d), lambda i, idx: _pair(lambda j: _head_rows(
+                    weights, names[i]["kv"[j]], d, idx[2], idx[3], idx[0]).transpose(2, 0, 1), idx[1], axis=1))},
+                "out": {"kernel": _stacked(L, (a, d, h), lambda i, idx: _head_cols(
+                    weights, names[i]["o"], d, idx[0], idx[1], idx[2]))},
+            },
+            "mlp_norm": {"scale": _stacked(L, (h,), lambda i, idx: read(i, "mlp_norm", idx))},
+            "mlp": {
+                # gate_proj, up_proj [f, h] → [h, 2, f]; down_proj [h, f] → [f, h].
+                "wi": {"kernel": _stacked(L, (h, 2, f), lambda i, idx: _pair(
+                    lambda j: read(i, ("gate", "up")[j], (idx[2], idx[0])).T, idx[1], axis=1))},
+                "wo": {"kernel": _stacked(L, (f, h), lambda i, idx: read(i, "down", (idx[1], idx[0])).T)},
+            },
+        },
+        "final_norm": {"scale": tensor_leaf(weights, norm)},
+        "lm_head": {"kernel": tensor_leaf(weights, "lm_head.weight" if not tied else embed)},
+    }
+    if tied and "lm_head.weight" in weights and not np.array_equal(weights.read("lm_head.weight"), weights.read(embed)):
+        raise ConfigError("lm_head.weight differs from embed_tokens.weight while tie_word_embeddings=true")
+    buffers, record = leftovers(weights, used, BUFFER_SUFFIXES)
+    return params, {"prefix": p, **record, "tied": tied, "lm_head": "lm_head.weight" in weights}, buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: jaxseq params → HF tensors, each computed when written
+
+
+def tie_embeddings(cfg: ModelConfig, params: dict, record: dict | None) -> bool:
+    """Whether to write the embeddings tied: they came tied (the record says so) and are still equal."""
+    if not (record or {}).get("tied"):
+        return False
+    V = cfg.vocab_size
+    return np.array_equal(_f32(params["embed"]["token"])[:V], _f32(params["lm_head"]["kernel"])[:V])
+
+
+def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
+                buffers: dict[str, np.ndarray] | None = None, tied: bool | None = None) -> dict[str, Tensor]:
+    """jaxseq Llama params → HF tensors, each computed when written; with the record of a from-hf conversion,
+    the original names, order and dtypes. A params leaf is anything with a shape whose `[i]` (layer i of a
+    stacked leaf) and `np.asarray` give host arrays. tied (None: `tie_embeddings`) leaves lm_head.weight
+    out unless the original file had one; write config.json's tie_word_embeddings to match."""
+    record = record or {"prefix": "model.", "tied": False, "lm_head": True}
+    tied = tie_embeddings(cfg, params, record) if tied is None else tied
+    p, h, a, d, L, V = record["prefix"], cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.vocab_size
+    k, f = cfg.kv_heads or cfg.heads, cfg.mlp_hidden
+    lay = params["layers"]
+    q, kv, o = lay["attn"]["q"]["kernel"], lay["attn"]["kv"]["kernel"], lay["attn"]["out"]["kernel"]
+    wi, wo = lay["mlp"]["wi"]["kernel"], lay["mlp"]["wo"]["kernel"]
+    token, head = params["embed"]["token"], params["lm_head"]["kernel"]
+    tensors = {p + "embed_tokens.weight": ((V, h), lambda: _f32(token)[:V]),
+               p + "norm.weight": unstacked(params["final_norm"]["scale"])}
+    for i, n in enumerate(_layer_names(p, j) for j in range(L)):
+        tensors.update({
+            n["q"]: ((a * d, h), lambda i=i: _f32(q[i]).reshape(h, a * d).T),
+            n["k"]: ((k * d, h), lambda i=i: _f32(kv[i])[:, 0].reshape(h, k * d).T),
+            n["v"]: ((k * d, h), lambda i=i: _f32(kv[i])[:, 1].reshape(h, k * d).T),
+            n["o"]: ((h, a * d), lambda i=i: _f32(o[i]).reshape(a * d, h).T),
+            n["gate"]: ((f, h), lambda i=i: _f32(wi[i])[:, 0].T),
+            n["up"]: ((f, h), lambda i=i: _f32(wi[i])[:, 1].T),
+            n["down"]: ((h, f), lambda i=i: _f32(wo[i]).T),
+            n["attn_norm"]: ((h,), lambda i=i: _f32(lay["attn_norm"]["scale"][i])),
+            n["mlp_norm"]: ((h,), lambda i=i: _f32(lay["mlp_norm"]["scale"][i])),
+        })
+    dtypes = dict(record.get("dtypes", {}))
+    if not tied or record.get("lm_head"):
+        tensors["lm_head.weight"] = ((V, h), lambda: _f32(head)[:V])
+        dtypes.setdefault("lm_head.weight", dtypes.get(p + "embed_tokens.weight", "float32"))
+    return as_tensors(tensors, {**record, "dtypes": dtypes}, buffers)
