@@ -2,6 +2,7 @@
 `formulas.activation_bytes` (docs/DESIGN.md, "Stored bytes per layer, by family"): exactly, for Llama with its
 K/V heads split over tensor and repeated, and for GPT with and without dropout."""
 
+import jax
 import pytest
 
 from jaxseq.config import preset, replace
@@ -10,6 +11,7 @@ from jaxseq.planning import hlo as HLO
 from jaxseq.planning import plan as P
 from jaxseq.planning.measure import RowSpec
 from jaxseq.planning.memory import parameter_elements_per_device
+from jaxseq.planning.report import format_table
 from jaxseq.remat import POLICIES
 
 from compiled import B, MEMORY_CFG, hlo
@@ -99,3 +101,16 @@ def test_parameters_per_device_follow_the_llama_table(kv_heads, t):
     split = L * (h * a * d + a * d * h + 3 * h * f) + 2 * V * h + (kv if kv_heads % t == 0 else 0)
     whole = (2 * L + 1) * h + (0 if kv_heads % t == 0 else kv)
     assert parameter_elements_per_device(cfg, t)[0] == split // t + whole
+
+
+@pytest.mark.slow
+def test_plan_prints_the_llama_formula_beside_every_compiled_row():
+    """The plan of tiny-llama at t = 4 (K/V repeated): every row's formula is the Llama formula, labelled so,
+    and equals the compiled layer (ratio 1)."""
+    p = P.plan(TINY_LLAMA, 4, 2, jax.devices(), "tiny-llama")
+    out = p.to_json()
+    assert out["family"] == "llama" and out["kv_heads"] == 2 and len(out["rows"]) == 13
+    for r in out["rows"]:
+        assert r["measured_bytes_per_layer"] == r["formula_bytes_per_layer"] == F.activation_bytes(
+            TINY_LLAMA, r["remat"], 2, r["tensor"], r["sequence_parallel"]), r["config"]
+    assert "formula = formulas.activation_bytes for the llama family" in format_table(p)

@@ -5,7 +5,7 @@ Bytes per layer assume 16-bit activations and 1-byte dropout masks (the paper's 
 matmul FLOPs (2 per multiply-add).
 
 `activation_bytes` is the same count for any registered policy, family (GPT, Llama), dtype and dropout,
-term by term (docs/DESIGN.md, "Stored bytes per layer, by family"); tests/test_memory.py holds it to the
+term by term (docs/DESIGN.md, "Stored bytes per layer, by family"); tests/test_llama_memory.py holds it to the
 compiled program exactly.
 """
 
