@@ -26,7 +26,8 @@ SOURCES = (
     "Where each figure comes from. From XLA's compiled program (per layer per device): stored (the stacked "
     "buffers the forward layer loop writes, / L), TFLOP and recompute (cost_analysis()), collectives (the "
     "collectives of one forward and one backward layer-loop iteration). From the paper's formulas: the "
-    "formula column (and so ratio = stored / formula) and the paper's model/hardware FLOPs line. From shapes "
+    "formula column (and so ratio = stored / formula) and the paper's model/hardware FLOPs line (for a Llama "
+    "preset, jaxseq's own: formulas.activation_bytes and train_flops, term by term). From shapes "
     "and shardings, nothing compiled: parameters, gradients, Adam moments, the weight copy and the "
     "embedding/logits part of the activations; activ. = stored (compiled) × L + that part; total = "
     "state + activ.")

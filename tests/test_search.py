@@ -5,18 +5,21 @@ step within 10% at p ∈ {2, 4}, v ∈ {1, 2}, with and without the distributed 
 answer in one line."""
 
 import itertools
+import json
 
 import jax
 import pytest
 
 from jaxseq import plan as plan_command
-from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate_pipeline
+from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, preset, replace, validate_pipeline
 from jaxseq.hardware import Hardware
 from jaxseq.mesh import make_mesh
+from jaxseq.models import formulas as F
 from jaxseq.models.formulas import train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning import search as S
+from jaxseq.planning.memory import non_layer_activation_bytes
 from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
@@ -371,3 +374,65 @@ def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
     too little here), within 10%: the search ranks nothing that jaxseq cannot run."""
     predicted, compiled = predicted_and_compiled(PIPELINED, candidate, costs)
     assert abs(predicted / compiled - 1) <= 0.10, (predicted, compiled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama: grouped-query attention's K/V heads and SwiGLU in the enumeration, the GEMMs and the memory
+
+LLAMA = replace(CFG, family="llama", kv_heads=2, ffn_hidden=176, dropout=0.0)  # 8 query heads share 2 K/V heads
+
+
+def test_llama_gemms_are_the_formulas_flops_but_for_repeated_kv_heads():
+    """Model FLOPs count the K/V heads once; where t > kv_heads each rank computes its own copy of one head,
+    so the QKV GEMM's forward, its two backward GEMMs (and full recompute's replay) each do 2·b·s·h·2·(t − kv)·d
+    more FLOPs."""
+    cfg, b = replace(LLAMA, vocab_size=1024), 3
+    for remat in ("none", "selective", "full"):
+        for t in (1, 2, 4, 8):
+            layer = sum(g.flops for g in K.layer_gemms(cfg, b, t, remat)) * t
+            expected = train_flops(replace(cfg, layers=1), b, remat) - train_flops(replace(cfg, layers=0), b, remat)
+            runs = 3 + ("qkv" in S.POLICIES[remat].replays)  # forward, two backward GEMMs, full's replay
+            repeated = runs * 2 * b * cfg.seq_len * cfg.hidden * 2 * max(t - cfg.num_kv_heads, 0) * cfg.head_dim
+            assert layer == pytest.approx(expected + repeated), (remat, t)
+
+
+def test_tensor_sizes_split_or_repeat_the_kv_heads():
+    cfg = replace(LLAMA, hidden=96, heads=12, kv_heads=6, ffn_hidden=192)  # t = 4 neither divides 6 nor is a multiple
+    r = request(gpus=8, global_batch=8)
+    assert S.family_reason(cfg, r, 4, 1) == "t=4 neither divides kv_heads=6 nor is a multiple of it"
+    assert S.family_reason(cfg, r, 2, 1) is None and S.family_reason(LLAMA, r, 4, 1) is None
+    assert {c.tensor for c in S.enumerate_candidates(cfg, r)} == {1, 2}
+
+
+def test_llama_elementwise_bytes_count_swiglu_and_rope():
+    """s=8, b=1, h=4, 2 heads of 2, 1 K/V head, f=16, bf16, no dropout, t=1: over the 32 residual elements
+    2·(2e + 3e) forward and 2·(3e + 2e) backward; SwiGLU over 128: 3e and 5e; RoPE over 8·(2 + 1)·2 = 48: 2e
+    each way; the 128 scores: 2e and 3e."""
+    cfg = ModelConfig(family="llama", vocab_size=256, seq_len=8, hidden=4, heads=2, kv_heads=1, ffn_hidden=16, layers=1,
+                      dtype="bfloat16", dropout=0.0)
+    forward = 32 * 2 * 10 + 128 * 6 + 48 * 4 + 128 * 4  # 640 + 768 + 192 + 512
+    backward = 32 * 2 * 10 + 128 * 10 + 48 * 4 + 128 * 6
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "none") == forward + backward
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "full") == 2 * forward + backward
+    # head: the lookup 32·(2e + 2e) = 256 (no positions), final RMSNorm 32·(2e + 3e) = 320, logits 8·256·3e
+    assert K.head_elementwise_bytes(cfg, 1, 1, False) == 256 + 320 + 12288
+
+
+@pytest.mark.slow
+def test_search_for_a_llama_preset_predicts_its_compiled_layer(capsys):
+    """`plan --search --preset tiny-llama` (2 K/V heads: t = 2 splits them, t = 4 repeats them) ranks
+    configurations whose activations are the Llama formula's stored bytes (which tests/test_llama_memory.py
+    holds to the compiled layer) × the layers in flight + the embedding/logits part."""
+    argv = ["--search", "--preset", "tiny-llama", "--gpus", "8", "--global-batch", "8", "--gpus-per-node", "8",
+            "--tensor-sizes", "2,4", "--remat-policies", "selective,full", "--micro-batch-sizes", "1", "--json",
+            "--top", "1000"]
+    assert plan_command.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == "llama" and out["kv_heads"] == 2 and out["ranked"]
+    cfg = preset("tiny-llama")
+    assert {e["tensor"] for e in out["ranked"]} == {2, 4}
+    for e in out["ranked"]:
+        b, t, sp, remat = e["micro_batch"], e["tensor"], e["sequence_parallel"], e["remat"]
+        expected = (F.activation_bytes(cfg, remat, b, t, sp) * e["memory_gib"]["in_flight_layers"]
+                    + non_layer_activation_bytes(cfg, b, t, sp))
+        assert e["memory_gib"]["activations"] * S.GIB == pytest.approx(expected, rel=1e-12), e

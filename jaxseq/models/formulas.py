@@ -3,13 +3,17 @@ and the one table of the paper's configurations. Arithmetic only: no JAX, no com
 
 Bytes per layer assume 16-bit activations and 1-byte dropout masks (the paper's Table 2); FLOPs are
 matmul FLOPs (2 per multiply-add).
+
+`activation_bytes` is the same count for any registered policy, family (GPT, Llama), dtype and dropout,
+term by term (docs/DESIGN.md, "Stored bytes per layer, by family"); tests/test_llama_memory.py holds it to the
+compiled program exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxseq.config import ModelConfig
+from jaxseq.config import ConfigError, ModelConfig
 from jaxseq.remat import POLICIES
 
 
@@ -51,6 +55,62 @@ def paper_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int) 
     return table[config]
 
 
+def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> dict[str, float]:
+    """Per-device bytes of each tensor one layer can keep for backward (explicit attention), by what it is.
+
+    e = the activation dtype's bytes, masks 1 byte (none without dropout), "/seq" = /t under sequence
+    parallelism, else whole. Where the families differ: the norm statistics (LayerNorm's f32 mean and 1/std,
+    8 bytes per token; RMSNorm's 1/rms, 4), K and V (a heads for GPT; Llama's kv_heads, repeated to one per
+    rank where t > kv_heads: max(kv_heads, t) heads, `llama.cache_heads`), and the MLP's first matmul
+    output (GELU's input, f wide; SwiGLU's gate and up, 2f)."""
+    e, s, h, a, d, f = cfg.itemsize, cfg.seq_len, cfg.hidden, cfg.heads, cfg.head_dim, cfg.mlp_hidden
+    llama = cfg.family == "llama"
+    sb, seq, r = s * b, (t if sequence_parallel else 1), (1 if cfg.dropout > 0 else 0)
+    kv_heads = max(cfg.num_kv_heads, t)
+    scores = a * s * s * b / t
+    return {
+        "residual": e * sb * h / seq,  # one [s, b, h] of the residual stream (layer input, norm outputs, …)
+        "norm_stats": (4 if llama else 8) * sb / seq,  # of one norm
+        "q": e * sb * a * d / t,  # after RoPE for Llama (linear: its backward needs only cos and sin)
+        "kv": 2 * e * sb * kv_heads * d / t,  # K and V
+        "probs": e * scores,  # the softmax output
+        "probs_dropout": r * (1 + e) * scores,  # its dropout's mask and output; none without dropout
+        "qk_scores": e * scores,  # QKᵀ before softmax (the dots policy saves it as a matmul output)
+        "context": e * sb * a * d / t,  # scores × V, the output projection's input
+        "mask": r * sb * h / seq,  # one residual dropout's mask
+        "mlp_in": e * sb * (2 if llama else 1) * f / t,  # the first MLP matmul's output
+        "mlp_mid": e * sb * f / t,  # GELU's or SwiGLU's output, the second MLP matmul's input
+    }
+
+
+# What each registered policy keeps, in terms of `layer_tensor_bytes` (name, count). "residual" ×4: the layer
+# input, the first norm's output (the QKV input), the mid-layer residual, the second norm's output; `full`
+# keeps only the layer input (the scan's carry); the dot policies keep the out-projection's output (what the
+# mid-layer residual is recomputed from) where the others keep the residual itself.
+POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
+    "none": (("residual", 4), ("norm_stats", 2), ("q", 1), ("kv", 1), ("probs", 1), ("probs_dropout", 1),
+             ("context", 1), ("mask", 2), ("mlp_in", 1), ("mlp_mid", 1)),
+    "selective": (("residual", 4), ("norm_stats", 2), ("q", 1), ("kv", 1), ("context", 1), ("mask", 2),
+                  ("mlp_in", 1), ("mlp_mid", 1)),
+    "full": (("residual", 1),),
+    "lean": (("residual", 2), ("q", 1), ("kv", 1), ("context", 1), ("mlp_in", 1)),
+    "dots": (("residual", 2), ("q", 1), ("kv", 1), ("qk_scores", 1), ("context", 1), ("mlp_in", 1)),
+    "dots_no_batch": (("residual", 2), ("q", 1), ("kv", 1), ("mlp_in", 1)),
+}
+
+
+def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool) -> float:
+    """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
+    the fused one stores what its kernel chooses). For GPT with dropout and the paper's configurations it is
+    the paper's Table 2 plus the LayerNorm statistics."""
+    if remat not in POLICY_TERMS:
+        raise ConfigError(f"remat={remat!r} has no formula; valid: {', '.join(POLICY_TERMS)}")
+    if cfg.attention != "explicit":
+        raise ConfigError(f"attention={cfg.attention!r}: the formula counts the explicit attention's tensors")
+    tensors = layer_tensor_bytes(cfg, b, t, sequence_parallel)
+    return sum(n * tensors[name] for name, n in POLICY_TERMS[remat])
+
+
 def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
     """Model FLOPs per iteration (forward + backward, no recompute): 72·B·s·L·h²·(1 + s/(6h) + V/(12hL))."""
     return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
@@ -67,13 +127,15 @@ def paper_hardware_flops(B: int, s: int, L: int, h: int, V: int, remat: str) -> 
 
 
 def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
-    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences. K and V are
-    kv_heads wide (grouped-query attention); Llama's SwiGLU multiplies by two up kernels (gate and up)."""
-    b, s, h, w, f = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden
-    kv = 2 * cfg.num_kv_heads * cfg.head_dim
-    up = 2 if cfg.family == "llama" else 1
-    return {"qkv": 2 * b * s * h * (w + kv), "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
-            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up * f, "mlp_down": 2 * b * s * f * h}
+    """Forward FLOPs of each matmul of one layer (remat.MATMULS) for `batch` sequences: model FLOPs, so
+    grouped-query attention counts its kv_heads K/V heads once (a rank that holds a repeated head,
+    t > kv_heads, computes max(kv_heads, t)/t of them: hardware work the model does not need), and a
+    SwiGLU MLP's first matmul is gate and up, 2f wide."""
+    b, s, h, w, f, d = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
+    qkv = w + 2 * cfg.num_kv_heads * d  # a·d query columns + k and v of each K/V head
+    up = 2 * f if cfg.family == "llama" else f
+    return {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
+            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
 
 
 def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None) -> float:

@@ -56,15 +56,16 @@ class Gemm:
 
 
 def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
-    """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t;
-    more where t exceeds Llama's K/V heads: each rank then computes its repeated K/V head)."""
+    """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t,
+    except that a rank computes max(kv_heads, t)/t K/V heads where t > kv_heads repeats them). Llama's Q and
+    K/V are one GEMM here (the same input; two in the model), its gate and up one 2f wide."""
     s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     tokens, heads = s * b, b * cfg.heads // t
-    kv = 2 * d * max(cfg.num_kv_heads, t)  # K and V columns over the t ranks
-    up = 2 if cfg.family == "llama" else 1  # SwiGLU's gate and up
-    return {"qkv": Gemm("qkv", tokens, (w + kv) // t, h), "scores": Gemm("scores", s, s, d, heads),
+    qkv = w + 2 * max(cfg.num_kv_heads, t) * d  # 3w for multi-head attention
+    up = 2 * f if cfg.family == "llama" else f
+    return {"qkv": Gemm("qkv", tokens, qkv // t, h), "scores": Gemm("scores", s, s, d, heads),
             "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t),
-            "mlp_up": Gemm("mlp_up", tokens, up * f // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
+            "mlp_up": Gemm("mlp_up", tokens, up // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
 
 
 def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
@@ -108,14 +109,19 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     with fused attention, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout, its
     dropout (2e + 1; 2e + 1). A policy that replays QKᵀ runs the softmax and its dropout forward again, one
     that replays the QKV matmul (full) the whole forward; others' replays of LayerNorm or GELU alone (lean,
-    dots) are not counted."""
+    dots) are not counted. Llama (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and
+    writes their product (3e over s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and
+    RoPE reads and writes q and the rank's K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same)."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
     mlp = s * b * cfg.mlp_hidden / t
     scores = 0 if cfg.attention == "fused" else b * cfg.heads / t * s * s
+    llama = cfg.family == "llama"
+    rope = s * b * (cfg.heads + max(cfg.num_kv_heads, t)) * cfg.head_dim / t * 2 * e if llama else 0.0
+    mlp_forward, mlp_backward = (3 * e, 5 * e) if llama else (2 * e, 3 * e)
     forward_attention = scores * (2 * e + r * (2 * e + 1))
-    forward = residual * 2 * (2 * e + 3 * e + r) + mlp * 2 * e + forward_attention
-    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * 3 * e + scores * (3 * e + r * (2 * e + 1))
+    forward = residual * 2 * (2 * e + 3 * e + r) + mlp * mlp_forward + forward_attention + rope
+    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r * (2 * e + 1)) + rope
     replays = POLICIES[remat].replays
     replayed = forward if "qkv" in replays else forward_attention if "scores" in replays else 0.0
     return forward + backward + replayed
@@ -125,9 +131,11 @@ def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: 
     """HBM bytes of the embedding, final LayerNorm and cross-entropy kernels, per device: the embedding's
     position add and dropout over s·b·h (forward: read, write and the mask, 3e + r; backward: read dy and the
     mask, write, 2e + r), the final LayerNorm (2e; 3e, /t under SP), and the vocab-parallel cross-entropy over
-    the s·b·V/t logits (read them twice, write their gradient: 3e)."""
+    the s·b·V/t logits (read them twice, write their gradient: 3e). Llama has no positions to add: its lookup
+    reads a row and writes it (2e)."""
     e, tokens, r = cfg.itemsize, cfg.seq_len * b, 1 if cfg.dropout > 0 else 0
-    embedding = tokens * cfg.hidden * (3 * e + r + 2 * e + r)
+    lookup = 2 * e if cfg.family == "llama" else 3 * e
+    embedding = tokens * cfg.hidden * (lookup + r + 2 * e + r)
     final_ln = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
     return embedding + final_ln + tokens * cfg.padded_vocab(t) / t * 3 * e
 

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import asdict, dataclass
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate
-from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops
+from jaxseq.models import formulas
+from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
@@ -98,7 +99,8 @@ class Plan:
             "microbatches": self.microbatches, "in_flight_layers": self.in_flight_layers,
             "bubble": self.bubble, "paper_bubble": self.paper_bubble,
             "in_flight": self.in_flight and self.in_flight.to_json(),
-            "hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
+            "family": cfg.family, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.num_kv_heads,
+            "mlp_hidden": cfg.mlp_hidden, "layers": cfg.layers, "vocab_size": cfg.vocab_size,
             "dtype": cfg.dtype, "attention": cfg.attention,
             "formula_flops_per_layer": self.formula_flops_per_layer,
             "forward_flops_per_layer": self.forward_flops_per_layer,
@@ -138,11 +140,26 @@ def _parts(state: State) -> dict:
 
 
 def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
-    """The paper's per-iteration FLOPs for one layer of one micro-batch, per device (V = 0: the
-    logits are not part of a layer)."""
-    s, h = cfg.seq_len, cfg.hidden
-    per = lambda remat: paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
+    """The formulas' FLOPs for one layer of one micro-batch, per device: GPT's the paper's per-iteration
+    formulas (V = 0: the logits are not part of a layer); another family's (which the paper's do not
+    describe) `formulas.train_flops` of one layer, with the replays of `selective` and `full`."""
+    if cfg.family == "gpt":
+        s, h = cfg.seq_len, cfg.hidden
+        per = lambda remat: paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
+    else:
+        per = lambda remat: (train_flops(replace(cfg, layers=1), b, None if remat == "none" else remat)
+                             - train_flops(replace(cfg, layers=0), b)) / tensor
     return {"model": per("none"), "hardware_selective": per("selective"), "hardware_full": per("full")}
+
+
+def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int) -> float | None:
+    """What row c's layer should store: GPT's paper rows the paper's Table 2; every row of another family
+    (explicit attention) `formulas.activation_bytes`, the same count term by term for its tensors."""
+    if cfg.family == "gpt":
+        return paper_activation_bytes(c.paper, cfg.seq_len, b, cfg.hidden, cfg.heads, c.tensor) if c.paper else None
+    if cfg.attention != "explicit":
+        return None
+    return formulas.activation_bytes(cfg, c.remat, b, c.tensor, c.sequence_parallel)
 
 
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
@@ -220,8 +237,8 @@ def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_fli
              baseline_flops: float, state: State) -> Row:
     """Row c as the table prints it: its compiled layer beside the paper's formula and the no-recompute
     baseline, and its bytes per device with `in_flight_layers` layers' worth of activations."""
-    s, h, a, b = cfg.seq_len, cfg.hidden, cfg.heads, micro_batch
-    formula = paper_activation_bytes(c.paper, s, b, h, a, c.tensor) if c.paper else None
+    b = micro_batch
+    formula = formula_bytes_per_layer(cfg, c, b)
     activations = activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
                                    non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel))
     return Row(

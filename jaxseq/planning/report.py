@@ -26,11 +26,13 @@ def format_table(p: Plan) -> str:
     (with a pipeline) and the training state."""
     cfg = p.config
     lines = [
-        f"{p.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
+        f"{p.model}: h={cfg.hidden} a={cfg.heads}"
+        f"{'' if cfg.family == 'gpt' else f' kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}'} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
         f"micro-batch={p.micro_batch} tensor={p.tensor} {cfg.dtype} {cfg.attention} attention "
         f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "
         "collectives at the activation dtype, forward + backward",
+        *_formula_label(p),
         "",
         *_format_rows(p),
         "",
@@ -68,11 +70,24 @@ def _format_rows(p: Plan) -> list[str]:
     return lines
 
 
+def _formula_label(p: Plan) -> list[str]:
+    """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
+    if p.config.family == "gpt":
+        return []
+    return [f"formula = formulas.activation_bytes for the {p.config.family} family, term by term (docs/DESIGN.md, "
+            "\"Stored bytes per layer, by family\"; norm statistics included), not the paper's Table 2"]
+
+
 def _format_formula_flops(p: Plan) -> str:
-    """The paper's FLOPs per layer: model, and hardware with selective and with full recompute."""
+    """The formulas' FLOPs per layer: model, and hardware with selective and with full recompute."""
     f, cfg = p.formula_flops_per_layer, p.config
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
+    if cfg.family != "gpt":
+        return (f"FLOPs per layer per device (t={p.tensor}), formulas.train_flops ({cfg.family}: K/V heads counted "
+                f"once, the MLP's gate, up and down): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
+                f"{f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%); with full "
+                f"{f['hardware_full'] / 1e12:.4f} (+{full_pct:.2f}%)")
     attention_share_pct = 100 * cfg.seq_len / (6 * cfg.hidden)  # the paper's s/(6h)
     return (f"FLOPs per layer per device (t={p.tensor}): paper model {f['model'] / 1e12:.4f} TFLOP; hardware with "
             f"selective {f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%, s/(6h) = "

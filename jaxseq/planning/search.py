@@ -4,7 +4,8 @@ Enumerates every valid (t, p, v, d, micro-batch b, remat policy, SP, distributed
 and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
 step, drops those over the memory budget, and ranks the rest by predicted time.
 
-Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads; t·p·d = G;
+Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads, and divides the
+K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times); t·p·d = G;
 p·v divides the layers; d·b divides B, m = B/(d·b) micro-batches per step; with p > 1, m ≥ p, and the
 interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP needs t > 1, the
 distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
@@ -217,6 +218,8 @@ def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
     """Why no candidate of mesh family (t, p) is valid, or None if some are."""
     if cfg.heads % t or cfg.mlp_hidden % t:
         return f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t else f"t={t} does not divide mlp={cfg.mlp_hidden}"
+    if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
+        return f"t={t} neither divides kv_heads={cfg.num_kv_heads} nor is a multiple of it"
     if r.gpus % (t * p):
         return f"t·p={t * p} does not divide {r.gpus} GPUs"
     if cfg.layers % p:
@@ -501,10 +504,15 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
 # Output
 
 
+def _gqa_mlp(cfg: ModelConfig) -> str:
+    """A Llama shape's K/V heads and MLP width (GPT's are a and 4h)."""
+    return "" if cfg.family == "gpt" else f" kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}"
+
+
 def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
     lines = [
-        f"{res.model}: h={cfg.hidden} a={cfg.heads} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
+        f"{res.model}: h={cfg.hidden} a={cfg.heads}{_gqa_mlp(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
         f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
         f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
@@ -525,7 +533,9 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}")
-    lines += ["", "TFLOP/s: model FLOPs per GPU (72·B·s·L·h²·(1 + s/(6h) + V/(12hL)), no recompute) / predicted step time; "
+    flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
+             else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
+    lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share"]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
@@ -536,7 +546,8 @@ def format_result(res: Result, top: int = 10) -> str:
 def to_json(res: Result, top: int = 10) -> dict:
     r = res.request
     return {
-        "model": res.model, "hidden": res.config.hidden, "heads": res.config.heads, "layers": res.config.layers,
+        "model": res.model, "family": res.config.family, "hidden": res.config.hidden, "heads": res.config.heads,
+        "kv_heads": res.config.num_kv_heads, "mlp_hidden": res.config.mlp_hidden, "layers": res.config.layers,
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
@@ -550,7 +561,9 @@ def to_json(res: Result, top: int = 10) -> dict:
 
 def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float, accounting: str) -> float:
     """TFLOP/s per GPU as a paper counts it: `model` (Korthikanti's MFU numerator) or `full`
-    (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute)."""
+    (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute: GPT's shapes only)."""
+    if accounting == "full" and cfg.family != "gpt":
+        raise ConfigError(f"accounting={accounting!r} is the papers' GPT formula; family={cfg.family!r} has none")
     flops = (paper_hardware_flops(batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size, "full")
              if accounting == "full" else train_flops(cfg, batch))
     return flops / seconds / gpus / 1e12
