@@ -80,7 +80,7 @@ def torch_loss_and_grads(model, inputs, targets):
 
 def to_jaxseq_layout(grads, padded_vocab):
     """Torch gradients ([out, in] Linear weights) in jaxseq's Llama tree, vocabulary rows padded with zeros."""
-    h, a, k, d, f = HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN
+    h, a, k, d = HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS
     pad = lambda g: np.concatenate([g, np.zeros((padded_vocab - VOCAB, h), g.dtype)])
 
     def stack(fn):

@@ -10,6 +10,7 @@ which is exactly jaxseq's [h, 3, heads, head_dim] kernel reshaped.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -110,7 +111,7 @@ class Weights:
                 self.names.append(key)
                 self.shapes[key], self.codes[key], self._file[key] = tuple(view.get_shape()), view.get_dtype(), handle
         if "BF16" in self.codes.values():
-            import ml_dtypes  # noqa: F401  registers NumPy's "bfloat16", which safetensors' NumPy API reads into
+            importlib.import_module("ml_dtypes")  # registers NumPy's "bfloat16", which safetensors' NumPy API reads into
 
     def __contains__(self, name: str) -> bool:
         return name in self._file
