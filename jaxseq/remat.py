@@ -1,6 +1,6 @@
 """Named remat policies: which tensors a layer keeps for backward, and which it recomputes.
 
-Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in models/gpt.py, and
+Every tensor the backward pass of a layer needs is tagged with `checkpoint_name` in the model families (models/), and
 every policy is a *whitelist* over those names (`save_only_these_names`). Why a whitelist: a
 blacklist (`save_anything_except_these_names`) silently recomputes nothing, because autodiff saves
 the untagged producer of a tagged value instead (measured: docs/DESIGN.md). Untagged values (the
@@ -39,7 +39,7 @@ GELU_OUTPUT = "gelu_output"  # second MLP matmul input, 8, split t ways
 MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
 MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)
 EMBED_DROPOUT_MASK = "embed_dropout_mask"  # outside the layers: not subject to the layer policy
-# A weight matmul's output where `model.matmul` hides the dot in a custom VJP (bf16 on CPU): the `dots`
+# A weight matmul's output where models/cpu_matmul.py hides the dot in a custom VJP (bf16 on CPU): the `dots`
 # policies save it there as JAX's dot policies save a plain dot.
 MATMUL = "matmul"
 

@@ -200,7 +200,7 @@ def preset_configs(name: str) -> dict:
         # The default run's small byte-level model learns fastest at a higher rate than GPT-2's 6e-4.
         configs["optimizer"] = OptimizerConfig(lr=2e-3, warmup_steps=50)
         # float32 compute: the reference run (README). bfloat16 is 1.3x faster on a 2-core CPU with
-        # native bf16 dots (model.matmul) and ends 0.024 nats/byte higher at step 800 (README).
+        # native bf16 dots (models/cpu_matmul.py) and ends 0.024 nats/byte higher at step 800 (README).
         configs["model"] = replace(configs["model"], dtype="float32")
         # 800 steps reach ≈1.7 nats/byte (≤ 1.8 asked) in under 10 minutes on a loaded 2-core CPU.
         configs["train"] = replace(configs["train"], steps=800)
