@@ -40,15 +40,18 @@ ALLOWED = {
     "models.formulas": {"config", "remat"},
     # formats from the outside world
     "interop.hf": {"config"},
+    "interop.hf_llama": {"config", "interop.hf"},
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.data_parallel": {"config", "models.model", "sharding"},
+    "parallel.data_parallel": {"config", "models.model", "parallel.context", "sharding"},
+    "parallel.context": {"config", "models.model", "remat", "sharding"},
     "parallel.pipeline": {"config", "models.model", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "models.model", "parallel.data_parallel", "parallel.pipeline", "sharding"},
-    "training.aot": {"config", "models.model", "sharding", "training.train_step"},
+    "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.pipeline",
+                            "sharding"},
+    "training.aot": {"config", "models.model", "parallel.context", "training.train_step"},
     "training.checkpoint": {"config", "models.model"},
     "training.rundir": {"config", "mesh", "models.model", "training.checkpoint", "training.sampling",
                         "training.train_step"},
@@ -76,7 +79,7 @@ ALLOWED = {
     "plan": {"cli", "config", "hardware", "planning.memory", "planning.plan", "planning.report", "planning.search",
              "planning.search_costs"},
     "generate": {"cli", "config", "mesh", "training.data", "training.rundir", "training.sampling"},
-    "convert": {"cli", "config", "interop.hf", "mesh", "models.model", "sharding", "training.checkpoint",
+    "convert": {"cli", "config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "sharding", "training.checkpoint",
                 "training.rundir", "training.train_step"},
     "data": {"cli", "config", "training.data"},
     "schedule": {"cli", "config", "parallel.schedule"},
