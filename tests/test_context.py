@@ -142,8 +142,8 @@ def _loop_collectives(text: str, backward: bool, groups) -> list[tuple[str, tupl
 def compiled():
     """The selective-recompute loss-and-gradient program at context 1 and 2 (both strategies): its HLO text."""
     def text(parallel):
-        return aot.compile_loss_and_grad(GPT, parallel, "selective", make_mesh(parallel, jax.devices()[:parallel.num_devices]),
-                                         4).as_text()
+        mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+        return aot.compile_loss_and_grad(GPT, parallel, "selective", mesh, 4).as_text()
     base = dict(data=2, tensor=2, sequence_parallel=True)
     return {"1": text(ParallelConfig(**base)),
             "all-gather": text(ParallelConfig(**base, context=2)),
@@ -197,11 +197,11 @@ def _losses(run_dir):
 
 def test_train_command_gives_the_losses_of_context_1(tmp_path):
     """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (both strategies; all-gather with gradient
-    accumulation) against data=4,tensor=2 (dropout off here: accumulation draws each micro-batch's masks from its
+    accumulation, the ring with the distributed optimizer: master shards split over `data` only) against data=4,tensor=2 (dropout off here: accumulation draws each micro-batch's masks from its
     own key; the dropout comparisons are the tests above)."""
     runs = {"1": ["--mesh", "data=4,tensor=2"],
             "all-gather": ["--mesh", "context=2,tensor=2,data=2", "--micro-batch-size", "4"],
-            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring"]}
+            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring", "--distributed-optimizer"]}
     losses = {}
     for name, args in runs.items():
         done = command(train_command.main, *TINY, *args, "--run-dir", str(tmp_path / name), "dropout=0.0")
