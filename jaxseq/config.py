@@ -11,6 +11,7 @@ FAMILIES = ("gpt", "llama")  # model families (models/gpt.py, models/llama.py)
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
 MATMUL_FORMS = ("einsum", "cpu-bf16")  # models/ops.MATMULS: the portable einsum, XLA:CPU's bf16 form
 ROPE_SCALINGS = ("llama3",)
+CONTEXT_STRATEGIES = ("all-gather", "ring")  # parallel/context.py
 
 
 def matmul_for(platform: str) -> str:
@@ -99,8 +100,10 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Mesh shape: pipe × data × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the layers
-    split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see parallel/schedule.py).
+    """Mesh shape: pipe × data × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
+    layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see
+    parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
+    `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).
 
     distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data`
     (ZeRO-1, Megatron-LM's --use-distributed-optimizer); see train_step.master_specs.
@@ -113,13 +116,16 @@ class ParallelConfig:
     pipe: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    context: int = 1
+    context_strategy: str = "all-gather"
 
     @property
     def num_devices(self) -> int:
-        return self.pipe * self.data * self.tensor
+        return self.pipe * self.data * self.context * self.tensor
 
     def mesh_text(self) -> str:
-        return (f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × tensor={self.tensor}"
+        return ((f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × "
+                + (f"context={self.context} × " if self.context > 1 else "") + f"tensor={self.tensor}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,7 +337,7 @@ def validate_family(model: ModelConfig) -> None:
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
-    for name in ("pipe", "data", "tensor"):
+    for name in ("pipe", "data", "context", "tensor"):
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -349,6 +355,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(f"tensor={t} does not divide mlp width={model.mlp_hidden}")
     if parallel.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
+    validate_context(model, parallel)
     if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
         resolve_schedule(parallel.schedule, parallel.virtual_stages)
         if parallel.pipe == 1:  # accepted and ignored, a run would not be what was asked for
@@ -360,11 +367,29 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
                               f"{parallel.pipe}×{parallel.virtual_stages}")
     if num_devices is not None and parallel.num_devices != num_devices:
-        names = ("pipe", "data", "tensor") if parallel.pipe > 1 else ("data", "tensor")
+        names = tuple(n for n in ("pipe", "data", "context", "tensor") if n in ("data", "tensor") or getattr(parallel, n) > 1)
         raise ConfigError(
             f"{'×'.join(names)} = {'×'.join(str(getattr(parallel, n)) for n in names)} = {parallel.num_devices} "
             f"does not equal the device count {num_devices}"
         )
+
+
+def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Context parallelism: 2c equal chunks of the sequence (each further split t ways under SP), no pipeline yet."""
+    c = parallel.context
+    if parallel.context_strategy not in CONTEXT_STRATEGIES:
+        raise ConfigError(f"context_strategy={parallel.context_strategy!r} is not valid; valid: "
+                          f"{', '.join(CONTEXT_STRATEGIES)}")
+    if c == 1:
+        return
+    if parallel.pipe > 1:
+        raise ConfigError(f"context={c} with pipe={parallel.pipe}: context parallelism with a pipeline is not "
+                          "implemented yet (use pipe=1)")
+    split = 2 * c * (parallel.tensor if parallel.sequence_parallel else 1)
+    if model.seq_len % split:
+        what = f"2·context·tensor = {split} (2c load-balanced chunks, each split over tensor by SP)" \
+            if parallel.sequence_parallel else f"2·context = {split} (2c load-balanced chunks)"
+        raise ConfigError(f"seq_len={model.seq_len} is not divisible by {what}")
 
 
 def validate_optimizer(opt: OptimizerConfig) -> None:
@@ -396,6 +421,10 @@ def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: 
             raise ConfigError(f"micro_batch_size={micro_batch_size} does not divide batch_size={batch_size}")
         if micro_batch_size % parallel.data:
             raise ConfigError(f"data={parallel.data} does not divide micro_batch_size={micro_batch_size}")
+    if (parallel.context > 1 and parallel.context_strategy == "ring" and micro_batch_size is not None
+            and micro_batch_size < batch_size):
+        raise ConfigError(f"micro_batch_size={micro_batch_size} < batch_size={batch_size} with the ring strategy: "
+                          "gradient accumulation under the ring is not supported yet (use context_strategy=all-gather)")
     if parallel.pipe > 1:
         m = batch_size // micro_batch_size if micro_batch_size else 1
         validate_pipeline(parallel.pipe, m, parallel.virtual_stages, parallel.schedule)

@@ -1,8 +1,9 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-The model names its axes logically (`batch`, `heads`, `mlp`, `vocab`, `seq_sp`, …); only this module
+The model names its axes logically (`batch`, `seq`, `heads`, `mlp`, `vocab`, `seq_sp`, …); only this module
 knows that `heads` lives on the mesh axis `tensor`. Sequence parallelism is a change of one rule:
-`seq_sp` (the sequence axis of the LayerNorm/dropout regions) maps to `tensor` instead of nothing.
+`seq_sp` (the sequence axis of the LayerNorm/dropout regions) maps to `tensor` instead of nothing. Context
+parallelism is another: `seq` (the sequence everywhere) maps to `context`, and `seq_sp` to (`context`, `tensor`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ParallelConfig
 
-MESH_AXES = ("pipe", "data", "tensor")
+MESH_AXES = ("pipe", "data", "context", "tensor")
 
 
 def available_devices() -> list:
@@ -32,49 +33,56 @@ def use_host_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def parse_mesh(text: str, num_devices: int) -> tuple[int, int, int]:
-    """'pipe=2,data=2,tensor=2' (pipe defaults to 1; data or tensor left out takes the remaining
-    devices) → (pipe, data, tensor)."""
+def parse_mesh(text: str, num_devices: int) -> tuple[int, int, int, int]:
+    """'pipe=2,data=2,tensor=2' or 'context=4,tensor=2' (pipe and context default to 1; data or tensor left
+    out takes the remaining devices) → (pipe, data, context, tensor)."""
     axes = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2")
+            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4, pipe=2,data=2,tensor=2 "
+                              "or context=4,tensor=2")
         axes[name.strip()] = int(value)
-    pipe = axes.get("pipe", 1)
+    pipe, context = axes.get("pipe", 1), axes.get("context", 1)
     if "data" not in axes:
-        axes["data"] = max(num_devices // (pipe * axes.get("tensor", 1)), 1)
+        axes["data"] = max(num_devices // (pipe * context * axes.get("tensor", 1)), 1)
     if "tensor" not in axes:
-        axes["tensor"] = max(num_devices // (pipe * axes["data"]), 1)
-    return pipe, axes["data"], axes["tensor"]
+        axes["tensor"] = max(num_devices // (pipe * context * axes["data"]), 1)
+    return pipe, axes["data"], context, axes["tensor"]
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A pipe × data × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
+    """A pipe × data × context × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
 
     Tensor ranks are the fastest-varying axis: consecutive devices (one host's GPUs) form a tensor
     group, data parallelism spans hosts, pipeline stages are the slowest axis, as the Megatron-LM
-    papers recommend (PTD-P: t within a node, then d, then p).
+    papers recommend (PTD-P: t within a node, then d, then p). Context ranks sit between data and tensor
+    (Megatron-LM's order, tp-cp-dp-pp from fastest): their K/V traffic every layer is the heavier.
     """
     devices = jax.devices() if devices is None else list(devices)
     if parallel.num_devices != len(devices):
         raise ConfigError(
-            f"pipe×data×tensor = {parallel.pipe}×{parallel.data}×{parallel.tensor} = {parallel.num_devices} "
+            f"pipe×data×context×tensor = {parallel.pipe}×{parallel.data}×{parallel.context}×{parallel.tensor} = "
+            f"{parallel.num_devices} "
             f"does not equal the device count {len(devices)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(parallel.pipe, parallel.data, parallel.tensor)
+    grid = np.asarray(devices, dtype=object).reshape(parallel.pipe, parallel.data, parallel.context, parallel.tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_parallel(mesh: Mesh, sequence_parallel: bool = False) -> ParallelConfig:
-    """The ParallelConfig a pipe × data × tensor mesh describes."""
-    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], tensor=mesh.shape["tensor"],
-                          sequence_parallel=sequence_parallel)
+    """The ParallelConfig a pipe × data × context × tensor mesh describes."""
+    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], context=mesh.shape["context"],
+                          tensor=mesh.shape["tensor"], sequence_parallel=sequence_parallel)
 
 
-def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, str | None]:
-    """Logical axis → mesh axis. Axes not listed are replicated. With a pipeline the stacked layers
-    split over `pipe` in natural order (stage s holds the s-th block of L/p layers)."""
+def logical_rules(sequence_parallel: bool, pipeline: bool = False, context: bool = False) -> dict:
+    """Logical axis → mesh axis (or axes). Axes not listed are replicated. With a pipeline the stacked layers
+    split over `pipe` in natural order (stage s holds the s-th block of L/p layers). With context parallelism
+    the sequence splits over `context` everywhere, and under SP each context rank's part further over `tensor`."""
+    seq_sp = "tensor" if sequence_parallel else None
+    if context:
+        seq_sp = ("context", "tensor") if sequence_parallel else "context"
     return {
         "layers": "pipe" if pipeline else None,
         "batch": "data",
@@ -82,7 +90,8 @@ def logical_rules(sequence_parallel: bool, pipeline: bool = False) -> dict[str, 
         "kv_heads": "tensor",  # where kv_heads divides by t; a family replicates them otherwise
         "mlp": "tensor",
         "vocab": "tensor",
-        "seq_sp": "tensor" if sequence_parallel else None,
+        "seq": "context" if context else None,
+        "seq_sp": seq_sp,
     }
 
 

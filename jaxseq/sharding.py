@@ -5,15 +5,21 @@
 as explicit collectives inside `jax.shard_map`, because left to the partitioner XLA stores or moves more
 than Megatron-LM does (docs/DESIGN.md). `StageSharder` is the same for code inside the pipeline's
 shard_map (manual over `pipe` and `data`), where those collectives must be forward-only custom_vjps.
+
+Under context parallelism the Sharder also knows the sequence's layout (`reorder`: 2c chunks, rank r holding
+chunks r and 2c−1−r) and carries the context attention a run chose (`context_attention`, from
+parallel/context.py: the models below it call attention through `models.ops.attention`, which asks for it here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.mesh import logical_rules, logical_to_spec
@@ -25,15 +31,43 @@ class Sharder:
 
     mesh: Mesh | None
     sequence_parallel: bool = False
+    # attention(q, k, v, cfg, key, shard) over the whole causal prefix when the sequence is split over
+    # `context` (parallel/context.py's strategies); None: the partitioner's choice (`models.ops.attention`).
+    context_attention: Callable | None = field(default=None, compare=False)
 
     @property
     def rules(self) -> dict[str, str | None]:
-        return logical_rules(self.sequence_parallel)
+        return logical_rules(self.sequence_parallel, context=self.context > 1)
 
     @property
     def tensor(self) -> int:
         """Ranks of the `tensor` axis (1 without a mesh)."""
         return self.mesh.shape["tensor"] if self.mesh is not None else 1
+
+    @property
+    def context(self) -> int:
+        """Ranks of the `context` axis (1 without a mesh)."""
+        return self.mesh.shape.get("context", 1) if self.mesh is not None else 1
+
+    @property
+    def map_mesh(self):
+        """The mesh a shard_map names here: the concrete one (the abstract one inside a manual region)."""
+        return self.mesh
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes the collectives' shard_maps are manual over: `tensor`, and `context` where it splits."""
+        return frozenset({"tensor", "context"} if self.context > 1 else {"tensor"})
+
+    def reorder(self, s: int) -> np.ndarray | None:
+        """The global position of each stored token of a sequence of s when it is split over `context`
+        (`context_order`); None when it is not (the stored order is the natural one)."""
+        return context_order(s, self.context) if self.context > 1 else None
+
+    def positions(self, s: int) -> np.ndarray:
+        """The global positions of the stored tokens of a sequence of s (0 … s−1 without context parallelism)."""
+        order = self.reorder(s)
+        return np.arange(s) if order is None else order
 
     def spec(self, *axes: str | None) -> P:
         return logical_to_spec(axes, self.rules)
@@ -59,7 +93,7 @@ class Sharder:
         if self.mesh is None:
             return fn(x, params)
         if not self.sequence_parallel:
-            return _map_outputs(lambda y, axes: self(y, *axes), fn(self(x, "batch", None, None), params), out_axes)
+            return _map_outputs(lambda y, axes: self(y, *axes), fn(self(x, "batch", "seq", None), params), out_axes)
         local = lambda y, p: fn(jax.lax.all_gather(y, "tensor", axis=1, tiled=True), p)
         specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
         return jax.shard_map(
@@ -83,7 +117,7 @@ class Sharder:
             return jnp.take(table, tokens, axis=0)
         return jax.shard_map(
             partial(vocab_parallel_lookup, sequence_parallel=self.sequence_parallel), mesh=self.mesh,
-            in_specs=(self.spec("vocab", None), self.spec("batch", None)), out_specs=self.spec("batch", "seq_sp", None),
+            in_specs=(self.spec("vocab", None), self.spec("batch", "seq")), out_specs=self.spec("batch", "seq_sp", None),
         )(table, tokens)
 
 
@@ -97,10 +131,20 @@ class StageSharder(Sharder):
 
     @property
     def rules(self) -> dict[str, str | None]:
-        return {**logical_rules(self.sequence_parallel), "batch": None}
+        return {**logical_rules(self.sequence_parallel, context=self.context > 1), "batch": None}
 
     def named(self, *axes: str | None) -> NamedSharding:
         return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
+
+    @property
+    def map_mesh(self):
+        return jax.sharding.get_abstract_mesh()
+
+    def _over_context(self, grads):
+        """A weight gradient built by hand summed over the context ranks (each holds its part of the sequence)
+        where these shard_maps are manual over `context` (weights are replicated over it; `jax.vjp` of an
+        invariant weight sums by itself)."""
+        return jax.tree.map(lambda g: jax.lax.psum(g, "context"), grads) if "context" in self.manual_axes else grads
 
     def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
         if self.mesh is None or not self.sequence_parallel:
@@ -110,7 +154,7 @@ class StageSharder(Sharder):
         p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
         out_spec = self.out_specs(out_axes)
         gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
-        nested = partial(jax.shard_map, mesh=mesh, axis_names={"tensor"})
+        nested = partial(jax.shard_map, mesh=mesh, axis_names=self.manual_axes)
 
         def forward(x, p):
             return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
@@ -138,8 +182,8 @@ class StageSharder(Sharder):
         rank's partial sum (reduced over `data` once per step, after the tick loop)."""
         if self.mesh is None:
             return jnp.take(table, tokens, axis=0)
-        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tensor"})
-        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", None), self.spec("batch", "seq_sp", None)
+        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names=self.manual_axes)
+        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", "seq"), self.spec("batch", "seq_sp", None)
         sp = self.sequence_parallel
 
         def forward(table, tokens):
@@ -152,7 +196,7 @@ class StageSharder(Sharder):
                     g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
                 ids, mine = _rank_rows(table.shape[0], tokens)
                 g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
+                return self._over_context(jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g))
 
             return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
 
@@ -190,8 +234,26 @@ def only_axes(spec: P, axes: tuple[str, ...]) -> P:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """The global batch [B, s]: rows split over `data`, replicated over `pipe` and `tensor`."""
+    """The global batch [B, s] as placed, in natural order: rows split over `data`, replicated over `pipe`,
+    `context` and `tensor`. Under context parallelism `models.model.loss_fn` reorders the tokens
+    (`context_order`) and keeps each context rank's; placed whole on every context rank (token ids: 4 bytes a
+    token), the reorder is a local gather that moves nothing between devices."""
     return NamedSharding(mesh, P("data", None))
+
+
+def context_chunks(c: int) -> tuple[tuple[int, int], ...]:
+    """The two of 2c equal chunks of the sequence each context rank holds: rank r holds r and 2c−1−r
+    (Megatron-LM's and TransformerEngine's order). Causal attention then costs every rank the same: a
+    contiguous split gives the last rank about 2c−1 times the first rank's work."""
+    return tuple((r, 2 * c - 1 - r) for r in range(c))
+
+
+def context_order(s: int, c: int, chunks=None) -> np.ndarray:
+    """Global positions of the stored tokens when rank r stores `chunks[r]` (default `context_chunks(c)`)
+    one after another: storage index j holds the token at position order[j]."""
+    n = s // (2 * c)
+    chunks = context_chunks(c) if chunks is None else chunks
+    return np.concatenate([np.arange(i * n, (i + 1) * n) for pair in chunks for i in pair]).astype(np.int32)
 
 
 def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):

@@ -35,7 +35,7 @@ DEFAULT_PRESET = "stdlib-bytes"
 SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
 # The mesh and the pipeline schedule are set by --mesh / --sequence-parallel / --schedule /
 # --virtual-stages once the devices are known, not as config fields.
-MESH_FIELDS = {"pipe", "data", "tensor", "sequence_parallel", "schedule", "virtual_stages"}
+MESH_FIELDS = {"pipe", "data", "context", "tensor", "sequence_parallel", "schedule", "virtual_stages"}
 
 
 def _coerce(name: str, value, annotation: str):
@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
-    a("--mesh", help="e.g. data=2,tensor=4 or pipe=2,data=2,tensor=2 (default: data=2,tensor=4 on simulated "
-                     "CPU devices, data=N on GPUs)")
+    a("--mesh", help="e.g. data=2,tensor=4, pipe=2,data=2,tensor=2 or context=2,tensor=2,data=2 (default: "
+                     "data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
+    a("--context-strategy", help="with context > 1 in --mesh: all-gather (K/V gathered, the default) or ring "
+                                 "(K/V blocks passed rank to rank)")
     a("--schedule", choices=SCHEDULES, default=ParallelConfig().schedule,
       help="pipeline schedule when the mesh has pipe > 1 (default %(default)s; with --virtual-stages > 1: "
            "interleaved)")
@@ -154,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 # The flags that set the config field of their own name (the flag's dest).
 FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
-               "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer")
+               "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
+               "context_strategy")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -291,8 +294,8 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
-    pipe, data, tensor = parse_mesh(mesh_text, len(devices))
-    return replace(configured, pipe=pipe, data=data, tensor=tensor,
+    pipe, data, context, tensor = parse_mesh(mesh_text, len(devices))
+    return replace(configured, pipe=pipe, data=data, context=context, tensor=tensor,
                    sequence_parallel=tensor > 1 if sequence_parallel is None else sequence_parallel,
                    schedule=pipeline[0], virtual_stages=pipeline[1])
 

@@ -44,12 +44,14 @@ ALLOWED = {
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
-    "parallel.data_parallel": {"config", "models.model", "sharding"},
+    "parallel.data_parallel": {"config", "models.model", "parallel.context", "sharding"},
+    "parallel.context": {"config", "models.ops", "remat", "sharding"},
     "parallel.pipeline": {"config", "models.model", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
-    "training.train_step": {"config", "models.model", "parallel.data_parallel", "parallel.pipeline", "sharding"},
-    "training.aot": {"config", "models.model", "sharding", "training.train_step"},
+    "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.pipeline",
+                            "sharding"},
+    "training.aot": {"config", "models.model", "parallel.context", "training.train_step"},
     "training.checkpoint": {"config", "models.model"},
     "training.rundir": {"config", "mesh", "models.model", "training.checkpoint", "training.sampling",
                         "training.train_step"},

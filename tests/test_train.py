@@ -47,7 +47,8 @@ def check_metrics_and_config(run_dir):
     assert "val_loss" in records[4] and "val_loss" in records[9]
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True, "distributed_optimizer": False,
-                                  "pipe": 1, "schedule": "1f1b", "virtual_stages": 1}
+                                  "pipe": 1, "schedule": "1f1b", "virtual_stages": 1, "context": 1,
+                                  "context_strategy": "all-gather"}
     assert config["model"]["hidden"] == 64 and config["train"]["steps"] == 10
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
 

@@ -59,10 +59,12 @@ def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input [b, s(/t), h] from the embedding group (params["embed"]): the
     vocab-parallel lookup (each rank masks its rows and the ranks reduce; reduce-scatter with SP) plus the
-    learned positions, then dropout."""
+    learned positions (of the stored order under context parallelism), then dropout."""
     x = shard.embed(group["token"], tokens)
-    x = shard(x + group["position"][: tokens.shape[1]], "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK)
+    order = shard.reorder(tokens.shape[1])
+    positions = group["position"][: tokens.shape[1]] if order is None else jnp.take(group["position"], order, axis=0)
+    x = shard(x + positions, "batch", "seq_sp", None)
+    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, order)
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -82,32 +84,33 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     """One pre-LN block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
     train = key is not None
     k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
+    order = shard.reorder(x.shape[1])  # the stored tokens' global positions under context parallelism
     x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
     y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
     qkv = shard.column_parallel(_linear("bsh,hcad->bscad", cfg), y, {"kernel": p["attn"]["qkv"]["kernel"]},
-                                {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", None, None, "heads", None))
+                                {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", "seq", None, "heads", None))
     qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
     # One split (backward: one concatenate), not three slices (backward: three zero-padded full-size
     # gradients summed).
     q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
     q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
-    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
+    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", "seq", "heads", None), R.CONTEXT)
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = add_bias(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), p["attn"]["out"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
-    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
+    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order), R.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
     hid = shard.column_parallel(_linear("bsh,hf->bsf", cfg), y, {"kernel": p["mlp"]["wi"]["kernel"]},
-                                {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", None, "mlp"))
+                                {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", "seq", "mlp"))
     hid = add_bias(hid, p["mlp"]["wi"]["bias"])
-    hid = checkpoint_name(shard(hid, "batch", None, "mlp"), R.MLPWI)
+    hid = checkpoint_name(shard(hid, "batch", "seq", "mlp"), R.MLPWI)
     out = add_bias(matmul("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"], cfg), p["mlp"]["wo"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order)
     return shard(x, "batch", "seq_sp", None)
 
 

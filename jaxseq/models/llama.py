@@ -67,7 +67,7 @@ def _kv_kernel(w, cfg: ModelConfig, shard: Sharder):
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input [b, s(/t), h]: the vocab-parallel lookup, then dropout."""
     x = shard(shard.embed(group["token"], tokens), "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK)
+    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, shard.reorder(tokens.shape[1]))
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -87,6 +87,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     """One pre-norm block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
     train = key is not None
     k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
+    order = shard.reorder(x.shape[1])  # the stored tokens' global positions under context parallelism
     x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
 
     # Attention: RMSNorm on the (sequence-sharded) stream, all-gather, column-parallel Q and K/V (one gather).
@@ -94,26 +95,26 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     w = {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}
     q, kv = shard.column_parallel(lambda y, w: _project_qkv(y, w, cfg), y, w,
                                   {"q": (None, "heads", None), "kv": (None, None, "heads", None)},
-                                  (("batch", None, "heads", None), ("batch", None, None, "heads", None)))
+                                  (("batch", "seq", "heads", None), ("batch", "seq", None, "heads", None)))
     k, v = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
-    positions = jnp.arange(q.shape[1])
+    positions = jnp.asarray(shard.positions(q.shape[1]))
     q, k = rope(q, positions, cfg), rope(k, positions, cfg)
     q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
-    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", None, "heads", None), R.CONTEXT)
+    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", "seq", "heads", None), R.CONTEXT)
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
                           R.OUT_PROJ)
-    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK), R.MID_LAYER_RESIDUAL)
+    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order), R.MID_LAYER_RESIDUAL)
 
     # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
     y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
     hid = shard.column_parallel(lambda y, w: matmul("bsh,hcf->bscf", y, w["kernel"], cfg), y,
                                 {"kernel": p["mlp"]["wi"]["kernel"]}, {"kernel": (None, None, "mlp")},
-                                ("batch", None, None, "mlp"))
-    hid = checkpoint_name(shard(hid, "batch", None, None, "mlp"), R.MLPWI)
+                                ("batch", "seq", None, "mlp"))
+    hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), R.MLPWI)
     out = checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["mlp"]["wo"]["kernel"], cfg), "batch", "seq_sp", None),
                           R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order)
     return shard(x, "batch", "seq_sp", None)
 
 

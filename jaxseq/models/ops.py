@@ -103,32 +103,40 @@ def _gelu_bwd(x, g):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _causal_softmax(scores, scale):
+def _causal_softmax(scores, scale, order):
     s_q, s_k = scores.shape[-2:]
-    causal = jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
+    if order is None:
+        causal = jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
+    else:  # queries and keys stored in `order` (context parallelism): the mask of their global positions
+        causal = jnp.asarray(order)[:, None] >= jnp.asarray(order)[None, :]
     logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
     return checkpoint_name(probs, R.ATTN_PROBS)
 
 
+def causal_softmax(scores, scale, order=None):
+    """softmax(scale·scores) over keys with a causal mask, in float32; backward keeps only the output. order:
+    the global positions of the stored queries and keys (context parallelism's reorder), or None (natural)."""
+    return _masked_softmax(scores, scale, order)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def causal_softmax(scores, scale):
-    """softmax(scale·scores) over keys with a causal mask, in float32; backward keeps only the output."""
-    return _causal_softmax(scores, scale)
+def _masked_softmax(scores, scale, order):
+    return _causal_softmax(scores, scale, order)
 
 
-def _softmax_fwd(scores, scale):
-    probs = _causal_softmax(scores, scale)
+def _softmax_fwd(scores, scale, order):
+    probs = _causal_softmax(scores, scale, order)
     return probs, probs
 
 
 def _softmax_bwd(scale, probs, g):
     p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
     ds = p * (g - jnp.sum(g * p, axis=-1, keepdims=True)) * scale  # masked entries have p = 0
-    return (ds.astype(probs.dtype),)
+    return ds.astype(probs.dtype), None
 
 
-causal_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -155,16 +163,24 @@ def add_bias(x, bias):
     return _add_bias(x, bias.astype(x.dtype), bias.ndim)
 
 
-def dropout(x, rate: float, key, mask_name: str):
+def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,)):
     """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`).
 
     The mask is `jax.random.bernoulli(key, 1 − rate, global shape)`, whatever the sharding: inside a region
     manual over `data` (the pipeline executor) x holds one data rank's rows of the batch, and the rank draws
-    exactly those rows of the global mask (`bernoulli_rows`)."""
+    exactly those rows of the global mask (`bernoulli_rows`). Where the sequence is stored reordered (`order`:
+    the global position of each entry along `seq_axes`, context parallelism), each entry draws the mask's
+    element at its global position (`bernoulli_at`), so the masks are those of the natural order."""
     if rate == 0.0 or key is None:
         return x
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and "data" in mesh.manual_axes:
+    manual_data = not mesh.empty and "data" in mesh.manual_axes
+    if order is not None:
+        coords = {axis % x.ndim: order for axis in seq_axes}
+        if manual_data:
+            coords[0] = jnp.arange(x.shape[0]) + jax.lax.axis_index("data") * x.shape[0]
+        keep = bernoulli_at(key, 1.0 - rate, x.shape, coords)
+    elif manual_data:
         keep = bernoulli_rows(key, 1.0 - rate, x.shape, jax.lax.axis_index("data") * x.shape[0])
     else:
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
@@ -202,6 +218,35 @@ def bernoulli_rows(key, p: float, shape, first_row):
     hi, lo = _mul_u32(rows, row_size)
     index_lo = lo + within
     index_hi = hi + (index_lo < lo).astype(jnp.uint32)  # the carry
+    return _uniform_below(key, p, index_hi, index_lo)
+
+
+def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None):
+    """The entries of `jax.random.bernoulli(key, p, global_shape)` at the given coordinates, shaped `shape`:
+    coords maps an axis to the global index of each entry along it (an array of shape[axis]); the other axes
+    count from 0. Why: a sequence stored reordered (context parallelism) draws the natural order's mask
+    elementwise, each device only its own entries; the same threefry-of-the-global-index as `bernoulli_rows`."""
+    global_shape = tuple(shape if global_shape is None else global_shape)
+    if str(jax.random.key_impl(key)) != "threefry2x32" or math.prod(global_shape[1:]) >= 2**32:
+        raise ValueError(f"bernoulli_at needs a threefry2x32 key and rows under 2³² elements, got "
+                         f"{str(jax.random.key_impl(key))}, {global_shape}")
+    hi, lo, stride = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32), 1
+    for axis in range(len(shape) - 1, -1, -1):
+        if axis in coords:
+            index = jnp.asarray(coords[axis]).astype(jnp.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+            index = jnp.broadcast_to(index, shape)
+        else:
+            index = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+        add_hi, add_lo = _mul_u32(index, stride)
+        new_lo = lo + add_lo
+        hi, lo = hi + add_hi + (new_lo < lo).astype(jnp.uint32), new_lo
+        stride *= global_shape[axis]
+    return _uniform_below(key, p, hi, lo)
+
+
+def _uniform_below(key, p: float, index_hi, index_lo):
+    """Whether the float32 uniform JAX draws at the 64-bit element index (index_hi, index_lo) is below p."""
+    u = lambda v: jnp.asarray(v, jnp.uint32)
     words = jax.random.key_data(key)
     bits1, bits2 = threefry2x32_p.bind(words[0], words[1], index_hi, index_lo)
     bits = bits1 ^ bits2
@@ -293,32 +338,46 @@ def rope(x, positions, cfg: ModelConfig):
 
 def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     """Causal attention of q [b, s, a, d] over k, v [b, s, kv, d] (kv dividing a: grouped-query attention,
-    each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d]."""
+    each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d]. Where the sequence
+    is split over `context`, the strategy the run chose (`shard.context_attention`, parallel/context.py)."""
+    if shard.context > 1 and shard.context_attention is not None:
+        return shard.context_attention(q, k, v, cfg, key, shard)
+    return causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+
+
+def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None):
+    """`attention` written over the whole sequence (the partitioner splits it), queries and keys stored in
+    `order` (their global positions; None: natural). Scores are split over `seq` like the queries."""
     if cfg.attention == "fused":
         # cuDNN flash attention on GPU (bf16/fp16), XLA elsewhere; grouped K/V heads natively. No dropout
         # argument exists, so attention-probs dropout is not applied with the fused implementation.
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # JAX picks cuDNN where it can
+        if order is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # JAX picks cuDNN where it can
+        # A reordered sequence is no top-left triangle: the mask of global positions, given densely.
+        mask = (jnp.asarray(order)[:, None] >= jnp.asarray(order)[None, :])[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
     b, s, a, d = q.shape
     kv = k.shape[2]
     if kv == a:
         scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
-        scores = shard(scores, "batch", "heads", None, None)
-        probs = _probs(scores, cfg, key)
+        scores = shard(scores, "batch", "heads", "seq", None)
+        probs = _probs(scores, cfg, key, order)
         return jnp.einsum("baqk,bkad->bqad", probs, v)
     q = q.reshape(b, s, kv, a // kv, d)
     scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), R.ATTN_SCORES)
-    scores = shard(scores, "batch", "heads", None, None, None)
-    probs = _probs(scores, cfg, key)
+    scores = shard(scores, "batch", "heads", None, "seq", None)
+    probs = _probs(scores, cfg, key, order)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, a, d)
 
 
-def _probs(scores, cfg: ModelConfig, key):
-    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim))
+def _probs(scores, cfg: ModelConfig, key, order):
+    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim), order)
     if cfg.dropout == 0.0 or key is None:
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).
         return probs
-    return checkpoint_name(dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK), R.ATTN_PROBS_DROPOUT)
+    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1))
+    return checkpoint_name(dropped, R.ATTN_PROBS_DROPOUT)
 
 
 def cross_entropy(logits, targets):
@@ -337,7 +396,7 @@ def vocab_logits(table, x, cfg: ModelConfig, shard: Sharder):
     under SP). The tied embedding (GPT) or the untied lm_head (Llama)."""
     table = {"table": table.astype(x.dtype)}
     logits = shard.column_parallel(lambda y, p: matmul("bsh,vh->bsv", y, p["table"], cfg), x, table,
-                                   {"table": ("vocab", None)}, ("batch", None, "vocab"))
-    logits = shard(logits.astype(jnp.float32), "batch", None, "vocab")
+                                   {"table": ("vocab", None)}, ("batch", "seq", "vocab"))
+    logits = shard(logits.astype(jnp.float32), "batch", "seq", "vocab")
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
     return jnp.where(vocab_ids < cfg.vocab_size, logits, -jnp.inf)

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model as M
-from jaxseq.sharding import Sharder, StageSharder, entry_axes, only_axes
+from jaxseq.parallel import context
+from jaxseq.sharding import Sharder, entry_axes, only_axes
 
 
 def varying(x, axes=("pipe", "data")):
@@ -67,7 +68,7 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
-                                               shard=StageSharder(mesh, parallel.sequence_parallel)))
+                                               shard=context.sharder(mesh, parallel, stage=True)))
     scale = 1.0 / (microbatches * parallel.data)  # the mean over micro-batches and data ranks
 
     def rank(params, micro, key_data):
@@ -92,7 +93,7 @@ def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfi
     """The mean of `model.loss_fn` (no dropout) over the micro-batches of `batch`, one at a time (lax.map),
     on the compute copy of the weights made once (gathered over data, as the train step's): the evaluation's
     forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
-    shard = Sharder(mesh, parallel.sequence_parallel)
+    shard = context.sharder(mesh, parallel)
     weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
                            M.cast_params(params, cfg), M.param_specs(cfg, parallel))
     micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)

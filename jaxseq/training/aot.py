@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model as M
-from jaxseq.sharding import Sharder
+from jaxseq.parallel import context
 from jaxseq.training import train_step as T
 
 
@@ -39,7 +39,7 @@ def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str
 def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
     """The loss alone (forward pass), compiled for `mesh`."""
     params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
-    shard = Sharder(mesh, parallel.sequence_parallel)
+    shard = context.sharder(mesh, parallel)
     fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
     return fn.lower(params, batch, key).compile()

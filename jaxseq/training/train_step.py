@@ -12,9 +12,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model as M
+from jaxseq.parallel import context
 from jaxseq.parallel.data_parallel import accumulate_loss_and_grad
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
-from jaxseq.sharding import Sharder, batch_sharding, entry_axes
+from jaxseq.sharding import batch_sharding, entry_axes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
@@ -150,7 +151,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     Under a pipeline the embedding's and final LayerNorm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
-    shard = Sharder(mesh, parallel.sequence_parallel)
+    shard = context.sharder(mesh, parallel)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
@@ -188,7 +189,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
-    shard = Sharder(mesh, parallel.sequence_parallel)
+    shard = context.sharder(mesh, parallel)
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     replicated = NamedSharding(mesh, P())
     fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))

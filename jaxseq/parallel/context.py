@@ -1,0 +1,287 @@
+"""Context parallelism: the whole sequence split over the mesh axis `context`, attention included.
+
+Every token-wise part of a layer runs unchanged on a rank's s/c tokens (the logical axis `seq` maps to
+`context`, `mesh.logical_rules`); attention needs the keys and values of the whole causal prefix. Two
+strategies, equal in result (`ParallelConfig.context_strategy`):
+
+- "all-gather": K and V gathered over `context` before attention (`gather_over_context`), then the model's
+  own attention over the whole sequence (`models.ops.causal_attention`), queries split over `context`. The
+  gathered K/V are a custom_vjp's output that no remat policy names: never stored, gathered again in backward;
+  dK/dV go back to their owners as a reduce-scatter. Both attention implementations (explicit; fused with a
+  dense mask of global positions).
+- "ring": K/V blocks passed rank to rank with `ppermute` in c steps, each step's partial output merged with a
+  running log-sum-exp, under a custom_vjp whose backward sends dK/dV around the ring with their blocks and
+  recomputes each block against the global log-sum-exp (`jax.nn.dot_product_attention`'s log-sum-exp is not
+  differentiable, so merging its blocks under autodiff would give wrong gradients). It computes its blocks
+  itself (flash-style: no scores stored), whatever `ModelConfig.attention` says.
+
+Load balance (`sharding.context_chunks`): the sequence in 2c chunks, rank r holding chunks r and 2c−1−r, so a
+ring step is a diagonal block or half a block on every rank (`ring_plan`, `attention_work`). The families only
+call `models.ops.attention`; the Sharder a run builds here (`sharder`) carries the strategy to it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq import remat as R
+from jaxseq.models import ops as O
+from jaxseq.sharding import Sharder, StageSharder, context_chunks, entry_axes
+
+FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
+
+
+def sharder(mesh, parallel: ParallelConfig, stage: bool = False) -> Sharder:
+    """The run's Sharder (a `StageSharder` inside a region manual over `data`), carrying the context strategy."""
+    cls = StageSharder if stage else Sharder
+    attend = partial(attention, strategy=parallel.context_strategy) if parallel.context > 1 else None
+    return cls(mesh, parallel.sequence_parallel, attend)
+
+
+def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
+    """Causal attention of q [b, s, a, d] (s split over `context`, stored in `shard.reorder` order) over the
+    whole causal prefix in k, v [b, s, kv, d] (split the same way; a rank's local K/V heads only)."""
+    if strategy == "ring":
+        return ring_attention(q, k, v, cfg, key, shard)
+    k, v = gather_over_context(k, shard), gather_over_context(v, shard)
+    return O.causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+
+
+def gather_over_context(x, shard: Sharder):
+    """x [b, s, heads, d] split over `context` → the same, whole on every context rank (its tensor rank's heads).
+
+    A custom_vjp so that the gathered tensor is a value of its own: remat policies never name it, so backward
+    gathers again instead of storing it (Megatron-LM's choice: s·d·heads bytes per layer is what context
+    parallelism is there to avoid), and its backward hands each rank its part of the summed gradient (the
+    partitioner's all-reduce + slice, a reduce-scatter on GPU). The forward is a shard_map of its own, so this
+    also works inside a region already manual over `data`."""
+    split, whole = shard.spec("batch", "seq", "heads", None), shard.spec("batch", None, "heads", None)
+    gather = jax.shard_map(lambda y: jax.lax.all_gather(y, "context", axis=1, tiled=True), mesh=shard.map_mesh,
+                           in_specs=split, out_specs=whole, axis_names=_axes(split),
+                           check_vma=False)  # an all_gather's result is typed varying, though equal on every rank
+
+    outer = jax.typeof(x).mat.varying - _axes(split)  # manual axes of an enclosing region (`data`) x varies over
+
+    @jax.custom_vjp
+    def gathered(x):
+        return _vary(gather(x), outer)
+
+    gathered.defvjp(lambda x: (gathered(x), None),
+                    lambda _, g: (_vary(shard(g, "batch", "seq", "heads", None), outer),))
+    return gathered(x)
+
+
+def _vary(x, axes):
+    """x typed as varying over `axes` too (pcast of an axis it already varies over raises)."""
+    missing = tuple(sorted(set(axes) - set(jax.typeof(x).mat.varying)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits over: a shard_map manual over exactly these sees each device's block (left
+    Auto, XLA was seen replicating the block over them first)."""
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring
+
+
+def _relation(q_chunk: int, k_chunk: int) -> str:
+    return FULL if k_chunk < q_chunk else DIAG if k_chunk == q_chunk else EMPTY
+
+
+def ring_plan(chunks) -> tuple:
+    """plan[r][i][a][b]: how rank r's query half a sees key half b of the K/V block it holds at ring step i
+    (rank (r − i) mod c's), for ranks holding `chunks[r]` (two chunk ids of 2c each)."""
+    c = len(chunks)
+    return tuple(tuple(tuple(tuple(_relation(qc, kc) for kc in chunks[(r - i) % c]) for qc in chunks[r])
+                       for i in range(c)) for r in range(c))
+
+
+def attention_work(chunks) -> list[int]:
+    """Query-chunk × key-chunk blocks (s/2c × s/2c each) each rank computes over the ring: 2c + 1 on every rank
+    with Megatron's chunks, 4r + 3 on rank r of a contiguous split."""
+    return [sum(rel != EMPTY for step in rank for row in step for rel in row) for rank in ring_plan(chunks)]
+
+
+def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
+    """The ring strategy of `attention` (see the module's docstring)."""
+    c, s = shard.context, q.shape[1]
+    rate = cfg.dropout if key is not None else 0.0
+    key_data = jax.random.key_data(key) if rate else jnp.zeros((2,), jnp.uint32)
+    # The first batch row this rank holds (inside a region manual over `data`): read out here, since an outer
+    # axis's index inside the nested shard_map does not lower.
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    row0 = jax.lax.axis_index("data") * q.shape[0] if "data" in manual else 0
+    key_data = jnp.concatenate([key_data, jnp.asarray(row0, jnp.uint32)[None]])
+    seq, lse_spec = shard.spec("batch", "seq", "heads", None), shard.spec("batch", "heads", None, "seq")
+    static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s, tensor=shard.tensor,
+                  data="data" in _axes(seq))
+    nested = partial(jax.shard_map, mesh=shard.map_mesh, axis_names=_axes(seq))
+    forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P()), out_specs=(seq, lse_spec))
+    backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P()),
+                      out_specs=(seq, seq, seq))
+
+    @jax.custom_vjp
+    def ring(q, k, v, key_data):
+        return forward(q, k, v, key_data)[0]
+
+    def ring_fwd(q, k, v, key_data):
+        out, lse = forward(q, k, v, key_data)
+        # Tagged inside the forward rule, so the policies that keep the attention context keep these too.
+        out, lse = checkpoint_name(out, R.CONTEXT), checkpoint_name(lse, R.CONTEXT)
+        return out, (q, k, v, key_data, out, lse)
+
+    def ring_bwd(res, g):
+        q, k, v, key_data, out, lse = res
+        return (*backward(q, k, v, out, lse, g, key_data), None)
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring(q, k, v, key_data)
+
+
+def _pass_on(x, c: int):
+    return jax.lax.ppermute(x, "context", [(j, (j + 1) % c) for j in range(c)])
+
+
+def _varying(x):
+    return jax.lax.pcast(x, ("context",), to="varying")
+
+
+def _by_pattern(plan, step: int, make_branch, *operands):
+    """The step's branch for this rank's pattern (one traced branch per distinct pattern of the step)."""
+    column = [plan[r][step] for r in range(len(plan))]
+    patterns = sorted(set(column))
+    if len(patterns) == 1:
+        return make_branch(patterns[0])(*operands)
+    index = jnp.asarray([patterns.index(p) for p in column], jnp.int32)[jax.lax.axis_index("context")]
+    return jax.lax.switch(index, [make_branch(p) for p in patterns], *operands)
+
+
+class _Blocks:
+    """One rank's view inside the ring's shard_map: its query halves and the geometry of a block."""
+
+    def __init__(self, q, k, chunks, scale, rate, s, tensor, data, key_data):
+        self.b, two_n, self.a, self.d = q.shape
+        self.n, self.kv = two_n // 2, k.shape[2]
+        self.g = self.a // self.kv
+        self.chunks, self.scale, self.rate, self.s, self.tensor = chunks, scale, rate, s, tensor
+        self.key = jax.random.wrap_key_data(key_data[:2]) if rate else None
+        # the first batch row here: this map's own data rank's, or the enclosing manual region's
+        self.row0 = jax.lax.axis_index("data").astype(jnp.uint32) * self.b if data else key_data[2]
+        self.rank = jax.lax.axis_index("context")
+
+    def halves(self, x, heads):  # [b, 2n, heads…, d] → [b, 2, n, heads…, d]
+        return x.reshape(self.b, 2, self.n, *heads, self.d)
+
+    def positions(self, rank, half):
+        return jnp.asarray(self.chunks, jnp.int32)[rank, half] * self.n + jnp.arange(self.n)
+
+    def scores(self, qh, kh, rel):
+        """float32 scale·q·kᵀ [b, kv, g, n, n] of one query half against one key half, causal on a diagonal."""
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=jnp.float32) * self.scale
+        return jnp.where(jnp.tri(self.n, dtype=bool), scores, -jnp.inf) if rel == DIAG else scores
+
+    def kept(self, q_pos, k_pos):
+        """The attention-probs dropout's kept/scaled factor for these positions: the elements of the mask the
+        whole-sequence attention draws ([b, kv, g, s, s], `ops.bernoulli_at`), so the ring equals it."""
+        shape = (self.b, self.kv, self.g, self.n, self.n)
+        coords = {1: jnp.arange(self.kv) + jax.lax.axis_index("tensor") * self.kv, 3: q_pos, 4: k_pos}
+        coords[0] = jnp.arange(self.b) + self.row0
+        global_shape = (self.b, self.kv * self.tensor, self.g, self.s, self.s)
+        keep = O.bernoulli_at(self.key, 1.0 - self.rate, shape, coords, global_shape)
+        return keep.astype(jnp.float32) / (1.0 - self.rate)
+
+
+def _to_rows(x):  # [b, kv, g, n] → [b, n, kv, g, 1], to scale an output block row by row
+    return jnp.moveaxis(x, -1, 1)[..., None]
+
+
+def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
+    """One context rank's ring: out [b, 2n, a, d] and its log-sum-exp [b, kv, g, 2n] (float32)."""
+    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
+    c, plan = len(chunks), ring_plan(chunks)
+    qh = blk.halves(q, (blk.kv, blk.g))
+    out = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.g, blk.d), jnp.float32))
+    lse = _varying(jnp.full((blk.b, 2, blk.kv, blk.g, blk.n), -jnp.inf, jnp.float32))
+
+    def branch(pattern, step):
+        def run(out, lse, k, v):
+            kh, vh = blk.halves(k, (blk.kv,)), blk.halves(v, (blk.kv,))
+            src = (blk.rank - step) % c
+            for qa in range(2):
+                for kb in range(2):
+                    rel = pattern[qa][kb]
+                    if rel == EMPTY:
+                        continue
+                    scores = blk.scores(qh[:, qa], kh[:, kb], rel)
+                    block_lse = jax.nn.logsumexp(scores, axis=-1)
+                    probs = jnp.exp(scores - block_lse[..., None])
+                    if rate:
+                        probs = probs * blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
+                    block_out = jnp.einsum("bkgqs,bskd->bqkgd", probs, vh[:, kb].astype(jnp.float32))
+                    merged = jnp.logaddexp(lse[:, qa], block_lse)
+                    out = out.at[:, qa].set(out[:, qa] * _to_rows(jnp.exp(lse[:, qa] - merged))
+                                            + block_out * _to_rows(jnp.exp(block_lse - merged)))
+                    lse = lse.at[:, qa].set(merged)
+            return out, lse
+        return run
+
+    for step in range(c):
+        out, lse = _by_pattern(plan, step, lambda p: branch(p, step), out, lse, k, v)
+        if step < c - 1:
+            k, v = _pass_on(k, c), _pass_on(v, c)
+    lse = jnp.moveaxis(lse, 1, -2).reshape(blk.b, blk.kv, blk.g, 2 * blk.n)
+    return out.reshape(q.shape).astype(q.dtype), lse
+
+
+def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, tensor, data):
+    """The ring's backward on one context rank: each K/V block comes round again with its dK/dV accumulators,
+    and every block is recomputed against the global log-sum-exp (P = exp(S − lse)); after c passes the
+    accumulators are back with their owners. Returns dq, dk, dv."""
+    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
+    c, plan = len(chunks), ring_plan(chunks)
+    qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g, (blk.kv, blk.g)).astype(jnp.float32)
+    lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
+    delta = jnp.sum(gh * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
+    delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
+    dq = _varying(jnp.zeros(qh.shape, jnp.float32))
+    dk = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32))
+    dv = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32))
+
+    def branch(pattern, step):
+        def run(dq, dk, dv, k, v):
+            kh, vh = blk.halves(k, (blk.kv,)), blk.halves(v, (blk.kv,))
+            src = (blk.rank - step) % c
+            for qa in range(2):
+                for kb in range(2):
+                    rel = pattern[qa][kb]
+                    if rel == EMPTY:
+                        continue
+                    probs = jnp.exp(blk.scores(qh[:, qa], kh[:, kb], rel) - lse[:, qa][..., None])
+                    dprobs = jnp.einsum("bqkgd,bskd->bkgqs", gh[:, qa], vh[:, kb].astype(jnp.float32))
+                    dropped = probs
+                    if rate:
+                        kept = blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
+                        dropped, dprobs = probs * kept, dprobs * kept
+                    dscores = probs * (dprobs - delta[:, qa][..., None]) * scale
+                    dq = dq.at[:, qa].add(jnp.einsum("bkgqs,bskd->bqkgd", dscores, kh[:, kb].astype(jnp.float32)))
+                    dk = dk.at[:, kb].add(jnp.einsum("bkgqs,bqkgd->bskd", dscores, qh[:, qa].astype(jnp.float32)))
+                    dv = dv.at[:, kb].add(jnp.einsum("bkgqs,bqkgd->bskd", dropped, gh[:, qa]))
+            return dq, dk, dv
+        return run
+
+    for step in range(c):
+        dq, dk, dv = _by_pattern(plan, step, lambda p: branch(p, step), dq, dk, dv, k, v)
+        if step < c - 1:
+            k, v = _pass_on(k, c), _pass_on(v, c)
+        dk, dv = _pass_on(dk, c), _pass_on(dv, c)
+    return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype)

@@ -1,0 +1,266 @@
+"""Context parallelism (parallel/context.py): the same loss and gradients as context=1 for both strategies,
+the collectives and stored bytes the compiled program shows, the load balance, and bad input in one line."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from commands import command
+from jaxseq import generate as generate_command
+from jaxseq import train as train_command
+from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate, validate_parallel
+from jaxseq.mesh import make_mesh, parse_mesh
+from jaxseq.models import model as M
+from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan
+from jaxseq.planning import hlo as HLO
+from jaxseq.sharding import context_chunks, context_order
+from jaxseq.training import aot
+from jaxseq.training import rundir
+from jaxseq.training import train_step as T
+
+GPT = replace(preset("tiny"), dtype="float32", dropout=0.1)
+LLAMA = replace(preset("tiny-llama"), dtype="float32")  # 8 query heads sharing 2 K/V heads
+
+
+def _batch(cfg, batch_size=8):
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def loss_and_grads(cfg, parallel: ParallelConfig, remat: str):
+    validate(cfg, parallel, remat, parallel.num_devices)
+    params = M.init_params(jax.random.key(1), cfg, tensor=8)
+    mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
+    loss, grads = T.make_loss_and_grad(cfg, parallel, remat, mesh)(params, _batch(cfg), jax.random.key(2))
+    return float(loss), jax.device_get(grads)
+
+
+def context_mesh(c: int, strategy: str) -> ParallelConfig:
+    return ParallelConfig(data=8 // (2 * c), context=c, tensor=2, sequence_parallel=True, context_strategy=strategy)
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return loss_and_grads(GPT, ParallelConfig(data=4, tensor=2, sequence_parallel=True), "none")
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return loss_and_grads(LLAMA, ParallelConfig(data=4, tensor=2, sequence_parallel=True), "none")
+
+
+def assert_same(result, reference, rtol=1e-5):
+    loss, grads = result
+    ref_loss, ref_grads = reference
+    assert abs(loss - ref_loss) <= rtol * abs(ref_loss), (loss, ref_loss)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("strategy", ["all-gather", "ring"])
+@pytest.mark.parametrize("c", [2, 4])
+def test_gpt_with_dropout_equals_context_1(strategy, c, gpt_reference):
+    """tensor=2 + SP, dropout on (every mask drawn at its token's global position), selective recompute."""
+    assert_same(loss_and_grads(GPT, context_mesh(c, strategy), "selective"), gpt_reference)
+
+
+@pytest.mark.parametrize("strategy,c", [("all-gather", 2), ("ring", 2), ("ring", 4)])
+def test_llama_grouped_query_attention_equals_context_1(strategy, c, llama_reference):
+    """RoPE at the reordered global positions; only the K/V heads travel."""
+    assert_same(loss_and_grads(LLAMA, context_mesh(c, strategy), "none"), llama_reference)
+
+
+def test_fused_attention_under_all_gather_equals_context_1(llama_reference):
+    """The fused implementation with the dense mask of global positions (the 2c-chunk order is no triangle)."""
+    assert_same(loss_and_grads(replace(LLAMA, attention="fused"), context_mesh(2, "all-gather"), "none"),
+                llama_reference)
+
+
+def test_dropout_is_on(gpt_reference):
+    """Guard: the dropout comparison would be vacuous if dropout did nothing."""
+    assert abs(loss_and_grads(replace(GPT, dropout=0.0), context_mesh(2, "ring"), "none")[0]
+               - gpt_reference[0]) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout and the load balance
+
+
+def test_the_two_chunk_order():
+    assert context_chunks(2) == ((0, 3), (1, 2))
+    np.testing.assert_array_equal(context_order(16, 2), [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_ring_work_is_equal_per_rank_with_the_reorder_and_unequal_without(c):
+    """Blocks of (s/2c)² scores each rank's ring computes (the plan its switch branches are built from)."""
+    assert attention_work(context_chunks(c)) == [2 * c + 1] * c
+    contiguous = tuple((2 * r, 2 * r + 1) for r in range(c))
+    assert attention_work(contiguous) == [4 * r + 3 for r in range(c)]  # the last rank 4c−1 vs 3
+
+
+def test_every_ring_step_is_a_diagonal_or_half_a_block():
+    """With the 2c-chunk order a step is the causal local block (step 0) or exactly half a block."""
+    for rank in ring_plan(context_chunks(4)):
+        assert rank[0] == ((DIAG, EMPTY), (FULL, DIAG))
+        for step in rank[1:]:
+            assert step in (((FULL, EMPTY), (FULL, EMPTY)), ((EMPTY, EMPTY), (FULL, FULL)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled program: collectives over `context` and stored bytes
+
+
+def _groups(parallel: ParallelConfig, axis: str) -> set[tuple[int, ...]]:
+    """The device groups of one mesh axis (ids in the mesh's device order)."""
+    mesh = make_mesh(parallel)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+    return {tuple(sorted(g)) for g in moved.tolist()}
+
+
+def _loop_collectives(text: str, backward: bool, groups) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, dims) of every collective one layer-loop iteration runs over the given device groups
+    (collective-permutes, which name pairs rather than groups, are all counted)."""
+    comps = HLO.parse_hlo(text)
+    (loop,) = [l for l in HLO.layer_loops(comps, GPT.layers) if l.backward == backward]
+    found = []
+    for comp in HLO._called(comps, loop.body):
+        for ins in comps[comp]:
+            kind = ins.opcode.removesuffix("-start")
+            if kind == "collective-permute" or (
+                    kind in HLO.COLLECTIVES and {tuple(sorted(g)) for g in HLO.replica_groups(ins.rest) or []} == groups):
+                found += [(kind, dims) for _, dims in ins.arrays()]
+    return found
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The selective-recompute loss-and-gradient program at context 1 and 2 (both strategies): its HLO text."""
+    def text(parallel):
+        mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+        return aot.compile_loss_and_grad(GPT, parallel, "selective", mesh, 4).as_text()
+    base = dict(data=2, tensor=2, sequence_parallel=True)
+    return {"1": text(ParallelConfig(**base)),
+            "all-gather": text(ParallelConfig(**base, context=2)),
+            "ring": text(ParallelConfig(**base, context=2, context_strategy="ring"))}
+
+
+B, S, HEADS, D = 2, GPT.seq_len, GPT.heads // 2, GPT.head_dim  # per device: 4 rows over data=2, heads over t=2
+CONTEXT_GROUPS = _groups(ParallelConfig(data=2, context=2, tensor=2), "context")
+
+
+def test_all_gather_gathers_only_k_and_v_over_context(compiled):
+    kv = ("all-gather", (B, S, HEADS, D))
+    forward = _loop_collectives(compiled["all-gather"], False, CONTEXT_GROUPS)
+    assert forward == [kv, kv]  # nothing else over context, nothing else of full length
+    backward = _loop_collectives(compiled["all-gather"], True, CONTEXT_GROUPS)
+    assert [c for c in backward if c[0] == "all-gather"] == [kv, kv]  # gathered again, not stored
+
+
+def test_ring_has_no_all_gather_over_context_only_the_rings_permutes(compiled):
+    c = 2
+    for backward in (False, True):
+        found = _loop_collectives(compiled["ring"], backward, CONTEXT_GROUPS)
+        assert not [x for x in found if x[0] == "all-gather"]
+        permutes = [x for x in found if x[0] == "collective-permute"]
+        # forward: K and V c−1 times; backward: K and V c−1 times, dK and dV c times (back to their owners)
+        assert len(permutes) == (2 * (c - 1) if not backward else 2 * (c - 1) + 2 * c)
+    assert not [g for g in HLO.all_gathers(compiled["ring"], 2) if g.dims[1:2] == (S,) and len(g.dims) == 4]
+
+
+def test_stored_bytes_divide_by_context(compiled):
+    """Every stored tensor is per token: context=2 stores half of context=1's, and no full-length K/V. The ring
+    keeps its own output and log-sum-exp as its backward's residuals besides the context the projection keeps."""
+    per_layer = {name: HLO.stored_bytes_per_layer(text, GPT.layers) for name, text in compiled.items()}
+    assert per_layer["all-gather"] * 2 == per_layer["1"]
+    out, lse = B * (S // 2) * HEADS * D * 4, B * HEADS * (S // 2) * 4
+    assert per_layer["ring"] == per_layer["1"] // 2 + out + lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The training command, and bad input
+
+BASE = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--host-devices", "8", "--log-every", "1",
+        "--eval-every", "3", "--warmup-steps", "2", "eval_batches=1", "sample_tokens=4"]
+TINY = BASE + ["--steps", "3"]
+
+
+def _losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_train_command_gives_the_losses_of_context_1(tmp_path):
+    """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (both strategies; all-gather with gradient
+    accumulation, the ring with the distributed optimizer: master shards split over `data` only) against data=4,tensor=2 (dropout off here: accumulation draws each micro-batch's masks from its
+    own key; the dropout comparisons are the tests above)."""
+    runs = {"1": ["--mesh", "data=4,tensor=2"],
+            "all-gather": ["--mesh", "context=2,tensor=2,data=2", "--micro-batch-size", "4"],
+            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring", "--distributed-optimizer"]}
+    losses = {}
+    for name, args in runs.items():
+        done = command(train_command.main, *TINY, *args, "--run-dir", str(tmp_path / name), "dropout=0.0")
+        losses[name] = _losses(tmp_path / name)
+        assert len(losses[name]) == 3
+    assert "context=2" in done.stdout
+    for name in ("all-gather", "ring"):
+        np.testing.assert_allclose(losses[name], losses["1"], rtol=1e-5)
+    # Sampling runs in its own layout (no context axis): generate from a context-parallel run.
+    gen = command(generate_command.main, "--run-dir", str(tmp_path / "ring"), "--prompt", "def", "--max-tokens", "4")
+    assert gen.stdout.startswith("# step 3\ndef"), gen.stdout
+
+
+def test_a_run_saved_at_context_2_resumes_at_context_1(tmp_path):
+    """The weights do not depend on `context`: 3 steps at context=2, resumed for 2 more at context=1, give the
+    losses of 5 steps at context=1 (same schedule: the cosine ends at step 3 in both)."""
+    straight, moved = str(tmp_path / "straight"), str(tmp_path / "moved")
+    common = BASE + ["dropout=0.0", "decay_steps=3", "--checkpoint-every", "3"]
+    command(train_command.main, *common, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", straight)
+    command(train_command.main, *common, "--steps", "3", "--mesh", "context=2,tensor=2,data=2", "--run-dir", moved)
+    out = command(train_command.main, *common, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", moved,
+                  "--resume")
+    assert "data=4 × tensor=2" in out.stdout
+    np.testing.assert_allclose(_losses(moved), _losses(straight), rtol=1e-5)
+
+
+def test_parse_mesh_with_context():
+    assert parse_mesh("context=4,tensor=2", 8) == (1, 1, 4, 2)
+    assert parse_mesh("context=2,tensor=2", 8) == (1, 2, 2, 2)
+    assert parse_mesh("data=2,tensor=4", 8) == (1, 2, 1, 4)
+
+
+@pytest.mark.parametrize("model,parallel,message", [
+    (GPT, ParallelConfig(data=1, context=3, tensor=1), "seq_len=64 is not divisible by 2·context = 6"),
+    (replace(GPT, seq_len=40), ParallelConfig(context=2, tensor=4, sequence_parallel=True),
+     "seq_len=40 is not divisible by 2·context·tensor = 16"),
+    (GPT, ParallelConfig(pipe=2, context=2, tensor=2), "context parallelism with a pipeline is not implemented yet"),
+    (GPT, ParallelConfig(context=2, context_strategy="ulysses"), "context_strategy='ulysses' is not valid"),
+    (GPT, ParallelConfig(data=2, context=2, tensor=4), "data×context×tensor = 2×2×4 = 16 does not equal the device count 8"),
+    (GPT, ParallelConfig(context=0), "context=0 must be a positive integer"),
+])
+def test_bad_input_is_one_line(model, parallel, message):
+    with pytest.raises(ConfigError) as e:
+        validate_parallel(model, parallel, 8)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ring_with_gradient_accumulation_is_refused():
+    ring = ParallelConfig(data=2, context=2, tensor=2, context_strategy="ring")
+    with pytest.raises(ConfigError, match="gradient accumulation under the ring is not supported yet"):
+        validate(GPT, ring, "none", 8, batch_size=8, micro_batch_size=4)
+
+
+def test_generate_and_convert_refuse_a_context_mesh():
+    with pytest.raises(ConfigError, match="context parallelism is for training"):
+        rundir.resolve_mesh(GPT, "context=2,tensor=4", jax.devices())
+
+
+def test_a_bad_context_mesh_is_one_line_from_the_command(tmp_path):
+    done = command(train_command.main, *TINY, "--mesh", "context=3,tensor=2", "--run-dir", str(tmp_path), check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "context" in done.stderr
