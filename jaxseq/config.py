@@ -14,10 +14,17 @@ ROPE_SCALINGS = ("llama3",)
 CONTEXT_STRATEGIES = ("all-gather", "ring")  # parallel/context.py
 
 
-def matmul_for(platform: str) -> str:
-    """The matmul form for devices of `platform` ("cpu", "gpu", "tpu"): XLA:CPU's bf16 form on CPU
-    (models/cpu_matmul.py), the portable einsum elsewhere. The commands choose it once, at their edge."""
-    return "cpu-bf16" if platform == "cpu" else "einsum"
+FUSED_KERNELS = ("xla", "cudnn")  # jax.nn.dot_product_attention's implementations
+
+
+def on_platform(model: "ModelConfig", platform: str) -> "ModelConfig":
+    """`model` with the kernels for devices of `platform` ("cpu", "gpu", "tpu"), chosen once by the commands that
+    run a model (train, generate): XLA:CPU's bf16 matmul form on CPU (models/cpu_matmul.py), the portable einsum
+    elsewhere; for `attention=fused`, cuDNN's flash attention on GPU in bf16 (jax.nn.dot_product_attention
+    chooses XLA's, which materialises the scores, unless asked for cuDNN), XLA's elsewhere."""
+    cudnn = platform == "gpu" and model.dtype == "bfloat16"
+    return dataclasses.replace(model, matmul="cpu-bf16" if platform == "cpu" else "einsum",
+                               fused_kernel="cudnn" if cudnn else "xla")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes per element of each compute dtype
 
@@ -44,6 +51,7 @@ class ModelConfig:
     ln_eps: float = 1e-5
     kv_channels: int | None = None  # per-head width; None: hidden // heads (Megatron's --kv-channels)
     matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
+    fused_kernel: str = "xla"  # attention=fused's implementation: "xla", or "cudnn" (set on GPUs in bf16)
     # The Llama family's (models/llama.py):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden
@@ -94,7 +102,7 @@ class ModelConfig:
 
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
-RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul")
+RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
@@ -304,6 +312,8 @@ def validate_model(model: ModelConfig) -> None:
         )
     if model.matmul not in MATMUL_FORMS:
         raise ConfigError(f"matmul={model.matmul!r} is not valid; valid: {', '.join(MATMUL_FORMS)}")
+    if model.fused_kernel not in FUSED_KERNELS:
+        raise ConfigError(f"fused_kernel={model.fused_kernel!r} is not valid; valid: {', '.join(FUSED_KERNELS)}")
     validate_family(model)
 
 

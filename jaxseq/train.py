@@ -17,7 +17,7 @@ import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (COMPUTE_DTYPES, matmul_for, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+from jaxseq.config import (COMPUTE_DTYPES, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
 from jaxseq.mesh import available_devices, parse_mesh
@@ -320,8 +320,8 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     corpus = load_corpus(train.data, train.tokenizer)
     # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more.
     vocab = corpus.vocab_size if train.init_from is None else rundir.init_vocab(train.init_from, corpus.vocab_size)
-    matmul = matmul_for(available_devices()[0].platform)
-    run = RunConfig(model=replace(model, vocab_size=vocab, matmul=matmul), parallel=parallel, optimizer=optimizer,
+    model = on_platform(replace(model, vocab_size=vocab), available_devices()[0].platform)
+    run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,
                     train=replace(train, tokenizer=corpus.tokenizer),
                     distributed=distributed)
     validate(run.model, run.parallel, run.train.remat, len(available_devices()), run.train.batch_size,

@@ -117,3 +117,27 @@ def test_param_specs_golden(sequence_parallel):
 def test_model_config_is_frozen():
     with pytest.raises(Exception):
         ModelConfig().hidden = 3
+
+
+def test_on_platform_picks_the_kernels_once():
+    """The commands' edge: XLA:CPU's bf16 matmul form on CPU, the portable einsum elsewhere; cuDNN's fused
+    attention on GPUs in bf16 (jax.nn.dot_product_attention runs XLA's, scores materialised, unless told)."""
+    from jaxseq.config import on_platform
+
+    bf16, f32 = replace(preset("tiny"), attention="fused"), replace(preset("tiny"), attention="fused", dtype="float32")
+    assert (on_platform(bf16, "cpu").matmul, on_platform(bf16, "cpu").fused_kernel) == ("cpu-bf16", "xla")
+    assert (on_platform(bf16, "gpu").matmul, on_platform(bf16, "gpu").fused_kernel) == ("einsum", "cudnn")
+    assert on_platform(f32, "gpu").fused_kernel == "xla"  # cuDNN's flash attention takes 16-bit inputs
+
+
+def test_fused_attention_asks_for_the_configured_kernel(monkeypatch):
+    import jax.numpy as jnp
+
+    from jaxseq.models import ops
+    from jaxseq.sharding import Sharder
+
+    asked = []
+    monkeypatch.setattr(ops.jax.nn, "dot_product_attention", lambda *a, **kw: asked.append(kw["implementation"]) or a[0])
+    q = jnp.zeros((1, 4, 2, 8))
+    ops.attention(q, q, q, replace(preset("tiny"), attention="fused", fused_kernel="cudnn"), None, Sharder(None))
+    assert asked == ["cudnn"]

@@ -349,13 +349,14 @@ def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None)
     """`attention` written over the whole sequence (the partitioner splits it), queries and keys stored in
     `order` (their global positions; None: natural). Scores are split over `seq` like the queries."""
     if cfg.attention == "fused":
-        # cuDNN flash attention on GPU (bf16/fp16), XLA elsewhere; grouped K/V heads natively. No dropout
+        # cfg.fused_kernel: cuDNN flash attention where an edge chose it (GPU, bf16), XLA's otherwise (which
+        # JAX also picks when not told: it materialises the scores); grouped K/V heads natively. No dropout
         # argument exists, so attention-probs dropout is not applied with the fused implementation.
         if order is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True)  # JAX picks cuDNN where it can
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.fused_kernel)
         # A reordered sequence is no top-left triangle: the mask of global positions, given densely.
         mask = (jnp.asarray(order)[:, None] >= jnp.asarray(order)[None, :])[None, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.fused_kernel)
     b, s, a, d = q.shape
     kv = k.shape[2]
     if kv == a:
