@@ -167,8 +167,9 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
 # The whole check
 
 
-def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate: bool, names=None) -> dict:
-    """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict."""
+def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None) -> dict:
+    """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
+    Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
     from jaxseq.config import matmul_for, replace
     from jaxseq.parallel.schedule import Schedule
     from jaxseq.training import aot
@@ -180,7 +181,6 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate
     limit = aot.device_bytes(devices[:1]) if gpu else None
     attention = "fused" if gpu else "explicit"
     sp = n > 1
-    base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
     out = {
         "command": " ".join(["python", "experiments/gpu.py", *sys.argv[1:]]) if __name__ == "__main__" else None,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -189,7 +189,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate
         "attention_note": ("fused (jax.nn.dot_product_attention)" if gpu else
                            "explicit: a CPU dry run, cuDNN is absent; its times say nothing about a GPU"),
         "mesh": f"tensor={n}" + (" + SP" if sp else ""), "steps": steps, "warmup_steps": warmup,
-        "micro_batch": micro_batch, "parity_tolerance": PARITY_TOLERANCE,
+        "micro_batch_candidates": list(micro_batches), "parity_tolerance": PARITY_TOLERANCE,
         "units": "seconds (step_s, median_step_s), tokens/s, TFLOP/s per device (model FLOPs, the paper's "
                  "formula ÷ measured time), MFU = model TFLOP/s ÷ peak_tflops_per_device, bytes (memory)",
         "jax_version": __import__("jax").__version__,
@@ -199,9 +199,14 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate
     for name, cfg in cfgs.items():
         cfg = replace(cfg, dtype="bfloat16", attention=attention, matmul=matmul_for(platform))
         parallel = {"tensor": n, "sequence_parallel": sp}
-        print(f"{name}: planning tensor={n} …", flush=True)
-        plan = predicted_peaks(cfg, n, sp, micro_batch, devices)
-        result = {"config": dataclasses.asdict(cfg), "num_params": cfg.num_params(), "policies": {}}
+        for micro_batch in micro_batches:
+            print(f"{name}: planning tensor={n}, micro-batch {micro_batch} …", flush=True)
+            plan = predicted_peaks(cfg, n, sp, micro_batch, devices)
+            if limit is None or plan["none"]["total_bytes"] <= limit:
+                break
+        base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
+        result = {"config": dataclasses.asdict(cfg), "num_params": cfg.num_params(), "micro_batch": micro_batch,
+                  "policies": {}}
         for policy in POLICIES:
             predicted = plan[policy]["total_bytes"]
             row = {"predicted_peak_bytes": predicted, "plan": plan[policy]}
@@ -213,6 +218,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate
                 row.update(run_spec(spec, devices, isolate))
                 if "median_step_s" in row:
                     row.update(throughput(cfg, policy, micro_batch, 1, row["median_step_s"], n, peak))
+                    measured = row["peak_bytes_in_use"]
+                    row["measured_over_predicted_peak"] = measured / predicted if measured is not None else None
             result["policies"][policy] = row
         base = result["policies"]["none"].get("median_step_s")
         for row in result["policies"].values():
@@ -220,6 +227,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batch: int, isolate
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
         result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
         out["models"][name] = result
+    first = next(iter(out["models"].values()))
+    base_spec = {"micro_batch": first["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
     out["pipeline"] = pipeline_check(gpu, cfgs, devices, base_spec, attention, isolate, Schedule)
     return out
 
@@ -230,8 +239,11 @@ def cudnn_verdict(gpu: bool, rows: dict) -> dict:
         return {"used": None, "note": "not applicable on CPU (explicit attention; cuDNN is absent)"}
     calls = {p: r.get("custom_calls") for p, r in rows.items() if r.get("custom_calls") is not None}
     used = {p: sorted(t for t in c if t.startswith(CUDNN_FMHA)) for p, c in calls.items()}
-    return {"used": bool(used) and all(used.values()), "fmha_targets": used,
-            "note": f"custom calls named {CUDNN_FMHA}… in each policy's optimized HLO"}
+    ok = bool(used) and all(used.values())
+    return {"used": ok, "fmha_targets": used,
+            "note": f"custom calls named {CUDNN_FMHA}… in each policy's optimized HLO" + (
+                "" if ok else "; where none: which implementation models/ops.causal_attention asks "
+                              "jax.nn.dot_product_attention for (None means XLA's attention in jax 0.10.2)")}
 
 
 def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices, isolate: bool) -> dict:
@@ -277,7 +289,8 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
                "schedule_bubble": sched.bubble, "paper_bubble": sched.paper_bubble}
         row.update(run_spec(spec, devices, isolate))
         runs.append(row)
-    out = {"model": name, "dtype": cfg.dtype, "mesh": f"pipe=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
+    out = {"model": name, "dtype": cfg.dtype, "micro_batch": base_spec["micro_batch"],
+           "mesh": f"pipe=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
            "schedule": "1f1b", "remat": "selective", "runs": runs}
     if all("median_step_s" in r for r in runs):
         a, b = runs
@@ -301,32 +314,35 @@ def table(result: dict) -> str:
     mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"
     lines = [f"# jaxseq on {result['devices']} × {result['device_kind']} ({result['platform']}), {result['date_utc']}",
              "", f"{'DRY RUN: ' if result['dry_run'] else ''}attention {result['attention_note']}; mesh "
-             f"{result['mesh']}; bf16; micro-batch {result['micro_batch']}; median of {result['steps']} steps after "
+             f"{result['mesh']}; bf16; median of {result['steps']} steps after "
              f"{result['warmup_steps']} warm-up; peak {num(result['peak_tflops_per_device'], '.0f') or 'unknown'} "
              "TFLOP/s per device (hardware.py).", ""]
     for name, m in result["models"].items():
-        lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters)", "",
+        lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters, micro-batch {m['micro_batch']} × "
+                  f"{m['config']['seq_len']} tokens)", "",
                   "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB (measured) "
-                  "| peak memory, MiB (plan) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| peak memory, MiB (plan) | measured / plan |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for policy, r in m["policies"].items():
             if "median_step_s" not in r:
                 lines.append(f"| {policy} | {r.get('skipped') or r.get('error', '')} | | | | | | "
-                             f"{mib(r['predicted_peak_bytes'])} |")
+                             f"{mib(r['predicted_peak_bytes'])} | |")
                 continue
             lines.append(f"| {policy} | {r['median_step_s']:.4f} | {num(r['step_time_vs_none'], '.3f')} | "
                          f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device']:.4g} | {pct(r['mfu']) or 'n/a (no peak)'} | "
-                         f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} |")
+                         f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
+                         f"{num(r['measured_over_predicted_peak'], '.3f')} |")
         c, p = m["cudnn_attention"], m["parity"]
-        lines += ["", f"cuDNN fused attention: {c['used'] if c['used'] is not None else c['note']}"
-                  + (f" ({c['fmha_targets']})" if c.get("fmha_targets") is not None else ""),
+        lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
+                                                     f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
                   f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data): "
-                  + (f"max relative difference {p['max_relative_difference']:.2e} ≤ {p['tolerance']}: {p['ok']}"
-                     if p.get("ok") is not None else p["note"]), ""]
+                  + (f"max relative difference {p['max_relative_difference']:.2e}, tolerance {p['tolerance']}: "
+                     + ("within" if p["ok"] else "OUTSIDE") if p.get("ok") is not None else p["note"]), ""]
     pl = result["pipeline"]
     if "skipped" in pl:
         lines += [f"## Pipeline: skipped ({pl['skipped']})"]
     else:
-        lines += [f"## Pipeline: {pl['model']}, {pl['dtype']}, {pl['mesh']}, {pl['schedule']}, {pl['remat']}", "",
+        lines += [f"## Pipeline: {pl['model']}, {pl['dtype']}, {pl['mesh']}, {pl['schedule']}, {pl['remat']}, "
+                  f"micro-batch {pl['micro_batch']}", "",
                   "| micro-batches | ticks | step, s | bubble (measured) | bubble (schedule) | (p − 1)/m |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in pl["runs"]:
@@ -356,7 +372,8 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", help="directory for gpu_<device>_<date>.{json,md} (default on a GPU: experiments/results; "
                                  "a CPU dry run writes nothing without it)")
     p.add_argument("--steps", type=int, help="timed steps per configuration (default 10 on GPU, 2 dry)")
-    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default 4 on GPU, 2 dry)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default on GPU: the first of 4, 2, 1 at "
+                                                   "which the plan predicts `none` to fit; dry: 2)")
     p.add_argument("--models", nargs="+", help="only these of the models (GPU: gpt3-1.3b llama-1b; dry: tiny "
                                                "tiny-llama); the pipeline runs the first")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
@@ -367,7 +384,8 @@ def run(argv: list[str] | None = None) -> dict:
     if not gpu and len(devices) < 2:
         raise SystemExit("the dry run needs 2 simulated CPU devices (jax_num_cpu_devices ≥ 2)")
     result = check(gpu, devices, steps=args.steps or (10 if gpu else 2), warmup=2 if gpu else 1,
-                   micro_batch=args.micro_batch or (4 if gpu else 2), isolate=gpu if args.isolate is None else args.isolate, names=args.models)
+                   micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
+                   isolate=gpu if args.isolate is None else args.isolate, names=args.models)
     print(table(result))
     out = Path(args.out) if args.out else (RESULTS if gpu else None)
     if out is not None:

@@ -48,12 +48,13 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert name == "tiny"
     rows = model["policies"]
     assert list(rows) == list(gpu.POLICIES)
-    seq, b, steps = model["config"]["seq_len"], result["micro_batch"], result["steps"]
+    seq, b, steps = model["config"]["seq_len"], model["micro_batch"], result["steps"]
     for policy, r in rows.items():
         assert len(r["step_s"]) == steps and r["median_step_s"] == statistics.median(r["step_s"])
         assert len(r["losses"]) == result["warmup_steps"] + steps and all(math.isfinite(x) for x in r["losses"])
         assert r["tokens_per_sec"] == pytest.approx(b * seq / r["median_step_s"])
         assert r["mfu"] is None and r["peak_bytes_in_use"] is None  # no peak, no memory count on CPU
+        assert r["measured_over_predicted_peak"] is None
         assert r["step_time_vs_none"] == pytest.approx(r["median_step_s"] / rows["none"]["median_step_s"])
         # The plan's prediction beside it: its parts add up to the total it predicts.
         plan = r["plan"]
@@ -70,7 +71,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert parity["ok"] == (worst <= parity["tolerance"])
 
     pl = result["pipeline"]
-    assert pl["mesh"].startswith("pipe=2") and [r["microbatches"] for r in pl["runs"]] == [2, 4]
+    assert pl["mesh"].startswith("pipe=2") and pl["micro_batch"] == b and [r["microbatches"] for r in pl["runs"]] == [2, 4]
     for r in pl["runs"]:
         assert r["ticks"] == 2 * r["microbatches"] + 2 and r["busy_ticks"] == 2 * r["microbatches"]
         assert r["schedule_bubble"] == pytest.approx(1 / r["microbatches"])  # (p − 1)/m for 1F1B, p = 2
