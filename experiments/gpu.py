@@ -170,7 +170,7 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
-    from jaxseq.config import matmul_for, replace
+    from jaxseq.config import ConfigError, ParallelConfig, matmul_for, replace, validate
     from jaxseq.parallel.schedule import Schedule
     from jaxseq.training import aot
     from jaxseq.training.metrics import peak_tflops, throughput
@@ -198,6 +198,11 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     cfgs = {k: v for k, v in models(gpu).items() if names is None or k in names}
     for name, cfg in cfgs.items():
         cfg = replace(cfg, dtype="bfloat16", attention=attention, matmul=matmul_for(platform))
+        try:
+            validate(cfg, ParallelConfig(tensor=n, sequence_parallel=sp), "none")
+        except ConfigError as e:  # e.g. 3 GPUs: tensor=3 divides no Llama head count
+            out["models"][name] = {"skipped": str(e), "config": dataclasses.asdict(cfg)}
+            continue
         parallel = {"tensor": n, "sequence_parallel": sp}
         for micro_batch in micro_batches:
             print(f"{name}: planning tensor={n}, micro-batch {micro_batch} …", flush=True)
@@ -227,9 +232,12 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
         result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
         out["models"][name] = result
-    first = next(iter(out["models"].values()))
-    base_spec = {"micro_batch": first["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
-    out["pipeline"] = pipeline_check(gpu, cfgs, devices, base_spec, attention, isolate, Schedule)
+    ran = [k for k, m in out["models"].items() if "skipped" not in m]
+    if not ran:
+        out["pipeline"] = {"skipped": "no model runs on this mesh"}
+        return out
+    base_spec = {"micro_batch": out["models"][ran[0]]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
+    out["pipeline"] = pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
     return out
 
 
@@ -318,6 +326,9 @@ def table(result: dict) -> str:
              f"{result['warmup_steps']} warm-up; peak {num(result['peak_tflops_per_device'], '.0f') or 'unknown'} "
              "TFLOP/s per device (hardware.py).", ""]
     for name, m in result["models"].items():
+        if "skipped" in m:
+            lines += [f"## {name}: skipped ({m['skipped']})", ""]
+            continue
         lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters, micro-batch {m['micro_batch']} × "
                   f"{m['config']['seq_len']} tokens)", "",
                   "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB (measured) "

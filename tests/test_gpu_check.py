@@ -37,7 +37,7 @@ def dry():
     return result, before, after
 
 
-@pytest.mark.slow  # about 95 s of CPU: 9 plan compiles, 5 train steps, 2 pipelined steps of the tiny model
+@pytest.mark.slow  # 75–80 s of CPU: 9 plan compiles, 5 train steps and 2 pipelined steps of the tiny model
 def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     result, before, after = dry
     assert before == after, "the dry run wrote under experiments/results without --out"
@@ -86,3 +86,12 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert text.startswith("# jaxseq on 2 × cpu") and "DRY RUN" in text and "not applicable on CPU" in text
     json_path, md_path = gpu.write(result, tmp_path)
     assert json_path.name.startswith("gpu_cpu_") and json_path.suffix == ".json" and md_path.read_text() == text
+
+
+def test_a_mesh_no_model_fits_is_reported_not_raised(devices):
+    # tensor = 3 divides neither tiny model's 8 heads: both are skipped with the reason, nothing is compiled.
+    result = gpu.check(False, devices[:3], steps=1, warmup=0, micro_batches=(2,), isolate=False)
+    assert set(result["models"]) == {"tiny", "tiny-llama"}
+    assert all("tensor=3 does not divide heads=8" in m["skipped"] for m in result["models"].values())
+    assert result["pipeline"] == {"skipped": "no model runs on this mesh"}
+    assert "## tiny: skipped (tensor=3 does not divide heads=8)" in gpu.table(result)
