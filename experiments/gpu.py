@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 POLICIES = ("none", "selective", "lean", "full")
 PARITY_TOLERANCE = 0.02  # |loss_bf16 − loss_f32| / loss_f32 per step: bf16 rounds to 2⁻⁸ ≈ 0.4% per op
+CHILD_TIMEOUT_S = 1200  # one configuration: a compile and a few steps; a hang is reported, not waited for
 CUDNN_FMHA = "__cudnn$fmha"  # prefix of cuDNN fused attention's custom-call targets (jax/_src/cudnn)
 
 
@@ -132,7 +133,10 @@ def run_spec(spec: dict, devices, isolate: bool) -> dict:
         return measure(spec, devices)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"child ran past {CHILD_TIMEOUT_S} s"}
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -206,16 +210,20 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         parallel = {"tensor": n, "sequence_parallel": sp}
         for micro_batch in micro_batches:
             print(f"{name}: planning tensor={n}, micro-batch {micro_batch} …", flush=True)
-            plan = predicted_peaks(cfg, n, sp, micro_batch, devices)
+            try:
+                plan, plan_error = predicted_peaks(cfg, n, sp, micro_batch, devices), None
+            except Exception as e:  # the measurements still run; the failure is a finding
+                plan, plan_error = None, f"{type(e).__name__}: {e}"
+                break
             if limit is None or plan["none"]["total_bytes"] <= limit:
                 break
         base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
         result = {"config": dataclasses.asdict(cfg), "num_params": cfg.num_params(), "micro_batch": micro_batch,
-                  "policies": {}}
+                  "plan_error": plan_error, "policies": {}}
         for policy in POLICIES:
-            predicted = plan[policy]["total_bytes"]
-            row = {"predicted_peak_bytes": predicted, "plan": plan[policy]}
-            if limit is not None and predicted > limit:
+            predicted = plan[policy]["total_bytes"] if plan else None
+            row = {"predicted_peak_bytes": predicted, "plan": plan and plan[policy]}
+            if limit is not None and predicted is not None and predicted > limit:
                 row["skipped"] = f"the plan predicts {predicted / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB per device"
             else:
                 print(f"{name}: {policy} …", flush=True)
@@ -224,7 +232,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
                 if "median_step_s" in row:
                     row.update(throughput(cfg, policy, micro_batch, 1, row["median_step_s"], n, peak))
                     measured = row["peak_bytes_in_use"]
-                    row["measured_over_predicted_peak"] = measured / predicted if measured is not None else None
+                    row["measured_over_predicted_peak"] = measured / predicted if measured and predicted else None
             result["policies"][policy] = row
         base = result["policies"]["none"].get("median_step_s")
         for row in result["policies"].values():
@@ -343,6 +351,7 @@ def table(result: dict) -> str:
                          f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
                          f"{num(r['measured_over_predicted_peak'], '.3f')} |")
         c, p = m["cudnn_attention"], m["parity"]
+        lines += [f"\nthe plan failed: {m['plan_error']}"] if m["plan_error"] else []
         lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
                                                      f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
                   f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data): "

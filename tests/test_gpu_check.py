@@ -45,7 +45,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert result["attention"] == "explicit" and "cuDNN is absent" in result["attention_note"]
     assert result["peak_tflops_per_device"] is None  # no peak for a CPU: no MFU
     (name, model), = result["models"].items()
-    assert name == "tiny"
+    assert name == "tiny" and model["plan_error"] is None
     rows = model["policies"]
     assert list(rows) == list(gpu.POLICIES)
     seq, b, steps = model["config"]["seq_len"], model["micro_batch"], result["steps"]
