@@ -5,7 +5,7 @@
     python experiments/gpu.py --steps 20      # more timed steps per configuration
 
 On the local GPUs (tensor = their count, + sequence parallelism when > 1; bf16; `attention=fused`), for
-GPT-3 XL (gpt3-1.3b) and a Llama of similar size (LLAMA_1B below), per remat policy (none, selective, lean,
+GPT-3 XL (gpt3-1.3b) and a Llama of similar size (`models` below), per remat policy (none, selective, lean,
 full): the median step time, tokens/s, model TFLOP/s per device and MFU against the device's dense bf16 peak
 (jaxseq/hardware.py), each policy's step time relative to `none` (the paper's Table 4, measured), and the
 peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'s prediction of the same
@@ -18,7 +18,7 @@ Each configuration is compiled once and runs a few steps. On a GPU each runs in 
 that the peak memory it reports is its own (the backend's peak counter never resets); the parent only plans.
 
 On a machine without a GPU the same code runs a tiny dry version (tiny presets, 2 simulated CPU devices,
-explicit attention since cuDNN is absent, few steps) so that it cannot rot; nothing it times says anything
+explicit attention since cuDNN is absent, the pipeline in float32, few steps) so that it cannot rot; nothing it times says anything
 about a GPU, and it writes nothing unless given --out.
 """
 
@@ -171,7 +171,8 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
 # The whole check
 
 
-def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None) -> dict:
+def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
+          peak_tflops_per_device: float | None = None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
     from jaxseq.config import ConfigError, ParallelConfig, matmul_for, replace, validate
@@ -181,7 +182,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
 
     n = len(devices)
     platform = devices[0].platform
-    peak = peak_tflops(devices[0])
+    peak = peak_tflops_per_device or peak_tflops(devices[0])
     limit = aot.device_bytes(devices[:1]) if gpu else None
     attention = "fused" if gpu else "explicit"
     sp = n > 1
@@ -189,7 +190,9 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         "command": " ".join(["python", "experiments/gpu.py", *sys.argv[1:]]) if __name__ == "__main__" else None,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": not gpu, "platform": platform, "device_kind": devices[0].device_kind, "devices": n,
-        "peak_tflops_per_device": peak, "device_bytes_limit": limit, "attention": attention,
+        "peak_tflops_per_device": peak,
+        "peak_source": "--peak-tflops" if peak_tflops_per_device else "jaxseq/hardware.py by device kind",
+        "device_bytes_limit": limit, "attention": attention,
         "attention_note": ("fused (jax.nn.dot_product_attention)" if gpu else
                            "explicit: a CPU dry run, cuDNN is absent; its times say nothing about a GPU"),
         "mesh": f"tensor={n}" + (" + SP" if sp else ""), "steps": steps, "warmup_steps": warmup,
@@ -332,7 +335,7 @@ def table(result: dict) -> str:
              "", f"{'DRY RUN: ' if result['dry_run'] else ''}attention {result['attention_note']}; mesh "
              f"{result['mesh']}; bf16; median of {result['steps']} steps after "
              f"{result['warmup_steps']} warm-up; peak {num(result['peak_tflops_per_device'], '.0f') or 'unknown'} "
-             "TFLOP/s per device (hardware.py).", ""]
+             f"TFLOP/s per device ({result['peak_source']}).", ""]
     for name, m in result["models"].items():
         if "skipped" in m:
             lines += [f"## {name}: skipped ({m['skipped']})", ""]
@@ -396,6 +399,8 @@ def run(argv: list[str] | None = None) -> dict:
                                                    "which the plan predicts `none` to fit; dry: 2)")
     p.add_argument("--models", nargs="+", help="only these of the models (GPU: gpt3-1.3b llama-1b; dry: tiny "
                                                "tiny-llama); the pipeline runs the first")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, TFLOP/s, for MFU (default: "
+                                                     "jaxseq/hardware.py's for the device kind; none for others)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
                    help="each configuration in a child process of its own (default on a GPU: its peak memory is then "
                         "its own; --no-isolate: the largest so far)")
@@ -405,7 +410,8 @@ def run(argv: list[str] | None = None) -> dict:
         raise SystemExit("the dry run needs 2 simulated CPU devices (jax_num_cpu_devices ≥ 2)")
     result = check(gpu, devices, steps=args.steps or (10 if gpu else 2), warmup=2 if gpu else 1,
                    micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
-                   isolate=gpu if args.isolate is None else args.isolate, names=args.models)
+                   isolate=gpu if args.isolate is None else args.isolate, names=args.models,
+                   peak_tflops_per_device=args.peak_tflops)
     print(table(result))
     out = Path(args.out) if args.out else (RESULTS if gpu else None)
     if out is not None:

@@ -32,7 +32,7 @@ def test_custom_calls_and_the_cudnn_verdict():
 @pytest.fixture(scope="module")
 def dry():
     before = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
-    result = gpu.run(["--models", "tiny"])
+    result = gpu.run(["--models", "tiny", "--peak-tflops", "0.5"])  # a stated peak: MFU is computed on CPU too
     after = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
     return result, before, after
 
@@ -43,7 +43,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert before == after, "the dry run wrote under experiments/results without --out"
     assert result["dry_run"] and result["platform"] == "cpu" and result["devices"] == 2
     assert result["attention"] == "explicit" and "cuDNN is absent" in result["attention_note"]
-    assert result["peak_tflops_per_device"] is None  # no peak for a CPU: no MFU
+    assert result["peak_tflops_per_device"] == 0.5 and result["peak_source"] == "--peak-tflops"
     (name, model), = result["models"].items()
     assert name == "tiny" and model["plan_error"] is None
     rows = model["policies"]
@@ -53,8 +53,8 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
         assert len(r["step_s"]) == steps and r["median_step_s"] == statistics.median(r["step_s"])
         assert len(r["losses"]) == result["warmup_steps"] + steps and all(math.isfinite(x) for x in r["losses"])
         assert r["tokens_per_sec"] == pytest.approx(b * seq / r["median_step_s"])
-        assert r["mfu"] is None and r["peak_bytes_in_use"] is None  # no peak, no memory count on CPU
-        assert r["measured_over_predicted_peak"] is None
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
+        assert r["peak_bytes_in_use"] is None and r["measured_over_predicted_peak"] is None  # no count on CPU
         assert r["step_time_vs_none"] == pytest.approx(r["median_step_s"] / rows["none"]["median_step_s"])
         # The plan's prediction beside it: its parts add up to the total it predicts.
         plan = r["plan"]
@@ -92,6 +92,7 @@ def test_a_mesh_no_model_fits_is_reported_not_raised(devices):
     # tensor = 3 divides neither tiny model's 8 heads: both are skipped with the reason, nothing is compiled.
     result = gpu.check(False, devices[:3], steps=1, warmup=0, micro_batches=(2,), isolate=False)
     assert set(result["models"]) == {"tiny", "tiny-llama"}
+    assert result["peak_tflops_per_device"] is None  # hardware.py has no peak for a CPU: MFU would be None
     assert all("tensor=3 does not divide heads=8" in m["skipped"] for m in result["models"].values())
     assert result["pipeline"] == {"skipped": "no model runs on this mesh"}
     assert "## tiny: skipped (tensor=3 does not divide heads=8)" in gpu.table(result)
