@@ -144,9 +144,9 @@ def _is_train_step(args) -> bool:
 TAGS = ("sine", "cosine", "logistic", "tanh", "erf", "rsqrt", "exponential")
 
 
-def _tags(hlo_text: str) -> dict[str, str]:
-    """HLO op name → the first of TAGS its fused computation holds ("plain" if none): what the "other"
-    fusions are made of."""
+def _ops_and_bodies(hlo_text: str):
+    """(HLO op name, opcode, the text of the computation it calls or "", its own line) for each op of an
+    optimized HLO text."""
     comps, current = {}, None
     for line in hlo_text.splitlines():
         m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -155,34 +155,24 @@ def _tags(hlo_text: str) -> dict[str, str]:
             comps[current] = []
         elif current:
             comps[current].append(line)
-    tags = {}
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", line)
         if m:
             called = re.search(r"calls=%?([\w.\-]+)", line)
-            body = "\n".join(comps.get(called.group(1), [])) if called else line
-            tags[m.group(1)] = next((t for t in TAGS if f" {t}(" in body), "plain")
-    return tags
+            yield m.group(1), m.group(2), "\n".join(comps.get(called.group(1), [])) if called else "", line
+
+
+def _tags(hlo_text: str) -> dict[str, str]:
+    """HLO op name → the first of TAGS its fused computation holds ("plain" if none): what the "other"
+    fusions are made of."""
+    return {name: next((t for t in TAGS if f" {t}(" in (body or line)), "plain")
+            for name, _, body, line in _ops_and_bodies(hlo_text)}
 
 
 def _categorise(hlo_text: str):
     """HLO op name → category, from the optimized HLO of the profiled executable."""
-    comps, current = {}, None
-    for line in hlo_text.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-        elif current:
-            comps[current].append(line)
     kinds = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (?:\S+|\(.*?\)) ([a-z][a-z0-9\-]*)\(", line)
-        if not m:
-            continue
-        name, opcode = m.groups()
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        body = "\n".join(comps.get(called.group(1), [])) if called else ""
+    for name, opcode, body, _ in _ops_and_bodies(hlo_text):
         inner = set(re.findall(r" ([a-z][a-z0-9\-]*)\(", body)) - {"parameter", "bitcast", "constant"}
         if opcode.removesuffix("-start") in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                                              "all-to-all"):

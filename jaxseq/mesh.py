@@ -66,13 +66,18 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
             f"{parallel.num_devices} "
             f"does not equal the device count {len(devices)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(parallel.pipe, parallel.data, parallel.context, parallel.tensor)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    # Without context parallelism the mesh has no `context` axis at all: XLA:CPU (jax 0.10.2) fails to compile
+    # a bf16 step with gradient accumulation on a mesh holding a size-1 `context` axis ("Invalid binary
+    # instruction opcode copy"), and nothing names the axis then (`logical_rules`, `Sharder.manual_axes`).
+    sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
+    names = tuple(name for name in MESH_AXES if name != "context" or parallel.context > 1)
+    grid = np.asarray(devices, dtype=object).reshape([sizes[name] for name in names])
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def mesh_parallel(mesh: Mesh, sequence_parallel: bool = False) -> ParallelConfig:
     """The ParallelConfig a pipe × data × context × tensor mesh describes."""
-    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], context=mesh.shape["context"],
+    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], context=mesh.shape.get("context", 1),
                           tensor=mesh.shape["tensor"], sequence_parallel=sequence_parallel)
 
 

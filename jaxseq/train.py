@@ -106,7 +106,8 @@ EPILOG = ("Trailing key=value pairs override any config field (model, optimizer,
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m jaxseq.train",
-        description="Train a GPT with tensor, sequence and data parallelism and named remat policies.", epilog=EPILOG)
+        description="Train a GPT or Llama model with tensor, sequence, pipeline, data and context parallelism and "
+                    "named remat policies.", epilog=EPILOG)
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")

@@ -130,3 +130,18 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     # 5 matmuls forward, 3 replayed under full recompute (not MLP-down), 2 gradients of each of the 5.
     assert len(weight_dots) >= 5 + 3 + 2 * 5, weight_dots
     assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in weight_dots), weight_dots
+
+
+def test_a_bf16_step_with_gradient_accumulation_compiles_on_cpu(devices):
+    """The train command's CPU step in bf16 with two micro-batches compiles (XLA:CPU aborted on a mesh holding
+    a size-1 `context` axis: "Invalid binary instruction opcode copy"; `mesh.make_mesh` leaves the axis out)."""
+    from jaxseq.config import OptimizerConfig
+    from jaxseq.training import aot
+
+    cfg = replace(CFG, dtype="bfloat16", dropout=0.0)
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
+    mesh = make_mesh(parallel, devices[: parallel.num_devices])
+    assert "context" not in mesh.shape
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
+    step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches=2)
+    step.lower(*aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, 16)).compile()

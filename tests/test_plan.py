@@ -123,7 +123,7 @@ PEAK_MARGIN = 0.002
 def test_whole_model_peak_is_the_compiled_train_steps():
     """float32 (XLA:CPU's bf16 temporaries are not a GPU's): the plan's peak for 6 layers, measured
     at 2, against memory_analysis() of the real train step compiled with 6."""
-    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (README)
+    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (docs/planning.md)
     cfg = replace(CFG, dtype="float32", layers=6)
     m = measure.Compiler(cfg, B, jax.devices()).measure(c)
     ma = compile_step(cfg, c, B)

@@ -389,7 +389,7 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
 
 def _banner(session: Session, corpus: Corpus, start: int) -> str:
     run, p = session.run, session.run.parallel
-    return (f"jaxseq: {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
+    return (f"jaxseq: {run.model.family} with {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
             f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
             f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
             f"{_pipeline_text(p, session.micro_batches)} on {len(session.devices)} "
