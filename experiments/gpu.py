@@ -1,0 +1,443 @@
+"""One command that validates jaxseq on a GPU host, and records whether it works and how fast.
+
+    python experiments/gpu.py                 # every local GPU: writes experiments/results/gpu_<device>_<date>.{json,md}
+    python experiments/gpu.py --out DIR       # … into DIR (a CPU dry run writes only when given --out)
+    python experiments/gpu.py --steps 20      # more timed steps per configuration
+
+On the local GPUs (tensor = their count, + sequence parallelism when > 1; bf16; `attention=fused`), for
+GPT-3 XL (gpt3-1.3b) and a Llama of similar size (`models` below), per remat policy (none, selective, lean,
+full): the median step time, tokens/s, model TFLOP/s per device and MFU against the device's dense bf16 peak
+(jaxseq/hardware.py), each policy's step time relative to `none` (the paper's Table 4, measured), and the
+peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'s prediction of the same
+configuration. Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
+in its optimized HLO); bf16 against float32 losses over the same steps (same init and data); and with two
+GPUs or more a pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set
+beside the schedule's (parallel/schedule.py).
+
+Each configuration is compiled once and runs a few steps. On a GPU each runs in its own child process, so
+that the peak memory it reports is its own (the backend's peak counter never resets); the parent only plans.
+
+On a machine without a GPU the same code runs a tiny dry version (tiny presets, 2 simulated CPU devices,
+explicit attention since cuDNN is absent, the pipeline in float32, few steps) so that it cannot rot; nothing it times says anything
+about a GPU, and it writes nothing unless given --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+POLICIES = ("none", "selective", "lean", "full")
+PARITY_TOLERANCE = 0.02  # |loss_bf16 − loss_f32| / loss_f32 per step: bf16 rounds to 2⁻⁸ ≈ 0.4% per op
+CHILD_TIMEOUT_S = 1200  # one configuration: a compile and a few steps; a hang is reported, not waited for
+CUDNN_FMHA = "__cudnn$fmha"  # prefix of cuDNN fused attention's custom-call targets (jax/_src/cudnn)
+
+
+def models(gpu: bool) -> dict:
+    """name → ModelConfig. GPU: GPT-3 XL and a Llama of similar size (Llama 3.2 1B's shape, untied lm_head,
+    at GPT-3 XL's sequence length); CPU: the tiny presets. Dropout 0, so that bf16 and f32 draw nothing apart."""
+    from jaxseq.config import preset, replace
+
+    if not gpu:
+        return {"tiny": replace(preset("tiny"), dropout=0.0), "tiny-llama": preset("tiny-llama")}
+    llama_1b = replace(preset("llama3-8b"), hidden=2048, heads=32, kv_heads=8, layers=16, ffn_hidden=8192,
+                       seq_len=2048)
+    return {"gpt3-1.3b": replace(preset("gpt3-1.3b"), dropout=0.0), "llama-1b": llama_1b}
+
+
+# ---------------------------------------------------------------------------------------------
+# One configuration: compile once, run a few steps, measure
+
+
+def measure(spec: dict, devices) -> dict:
+    """Train `spec["steps"]` steps (after `spec["warmup"]`) of one configuration on `devices` from the same
+    seed and the same batch every time: per-step wall times (each step waited for), losses, the device's peak
+    memory, and the custom calls of the compiled step."""
+    import jax
+    import numpy as np
+
+    from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from jaxseq.mesh import make_mesh
+    from jaxseq.sharding import batch_sharding
+    from jaxseq.training import train_step as T
+
+    cfg = ModelConfig(**spec["model"])
+    parallel = ParallelConfig(**spec["parallel"])
+    devices = list(devices)[: parallel.num_devices]
+    mesh = make_mesh(parallel, devices)
+    optimizer = T.make_optimizer(OptimizerConfig(warmup_steps=1), cfg)
+    state = T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh)
+    rows = spec["micro_batch"] * spec["microbatches"]
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1), dtype=np.int32)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
+    key = jax.random.key(1)
+    start = time.perf_counter()
+    step = T.make_train_step(cfg, parallel, spec["remat"], optimizer, mesh, spec["microbatches"])
+    compiled = step.lower(state, batch, key).compile()
+    compile_s = time.perf_counter() - start
+    times, losses = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        start = time.perf_counter()
+        state, out = compiled(state, batch, key)
+        loss = float(jax.block_until_ready(out)["loss"])
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - start)
+        losses.append(loss)
+    text = compiled.as_text()
+    return {
+        "step_s": times, "median_step_s": statistics.median(times), "losses": losses, "compile_s": compile_s,
+        "peak_bytes_in_use": peak_bytes_in_use(devices),
+        "custom_calls": custom_calls(text),
+        "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+    }
+
+
+def peak_bytes_in_use(devices) -> int | None:
+    """The largest of the devices' peak bytes in use since the process started (None where the backend keeps
+    no count: CPU)."""
+    stats = [d.memory_stats() for d in devices if hasattr(d, "memory_stats")]
+    peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+    return max(peaks) if peaks else None
+
+
+def custom_calls(hlo_text: str) -> dict:
+    """custom-call target → how many times the optimized HLO names it (cuBLAS GEMMs, cuDNN attention, …)."""
+    counts: dict = {}
+    for target in re.findall(r'custom_call_target="([^"]+)"', hlo_text):
+        counts[target] = counts.get(target, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def local_devices() -> tuple[bool, list]:
+    """(whether they are GPUs, the devices to use): the local GPUs, or else 2 simulated CPU devices."""
+    import jax
+
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    return (True, gpus) if gpus else (False, jax.local_devices(backend="cpu")[:2])
+
+
+def run_spec(spec: dict, devices, isolate: bool) -> dict:
+    """`measure(spec)` here, or in a child process of its own (isolate) so that its peak memory is its own."""
+    if not isolate:
+        return measure(spec, devices)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"child ran past {CHILD_TIMEOUT_S} s"}
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": f"child exited {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(line[len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's prediction of each configuration's peak (the planning library, not its command)
+
+
+def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, devices) -> dict:
+    """policy → `jaxseq.plan`'s predicted peak bytes per device (state + stored activations + the step's working
+    memory) for `cfg` at `tensor`, one micro-batch; its rows compiled as `plan.plan` compiles them."""
+    from jaxseq.planning.measure import Compiler, RowSpec
+    from jaxseq.planning.memory import state_bytes
+    from jaxseq.planning.plan import make_row
+
+    specs = [RowSpec(p, p, sequence_parallel, tensor, None) for p in POLICIES]
+    compiler = Compiler(cfg, micro_batch, devices)
+    compiler.compile_all([k for c in specs for k in compiler.programs(c)])
+    measured = {c.remat: compiler.measure(c) for c in specs}
+    state = state_bytes(cfg, tensor)
+    rows = {p: make_row(cfg, c, measured[p], micro_batch, cfg.layers, measured["none"].flops_per_layer, state)
+            for p, c in zip(POLICIES, specs)}
+    return {p: {"total_bytes": r.total_bytes_per_device, "state_bytes": state.total,
+                "activation_bytes": r.activation_bytes_per_device, "working_bytes": r.working_bytes_per_device}
+            for p, r in rows.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole check
+
+
+def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
+          peak_tflops_per_device: float | None = None) -> dict:
+    """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
+    Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
+    from jaxseq.config import ConfigError, ParallelConfig, matmul_for, replace, validate
+    from jaxseq.parallel.schedule import Schedule
+    from jaxseq.training import aot
+    from jaxseq.training.metrics import peak_tflops, throughput
+
+    n = len(devices)
+    platform = devices[0].platform
+    peak = peak_tflops_per_device or peak_tflops(devices[0])
+    limit = aot.device_bytes(devices[:1]) if gpu else None
+    attention = "fused" if gpu else "explicit"
+    sp = n > 1
+    out = {
+        "command": " ".join(["python", "experiments/gpu.py", *sys.argv[1:]]) if __name__ == "__main__" else None,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dry_run": not gpu, "platform": platform, "device_kind": devices[0].device_kind, "devices": n,
+        "peak_tflops_per_device": peak,
+        "peak_source": "--peak-tflops" if peak_tflops_per_device else "jaxseq/hardware.py by device kind",
+        "device_bytes_limit": limit, "attention": attention,
+        "attention_note": ("fused (jax.nn.dot_product_attention)" if gpu else
+                           "explicit: a CPU dry run, cuDNN is absent; its times say nothing about a GPU"),
+        "mesh": f"tensor={n}" + (" + SP" if sp else ""), "steps": steps, "warmup_steps": warmup,
+        "micro_batch_candidates": list(micro_batches), "parity_tolerance": PARITY_TOLERANCE,
+        "units": "seconds (step_s, median_step_s), tokens/s, TFLOP/s per device (model FLOPs, the paper's "
+                 "formula ÷ measured time), MFU = model TFLOP/s ÷ peak_tflops_per_device, bytes (memory)",
+        "jax_version": __import__("jax").__version__,
+        "models": {},
+    }
+    cfgs = {k: v for k, v in models(gpu).items() if names is None or k in names}
+    for name, cfg in cfgs.items():
+        cfg = replace(cfg, dtype="bfloat16", attention=attention, matmul=matmul_for(platform))
+        try:
+            validate(cfg, ParallelConfig(tensor=n, sequence_parallel=sp), "none")
+        except ConfigError as e:  # e.g. 3 GPUs: tensor=3 divides no Llama head count
+            out["models"][name] = {"skipped": str(e), "config": dataclasses.asdict(cfg)}
+            continue
+        parallel = {"tensor": n, "sequence_parallel": sp}
+        for micro_batch in micro_batches:
+            print(f"{name}: planning tensor={n}, micro-batch {micro_batch} …", flush=True)
+            try:
+                plan, plan_error = predicted_peaks(cfg, n, sp, micro_batch, devices), None
+            except Exception as e:  # the measurements still run; the failure is a finding
+                plan, plan_error = None, f"{type(e).__name__}: {e}"
+                break
+            if limit is None or plan["none"]["total_bytes"] <= limit:
+                break
+        base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
+        result = {"config": dataclasses.asdict(cfg), "num_params": cfg.num_params(), "micro_batch": micro_batch,
+                  "plan_error": plan_error, "policies": {}}
+        for policy in POLICIES:
+            predicted = plan[policy]["total_bytes"] if plan else None
+            row = {"predicted_peak_bytes": predicted, "plan": plan and plan[policy]}
+            if limit is not None and predicted is not None and predicted > limit:
+                row["skipped"] = f"the plan predicts {predicted / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB per device"
+            else:
+                print(f"{name}: {policy} …", flush=True)
+                spec = {**base_spec, "model": dataclasses.asdict(cfg), "parallel": parallel, "remat": policy}
+                row.update(run_spec(spec, devices, isolate))
+                if "median_step_s" in row:
+                    row.update(throughput(cfg, policy, micro_batch, 1, row["median_step_s"], n, peak))
+                    measured = row["peak_bytes_in_use"]
+                    row["measured_over_predicted_peak"] = measured / predicted if measured and predicted else None
+            result["policies"][policy] = row
+        base = result["policies"]["none"].get("median_step_s")
+        for row in result["policies"].values():
+            row["step_time_vs_none"] = row["median_step_s"] / base if base and "median_step_s" in row else None
+        result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
+        result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
+        out["models"][name] = result
+    ran = [k for k, m in out["models"].items() if "skipped" not in m]
+    if not ran:
+        out["pipeline"] = {"skipped": "no model runs on this mesh"}
+        return out
+    base_spec = {"micro_batch": out["models"][ran[0]]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
+    out["pipeline"] = pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
+    return out
+
+
+def cudnn_verdict(gpu: bool, rows: dict) -> dict:
+    """Whether the compiled steps call cuDNN's fused attention, from their custom calls."""
+    if not gpu:
+        return {"used": None, "note": "not applicable on CPU (explicit attention; cuDNN is absent)"}
+    calls = {p: r.get("custom_calls") for p, r in rows.items() if r.get("custom_calls") is not None}
+    used = {p: sorted(t for t in c if t.startswith(CUDNN_FMHA)) for p, c in calls.items()}
+    ok = bool(used) and all(used.values())
+    return {"used": ok, "fmha_targets": used,
+            "note": f"custom calls named {CUDNN_FMHA}… in each policy's optimized HLO" + (
+                "" if ok else "; where none: which implementation models/ops.causal_attention asks "
+                              "jax.nn.dot_product_attention for (None means XLA's attention in jax 0.10.2)")}
+
+
+def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices, isolate: bool) -> dict:
+    """The bf16 run of `full` (least memory) against the same run in float32: same init, data and steps."""
+    bf16 = rows["full"].get("losses")
+    if not bf16:
+        return {"ok": None, "note": "the bf16 run of `full` did not run"}
+    spec = {**base_spec, "model": dataclasses.asdict(dataclasses.replace(cfg, dtype="float32")),
+            "parallel": parallel, "remat": "full"}
+    print("  float32 parity run …", flush=True)
+    f32 = run_spec(spec, devices, isolate)
+    if "losses" not in f32:
+        return {"ok": None, "note": f32.get("error", "the float32 run failed")}
+    rel = [abs(a - b) / abs(b) for a, b in zip(bf16, f32["losses"])]
+    return {"ok": max(rel) <= PARITY_TOLERANCE, "tolerance": PARITY_TOLERANCE, "losses_bf16": bf16,
+            "losses_f32": f32["losses"], "max_relative_difference": max(rel), "remat": "full",
+            "f32_median_step_s": f32["median_step_s"]}
+
+
+def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: str, isolate: bool, Schedule) -> dict:
+    """pipe = 2 × tensor = n/2 (+ SP) with 1F1B at m = 2 and m = 4 micro-batches of the first model. The lock-step
+    executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
+    the measured bubble is (step − busy ticks·τ) / (busy ticks·τ), the schedule's own idle/busy plus whatever the
+    step does outside the ticks (the optimizer update), to set beside `Schedule.bubble`."""
+    from jaxseq.config import matmul_for, replace
+
+    n = len(devices)
+    if n < 2 or n % 2:
+        return {"skipped": f"needs an even number of devices ≥ 2; {n} here"}
+    name, cfg = next(iter(cfgs.items()))
+    # XLA:CPU (jax 0.10.2) aborts compiling the bf16 pipelined step on 2 devices (AllReducePromotion: "Invalid
+    # binary instruction opcode copy"): the dry run's pipeline runs in float32.
+    cfg = replace(cfg, dtype="bfloat16" if gpu else "float32", attention=attention, matmul=matmul_for(devices[0].platform))
+    tensor = n // 2
+    parallel = {"pipe": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "schedule": "1f1b"}
+    runs = []
+    for m in (2, 4):
+        sched = Schedule.make("1f1b", 2, m, 1, cfg.layers)
+        print(f"pipeline: pipe=2 tensor={tensor} m={m} …", flush=True)
+        spec = {**base_spec, "microbatches": m, "model": dataclasses.asdict(cfg), "parallel": parallel,
+                "remat": "selective"}
+        row = {"microbatches": m, "ticks": sched.ticks, "busy_ticks": sched.busy_ticks,
+               "schedule_bubble": sched.bubble, "paper_bubble": sched.paper_bubble}
+        row.update(run_spec(spec, devices, isolate))
+        runs.append(row)
+    out = {"model": name, "dtype": cfg.dtype, "micro_batch": base_spec["micro_batch"],
+           "mesh": f"pipe=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
+           "schedule": "1f1b", "remat": "selective", "runs": runs}
+    if all("median_step_s" in r for r in runs):
+        a, b = runs
+        tick_s = (b["median_step_s"] - a["median_step_s"]) / (b["ticks"] - a["ticks"])
+        out["tick_s"] = tick_s
+        out["fixed_s"] = a["median_step_s"] - a["ticks"] * tick_s
+        for r in runs:
+            busy = r["busy_ticks"] * tick_s
+            r["measured_bubble"] = (r["median_step_s"] - busy) / busy if busy > 0 else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def table(result: dict) -> str:
+    """The short Markdown table the command prints and writes."""
+    pct = lambda x: "" if x is None else f"{100 * x:.1f}%"
+    num = lambda x, f: "" if x is None else format(x, f)
+    mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"
+    lines = [f"# jaxseq on {result['devices']} × {result['device_kind']} ({result['platform']}), {result['date_utc']}",
+             "", f"{'DRY RUN: ' if result['dry_run'] else ''}attention {result['attention_note']}; mesh "
+             f"{result['mesh']}; bf16; median of {result['steps']} steps after "
+             f"{result['warmup_steps']} warm-up; peak {num(result['peak_tflops_per_device'], '.0f') or 'unknown'} "
+             f"TFLOP/s per device ({result['peak_source']}).", ""]
+    for name, m in result["models"].items():
+        if "skipped" in m:
+            lines += [f"## {name}: skipped ({m['skipped']})", ""]
+            continue
+        lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters, micro-batch {m['micro_batch']} × "
+                  f"{m['config']['seq_len']} tokens)", "",
+                  "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB (measured) "
+                  "| peak memory, MiB (plan) | measured / plan |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for policy, r in m["policies"].items():
+            if "median_step_s" not in r:
+                lines.append(f"| {policy} | {r.get('skipped') or r.get('error', '')} | | | | | | "
+                             f"{mib(r['predicted_peak_bytes'])} | |")
+                continue
+            lines.append(f"| {policy} | {r['median_step_s']:.4f} | {num(r['step_time_vs_none'], '.3f')} | "
+                         f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device']:.4g} | {pct(r['mfu']) or 'n/a (no peak)'} | "
+                         f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
+                         f"{num(r['measured_over_predicted_peak'], '.3f')} |")
+        c, p = m["cudnn_attention"], m["parity"]
+        lines += [f"\nthe plan failed: {m['plan_error']}"] if m["plan_error"] else []
+        lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
+                                                     f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
+                  f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data): "
+                  + (f"max relative difference {p['max_relative_difference']:.2e}, tolerance {p['tolerance']}: "
+                     + ("within" if p["ok"] else "OUTSIDE") if p.get("ok") is not None else p["note"]), ""]
+    pl = result["pipeline"]
+    if "skipped" in pl:
+        lines += [f"## Pipeline: skipped ({pl['skipped']})"]
+    else:
+        lines += [f"## Pipeline: {pl['model']}, {pl['dtype']}, {pl['mesh']}, {pl['schedule']}, {pl['remat']}, "
+                  f"micro-batch {pl['micro_batch']}", "",
+                  "| micro-batches | ticks | step, s | bubble (measured) | bubble (schedule) | (p − 1)/m |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in pl["runs"]:
+            lines.append(f"| {r['microbatches']} | {r['ticks']} | {num(r.get('median_step_s'), '.4f') or r.get('error')} | "
+                         f"{num(r.get('measured_bubble'), '.3f') or 'n/a'} | {r['schedule_bubble']:.3f} | {r['paper_bubble']:.3f} |")
+        if "tick_s" in pl:
+            lines += ["", f"tick {pl['tick_s']:.4g} s and fixed {pl['fixed_s']:.4g} s per step, fitted from the two "
+                          "step times; measured bubble = (step − busy ticks × tick) / (busy ticks × tick)"
+                          + ("" if pl["tick_s"] > 0 else " (n/a: the fitted tick is not positive)") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", result["device_kind"]).strip("-").lower()
+    stem = f"gpu_{kind}_{result['date_utc'][:10]}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(table(result))
+    return paths
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """The command, callable in-process (the test's dry run): the result dict; files only where asked (or on
+    a GPU, by default)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="directory for gpu_<device>_<date>.{json,md} (default on a GPU: experiments/results; "
+                                 "a CPU dry run writes nothing without it)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 10 on GPU, 2 dry)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default on GPU: the first of 4, 2, 1 at "
+                                                   "which the plan predicts `none` to fit; dry: 2)")
+    p.add_argument("--models", nargs="+", help="only these of the models (GPU: gpt3-1.3b llama-1b; dry: tiny "
+                                               "tiny-llama); the pipeline runs the first")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, TFLOP/s, for MFU (default: "
+                                                     "jaxseq/hardware.py's for the device kind; none for others)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
+                   help="each configuration in a child process of its own (default on a GPU: its peak memory is then "
+                        "its own; --no-isolate: the largest so far)")
+    args = p.parse_args(argv)
+    gpu, devices = local_devices()
+    if not gpu and len(devices) < 2:
+        raise SystemExit("the dry run needs 2 simulated CPU devices (jax_num_cpu_devices ≥ 2)")
+    result = check(gpu, devices, steps=args.steps or (10 if gpu else 2), warmup=2 if gpu else 1,
+                   micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
+                   isolate=gpu if args.isolate is None else args.isolate, names=args.models,
+                   peak_tflops_per_device=args.peak_tflops)
+    print(table(result))
+    out = Path(args.out) if args.out else (RESULTS if gpu else None)
+    if out is not None:
+        for path in write(result, out):
+            print(f"wrote {path}")
+    return result
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 2)
+        spec = json.loads(sys.argv[sys.argv.index("--child") + 1])
+        print("RESULT " + json.dumps(measure(spec, local_devices()[1])), flush=True)
+        return 0
+    # Before JAX starts: a parent that only plans must not take 75% of every GPU from its children, and a
+    # machine without one gets simulated CPU devices.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)
+    sys.path.insert(0, str(ROOT))
+    run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

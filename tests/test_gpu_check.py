@@ -1,0 +1,98 @@
+"""experiments/gpu.py, the GPU validation command: its CPU dry run in-process (structure and internal consistency of
+what it reports, never its timings), and its readers of compiled HLO."""
+
+import importlib.util
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "experiments" / "gpu.py")
+gpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu)
+
+
+def test_custom_calls_and_the_cudnn_verdict():
+    text = ('  %a = bf16[2,4]{1,0} custom-call(%x, %y), custom_call_target="__cublas$lt$matmul", backend_config={}\n'
+            '  %b = (bf16[2,4], u8[0]) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"\n'
+            '  %c = (bf16[2,4], u8[0]) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBackward"\n'
+            '  %d = bf16[2,4]{1,0} custom-call(%x, %y), custom_call_target="__cublas$lt$matmul"\n')
+    calls = gpu.custom_calls(text)
+    assert calls == {"__cublas$lt$matmul": 2, "__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
+    used = gpu.cudnn_verdict(True, {"none": {"custom_calls": calls}, "full": {"custom_calls": calls}})
+    assert used["used"] is True and used["fmha_targets"]["none"] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+    # One policy without the fused attention is a failed check, not a pass.
+    gemms = {"__cublas$lt$matmul": 2}
+    assert gpu.cudnn_verdict(True, {"none": {"custom_calls": calls}, "full": {"custom_calls": gemms}})["used"] is False
+    assert gpu.cudnn_verdict(False, {})["used"] is None
+
+
+@pytest.fixture(scope="module")
+def dry():
+    before = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
+    result = gpu.run(["--models", "tiny", "--peak-tflops", "0.5"])  # a stated peak: MFU is computed on CPU too
+    after = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
+    return result, before, after
+
+
+@pytest.mark.slow  # 75–80 s of CPU: 9 plan compiles, 5 train steps and 2 pipelined steps of the tiny model
+def test_dry_run_reports_consistent_measurements(dry, tmp_path):
+    result, before, after = dry
+    assert before == after, "the dry run wrote under experiments/results without --out"
+    assert result["dry_run"] and result["platform"] == "cpu" and result["devices"] == 2
+    assert result["attention"] == "explicit" and "cuDNN is absent" in result["attention_note"]
+    assert result["peak_tflops_per_device"] == 0.5 and result["peak_source"] == "--peak-tflops"
+    (name, model), = result["models"].items()
+    assert name == "tiny" and model["plan_error"] is None
+    rows = model["policies"]
+    assert list(rows) == list(gpu.POLICIES)
+    seq, b, steps = model["config"]["seq_len"], model["micro_batch"], result["steps"]
+    for policy, r in rows.items():
+        assert len(r["step_s"]) == steps and r["median_step_s"] == statistics.median(r["step_s"])
+        assert len(r["losses"]) == result["warmup_steps"] + steps and all(math.isfinite(x) for x in r["losses"])
+        assert r["tokens_per_sec"] == pytest.approx(b * seq / r["median_step_s"])
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
+        assert r["peak_bytes_in_use"] is None and r["measured_over_predicted_peak"] is None  # no count on CPU
+        assert r["step_time_vs_none"] == pytest.approx(r["median_step_s"] / rows["none"]["median_step_s"])
+        # The plan's prediction beside it: its parts add up to the total it predicts.
+        plan = r["plan"]
+        assert r["predicted_peak_bytes"] == plan["total_bytes"] > 0
+        assert plan["total_bytes"] == plan["state_bytes"] + plan["activation_bytes"] + plan["working_bytes"]
+    # Remat changes what is stored, not the state: the plan predicts less activation memory for `full`.
+    assert rows["full"]["plan"]["activation_bytes"] < rows["none"]["plan"]["activation_bytes"]
+    assert rows["full"]["plan"]["state_bytes"] == rows["none"]["plan"]["state_bytes"]
+    assert model["cudnn_attention"]["used"] is None and "not applicable on CPU" in model["cudnn_attention"]["note"]
+    parity = model["parity"]
+    assert parity["losses_bf16"] == rows["full"]["losses"] and len(parity["losses_f32"]) == len(parity["losses_bf16"])
+    worst = max(abs(a - f) / abs(f) for a, f in zip(parity["losses_bf16"], parity["losses_f32"]))
+    assert parity["max_relative_difference"] == pytest.approx(worst)
+    assert parity["ok"] == (worst <= parity["tolerance"])
+
+    pl = result["pipeline"]
+    assert pl["mesh"].startswith("pipe=2") and pl["micro_batch"] == b and [r["microbatches"] for r in pl["runs"]] == [2, 4]
+    for r in pl["runs"]:
+        assert r["ticks"] == 2 * r["microbatches"] + 2 and r["busy_ticks"] == 2 * r["microbatches"]
+        assert r["schedule_bubble"] == pytest.approx(1 / r["microbatches"])  # (p − 1)/m for 1F1B, p = 2
+    a, c = pl["runs"]
+    assert pl["tick_s"] == pytest.approx((c["median_step_s"] - a["median_step_s"]) / (c["ticks"] - a["ticks"]))
+    assert pl["fixed_s"] == pytest.approx(a["median_step_s"] - a["ticks"] * pl["tick_s"])
+    for r in pl["runs"]:
+        busy = r["busy_ticks"] * pl["tick_s"]
+        assert r["measured_bubble"] == (pytest.approx((r["median_step_s"] - busy) / busy) if busy > 0 else None)
+
+    text = gpu.table(result)
+    assert text.startswith("# jaxseq on 2 × cpu") and "DRY RUN" in text and "not applicable on CPU" in text
+    json_path, md_path = gpu.write(result, tmp_path)
+    assert json_path.name.startswith("gpu_cpu_") and json_path.suffix == ".json" and md_path.read_text() == text
+
+
+def test_a_mesh_no_model_fits_is_reported_not_raised(devices):
+    # tensor = 3 divides neither tiny model's 8 heads: both are skipped with the reason, nothing is compiled.
+    result = gpu.check(False, devices[:3], steps=1, warmup=0, micro_batches=(2,), isolate=False)
+    assert set(result["models"]) == {"tiny", "tiny-llama"}
+    assert result["peak_tflops_per_device"] is None  # hardware.py has no peak for a CPU: MFU would be None
+    assert all("tensor=3 does not divide heads=8" in m["skipped"] for m in result["models"].values())
+    assert result["pipeline"] == {"skipped": "no model runs on this mesh"}
+    assert "## tiny: skipped (tensor=3 does not divide heads=8)" in gpu.table(result)
