@@ -18,7 +18,7 @@ Each configuration is compiled once and runs a few steps. On a GPU each runs in 
 that the peak memory it reports is its own (the backend's peak counter never resets); the parent only plans.
 
 On a machine without a GPU the same code runs a tiny dry version (tiny presets, 2 simulated CPU devices,
-explicit attention since cuDNN is absent, the pipeline in float32, few steps) so that it cannot rot; nothing it times says anything
+explicit attention since cuDNN is absent, few steps) so that it cannot rot; nothing it times says anything
 about a GPU, and it writes nothing unless given --out.
 """
 
@@ -175,7 +175,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
           peak_tflops_per_device: float | None = None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
-    from jaxseq.config import ConfigError, ParallelConfig, matmul_for, replace, validate
+    from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
     from jaxseq.parallel.schedule import Schedule
     from jaxseq.training import aot
     from jaxseq.training.metrics import peak_tflops, throughput
@@ -204,7 +204,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     }
     cfgs = {k: v for k, v in models(gpu).items() if names is None or k in names}
     for name, cfg in cfgs.items():
-        cfg = replace(cfg, dtype="bfloat16", attention=attention, matmul=matmul_for(platform))
+        cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), platform)
         try:
             validate(cfg, ParallelConfig(tensor=n, sequence_parallel=sp), "none")
         except ConfigError as e:  # e.g. 3 GPUs: tensor=3 divides no Llama head count
@@ -262,7 +262,7 @@ def cudnn_verdict(gpu: bool, rows: dict) -> dict:
     return {"used": ok, "fmha_targets": used,
             "note": f"custom calls named {CUDNN_FMHA}… in each policy's optimized HLO" + (
                 "" if ok else "; where none: which implementation models/ops.causal_attention asks "
-                              "jax.nn.dot_product_attention for (None means XLA's attention in jax 0.10.2)")}
+                              "jax.nn.dot_product_attention for (cfg.fused_kernel, set by config.on_platform)")}
 
 
 def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices, isolate: bool) -> dict:
@@ -287,15 +287,13 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
     executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
     the measured bubble is (step − busy ticks·τ) / (busy ticks·τ), the schedule's own idle/busy plus whatever the
     step does outside the ticks (the optimizer update), to set beside `Schedule.bubble`."""
-    from jaxseq.config import matmul_for, replace
+    from jaxseq.config import on_platform, replace
 
     n = len(devices)
     if n < 2 or n % 2:
         return {"skipped": f"needs an even number of devices ≥ 2; {n} here"}
     name, cfg = next(iter(cfgs.items()))
-    # XLA:CPU (jax 0.10.2) aborts compiling the bf16 pipelined step on 2 devices (AllReducePromotion: "Invalid
-    # binary instruction opcode copy"): the dry run's pipeline runs in float32.
-    cfg = replace(cfg, dtype="bfloat16" if gpu else "float32", attention=attention, matmul=matmul_for(devices[0].platform))
+    cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), devices[0].platform)
     tensor = n // 2
     parallel = {"pipe": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "schedule": "1f1b"}
     runs = []
