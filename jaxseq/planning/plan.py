@@ -214,8 +214,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                      state_bytes(stage, c.tensor, data, distributed_optimizer, pipeline), context, context_strategy)
             for c, m in measured.items()]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
-    return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
-                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
+    per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
+    return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
+                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / (tensor * context), pipeline,
                 data=data, distributed_optimizer=distributed_optimizer,
                 parameters_per_device=parameter_elements_per_device(stage, tensor)[0], schedule=schedule,
                 virtual_stages=virtual_stages, microbatches=n_micro, in_flight_layers=float(in_flight_layers),

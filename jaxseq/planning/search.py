@@ -624,6 +624,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
+        "context_sizes": list(r.context_sizes),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
