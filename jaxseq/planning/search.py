@@ -65,9 +65,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
-from jaxseq.config import ConfigError, ModelConfig, replace
+from jaxseq.config import CONTEXT_STRATEGIES, ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
-from jaxseq.config import CONTEXT_STRATEGIES
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
@@ -298,7 +297,6 @@ def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
                             for dist in ((False, True) if d > 1 else (False,)):
                                 out.append(Candidate(t, 1, 1, d, b, remat, sp, dist, m, c, strategy))
     return out
-
 
 
 # ---------------------------------------------------------------------------------------------
