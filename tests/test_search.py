@@ -301,6 +301,7 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--sm-count", "0"], "error: sm_count=0 must be a positive integer"),
     (["--preset", "tiny", "--hbm-gb-per-s", "-1"], "error: hbm_gb_per_s=-1.0 must be positive"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
+    (["--preset", "tiny", "--context-sizes", "1,0"], "error: context size 0 must be a positive integer"),
 ])
 def test_bad_search_requests_are_one_line(argv, message, capsys):
     base = {"--gpus": "16", "--global-batch": "16"}
