@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved); default 1")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
+    p.add_argument("--context", type=int, default=1,
+                   help="context-parallel size c: every row compiled on c × t simulated devices (default 1)")
+    p.add_argument("--context-strategy", default="all-gather", help="all-gather (default) or ring")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, d, micro-batch, remat, SP and the distributed optimizer "
@@ -72,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes b to try (default 1,2,4,8)")
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
+    g.add_argument("--context-sizes", default="1,2,4,8",
+                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); p = 1 with c > 1 "
+                        "(default 1,2,4,8)")
     g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
                    help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {S.COMPUTE_EFFICIENCY}, "
                         "calibrated on Korthikanti et al. Table 5, 175B)")
@@ -119,7 +125,7 @@ def search_request(args) -> S.Request:
                              link_efficiency=args.link_efficiency)
     return S.Request(args.gpus, args.global_batch, hardware, S.parse_list(args.micro_batch_sizes),
                      S.parse_list(args.remat_policies, str), time_model,
-                     S.parse_list(args.tensor_sizes) if args.tensor_sizes else None)
+                     S.parse_list(args.tensor_sizes) if args.tensor_sizes else None, S.parse_list(args.context_sizes))
 
 
 def _search(args) -> int:
@@ -137,15 +143,19 @@ def _search(args) -> int:
 
 def _plan(args) -> int:
     cfg = resolve(args)
-    validate(cfg, ParallelConfig(data=1, tensor=args.tensor, sequence_parallel=False), "none")
+    context = ParallelConfig(data=1, context=args.context, tensor=args.tensor, context_strategy=args.context_strategy)
+    validate(cfg, context, "none")
     pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
-    if args.tensor * pipe > MAX_SIMULATED_DEVICES:
+    if args.context > 1 and pipe > 1:
+        validate(cfg, replace(context, pipe=pipe), "none")  # refused in one line: not implemented yet
+    if args.tensor * pipe * args.context > MAX_SIMULATED_DEVICES:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
                           f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")
     try:
-        p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe), args.preset, args.pipeline,
-                 schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
-                 data=args.data, distributed_optimizer=args.distributed_optimizer)
+        p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe * args.context), args.preset,
+                 args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                 microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
+                 context=args.context, context_strategy=args.context_strategy)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

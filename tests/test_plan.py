@@ -12,7 +12,7 @@ from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
-from jaxseq.planning import in_flight, measure, memory, report
+from jaxseq.planning import hlo, in_flight, measure, memory, report
 from jaxseq.planning import plan as P
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
@@ -205,6 +205,11 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     (["--preset", "tiny", "--attention", "flash"], "error: attention='flash' is not valid"),
     (["--preset", "tiny", "--tensor", "1", "--data", "0"], "error: data=0 must be a positive integer"),
     (["--preset", "tiny", "--dtype", "float16"], "error: dtype='float16' needs loss scaling"),
+    (["--preset", "tiny", "--tensor", "2", "--context", "2", "--pipeline", "2"],
+     "error: context=2 with pipe=2: context parallelism with a pipeline is not implemented yet"),
+    (["--preset", "tiny", "--tensor", "2", "--context", "2", "--context-strategy", "ulysses"],
+     "error: context_strategy='ulysses' is not valid"),
+    (["--preset", "tiny", "--tensor", "1", "--context", "3"], "error: seq_len=64 is not divisible by 2·context = 6"),
     (["--preset", "gpt3-175b", "--tensor", "16", "--pipeline", "96"],
      "error: pipeline=96 × tensor=16 = 1536 simulated devices to compile the pipelined step; at most 1024"),
 ])
@@ -259,3 +264,53 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     assert out["stage_state"]["layers"]["total"] + group["total"] == memory.state_bytes(stage, T, planned.data,
                                                                                          planned.distributed_optimizer, p).total
     assert "state per device on every pipeline stage (p=2" in text and "Megatron first/last stage" in text
+
+
+# Context parallelism: tiny GPT with dropout (bf16), t = 2 + SP, c = 2, b = 2 (4 simulated devices).
+CONTEXT_CFG, CONTEXT_T, CONTEXT_B = replace(preset("tiny"), dtype="bfloat16"), 2, 2
+
+
+@pytest.mark.parametrize("strategy", ["all-gather", "ring"])
+def test_context_layer_stores_the_formula_exactly(strategy):
+    """The compiled layer at context 2 stores formulas.activation_bytes(context=2): every term / c (all-gather:
+    no gathered K/V), the ring without scores and with its output and log-sum-exp (ring_out_lse)."""
+    parallel = ParallelConfig(data=1, context=2, tensor=CONTEXT_T, sequence_parallel=True, context_strategy=strategy)
+    mesh = make_mesh(parallel, jax.devices()[:4])
+    text = aot.compile_loss_and_grad(CONTEXT_CFG, parallel, "selective", mesh, CONTEXT_B).as_text()
+    stored = hlo.stored_bytes_per_layer(text, CONTEXT_CFG.layers)
+    formula = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True, 2, strategy)
+    assert stored == formula
+    one = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True)
+    ring = F.layer_tensor_bytes(CONTEXT_CFG, CONTEXT_B, CONTEXT_T, True, 2)["ring_out_lse"]
+    assert formula == one / 2 + (ring if strategy == "ring" else 0) and ring > 0
+
+
+def test_context_kv_bytes_are_the_design_notes():
+    """docs/DESIGN.md: all-gather holds 2·e·s·b·d·(kv heads per rank) (4·s·b·d·… in bf16), not / c; a ring two
+    K/V blocks; traffic: 3 × (c−1)/c of the whole K/V (gathered forward and backward, dK/dV reduce-scattered),
+    the ring 3c − 2 blocks."""
+    cfg, b, t, c = preset("llama3-8b"), 1, 4, 4  # 8 K/V heads: 2 per tensor rank
+    whole = 4 * cfg.seq_len * b * cfg.head_dim * 2
+    gather = F.context_kv_bytes(cfg, b, t, c, "all-gather")
+    assert (gather["transient"], gather["traffic"]) == (whole, 3 * (c - 1) / c * whole)
+    ring = F.context_kv_bytes(cfg, b, t, c, "ring")
+    assert (ring["transient"], ring["traffic"]) == (2 * whole / c, (3 * c - 2) * whole / c)
+    assert F.context_kv_bytes(cfg, b, t, 1, "ring") == {"transient": 0.0, "transient_backward": 0.0, "traffic": 0.0}
+    assert F.context_kv_bytes(cfg, b, 16, c, "all-gather")["transient"] == whole / 2  # t > kv heads: one each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["all-gather", "ring"])
+def test_context_plan_rows_equal_the_formula(strategy, capsys):
+    """`python -m jaxseq.plan --context 2`: every row (the paper's seven) compiled at context 2 equals
+    formulas.activation_bytes at context 2, to the byte; the K/V line is printed."""
+    plan_command.main(["--preset", "tiny", "--dtype", "bfloat16", "--tensor", "2", "--micro-batch-size", "2",
+                       "--context", "2", "--context-strategy", strategy, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["context"], out["context_strategy"]) == (2, strategy)
+    for row in out["rows"]:
+        if row["remat"] == "dots" and strategy == "ring":
+            assert row["formula_bytes_per_layer"] is None
+            continue
+        assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"], row["config"]
+    assert out["context_kv_bytes_per_layer"] == F.context_kv_bytes(CONTEXT_CFG, 2, 2, 2, strategy)

@@ -11,8 +11,9 @@ import jax
 import pytest
 
 from jaxseq import plan as plan_command
-from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, preset, replace, validate_pipeline
-from jaxseq.hardware import Hardware
+from jaxseq.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, preset, replace, validate,
+                           validate_pipeline)
+from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import train_flops
@@ -300,6 +301,7 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--sm-count", "0"], "error: sm_count=0 must be a positive integer"),
     (["--preset", "tiny", "--hbm-gb-per-s", "-1"], "error: hbm_gb_per_s=-1.0 must be positive"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
+    (["--preset", "tiny", "--context-sizes", "1,0"], "error: context size 0 must be a positive integer"),
 ])
 def test_bad_search_requests_are_one_line(argv, message, capsys):
     base = {"--gpus": "16", "--global-batch": "16"}
@@ -436,3 +438,75 @@ def test_search_for_a_llama_preset_predicts_its_compiled_layer(capsys):
         expected = (F.activation_bytes(cfg, remat, b, t, sp) * e["memory_gib"]["in_flight_layers"]
                     + non_layer_activation_bytes(cfg, b, t, sp))
         assert e["memory_gib"]["activations"] * S.GIB == pytest.approx(expected, rel=1e-12), e
+
+
+class FormulaCosts(SearchCosts):
+    """A 7–8B layer's costs without compiling it (too large a compile for a test): stored bytes the formula the
+    compiled layer equals (tests/test_llama_memory.py, tests/test_plan.py); the TP/SP collectives the paper's
+    (4 of s·b·h·e, all-reduce without SP, all-gather + reduce-scatter with); working memory the test's stated
+    stand-in: one layer's scores and softmax in backward (2·e·a·s²·b/t) and the float32 logits' gradient."""
+
+    def __init__(self, cfg):
+        self.cfg, self._states = cfg, {}
+
+    def prepare(self, keys, micro_batches=(1, 2)):
+        pass
+
+    def layer(self, t, sp, remat, b):
+        cfg, e, s = self.cfg, self.cfg.itemsize, self.cfg.seq_len
+        act = e * s * b * cfg.hidden
+        coll = ({"all-gather": 2 * act, "reduce-scatter": 2 * act} if sp else {"all-reduce": 2 * act}) if t > 1 else {}
+        working = 2 * e * cfg.heads * s * s * b / t + 4 * s * b * cfg.padded_vocab(t) / t
+        return S.LayerCost(F.activation_bytes(cfg, remat, b, t, sp), coll, working,
+                           non_layer_activation_bytes(cfg, b, t, sp))
+
+
+LONG = {4096: 256, 32768: 32, 131072: 8}  # s → global batch (about 1M tokens, fewer at 128k)
+
+
+def long_search(s: int, gpus: int):
+    cfg = replace(preset("llama3-8b"), seq_len=s)
+    r = S.Request(gpus, LONG[s], HARDWARE["h100"], (1, 2), ("selective", "full"),
+                  context_sizes=(1, 2, 4, 8))
+    return S.search(cfg, r, FormulaCosts(cfg), "llama3-8b")
+
+
+@pytest.mark.parametrize("s,gpus", [(32768, 8), (131072, 64)])
+def test_long_sequences_pick_context_parallelism(s, gpus):
+    """llama3-8b on 80 GiB H100s: at 32k (8 GPUs) and 128k tokens (64) the best configuration splits the
+    sequence, never with a pipeline. (128k on 8 GPUs fits nowhere with explicit attention: the s² scores of one
+    layer's backward, / c, are more than a GPU at c = 8.)"""
+    res = long_search(s, gpus)
+    best = res.ranked[0]
+    assert best.candidate.context > 1 and best.candidate.pipe == 1, best.candidate.label()
+    assert all(e.candidate.pipe == 1 for e in res.ranked if e.candidate.context > 1)
+    one = next((e for e in res.ranked if e.candidate.context == 1), None)
+    for e in (best, one):
+        print(f"s={s} G={gpus}: " + ("no c=1 configuration fits" if e is None else
+              f"{e.candidate.label()} {e.memory.total_bytes / S.GIB:.1f} GiB, {e.time.total_s:.3f} s/step "
+              f"(CP K/V {e.time.context_s:.3f} s)"))
+
+
+def test_short_sequences_keep_context_1():
+    res = long_search(4096, 8)
+    assert res.ranked[0].candidate.context == 1, res.ranked[0].candidate.label()
+    split = next(e for e in res.ranked if e.candidate.context > 1)  # searched, fits, and slower
+    for e in (res.ranked[0], split):
+        print(f"s=4096 G=8: {e.candidate.label()} {e.memory.total_bytes / S.GIB:.1f} GiB, {e.time.total_s:.3f} s/step "
+              f"(CP K/V {e.time.context_s:.3f} s)")
+
+
+def test_context_candidates_are_valid():
+    """c > 1: t·c·d = G, p = 1, s divisible by 2c (2c·t with SP), the ring without accumulation."""
+    cfg = replace(CFG, seq_len=64)
+    r = request(context_sizes=(1, 2, 4, 8))
+    cands = [c for c in S.enumerate_candidates(cfg, r) if c.context > 1]
+    assert {c.context for c in cands} == {2, 4, 8}
+    for c in cands:
+        assert c.tensor * c.context * c.data == r.gpus and c.pipe == 1
+        assert cfg.seq_len % (2 * c.context * (c.tensor if c.sequence_parallel else 1)) == 0
+        assert c.context_strategy == "all-gather" or c.microbatches == 1
+        parallel = ParallelConfig(data=c.data, context=c.context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
+                                  context_strategy=c.context_strategy)
+        validate(cfg, parallel, c.remat, r.gpus, batch_size=r.global_batch,
+                 micro_batch_size=c.micro_batch * c.data)

@@ -55,8 +55,10 @@ def paper_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int) 
     return table[config]
 
 
-def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> dict[str, float]:
+def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, context: int = 1) -> dict[str, float]:
     """Per-device bytes of each tensor one layer can keep for backward (explicit attention), by what it is.
+    With context parallelism (c = `context`) every one is per token and so divided by c (the scores too: a
+    rank's s/c queries against the whole sequence); the ring's own residuals are `ring_out_lse`.
 
     e = the activation dtype's bytes, masks 1 byte (none without dropout), "/seq" = /t under sequence
     parallelism, else whole. Where the families differ: the norm statistics (LayerNorm's f32 mean and 1/std,
@@ -65,9 +67,9 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
     output (GELU's input, f wide; SwiGLU's gate and up, 2f)."""
     e, s, h, a, d, f = cfg.itemsize, cfg.seq_len, cfg.hidden, cfg.heads, cfg.head_dim, cfg.mlp_hidden
     llama = cfg.family == "llama"
-    sb, seq, r = s * b, (t if sequence_parallel else 1), (1 if cfg.dropout > 0 else 0)
+    sb, seq, r = s * b / context, (t if sequence_parallel else 1), (1 if cfg.dropout > 0 else 0)
     kv_heads = max(cfg.num_kv_heads, t)
-    scores = a * s * s * b / t
+    scores = a * sb * s / t
     return {
         "residual": e * sb * h / seq,  # one [s, b, h] of the residual stream (layer input, norm outputs, …)
         "norm_stats": (4 if llama else 8) * sb / seq,  # of one norm
@@ -80,6 +82,9 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
         "mask": r * sb * h / seq,  # one residual dropout's mask
         "mlp_in": e * sb * (2 if llama else 1) * f / t,  # the first MLP matmul's output
         "mlp_mid": e * sb * f / t,  # GELU's or SwiGLU's output, the second MLP matmul's input
+        # the ring strategy's backward residuals beside the context (parallel/context.py, `ring_fwd`): its
+        # output (activation dtype) and float32 log-sum-exp, per local query head and token
+        "ring_out_lse": e * sb * a * d / t + 4 * sb * a / t,
     }
 
 
@@ -99,16 +104,57 @@ POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 
 
-def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool) -> float:
-    """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
-    the fused one stores what its kernel chooses). For GPT with dropout and the paper's configurations it is
-    the paper's Table 2 plus the LayerNorm statistics."""
+# The ring computes its blocks itself (no scores kept: P is recomputed from the log-sum-exp) and keeps its output
+# and log-sum-exp (tagged `context`) wherever a policy keeps the context.
+RING_DROPS = ("probs", "probs_dropout", "qk_scores")
+
+
+def policy_terms(remat: str, context: int = 1, strategy: str = "all-gather") -> tuple[tuple[str, int], ...]:
+    """What `remat` keeps (POLICY_TERMS), under the ring strategy the ring's own residuals for the scores."""
     if remat not in POLICY_TERMS:
         raise ConfigError(f"remat={remat!r} has no formula; valid: {', '.join(POLICY_TERMS)}")
+    terms = POLICY_TERMS[remat]
+    if context == 1 or strategy == "all-gather":
+        return terms
+    if remat == "dots":  # measured: it also keeps matmul outputs inside the ring's blocks (not counted here)
+        raise ConfigError("remat='dots' under context_strategy='ring' has no formula (it keeps the ring's block "
+                          "matmul outputs)")
+    kept = tuple((name, n) for name, n in terms if name not in RING_DROPS)
+    return kept + ((("ring_out_lse", 1),) if any(name == "context" for name, _ in kept) else ())
+
+
+def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
+                     strategy: str = "all-gather") -> float:
+    """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
+    the fused one stores what its kernel chooses). For GPT with dropout and the paper's configurations it is
+    the paper's Table 2 plus the LayerNorm statistics. With context parallelism over c ranks every term is
+    divided by c (all-gather: the gathered K/V are not stored); the ring keeps no scores but its output and
+    log-sum-exp (`ring_out_lse`)."""
+    terms = policy_terms(remat, context, strategy)
     if cfg.attention != "explicit":
         raise ConfigError(f"attention={cfg.attention!r}: the formula counts the explicit attention's tensors")
-    tensors = layer_tensor_bytes(cfg, b, t, sequence_parallel)
-    return sum(n * tensors[name] for name, n in POLICY_TERMS[remat])
+    tensors = layer_tensor_bytes(cfg, b, t, sequence_parallel, context)
+    return sum(n * tensors[name] for name, n in terms)
+
+
+def context_kv_bytes(cfg: ModelConfig, b: int, t: int, context: int, strategy: str) -> dict[str, float]:
+    """Per device per layer, the K/V context parallelism moves and holds for a moment, not divided by c
+    (docs/DESIGN.md, "Context parallelism"): K and V of a rank's max(kv_heads, t)/t heads.
+    transient: all-gather, the gathered K and V of the whole sequence (forward, and again in backward beside
+    their full-length gradient: twice that at backward's peak, `transient_backward`); ring, two K/V blocks
+    (the one in use and the one arriving), in backward with their dK/dV blocks too.
+    traffic (bytes each device sends per layer, forward + backward): all-gather, K and V gathered forward and
+    again backward ((c−1)/c of the whole each), dK/dV reduce-scattered ((c−1)/c); ring, c−1 K/V block sends
+    forward, c−1 K/V and c dK/dV block sends backward."""
+    if context <= 1:
+        return {"transient": 0.0, "transient_backward": 0.0, "traffic": 0.0}
+    kv = 2 * cfg.itemsize * cfg.seq_len * b * cfg.head_dim * max(cfg.num_kv_heads, t) / t  # K and V, whole sequence
+    block = kv / context
+    if strategy == "ring":
+        return {"transient": 2 * block, "transient_backward": 4 * block,
+                "traffic": (context - 1) * block + (context - 1) * block + context * block}
+    share = (context - 1) / context
+    return {"transient": kv, "transient_backward": 2 * kv, "traffic": 3 * share * kv}
 
 
 def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:

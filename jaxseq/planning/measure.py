@@ -55,17 +55,20 @@ def _flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def _mesh(tensor: int, sequence_parallel: bool, devices):
-    parallel = ParallelConfig(data=1, tensor=tensor, sequence_parallel=sequence_parallel)
-    return parallel, make_mesh(parallel, devices[:tensor])
+def _mesh(tensor: int, sequence_parallel: bool, devices, context: int = 1, strategy: str = "all-gather"):
+    parallel = ParallelConfig(data=1, context=context, tensor=tensor, sequence_parallel=sequence_parallel,
+                              context_strategy=strategy)
+    return parallel, make_mesh(parallel, devices[:context * tensor])
 
 
 class Compiler:
     """Compiles each distinct program once, two at a time (XLA compiles with the GIL released, and a
     plan reuses the L=0 and forward programs across rows)."""
 
-    def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2):
+    def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2, context: int = 1,
+                 strategy: str = "all-gather"):
         self.cfg, self.b, self.devices, self.workers = cfg, micro_batch, devices, workers
+        self.context, self.strategy = context, strategy  # every program on a context × tensor mesh
         self._cache: dict = {}
 
     @staticmethod
@@ -87,7 +90,7 @@ class Compiler:
 
     def _build(self, key: tuple):
         kind, layers, remat, tensor, sp = key
-        parallel, mesh = _mesh(tensor, sp, self.devices)
+        parallel, mesh = _mesh(tensor, sp, self.devices, self.context, self.strategy)
         if kind == "step":  # float32: XLA:CPU's bf16 temporaries are not what a GPU allocates
             return aot.compile_train_step(replace(self.cfg, layers=layers, dtype="float32"), parallel, remat, mesh, self.b)
         fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
@@ -116,7 +119,7 @@ class Compiler:
         cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype="float32")
         stored = hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
         accounted = state_bytes(cfg, c.tensor).gradients + activation_bytes(
-            stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel))
+            stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
         return step.memory_analysis().temp_size_in_bytes - accounted
 
     @staticmethod

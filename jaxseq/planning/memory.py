@@ -115,12 +115,12 @@ def _state(leaves: list[_Leaf], cfg: ModelConfig) -> State:
     return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
 
 
-def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool) -> int:
+def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool, context: int = 1) -> int:
     """Activations outside the layers, from shapes (the paper's §4.3 terms): the embedding dropout
     mask (1 byte), the final norm's input and its f32 statistics (LayerNorm's mean and 1/std, RMSNorm's 1/rms),
     the logits matmul's input (sequence-sharded under SP), and the float32 logits the cross-entropy keeps,
-    4·s·b·V/t."""
-    s, h, e = cfg.seq_len, cfg.hidden, cfg.itemsize
+    4·s·b·V/t; per token, so divided by the context size."""
+    s, h, e = cfg.seq_len // context, cfg.hidden, cfg.itemsize
     stats = 4 if cfg.family == "llama" else 8
     per_token = (1 if cfg.dropout > 0 else 0) * h + e * h + stats + e * h
     return s * b * per_token // (tensor if sp else 1) + 4 * s * b * cfg.padded_vocab(tensor) // tensor

@@ -86,6 +86,9 @@ class Plan:
     bubble: float = 0.0  # idle / busy ticks of the lock-step schedule
     paper_bubble: float = 0.0  # (p − 1)/m, or (p − 1)/(v·m) interleaved
     in_flight: InFlight | None = None  # pipeline > 1: stage 0's stash, from the compiled pipelined step
+    context: int = 1  # every row compiled on a context × t mesh (the sequence split c ways, attention included)
+    context_strategy: str = "all-gather"
+    context_kv: dict | None = None  # formulas.context_kv_bytes: transient K/V and K/V traffic per layer per device
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -109,6 +112,8 @@ class Plan:
             "rows": [asdict(r) for r in self.rows],
             "optimizer_state": self.optimizer_state(),
             "stage_state": self.stage_state() if self.pipeline > 1 else None,
+            "context": self.context, "context_strategy": self.context_strategy,
+            "context_kv_bytes_per_layer": self.context_kv,
         }
 
     def optimizer_state(self) -> dict:
@@ -152,9 +157,18 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
     return {"model": per("none"), "hardware_selective": per("selective"), "hardware_full": per("full")}
 
 
-def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int) -> float | None:
+def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int = 1,
+                            strategy: str = "all-gather") -> float | None:
     """What row c's layer should store: GPT's paper rows the paper's Table 2; every row of another family
-    (explicit attention) `formulas.activation_bytes`, the same count term by term for its tensors."""
+    (explicit attention), and every row at context > 1 (the paper has no context axis), `formulas.activation_bytes`,
+    the same count term by term for its tensors (None where it has no formula: dots under the ring)."""
+    if context > 1:
+        if cfg.attention != "explicit":
+            return None
+        try:
+            return formulas.activation_bytes(cfg, c.remat, b, c.tensor, c.sequence_parallel, context, strategy)
+        except ConfigError:
+            return None
     if cfg.family == "gpt":
         return paper_activation_bytes(c.paper, cfg.seq_len, b, cfg.hidden, cfg.heads, c.tensor) if c.paper else None
     if cfg.attention != "explicit":
@@ -164,7 +178,8 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int) -> float | Non
 
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
-         microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False) -> Plan:
+         microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
+         context_strategy: str = "all-gather") -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -175,14 +190,17 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     them), the bytes per layer of each row from its compiled layer. `policies`: which
     registered policies beyond the paper's rows (default all). microbatches: m (default p).
     data = d, distributed_optimizer: the state bytes of each row (and so the budget) with the fp32
-    master weights and Adam moments split d ways; the table reports both ways whatever is chosen."""
+    master weights and Adam moments split d ways; the table reports both ways whatever is chosen.
+    context = c: every row compiled on a c × t mesh (`context_strategy`: all-gather or ring), `devices` holding
+    c·t; with it the formula column is `formulas.activation_bytes` at context c, and the K/V context
+    parallelism holds for a moment and moves per layer (`formulas.context_kv_bytes`) is reported."""
     configs = configurations(tensor, policies)
-    _check_arguments(cfg, configs, micro_batch, data, pipeline)
+    _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy)
     n_micro = pipeline if microbatches is None else microbatches
     schedule, in_flight_layers, bubble, paper_bubble = _schedule_figures(cfg, pipeline, schedule, virtual_stages,
                                                                          n_micro)
-    _check_devices(devices, tensor, pipeline)
-    compiler = Compiler(cfg, micro_batch, devices)
+    _check_devices(devices, tensor * context, pipeline)
+    compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy)
     compiler.compile_all([k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor))
     measured = {c: compiler.measure(c) for c in configs}
     in_flight = None
@@ -193,20 +211,28 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
-                     state_bytes(stage, c.tensor, data, distributed_optimizer, pipeline)) for c, m in measured.items()]
+                     state_bytes(stage, c.tensor, data, distributed_optimizer, pipeline), context, context_strategy)
+            for c, m in measured.items()]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
-    return Plan(model_name, cfg, tensor, micro_batch, rows, formula_flops_per_layer(cfg, b, tensor),
-                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / tensor, pipeline,
+    per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
+    return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
+                compiler.forward_flops_per_layer(tensor), 2 * b * s * cfg.mlp_hidden * h / (tensor * context), pipeline,
                 data=data, distributed_optimizer=distributed_optimizer,
                 parameters_per_device=parameter_elements_per_device(stage, tensor)[0], schedule=schedule,
                 virtual_stages=virtual_stages, microbatches=n_micro, in_flight_layers=float(in_flight_layers),
-                bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight)
+                bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight, context=context,
+                context_strategy=context_strategy,
+                context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy))
 
 
-def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int) -> None:
+def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,
+                     context: int = 1, strategy: str = "all-gather") -> None:
     """One-line ConfigErrors before anything is compiled."""
+    if context > 1 and pipeline > 1:  # validate_context's refusal, for the plan's whole-model pipeline figures
+        validate(cfg, ParallelConfig(pipe=pipeline, context=context, context_strategy=strategy), "none")
     for c in configs:
-        validate(cfg, ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel), c.remat)
+        validate(cfg, ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
+                                     context_strategy=strategy), c.remat)
     if not isinstance(micro_batch, int) or micro_batch <= 0:
         raise ConfigError(f"micro_batch={micro_batch!r} must be a positive integer")
     if not isinstance(data, int) or data <= 0:
@@ -234,13 +260,13 @@ def _check_devices(devices, tensor: int, pipeline: int) -> None:
 
 
 def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_flight_layers: int,
-             baseline_flops: float, state: State) -> Row:
+             baseline_flops: float, state: State, context: int = 1, strategy: str = "all-gather") -> Row:
     """Row c as the table prints it: its compiled layer beside the paper's formula and the no-recompute
     baseline, and its bytes per device with `in_flight_layers` layers' worth of activations."""
     b = micro_batch
-    formula = formula_bytes_per_layer(cfg, c, b)
+    formula = formula_bytes_per_layer(cfg, c, b, context, strategy)
     activations = activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
-                                   non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel))
+                                   non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
     return Row(
         config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
         measured_bytes_per_layer=m.stored_bytes_per_layer, formula_bytes_per_layer=formula,

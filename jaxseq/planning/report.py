@@ -28,13 +28,15 @@ def format_table(p: Plan) -> str:
     lines = [
         f"{p.model}: h={cfg.hidden} a={cfg.heads}"
         f"{'' if cfg.family == 'gpt' else f' kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}'} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
-        f"micro-batch={p.micro_batch} tensor={p.tensor} {cfg.dtype} {cfg.attention} attention "
+        f"micro-batch={p.micro_batch} tensor={p.tensor}"
+        f"{f' context={p.context} ({p.context_strategy})' if p.context > 1 else ''} {cfg.dtype} {cfg.attention} attention "
         f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "
         "collectives at the activation dtype, forward + backward",
         *_formula_label(p),
         "",
         *_format_rows(p),
+        *format_context(p),
         "",
         _format_formula_flops(p),
     ]
@@ -70,8 +72,33 @@ def _format_rows(p: Plan) -> list[str]:
     return lines
 
 
+def format_context(p: Plan) -> list[str]:
+    """With context parallelism: the K/V held for a moment (not divided by c) and moved per layer, from
+    formulas.context_kv_bytes, and where the transient is in the totals."""
+    if p.context <= 1:
+        return []
+    kv = p.context_kv
+    unit, scale = _unit(max(kv.values()), BYTES_LAYER)
+    held = ("gathered K and V of the whole sequence" if p.context_strategy == "all-gather"
+            else "two K/V blocks of s/c tokens")
+    return ["", f"context={p.context} {p.context_strategy}, per layer per device (formulas.context_kv_bytes, "
+                f"{_kv_heads(p)}): transient {held}: forward {kv['transient'] / scale:.1f} {unit}, backward's peak "
+                f"(with their gradients) {kv['transient_backward'] / scale:.1f} {unit}, not divided by c; in the "
+                f"totals through work. (the compiled step at context={p.context}); K/V traffic sent, forward + "
+                f"backward: {kv['traffic'] / scale:.1f} {unit}"]
+
+
+def _kv_heads(p: Plan) -> str:
+    cfg = p.config
+    return f"{max(cfg.num_kv_heads, p.tensor) // p.tensor} K/V heads per tensor rank × d={cfg.head_dim}, {cfg.dtype}"
+
+
 def _formula_label(p: Plan) -> list[str]:
     """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
+    if p.context > 1:
+        return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
+                "every stored tensor / c" + (", no scores, + the ring's output and log-sum-exp (ring_out_lse)"
+                                             if p.context_strategy == "ring" else "; the gathered K/V not stored")]
     if p.config.family == "gpt":
         return []
     return [f"formula = formulas.activation_bytes for the {p.config.family} family, term by term (docs/DESIGN.md, "

@@ -65,12 +65,13 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
-from jaxseq.config import ConfigError, ModelConfig, replace
+from jaxseq.config import CONTEXT_STRATEGIES, ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
+from jaxseq.models import formulas as F
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
-from jaxseq.planning.memory import activation_bytes, peak_bytes
+from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, peak_bytes
 from jaxseq.remat import POLICIES
 
 GIB = 2**30
@@ -146,6 +147,7 @@ class Request:
     remats: tuple[str, ...] = ("none", "selective", "full")
     time_model: TimeModel = TimeModel()
     tensor_sizes: tuple[int, ...] | None = None  # None: every divisor of the GPUs per node
+    context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: p = 1 only, `context_candidates`)
 
     @property
     def budget_bytes(self) -> float:
@@ -174,6 +176,9 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for t in r.tensor_sizes or ():
         if not isinstance(t, int) or t <= 0 or hw.gpus_per_node % t:
             raise ConfigError(f"tensor size {t!r} must divide gpus_per_node={hw.gpus_per_node}")
+    for c in r.context_sizes:
+        if not isinstance(c, int) or c <= 0:
+            raise ConfigError(f"context size {c!r} must be a positive integer")
     tm = r.time_model
     for name in ("compute_efficiency", "memory_efficiency", "link_efficiency"):
         if not 0 < getattr(tm, name) <= 1:
@@ -191,6 +196,8 @@ class Candidate:
     sequence_parallel: bool
     distributed_optimizer: bool
     microbatches: int  # m = B / (d·b)
+    context: int = 1  # c: G = t·p·d·c
+    context_strategy: str = "all-gather"
 
     @property
     def schedule(self) -> str:
@@ -202,7 +209,8 @@ class Candidate:
 
     def label(self) -> str:
         return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} m={self.microbatches} "
-                f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}")
+                f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}"
+                + (f" c={self.context} {self.context_strategy}" if self.context > 1 else ""))
 
 
 def divisors(n: int) -> list[int]:
@@ -259,6 +267,35 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
                     for sp in sps:
                         for dist in ((False, True) if d > 1 else (False,)):
                             out.append(Candidate(t, p, v, d, b, remat, sp, dist, m))
+    return out + context_candidates(cfg, r)
+
+
+def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
+    """Every valid configuration with c > 1: G = t·c·d, no pipeline (a context run with a pipeline is refused by
+    `config.validate_context`: not proposed), s divisible by 2c (2c·t with SP), each strategy; the ring not
+    with gradient accumulation (refused too), nor with the `dots` policy or fused attention (its stored bytes
+    have no formula to scale the measured layer by: `formulas.policy_terms`)."""
+    out = []
+    for c in sorted(set(r.context_sizes) - {1}):
+        for t in tensor_sizes(r):
+            reason = family_reason(cfg, r, t, 1)  # its data size G/t is not this one's: that check left out
+            if r.gpus % (t * c) or (reason and not reason.startswith("d=")):
+                continue
+            d = r.gpus // (t * c)
+            sps = [sp for sp in ((False, True) if t > 1 else (False,)) if cfg.seq_len % (2 * c * (t if sp else 1)) == 0]
+            for b in r.micro_batches:
+                if r.global_batch % (d * b):
+                    continue
+                m = r.global_batch // (d * b)
+                for strategy in CONTEXT_STRATEGIES:
+                    if strategy == "ring" and (m > 1 or cfg.attention != "explicit"):
+                        continue
+                    for remat in r.remats:
+                        if strategy == "ring" and remat == "dots":
+                            continue
+                        for sp in sps:
+                            for dist in ((False, True) if d > 1 else (False,)):
+                                out.append(Candidate(t, 1, 1, d, b, remat, sp, dist, m, c, strategy))
     return out
 
 
@@ -350,7 +387,26 @@ class Memory:
                           self.accumulator_bytes) + self.executor.total_bytes
 
 
+def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
+    """The layer's costs at context c from the measured context-1 layer (a stated model, nothing compiled at c):
+    stored bytes / c, exact for all-gather (tests/test_plan.py holds the compiled layer to the formula), plus the
+    ring's own change (`formulas.activation_bytes` at c − at 1 / c: no scores, its output and log-sum-exp);
+    TP collectives / c (per token); working memory / c (per token) + the K/V transient at backward's peak
+    (`formulas.context_kv_bytes`: not divided by c); the embedding/logits activations of s/c tokens."""
+    if c.context == 1:
+        return layer
+    b, t, sp = c.micro_batch, c.tensor, c.sequence_parallel
+    ring = (F.activation_bytes(cfg, c.remat, b, t, sp, c.context, c.context_strategy)
+            - F.activation_bytes(cfg, c.remat, b, t, sp) / c.context) if c.context_strategy == "ring" else 0.0
+    kv = F.context_kv_bytes(cfg, b, t, c.context, c.context_strategy)
+    return LayerCost(layer.stored_bytes / c.context + ring,
+                     {k: v / c.context for k, v in layer.collective_bytes.items()},
+                     layer.working_bytes / c.context + kv["transient_backward"],
+                     non_layer_activation_bytes(cfg, b, t, sp, c.context))
+
+
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
+    layer = at_context(cfg, c, layer)
     in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
     # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data
@@ -377,36 +433,43 @@ class Time:
     bubble_s: float  # of compute + tp + p2p: the idle ticks
     dp_s: float
     bubble: float
+    context_s: float = 0.0  # K/V traffic of context parallelism (no pipeline: no bubble share)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s
+        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s
 
 
 def links(c: Candidate, hw: Hardware) -> dict[str, float]:
     """Bandwidth (GB/s) each group's collectives see: inside a node if the group's ranks fit in one
-    (tensor fastest, then data, then pipe)."""
+    (tensor fastest, then context, data, pipe: the mesh's order); "data" is data × context, the gradients'."""
     intra, inter = hw.intra_node_gb_per_s, hw.inter_node_gb_per_s
-    n = hw.gpus_per_node
+    n, tc = hw.gpus_per_node, c.tensor * c.context
     return {"tensor": intra if c.tensor <= n else inter,
-            "data": intra if c.tensor * c.data <= n else inter,
-            "pipe": intra if c.tensor * c.data * c.pipe <= n else inter}
+            "context": intra if tc <= n else inter,
+            "data": intra if tc * c.data <= n else inter,
+            "pipe": intra if tc * c.data * c.pipe <= n else inter}
 
 
 def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
-    shape's efficiency and the elementwise kernels at HBM bandwidth (`planning.kernel_time`)."""
+    shape's efficiency and the elementwise kernels at HBM bandwidth (`planning.kernel_time`); at context c a
+    rank does 1/c of it (s/c tokens; the causal attention balanced by the 2c-chunk order; the GEMMs' smaller
+    shapes' efficiency not modelled)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
     b, t, sp = c.micro_batch, c.tensor, c.sequence_parallel
     return (cfg.layers // c.pipe * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies)
-            + K.head_seconds(cfg, b, t, sp, *efficiencies))
+            + K.head_seconds(cfg, b, t, sp, *efficiencies)) / c.context
 
 
 def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
               tm: TimeModel) -> Time:
     layers = cfg.layers // c.pipe
+    layer = at_context(cfg, c, layer)
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
     compute = compute_seconds(cfg, c, hw, tm)
+    kv = F.context_kv_bytes(cfg, c.micro_batch, c.tensor, c.context, c.context_strategy)["traffic"]
+    context = layers * kv / bw["context"]
     tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
     itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
@@ -414,11 +477,13 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     m = c.microbatches
     n = state.parameters
+    reduce = c.data * c.context  # gradients reduce over data × context (context ranks are data ranks to weights)
     if c.distributed_optimizer:
-        dp_bytes = ring_traffic("reduce-scatter", 4 * n, c.data) + ring_traffic("all-gather", itemsize * n, c.data)
+        dp_bytes = ring_traffic("reduce-scatter", 4 * n, reduce) + ring_traffic("all-gather", itemsize * n, c.data)
     else:
-        dp_bytes = ring_traffic("all-reduce", 4 * n, c.data)
-    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p) * bubble, dp_bytes / bw["data"], bubble)
+        dp_bytes = ring_traffic("all-reduce", 4 * n, reduce)
+    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p) * bubble, dp_bytes / bw["data"], bubble,
+                m * context)
 
 
 @dataclass(frozen=True)
@@ -438,7 +503,8 @@ class Evaluated:
                                "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
                                "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
-                           "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s},
+                           "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
+                           "context_kv": t.context_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits}
 
@@ -523,20 +589,25 @@ def format_result(res: Result, top: int = 10) -> str:
         f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} (t, SP, remat) measured "
         f"from compiled programs",
         "",
-        f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
-        f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}",
+        f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
+        f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
+        f"{'CP s':>8}  CP strategy",
     ]
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
         lines.append(
-            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.data:>4} {c.micro_batch:>2} {c.microbatches:>5} "
+            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.context:>2} {c.data:>4} {c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
-            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}")
+            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
+            f"  {c.context_strategy if c.context > 1 else '-'}")
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
-                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share"]
+                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (p = 1 only: "
+                  "a pipeline with c > 1 is refused by config validation, so not proposed), CP s = its K/V traffic "
+                  "(formulas.context_kv_bytes); at c > 1 memory and time are the measured c = 1 layer's scaled "
+                  "(search.at_context)"]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
         lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
@@ -551,6 +622,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
+        "context_sizes": list(r.context_sizes),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
