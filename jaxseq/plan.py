@@ -101,9 +101,15 @@ def resolve(args) -> ModelConfig:
 
 
 def host_devices(n: int):
-    """n simulated CPU devices (the CLI edge only: must run before JAX's backend starts)."""
-    jax.config.update("jax_num_cpu_devices", max(n, 1))
-    return jax.devices("cpu")
+    """n simulated CPU devices: asked for before JAX's backend starts (the command line); called where the backend
+    already runs (the command in-process, as the tests run it), the CPU devices it has, if there are enough."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+    except RuntimeError:  # the backend has started: its device count is fixed
+        if len(jax.devices("cpu")) < n:
+            raise ConfigError(f"{n} simulated CPU devices are needed; this process already started JAX with "
+                              f"{len(jax.devices('cpu'))}") from None
+    return jax.devices("cpu")[: max(n, 1)]
 
 
 def main(argv=None) -> int:

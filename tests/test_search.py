@@ -424,7 +424,7 @@ def test_llama_elementwise_bytes_count_swiglu_and_rope():
 def test_search_for_a_llama_preset_predicts_its_compiled_layer(capsys):
     """`plan --search --preset tiny-llama` (2 K/V heads: t = 2 splits them, t = 4 repeats them) ranks
     configurations whose activations are the Llama formula's stored bytes (which tests/test_llama_memory.py
-    holds to the compiled layer) × the layers in flight + the embedding/logits part."""
+    holds to the compiled layer) × the layers in flight + the embedding/logits part, at each searched context size."""
     argv = ["--search", "--preset", "tiny-llama", "--gpus", "8", "--global-batch", "8", "--gpus-per-node", "8",
             "--tensor-sizes", "2,4", "--remat-policies", "selective,full", "--micro-batch-sizes", "1", "--json",
             "--top", "1000"]
@@ -434,9 +434,9 @@ def test_search_for_a_llama_preset_predicts_its_compiled_layer(capsys):
     cfg = preset("tiny-llama")
     assert {e["tensor"] for e in out["ranked"]} == {2, 4}
     for e in out["ranked"]:
-        b, t, sp, remat = e["micro_batch"], e["tensor"], e["sequence_parallel"], e["remat"]
-        expected = (F.activation_bytes(cfg, remat, b, t, sp) * e["memory_gib"]["in_flight_layers"]
-                    + non_layer_activation_bytes(cfg, b, t, sp))
+        b, t, sp, remat, c = e["micro_batch"], e["tensor"], e["sequence_parallel"], e["remat"], e["context"]
+        expected = (F.activation_bytes(cfg, remat, b, t, sp, c, e["context_strategy"]) * e["memory_gib"]["in_flight_layers"]
+                    + non_layer_activation_bytes(cfg, b, t, sp, c))
         assert e["memory_gib"]["activations"] * S.GIB == pytest.approx(expected, rel=1e-12), e
 
 
