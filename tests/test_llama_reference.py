@@ -22,6 +22,8 @@ except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 from safetensors.numpy import load_file  # noqa: E402
 
+from test_reference import torch_loss_and_grads  # noqa: E402  (the suite's one PyTorch loss and gradients)
+
 from jaxseq import convert  # noqa: E402
 from jaxseq.config import ParallelConfig  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
@@ -67,15 +69,6 @@ def converted(hf_model, tmp_path_factory):
 def reference_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def torch_loss_and_grads(model, inputs, targets):
-    model.zero_grad()
-    logits = model(torch.tensor(inputs, dtype=torch.long)).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             torch.tensor(targets, dtype=torch.long).reshape(-1))
-    loss.backward()
-    return loss.item(), {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
 def to_jaxseq_layout(grads, padded_vocab):
