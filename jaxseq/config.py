@@ -113,8 +113,9 @@ class ParallelConfig:
     parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
     `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).
 
-    distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data`
-    (ZeRO-1, Megatron-LM's --use-distributed-optimizer); see train_step.master_specs.
+    distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data` (data ×
+    context under context parallelism: ZeRO-1, Megatron-LM's --use-distributed-optimizer over its data ×
+    context group); see train_step.master_specs.
     """
 
     data: int = 1
@@ -385,16 +386,17 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
 
 
 def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Context parallelism: 2c equal chunks of the sequence (each further split t ways under SP), no pipeline yet."""
+    """Context parallelism: 2c equal chunks of the sequence (each further split t ways under SP)."""
     c = parallel.context
     if parallel.context_strategy not in CONTEXT_STRATEGIES:
         raise ConfigError(f"context_strategy={parallel.context_strategy!r} is not valid; valid: "
                           f"{', '.join(CONTEXT_STRATEGIES)}")
     if c == 1:
         return
-    if parallel.pipe > 1:
-        raise ConfigError(f"context={c} with pipe={parallel.pipe}: context parallelism with a pipeline is not "
-                          "implemented yet (use pipe=1)")
+    if parallel.pipe > 1 and parallel.context_strategy == "ring":
+        raise ConfigError(f"context_strategy='ring' with pipe={parallel.pipe}: the ring's collective-permutes would run "
+                          "inside the pipeline's per-tick branches, where XLA pairs them with other stages' permutes "
+                          "(wrong activations, docs/DESIGN.md); use context_strategy=all-gather with a pipeline")
     split = 2 * c * (parallel.tensor if parallel.sequence_parallel else 1)
     if model.seq_len % split:
         what = f"2·context·tensor = {split} (2c load-balanced chunks, each split over tensor by SP)" \
@@ -431,10 +433,6 @@ def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: 
             raise ConfigError(f"micro_batch_size={micro_batch_size} does not divide batch_size={batch_size}")
         if micro_batch_size % parallel.data:
             raise ConfigError(f"data={parallel.data} does not divide micro_batch_size={micro_batch_size}")
-    if (parallel.context > 1 and parallel.context_strategy == "ring" and micro_batch_size is not None
-            and micro_batch_size < batch_size):
-        raise ConfigError(f"micro_batch_size={micro_batch_size} < batch_size={batch_size} with the ring strategy: "
-                          "gradient accumulation under the ring is not supported yet (use context_strategy=all-gather)")
     if parallel.pipe > 1:
         m = batch_size // micro_batch_size if micro_batch_size else 1
         validate_pipeline(parallel.pipe, m, parallel.virtual_stages, parallel.schedule)

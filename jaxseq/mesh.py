@@ -68,7 +68,7 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
         )
     # Without context parallelism the mesh has no `context` axis at all: XLA:CPU (jax 0.10.2) fails to compile
     # a bf16 step with gradient accumulation on a mesh holding a size-1 `context` axis ("Invalid binary
-    # instruction opcode copy"), and nothing names the axis then (`logical_rules`, `Sharder.manual_axes`).
+    # instruction opcode copy"), and nothing names the axis then (`logical_rules`, the regions of `parallel.data_parallel.region_axes`).
     sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
     names = tuple(name for name in MESH_AXES if name != "context" or parallel.context > 1)
     grid = np.asarray(devices, dtype=object).reshape([sizes[name] for name in names])

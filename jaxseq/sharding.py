@@ -54,20 +54,29 @@ class Sharder:
         """The mesh a shard_map names here: the concrete one (the abstract one inside a manual region)."""
         return self.mesh
 
-    @property
-    def manual_axes(self) -> frozenset[str]:
-        """The axes the collectives' shard_maps are manual over: `tensor`, and `context` where it splits."""
-        return frozenset({"tensor", "context"} if self.context > 1 else {"tensor"})
-
     def reorder(self, s: int) -> np.ndarray | None:
         """The global position of each stored token of a sequence of s when it is split over `context`
         (`context_order`); None when it is not (the stored order is the natural one)."""
         return context_order(s, self.context) if self.context > 1 else None
 
-    def positions(self, s: int) -> np.ndarray:
+    def positions(self, s: int):
         """The global positions of the stored tokens of a sequence of s (0 … s−1 without context parallelism)."""
         order = self.reorder(s)
         return np.arange(s) if order is None else order
+
+    def split_sequence(self, tokens: jax.Array) -> jax.Array:
+        """Tokens [b, s] in natural order → as stored: reordered (`reorder`) and split over `context`."""
+        order = self.reorder(tokens.shape[1])
+        return tokens if order is None else self(jnp.take(tokens, jnp.asarray(order), axis=1), "batch", "seq")
+
+    def seq_length(self, n: int) -> int:
+        """The whole sequence's length when n of its tokens are stored here (the Sharder sees whole sequences)."""
+        return n
+
+    @property
+    def context_manual(self) -> bool:
+        """Whether code here runs manual over `context`, on one context rank's tokens (`StageSharder`)."""
+        return False
 
     def spec(self, *axes: str | None) -> P:
         return logical_to_spec(axes, self.rules)
@@ -123,15 +132,42 @@ class Sharder:
 
 @dataclass(frozen=True)
 class StageSharder(Sharder):
-    """Sharder for code running inside the pipeline's shard_map, manual over `pipe` and `data` (one data
-    rank's rows of the batch: constraints never name `data`): shardings name the abstract mesh (a
-    concrete-mesh NamedSharding fails in a partial-manual region), and the collectives over `tensor`
-    (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose forward and backward are
-    forward-only nested shard_maps (autodiff through a nested shard_map fails to lower)."""
+    """Sharder for code running inside a region manual over `pipe`, `data` and, under context parallelism,
+    `context` (the pipeline executor's, gradient accumulation's): one data rank's rows of the batch and one
+    context rank's tokens, so constraints name neither axis and only `tensor` is left to the partitioner.
+    Shardings name the abstract mesh (a concrete-mesh NamedSharding fails in a partial-manual region), and the
+    collectives over `tensor` (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose
+    forward and backward are forward-only nested shard_maps (autodiff through a nested shard_map fails to
+    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index)."""
 
     @property
     def rules(self) -> dict[str, str | None]:
-        return {**logical_rules(self.sequence_parallel, context=self.context > 1), "batch": None}
+        return {**logical_rules(self.sequence_parallel), "batch": None}
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes the collectives' nested shard_maps are manual over (the region is already over the rest)."""
+        return frozenset({"tensor"})
+
+    @property
+    def context_manual(self) -> bool:
+        return self.context > 1
+
+    def reorder(self, s: int):
+        """The global positions of this context rank's s stored tokens (its two chunks of 2c), traced."""
+        if self.context == 1:
+            return None
+        c = self.context
+        return jnp.asarray(context_order(s * c, c).reshape(c, s))[jax.lax.axis_index("context")]
+
+    def split_sequence(self, tokens: jax.Array) -> jax.Array:
+        """Tokens [b, s] in natural order → this context rank's s/c, in stored order."""
+        if self.context == 1:
+            return tokens
+        return jnp.take(tokens, self.reorder(tokens.shape[1] // self.context), axis=1)
+
+    def seq_length(self, n: int) -> int:
+        return n * self.context
 
     def named(self, *axes: str | None) -> NamedSharding:
         return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
@@ -139,12 +175,6 @@ class StageSharder(Sharder):
     @property
     def map_mesh(self):
         return jax.sharding.get_abstract_mesh()
-
-    def _over_context(self, grads):
-        """A weight gradient built by hand summed over the context ranks (each holds its part of the sequence)
-        where these shard_maps are manual over `context` (weights are replicated over it; `jax.vjp` of an
-        invariant weight sums by itself)."""
-        return jax.tree.map(lambda g: jax.lax.psum(g, "context"), grads) if "context" in self.manual_axes else grads
 
     def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
         if self.mesh is None or not self.sequence_parallel:
@@ -196,7 +226,7 @@ class StageSharder(Sharder):
                     g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
                 ids, mine = _rank_rows(table.shape[0], tokens)
                 g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                return self._over_context(jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g))
+                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
 
             return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
 

@@ -3,23 +3,27 @@ the collectives and stored bytes the compiled program shows, the load balance, a
 
 import json
 import os
+from functools import partial
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commands import command
 from jaxseq import generate as generate_command
 from jaxseq import train as train_command
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate, validate_parallel
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace, validate, validate_parallel
 from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan
 from jaxseq.planning import hlo as HLO
-from jaxseq.sharding import context_chunks, context_order
+from jaxseq.sharding import context_chunks, context_order, entry_axes
 from jaxseq.training import aot
 from jaxseq.training import rundir
 from jaxseq.training import train_step as T
+from jaxseq.parallel import data_parallel as DP
+from jaxseq.parallel import pipeline as PL
 
 GPT = replace(preset("tiny"), dtype="float32", dropout=0.1)
 LLAMA = replace(preset("tiny-llama"), dtype="float32")  # 8 query heads sharing 2 K/V heads
@@ -78,6 +82,53 @@ def test_fused_attention_under_all_gather_equals_context_1(llama_reference):
     """The fused implementation with the dense mask of global positions (the 2c-chunk order is no triangle)."""
     assert_same(loss_and_grads(replace(LLAMA, attention="fused"), context_mesh(2, "all-gather"), "none"),
                 llama_reference)
+
+
+def accumulated(cfg, parallel: ParallelConfig, remat: str, microbatches: int = 2):
+    """(loss, grads) of the gradient-accumulating step's computation (the pipeline's with pipe > 1)."""
+    validate(cfg, parallel, remat, parallel.num_devices, batch_size=8, micro_batch_size=8 // microbatches)
+    params = M.init_params(jax.random.key(1), cfg, tensor=8)
+    mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
+    if parallel.pipe > 1:
+        fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, microbatches)
+    else:
+        param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
+        fn = jax.jit(partial(DP.accumulate_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
+                             microbatches=microbatches, grad_specs=M.param_specs(cfg, parallel)),
+                     out_shardings=(None, param_sh))
+    with jax.set_mesh(mesh):
+        loss, grads = fn(params, _batch(cfg), jax.random.key(2))
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference():
+    """Two micro-batches at context 1 (each draws its dropout masks from its own key)."""
+    return accumulated(GPT, ParallelConfig(data=4, tensor=2, sequence_parallel=True), "none")
+
+
+@pytest.mark.parametrize("strategy", ["all-gather", "ring"])
+def test_gradient_accumulation_equals_context_1(strategy, accumulated_reference):
+    """The accumulation's region is manual over data × context: each rank runs its tokens of its rows, sums
+    its gradients over the micro-batches and the ranks reduce them once (the ring included)."""
+    assert_same(accumulated(GPT, context_mesh(2, strategy), "selective"), accumulated_reference)
+
+
+GPT4 = replace(GPT, layers=4)  # pipe=2 × 2 virtual stages: one layer a chunk
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference():
+    return accumulated(GPT4, ParallelConfig(data=4, tensor=2, sequence_parallel=True), "none")
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_a_pipelined_run_equals_context_1(schedule, virtual, pipeline_reference):
+    """pipe=2 × context=2 × tensor=2 + SP (all-gather), dropout on: the executor's region is manual over
+    context too, each stage passing one context rank's activations to the next."""
+    parallel = ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True, schedule=schedule,
+                              virtual_stages=virtual)
+    assert_same(accumulated(GPT4, parallel, "selective"), pipeline_reference)
 
 
 def test_dropout_is_on(gpt_reference):
@@ -182,6 +233,52 @@ def test_stored_bytes_divide_by_context(compiled):
     assert per_layer["ring"] == per_layer["1"] // 2 + out + lse
 
 
+def _shards(shape, spec, sizes) -> tuple[int, ...]:
+    """A tensor's per-device shape under `spec` (entries naming one axis or several)."""
+    return tuple(n // int(np.prod([sizes[a] for a in entry_axes(e)])) for n, e in zip(shape, [*spec, *[None] * len(shape)]))
+
+
+def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_shards():
+    """Megatron's: the context ranks are data ranks to the weights. With gradient accumulation (the ring, the
+    distributed optimizer) no reduction inside a loop spans two data or context ranks, and after the loop the
+    gradients are reduce-scattered over data × context onto the master shards, which split over both."""
+    cfg = GPT
+    parallel = ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True, context_strategy="ring",
+                              distributed_optimizer=True)
+    mesh = make_mesh(parallel, jax.devices())
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
+    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+    _, batch = aot.abstract_inputs(cfg, parallel, mesh, 8)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    text = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, 2).lower(state, batch, key).compile().as_text()
+
+    coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
+    spans = lambda g, axis: len({coords[i][axis] for i in g}) > 1
+    reductions = HLO.reductions(text)
+    assert not [r.op_name for r in reductions if r.in_loop and (r.groups is None or any(
+        spans(g, "data") or spans(g, "context") for g in r.groups))]
+    data_context = {tuple(sorted(g)) for g in _groups_of(mesh, ("data", "context"))}
+    after = [r for r in reductions if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
+    sizes = {"data": 2, "context": 2, "tensor": 2}
+    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, P))
+    shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
+    split = [_shards(shape, spec, sizes) for shape, spec in zip(shapes, specs)
+             if any(entry_axes(e) == ("data", "context") for e in spec)]
+    assert len(split) == len(specs) - 1  # every leaf but one has a dimension d·c = 4 divides
+    scattered = sorted(d for r in after if r.kind == "reduce-scatter" for d in r.shapes if d)
+    assert scattered == sorted(split)  # each gradient once, onto its 1/(d·c) shard
+
+
+def _groups_of(mesh, axes: tuple[str, ...]) -> list[list[int]]:
+    """The device groups spanning `axes` of the mesh (the others fixed)."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    names = list(mesh.axis_names)
+    moved = np.moveaxis(ids, [names.index(a) for a in axes], range(-len(axes), 0))
+    return moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes]))).tolist()
+
+
 # ---------------------------------------------------------------------------------------------
 # The training command, and bad input
 
@@ -196,19 +293,22 @@ def _losses(run_dir):
 
 
 def test_train_command_gives_the_losses_of_context_1(tmp_path):
-    """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (both strategies; all-gather with gradient
-    accumulation, the ring with the distributed optimizer: master shards split over `data` only) against data=4,tensor=2 (dropout off here: accumulation draws each micro-batch's masks from its
-    own key; the dropout comparisons are the tests above)."""
+    """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (all-gather; the ring with gradient
+    accumulation and the distributed optimizer, master shards split over data × context) and a pipelined run
+    (pipe=2 × context=2 × tensor=2, two micro-batches) against data=4,tensor=2 (dropout off here: accumulation
+    draws each micro-batch's masks from its own key; the dropout comparisons are the tests above)."""
     runs = {"1": ["--mesh", "data=4,tensor=2"],
-            "all-gather": ["--mesh", "context=2,tensor=2,data=2", "--micro-batch-size", "4"],
-            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring", "--distributed-optimizer"]}
+            "all-gather": ["--mesh", "context=2,tensor=2,data=2"],
+            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring", "--micro-batch-size", "4",
+                     "--distributed-optimizer"],
+            "pipelined": ["--mesh", "pipe=2,context=2,tensor=2", "--micro-batch-size", "4"]}
     losses = {}
     for name, args in runs.items():
         done = command(train_command.main, *TINY, *args, "--run-dir", str(tmp_path / name), "dropout=0.0")
         losses[name] = _losses(tmp_path / name)
         assert len(losses[name]) == 3
     assert "context=2" in done.stdout
-    for name in ("all-gather", "ring"):
+    for name in ("all-gather", "ring", "pipelined"):
         np.testing.assert_allclose(losses[name], losses["1"], rtol=1e-5)
     # Sampling runs in its own layout (no context axis): generate from a context-parallel run.
     gen = command(generate_command.main, "--run-dir", str(tmp_path / "ring"), "--prompt", "def", "--max-tokens", "4")
@@ -238,7 +338,8 @@ def test_parse_mesh_with_context():
     (GPT, ParallelConfig(data=1, context=3, tensor=1), "seq_len=64 is not divisible by 2·context = 6"),
     (replace(GPT, seq_len=40), ParallelConfig(context=2, tensor=4, sequence_parallel=True),
      "seq_len=40 is not divisible by 2·context·tensor = 16"),
-    (GPT, ParallelConfig(pipe=2, context=2, tensor=2), "context parallelism with a pipeline is not implemented yet"),
+    (GPT, ParallelConfig(pipe=2, context=2, tensor=2, context_strategy="ring"),
+     "context_strategy='ring' with pipe=2: the ring's collective-permutes would run inside the pipeline's"),
     (GPT, ParallelConfig(context=2, context_strategy="ulysses"), "context_strategy='ulysses' is not valid"),
     (GPT, ParallelConfig(data=2, context=2, tensor=4), "data×context×tensor = 2×2×4 = 16 does not equal the device count 8"),
     (GPT, ParallelConfig(context=0), "context=0 must be a positive integer"),
@@ -247,12 +348,6 @@ def test_bad_input_is_one_line(model, parallel, message):
     with pytest.raises(ConfigError) as e:
         validate_parallel(model, parallel, 8)
     assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_ring_with_gradient_accumulation_is_refused():
-    ring = ParallelConfig(data=2, context=2, tensor=2, context_strategy="ring")
-    with pytest.raises(ConfigError, match="gradient accumulation under the ring is not supported yet"):
-        validate(GPT, ring, "none", 8, batch_size=8, micro_batch_size=4)
 
 
 def test_generate_and_convert_refuse_a_context_mesh():

@@ -162,9 +162,8 @@ def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=Non
     """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32), in natural order.
 
     Where the sequence is split over `context`, the tokens are reordered here, once, into the stored order
-    (`Sharder.reorder`: rank r keeps chunks r and 2c−1−r of 2c); the loss is a mean over tokens, unchanged."""
-    order = shard.reorder(batch["inputs"].shape[1])
-    if order is not None:
-        batch = {name: shard(jnp.take(t, jnp.asarray(order), axis=1), "batch", "seq") for name, t in batch.items()}
+    (`Sharder.split_sequence`: rank r keeps chunks r and 2c−1−r of 2c); the loss is a mean over tokens,
+    unchanged. Inside a region manual over `context` (`StageSharder`) it is the mean over this rank's tokens."""
+    batch = {name: shard.split_sequence(t) for name, t in batch.items()}
     x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
     return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"])

@@ -103,12 +103,17 @@ def _gelu_bwd(x, g):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _causal_softmax(scores, scale, order):
-    s_q, s_k = scores.shape[-2:]
+def causal_mask(order, s_q: int, s_k: int):
+    """[s_q, s_k] bool: query i sees key j. order: the global positions of the stored queries and keys (one
+    array for both, or a (queries, keys) pair: context parallelism), or None (natural order)."""
     if order is None:
-        causal = jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
-    else:  # queries and keys stored in `order` (context parallelism): the mask of their global positions
-        causal = jnp.asarray(order)[:, None] >= jnp.asarray(order)[None, :]
+        return jnp.tril(jnp.ones((s_q, s_k), dtype=bool))
+    q_order, k_order = order if isinstance(order, tuple) else (order, order)
+    return jnp.asarray(q_order)[:, None] >= jnp.asarray(k_order)[None, :]
+
+
+def _causal_softmax(scores, scale, order):
+    causal = causal_mask(order, *scores.shape[-2:])
     logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
     return checkpoint_name(probs, R.ATTN_PROBS)
@@ -163,23 +168,30 @@ def add_bias(x, bias):
     return _add_bias(x, bias.astype(x.dtype), bias.ndim)
 
 
-def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,)):
+def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_len: int | None = None):
     """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`).
 
     The mask is `jax.random.bernoulli(key, 1 − rate, global shape)`, whatever the sharding: inside a region
     manual over `data` (the pipeline executor) x holds one data rank's rows of the batch, and the rank draws
     exactly those rows of the global mask (`bernoulli_rows`). Where the sequence is stored reordered (`order`:
-    the global position of each entry along `seq_axes`, context parallelism), each entry draws the mask's
-    element at its global position (`bernoulli_at`), so the masks are those of the natural order."""
+    the global position of each entry along `seq_axes`, or a tuple of such, one per axis; context parallelism),
+    each entry draws the mask's element at its global position (`bernoulli_at`), so the masks are those of the
+    natural order. seq_len: the whole sequence's length along `seq_axes` (default: their stored length, times
+    the context ranks inside a region manual over `context`, where x holds one context rank's tokens)."""
     if rate == 0.0 or key is None:
         return x
     mesh = jax.sharding.get_abstract_mesh()
     manual_data = not mesh.empty and "data" in mesh.manual_axes
     if order is not None:
-        coords = {axis % x.ndim: order for axis in seq_axes}
+        orders = order if isinstance(order, tuple) else (order,) * len(seq_axes)
+        coords = {axis % x.ndim: o for axis, o in zip(seq_axes, orders)}
+        if seq_len is None:
+            manual_context = not mesh.empty and "context" in mesh.manual_axes
+            seq_len = x.shape[seq_axes[0]] * (mesh.shape["context"] if manual_context else 1)
+        global_shape = tuple(seq_len if axis in coords else n for axis, n in enumerate(x.shape))
         if manual_data:
             coords[0] = jnp.arange(x.shape[0]) + jax.lax.axis_index("data") * x.shape[0]
-        keep = bernoulli_at(key, 1.0 - rate, x.shape, coords)
+        keep = bernoulli_at(key, 1.0 - rate, x.shape, coords, global_shape)
     elif manual_data:
         keep = bernoulli_rows(key, 1.0 - rate, x.shape, jax.lax.axis_index("data") * x.shape[0])
     else:
@@ -347,7 +359,8 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
 
 def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None):
     """`attention` written over the whole sequence (the partitioner splits it), queries and keys stored in
-    `order` (their global positions; None: natural). Scores are split over `seq` like the queries."""
+    `order` (their global positions, one array or a (queries, keys) pair; None: natural). Scores are split
+    over `seq` like the queries."""
     if cfg.attention == "fused":
         # cfg.fused_kernel: cuDNN flash attention where an edge chose it (GPU, bf16), XLA's otherwise (which
         # JAX also picks when not told: it materialises the scores); grouped K/V heads natively. No dropout
@@ -355,7 +368,7 @@ def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None)
         if order is None:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.fused_kernel)
         # A reordered sequence is no top-left triangle: the mask of global positions, given densely.
-        mask = (jnp.asarray(order)[:, None] >= jnp.asarray(order)[None, :])[None, None]
+        mask = causal_mask(order, q.shape[1], k.shape[1])[None, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.fused_kernel)
     b, s, a, d = q.shape
     kv = k.shape[2]
@@ -377,7 +390,7 @@ def _probs(scores, cfg: ModelConfig, key, order):
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).
         return probs
-    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1))
+    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1])
     return checkpoint_name(dropped, R.ATTN_PROBS_DROPOUT)
 
 

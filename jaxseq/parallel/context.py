@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq import remat as R
 from jaxseq.models import ops as O
-from jaxseq.sharding import Sharder, StageSharder, context_chunks, entry_axes
+from jaxseq.sharding import Sharder, StageSharder, context_chunks, context_order, entry_axes
 
 FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
 
@@ -51,7 +51,10 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
     if strategy == "ring":
         return ring_attention(q, k, v, cfg, key, shard)
     k, v = gather_over_context(k, shard), gather_over_context(v, shard)
-    return O.causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+    order = shard.reorder(q.shape[1])
+    if shard.context_manual:  # one rank's queries against the gathered whole sequence's keys
+        order = (order, context_order(k.shape[1], shard.context))
+    return O.causal_attention(q, k, v, cfg, key, shard, order)
 
 
 def gather_over_context(x, shard: Sharder):
@@ -61,7 +64,10 @@ def gather_over_context(x, shard: Sharder):
     gathers again instead of storing it (Megatron-LM's choice: s·d·heads bytes per layer is what context
     parallelism is there to avoid), and its backward hands each rank its part of the summed gradient (the
     partitioner's all-reduce + slice, a reduce-scatter on GPU). The forward is a shard_map of its own, so this
-    also works inside a region already manual over `data`."""
+    also works inside a region already manual over `data`. Inside a region manual over `context` too
+    (`StageSharder`), the gather and the reduce-scatter are written there directly."""
+    if shard.context_manual:
+        return _gather_in_region(x)
     split, whole = shard.spec("batch", "seq", "heads", None), shard.spec("batch", None, "heads", None)
     gather = jax.shard_map(lambda y: jax.lax.all_gather(y, "context", axis=1, tiled=True), mesh=shard.map_mesh,
                            in_specs=split, out_specs=whole, axis_names=_axes(split),
@@ -76,6 +82,16 @@ def gather_over_context(x, shard: Sharder):
     gathered.defvjp(lambda x: (gathered(x), None),
                     lambda _, g: (_vary(shard(g, "batch", "seq", "heads", None), outer),))
     return gathered(x)
+
+
+@jax.custom_vjp
+def _gather_in_region(x):
+    """`gather_over_context` inside a region manual over `context`: x [b, s/c, heads, d] → [b, s, heads, d]."""
+    return jax.lax.all_gather(x, "context", axis=1, tiled=True)
+
+
+_gather_in_region.defvjp(lambda x: (_gather_in_region(x), None),
+                         lambda _, g: (jax.lax.psum_scatter(g, "context", scatter_dimension=1, tiled=True),))
 
 
 def _vary(x, axes):
@@ -114,7 +130,7 @@ def attention_work(chunks) -> list[int]:
 
 def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     """The ring strategy of `attention` (see the module's docstring)."""
-    c, s = shard.context, q.shape[1]
+    c, s = shard.context, shard.seq_length(q.shape[1])
     rate = cfg.dropout if key is not None else 0.0
     key_data = jax.random.key_data(key) if rate else jnp.zeros((2,), jnp.uint32)
     # The first batch row this rank holds (inside a region manual over `data`): read out here, since an outer
@@ -122,13 +138,20 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     manual = jax.sharding.get_abstract_mesh().manual_axes
     row0 = jax.lax.axis_index("data") * q.shape[0] if "data" in manual else 0
     key_data = jnp.concatenate([key_data, jnp.asarray(row0, jnp.uint32)[None]])
-    seq, lse_spec = shard.spec("batch", "seq", "heads", None), shard.spec("batch", "heads", None, "seq")
-    static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s, tensor=shard.tensor,
-                  data="data" in _axes(seq))
-    nested = partial(jax.shard_map, mesh=shard.map_mesh, axis_names=_axes(seq))
-    forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P()), out_specs=(seq, lse_spec))
-    backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P()),
-                      out_specs=(seq, seq, seq))
+    static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s)
+    if shard.context_manual:
+        # Already one context rank's tokens: the ring runs here, its heads left to the partitioner (global over
+        # `tensor`). A nested shard_map over `tensor` failed to lower in this region (a value it closed over
+        # was given a `context` sharding).
+        forward = partial(_ring_forward, **static, tensor=1, data=False)
+        backward = partial(_ring_backward, **static, tensor=1, data=False)
+    else:
+        seq, lse_spec = shard.spec("batch", "seq", "heads", None), shard.spec("batch", "heads", None, "seq")
+        static.update(tensor=shard.tensor, data="data" in _axes(seq))
+        nested = partial(jax.shard_map, mesh=shard.map_mesh, axis_names=_axes(seq))
+        forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P()), out_specs=(seq, lse_spec))
+        backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P()),
+                          out_specs=(seq, seq, seq))
 
     @jax.custom_vjp
     def ring(q, k, v, key_data):
@@ -152,8 +175,10 @@ def _pass_on(x, c: int):
     return jax.lax.ppermute(x, "context", [(j, (j + 1) % c) for j in range(c)])
 
 
-def _varying(x):
-    return jax.lax.pcast(x, ("context",), to="varying")
+def _varying(x, *like):
+    """x typed as varying over `context` and every manual axis the arrays `like` vary over (the ring's
+    accumulators: they take values computed from those)."""
+    return _vary(x, {"context"}.union(*(jax.typeof(a).mat.varying for a in like)))
 
 
 def _by_pattern(plan, step: int, make_branch, *operands):
@@ -194,7 +219,8 @@ class _Blocks:
         """The attention-probs dropout's kept/scaled factor for these positions: the elements of the mask the
         whole-sequence attention draws ([b, kv, g, s, s], `ops.bernoulli_at`), so the ring equals it."""
         shape = (self.b, self.kv, self.g, self.n, self.n)
-        coords = {1: jnp.arange(self.kv) + jax.lax.axis_index("tensor") * self.kv, 3: q_pos, 4: k_pos}
+        heads = jnp.arange(self.kv) + (jax.lax.axis_index("tensor") * self.kv if self.tensor > 1 else 0)
+        coords = {1: heads, 3: q_pos, 4: k_pos}
         coords[0] = jnp.arange(self.b) + self.row0
         global_shape = (self.b, self.kv * self.tensor, self.g, self.s, self.s)
         keep = O.bernoulli_at(self.key, 1.0 - self.rate, shape, coords, global_shape)
@@ -210,8 +236,8 @@ def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
     blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
     c, plan = len(chunks), ring_plan(chunks)
     qh = blk.halves(q, (blk.kv, blk.g))
-    out = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.g, blk.d), jnp.float32))
-    lse = _varying(jnp.full((blk.b, 2, blk.kv, blk.g, blk.n), -jnp.inf, jnp.float32))
+    out = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.g, blk.d), jnp.float32), q, k)
+    lse = _varying(jnp.full((blk.b, 2, blk.kv, blk.g, blk.n), -jnp.inf, jnp.float32), q, k)
 
     def branch(pattern, step):
         def run(out, lse, k, v):
@@ -253,9 +279,9 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
     lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
     delta = jnp.sum(gh * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
-    dq = _varying(jnp.zeros(qh.shape, jnp.float32))
-    dk = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32))
-    dv = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32))
+    dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
+    dk = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
+    dv = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
 
     def branch(pattern, step):
         def run(dq, dk, dv, k, v):

@@ -1,5 +1,6 @@
 """Megatron's data parallelism: each data rank sums its own gradients over the step's micro-batches, and
-the ranks reduce that sum once per step, after the accumulation.
+the ranks reduce that sum once per step, after the accumulation. Under context parallelism the context ranks
+are data ranks to the weights (each holds other tokens of the same sequences): the same, over data × context.
 
 Why not leave it to XLA: the gradient of a weight replicated over `data` is reduced where autodiff makes
 it, so under a loop over micro-batches XLA reduces every micro-batch's gradients (m times Megatron's
@@ -24,10 +25,25 @@ from jaxseq.parallel import context
 from jaxseq.sharding import Sharder, entry_axes, only_axes
 
 
-def varying(x, axes=("pipe", "data")):
-    """pcast to varying over `axes` where not already so (pcast of a varying value raises). Weights cast
-    to varying over `data` before a loop get per-rank gradients: autodiff then inserts no psum (the
-    transpose of the implicit cast) inside it, and the step reduces over `data` once, after it."""
+def region_axes(parallel: ParallelConfig) -> frozenset[str]:
+    """The axes the pipeline's and gradient accumulation's regions are manual over: `pipe`, `data`, and
+    `context` under context parallelism (each rank then runs its own tokens; the mesh has no `context` axis
+    otherwise). `tensor` stays with XLA's partitioner."""
+    return frozenset({"pipe", "data"} | ({"context"} if parallel.context > 1 else set()))
+
+
+def gradient_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The axes a replicated weight's gradient is summed over: `data`, and `context` (its ranks hold other
+    tokens of the same sequences: to the weights they are data ranks, as in Megatron-LM)."""
+    return ("data", "context") if parallel.context > 1 else ("data",)
+
+
+def varying(x, axes=None):
+    """pcast to varying over `axes` (default: every manual axis of the enclosing region) where not already so
+    (pcast of a varying value raises). Weights cast to varying over `data` (and `context`) before a loop get
+    per-rank gradients: autodiff then inserts no psum (the transpose of the implicit cast) inside it, and the
+    step reduces over those axes once, after it."""
+    axes = sorted(jax.sharding.get_abstract_mesh().manual_axes) if axes is None else axes
     missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -57,35 +73,37 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), micro-batch i with dropout key fold_in(key, i), without a pipeline. To be called under
     jit with `params` in their compute layout (`model.param_specs`). Each data rank runs its rows of every
-    micro-batch (dropout masks: those rows of the global mask, `model.bernoulli_rows`) and sums its float32
-    gradients in a `lax.scan`; after it the sum is reduced over `data` once (`reduce_over`), reduce-scattered
-    onto the dimension `grad_specs` splits over `data` (the distributed optimizer's master shards) or else
-    all-reduced. `tensor`
-    stays with XLA's partitioner inside (`StageSharder` writes its collectives). The region is manual over
-    `pipe` too, of size 1 here, as the pipeline's is: with `pipe` left automatic, the vocab-parallel lookup's
-    nested shard_map over `tensor` is not manual over every axis, and XLA:CPU aborted compiling a bfloat16
-    step (that psum's reduction was exported ending in a copy, which all-reduce promotion cannot clone)."""
+    micro-batch (dropout masks: those rows of the global mask, `model.bernoulli_rows`), each context rank its
+    tokens of them, and sums its float32 gradients in a `lax.scan`; after it the sum is reduced over data ×
+    context once (`reduce_over`), reduce-scattered onto the dimension `grad_specs` splits over those axes (the
+    distributed optimizer's master shards) or else all-reduced. `tensor` stays with XLA's partitioner inside
+    (`StageSharder` writes its collectives). The region is manual over `pipe` too, of size 1 here, as the
+    pipeline's is: with `pipe` left automatic, the vocab-parallel lookup's nested shard_map over `tensor` is not
+    manual over every axis, and XLA:CPU aborted compiling a bfloat16 step (that psum's reduction was exported
+    ending in a copy, which all-reduce promotion cannot clone)."""
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
                                                shard=context.sharder(mesh, parallel, stage=True)))
-    scale = 1.0 / (microbatches * parallel.data)  # the mean over micro-batches and data ranks
+    over = gradient_axes(parallel)
+    # the mean over micro-batches, data ranks and context ranks (each rank's loss: the mean over its tokens)
+    scale = 1.0 / (microbatches * parallel.data * parallel.context)
 
     def rank(params, micro, key_data):
-        key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, ("data",)), params)
+        key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, over), params)
 
         def add(total, inputs):
             mb, i = inputs
             loss, grads = loss_and_grad(weights, mb, key=jax.random.fold_in(key, i))
             return jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), total, (loss, grads)), None
 
-        zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), ("data",)), (jnp.zeros(()), params))
+        zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), over), (jnp.zeros(()), params))
         (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
-        return (jax.lax.psum(loss, "data") * scale,
-                jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, ("data",)), grads, grad_specs))
+        return (jax.lax.psum(loss, over) * scale,
+                jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, over), grads, grad_specs))
 
-    out_specs = jax.tree.map(lambda spec: only_axes(spec, ("data",)), grad_specs, is_leaf=lambda x: isinstance(x, P))
-    return jax.shard_map(rank, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(P(), P(None, "data"), P()),
+    out_specs = jax.tree.map(lambda spec: only_axes(spec, over), grad_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(rank, mesh=mesh, axis_names=set(region_axes(parallel)), in_specs=(P(), P(None, "data"), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
 
 

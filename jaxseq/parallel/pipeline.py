@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
+from jaxseq.parallel import context as CP
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.sharding import Sharder, StageSharder, batch_sharding, entry_axes, only_axes
 
@@ -139,7 +140,8 @@ def from_stages(layers):
 
 
 def _zeros(shape, dtype):
-    """Zeros varying over `pipe` and `data`, as every value the tick loop carries and its branches return."""
+    """Zeros varying over the region's axes (`pipe`, `data`, and `context` under context parallelism), as every
+    value the tick loop carries and its branches return."""
     return DP.varying(jnp.zeros(shape, dtype))
 
 
@@ -158,14 +160,14 @@ class Stage:
 
     cfg: ModelConfig
     sched: S.Schedule
-    data: int  # data ranks: the loss is the mean over micro-batches and data ranks
+    data: int  # data ranks × context ranks: the loss is the mean over micro-batches and these ranks
     remat: str
     shard: StageSharder
     index: jax.Array  # s: this stage's index on `pipe`
     key: jax.Array | None  # the step's dropout key; None: no dropout (evaluation)
     layers: dict  # this stage's chunks, [v, k, …] per leaf, varying over `pipe` and `data`
     others: dict  # {"embed", "final_ln"}: on every stage, varying over `pipe` and `data`
-    micro: dict  # {"inputs", "targets"}: [m, b, s] int32, this data rank's rows
+    micro: dict  # {"inputs", "targets"}: [m, b, s/c] int32, this data rank's rows, this context rank's tokens
 
     @staticmethod
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, data: int, remat: str,
@@ -174,15 +176,17 @@ class Stage:
         [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
         dropout)."""
         key = None if key_data is None else jax.random.wrap_key_data(key_data)
+        micro = {name: jax.vmap(shard.split_sequence)(t) for name, t in micro.items()}
         return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
                      key=key, layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
                      others=jax.tree.map(DP.varying, others), micro=micro)
 
     @property
     def activation(self) -> jax.ShapeDtypeStruct:
-        """What moves between stages: one data rank's activations (or gradients) of a micro-batch, [b, s, h]."""
-        b = self.micro["inputs"].shape[1]
-        return jax.ShapeDtypeStruct((b, self.cfg.seq_len, self.cfg.hidden), jnp.dtype(self.cfg.dtype))
+        """What moves between stages: one data (and context) rank's activations (or gradients) of a micro-batch,
+        [b, s/c, h]."""
+        b, s = self.micro["inputs"].shape[1:]
+        return jax.ShapeDtypeStruct((b, s, self.cfg.hidden), jnp.dtype(self.cfg.dtype))
 
     def chunk_inputs(self, mb, c):
         """(chunk c's weights [k, …], its k layer keys, micro-batch mb's embedding key); the keys are None
@@ -205,7 +209,7 @@ class Stage:
 
     @property
     def loss_scale(self) -> float:
-        """1/(m·data): the step's loss is the mean over micro-batches and data ranks."""
+        """1/(m·data·context): the step's loss is the mean over micro-batches and data and context ranks."""
         return 1.0 / (self.sched.m * self.data)
 
     def loss(self, y, mb):
@@ -479,17 +483,18 @@ def _to_next(p: int) -> list[tuple[int, int]]:
 # After the loop: the step's one data-parallel reduction
 
 
-def reduce_gradients(buffers: Buffers, grad_specs: dict):
+def reduce_gradients(buffers: Buffers, grad_specs: dict, over: tuple[str, ...]):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
-    accumulators: Megatron's one data-parallel reduction, and the embedding group's over `pipe` (the first
-    stage's lookup and the last stage's logits and final LN add to the same parameters); each a reduce-scatter
-    onto the master shards where `grad_specs` (the master weights' PartitionSpecs) split the gradient over
-    those axes, else an all-reduce."""
-    loss = jax.lax.psum(buffers.loss, ("pipe", "data"))
-    others = jax.tree.map(lambda g, spec: DP.reduce_over(g, spec, ("pipe", "data")), buffers.grads["others"],
+    accumulators: Megatron's one data-parallel reduction (over `over`: data, and context under context
+    parallelism), and the embedding group's over `pipe` (the first stage's lookup and the last stage's logits
+    and final LN add to the same parameters); each a reduce-scatter onto the master shards where `grad_specs`
+    (the master weights' PartitionSpecs) split the gradient over those axes, else an all-reduce."""
+    with_pipe = ("pipe", *over)
+    loss = jax.lax.psum(buffers.loss, with_pipe)
+    others = jax.tree.map(lambda g, spec: DP.reduce_over(g, spec, with_pipe), buffers.grads["others"],
                           _others(grad_specs))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, spec: DP.reduce_over(g, P(None, None, *spec[1:]), ("data",))[None], buffers.grads["layers"],
+        lambda g, spec: DP.reduce_over(g, P(None, None, *spec[1:]), over)[None], buffers.grads["layers"],
         grad_specs["layers"])
     return loss, layers, others
 
@@ -504,7 +509,7 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
-                  remat: str, shard: StageSharder, grad_specs: dict, inspect):
+                  remat: str, shard: StageSharder, grad_specs: dict, over: tuple[str, ...], inspect):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; the rest as `Stage.enter` and `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
@@ -513,16 +518,16 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
         inspect(list(layout.stashed), list(layout.reused))
     program = TickProgram(stage, layout)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
-    return reduce_gradients(buffers, grad_specs)
+    return reduce_gradients(buffers, grad_specs, over)
 
 
-def _gradient_specs(grad_specs: dict) -> tuple[dict, dict]:
+def _gradient_specs(grad_specs: dict, over: tuple[str, ...]) -> tuple[dict, dict]:
     """The shard_map's out_specs of the reduced gradients: the layers' in the stage layout [p, v, k, …] (a
     parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final LN's; each split over
-    `pipe` and `data` where it was reduce-scattered (`grad_specs`: the master weights' specs)."""
-    layers = jax.tree.map(lambda spec: P("pipe", None, None, *only_axes(spec, ("data",))[1:]), grad_specs["layers"],
+    `pipe` and `over` (data, context) where it was reduce-scattered (`grad_specs`: the master weights' specs)."""
+    layers = jax.tree.map(lambda spec: P("pipe", None, None, *only_axes(spec, over)[1:]), grad_specs["layers"],
                           is_leaf=lambda x: isinstance(x, P))
-    others = jax.tree.map(lambda spec: only_axes(spec, ("pipe", "data")), _others(grad_specs),
+    others = jax.tree.map(lambda spec: only_axes(spec, ("pipe", *over)), _others(grad_specs),
                           is_leaf=lambda x: isinstance(x, P))
     return layers, others
 
@@ -559,13 +564,14 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
 
     def program(layers, others, micro, rows):
-        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data, remat="none",
-                            shard=StageSharder(mesh, parallel.sequence_parallel))
+        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data * parallel.context,
+                            remat="none", shard=CP.sharder(mesh, parallel, stage=True))
         forward = ForwardProgram(stage)
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
-        return jax.lax.psum(buffers.loss, ("pipe", "data"))
+        return jax.lax.psum(buffers.loss, ("pipe", *DP.gradient_axes(parallel)))
 
-    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P()), out_specs=P())
+    fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P()),
+                       out_specs=P())
     return fn(*args, jnp.asarray(tick_rows(sched)))
 
 
@@ -584,10 +590,11 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     assert all(entry_axes(spec[0]) == ("pipe",) for spec in jax.tree.leaves(
         grad_specs["layers"], is_leaf=lambda x: isinstance(x, P))), "layers are split over pipe on their first dimension"
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
-    program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data, remat=remat,
-                      shard=StageSharder(mesh, parallel.sequence_parallel), grad_specs=grad_specs, inspect=inspect)
-    fn = jax.shard_map(program, mesh=mesh, axis_names={"pipe", "data"}, in_specs=(*in_specs, P(), P()),
-                       out_specs=(P(), *_gradient_specs(grad_specs)))
+    over = DP.gradient_axes(parallel)
+    program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data * parallel.context, remat=remat,
+                      shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect)
+    fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
+                       out_specs=(P(), *_gradient_specs(grad_specs, over)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     grads = {"layers": from_stages(layer_grads), **other_grads}
     return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)

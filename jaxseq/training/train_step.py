@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -13,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
-from jaxseq.parallel.data_parallel import accumulate_loss_and_grad
+from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
 from jaxseq.sharding import batch_sharding, entry_axes
 
@@ -46,11 +47,14 @@ def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTran
     )
 
 
-def sharded_spec(shape: tuple[int, ...], spec: P, axis: str, axis_sizes: dict[str, int], join: str | None = None) -> P:
-    """`spec` plus `axis` on the largest dimension that no mesh axis of size > 1 splits yet and that |axis|
-    divides (the first such if several are equally large); failing that, with `join`, after `join` on the
-    dimension `join` splits, if |join|·|axis| divides it; `spec` unchanged when there is none."""
-    size = axis_sizes[axis]
+def sharded_spec(shape: tuple[int, ...], spec: P, axis: str | tuple[str, ...], axis_sizes: dict[str, int],
+                 join: str | None = None) -> P:
+    """`spec` plus `axis` (a mesh axis, or several split over as one) on the largest dimension that no mesh
+    axis of size > 1 splits yet and that |axis| divides (the first such if several are equally large); failing
+    that, with `join`, after `join` on the dimension `join` splits, if |join|·|axis| divides it; `spec`
+    unchanged when there is none."""
+    names = entry_axes(axis)
+    size = math.prod(axis_sizes[a] for a in names)
     axes = list(spec) + [None] * (len(shape) - len(spec))
     split = lambda i: [a for a in entry_axes(axes[i]) if axis_sizes.get(a, 1) > 1]
     free = [i for i, n in enumerate(shape) if not split(i) and n % size == 0]
@@ -62,7 +66,7 @@ def sharded_spec(shape: tuple[int, ...], spec: P, axis: str, axis_sizes: dict[st
         joined = [i for i, n in enumerate(shape) if split(i) == [join] and n % (axis_sizes[join] * size) == 0]
         if not joined:
             return spec
-        axes[joined[0]] = (join, axis)
+        axes[joined[0]] = (join, *names)
     else:
         return spec
     return P(*axes)
@@ -75,19 +79,22 @@ def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     (`model.param_specs`). With a pipeline the embedding's and the final LayerNorm's (the parameters every
     stage holds for its compute) are split over `pipe` (`sharded_spec`): each stage keeps and updates 1/p
     of their master weights and moments, Megatron's embedding group holding its optimizer state once. With
-    the distributed optimizer every leaf is also split over `data` (joined to `pipe` on one dimension where no
-    other is free): each data rank keeps and updates 1/d of the master weights and moments. A leaf with no
+    the distributed optimizer every leaf is also split over `data` (over data × context under context
+    parallelism, the axes its gradients reduce over; joined to `pipe` on one dimension where no other is
+    free): each of those ranks keeps and updates 1/(d·c) of the master weights and moments. A leaf with no
     dimension that the size divides (e.g. a [layers, mlp/t] bias when neither is a multiple of d) stays
     replicated over that axis: `jaxseq.plan` counts it at full size.
     """
-    sizes = {"pipe": parallel.pipe, "data": parallel.data, "tensor": parallel.tensor}
+    sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
+    over = DP.gradient_axes(parallel)
+    optimizer_axis = over if len(over) > 1 else over[0]
 
     def master(part: str, shape, spec):
         embedding_group = part != "layers"
         if embedding_group:
             spec = sharded_spec(shape, spec, "pipe", sizes)
         if parallel.distributed_optimizer:
-            spec = sharded_spec(shape, spec, "data", sizes, join="pipe" if embedding_group else None)
+            spec = sharded_spec(shape, spec, optimizer_axis, sizes, join="pipe" if embedding_group else None)
         return spec
 
     specs, shapes = M.param_specs(cfg, parallel), M.param_shapes(cfg, parallel.tensor)
@@ -156,7 +163,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-    accumulate = pipeline_loss_and_grad if parallel.pipe > 1 else accumulate_loss_and_grad
+    accumulate = pipeline_loss_and_grad if parallel.pipe > 1 else DP.accumulate_loss_and_grad
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
