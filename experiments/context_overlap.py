@@ -48,6 +48,7 @@ class Send:
     blocks_before: int  # ring block computations it depends on (must finish before it can start)
     blocks_after: int  # ring block computations that depend on it (cannot start before it is done)
     blocks_free: int  # neither: what an asynchronous send could overlap
+    other_dots_free: int  # the layer's other dots (projections, MLP) neither before nor after it
     into_switch: bool  # a `lax.switch` conditional (a whole ring step) consumes it directly
     position: int  # its index in the body's scheduled (CPU) order
     blocks_between: int  # block computations the CPU order puts between it and its first use
@@ -111,6 +112,7 @@ def body_sends(instrs: list[HLO.Instr], backward: bool) -> list[Send]:
             users.setdefault(op, []).append(i.name)
     position = {i.name: k for k, i in enumerate(instrs)}
     blocks = {i.name for i in instrs if is_block(i)}
+    dots = {i.name for i in instrs if _op_name(i).endswith("dot_general")} - blocks
     switches = {i.name for i in instrs if i.opcode == "conditional" and i.name in blocks}
     permutes = [i for i in instrs if i.opcode.removesuffix("-start") == "collective-permute"]
     before = {p.name: _closure(p.name, operands) for p in permutes}
@@ -126,6 +128,7 @@ def body_sends(instrs: list[HLO.Instr], backward: bool) -> list[Send]:
         sends.append(Send(name=p.name, backward=backward, carries=carries, hop=hops[p.name][1],
                           bytes=HLO.array_bytes(dtype, dims), blocks_before=len(before[p.name] & blocks),
                           blocks_after=len(after & blocks), blocks_free=len(blocks - before[p.name] - after),
+                          other_dots_free=len(dots - before[p.name] - after),
                           into_switch=bool(_first_blocks(p.name, users, blocks) & switches), position=position[p.name], blocks_between=between))
     return sends
 
@@ -153,13 +156,14 @@ def async_pairs(hlo_text: str) -> int:
 
 
 HEADER = (f"{'c':>2} {'t':>2} {'loop':<8} {'#':>2} {'carries':<6} {'hop':>3} {'KiB':>6} {'waits for':>9} "
-          f"{'waited on by':>12} {'free':>5} {'into switch':>11} {'CPU: blocks between send and use':>33}")
+          f"{'waited on by':>12} {'free':>5} {'into switch':>11} {'other dots free':>15} "
+          f"{'CPU: blocks between send and use':>33}")
 
 
 def row(c: int, t: int, k: int, s: Send) -> str:
     return (f"{c:>2} {t:>2} {'backward' if s.backward else 'forward':<8} {k:>2} {s.carries:<6} {s.hop:>3} "
             f"{s.bytes / 1024:>6.1f} {s.blocks_before:>9} {s.blocks_after:>12} {s.blocks_free:>5} "
-            f"{'yes' if s.into_switch else 'no':>11} {s.blocks_between:>33}")
+            f"{'yes' if s.into_switch else 'no':>11} {s.other_dots_free:>15} {s.blocks_between:>33}")
 
 
 def main() -> None:
@@ -169,7 +173,10 @@ def main() -> None:
     print("Per collective-permute of a layer loop's body (source: the compiled, scheduled HLO). 'waits for' / "
           "'waited on by' / 'free':\nring block computations (a dot in the ring's shard_map, or a step's "
           "lax.switch conditional, counted as one) it depends on / that depend on it / neither.\n"
-          "KiB: bytes sent per device (XLA:CPU sends the bf16 K/V as f32).\n")
+          "into switch: a step's lax.switch is among the first block computations that consume it (that whole step "
+          "waits for it).\nother dots free: the layer's other dots (projections, MLP) neither before nor after it. "
+          "CPU: ring block computations the CPU's\nsequential order runs between the (synchronous) send and its first "
+          "use. KiB: bytes sent per device (XLA:CPU sends the bf16 K/V as f32).\n")
     print(HEADER)
     for c, t in CONFIGS:
         text = compile_ring(c, t)
