@@ -9,8 +9,9 @@ devices, c ∈ {2, 4}, t ∈ {1, 2} (+ SP at t = 2). In each layer loop's body (
 collective-permute is placed in the body's dependence graph: the ring's block computations (a dot inside the
 ring's shard_map, or a `lax.switch` conditional of it) it depends on, those that depend on it, and those that
 are neither, which an asynchronous send could run beside. XLA:CPU lowers a collective-permute as one
-synchronous op (no -start/-done pair), so the CPU order says nothing about overlap; the dependences hold for
-every backend (they are in the program before any backend pass), and they bound what a GPU schedule can hide.
+synchronous op (no -start/-done pair), so the CPU order says nothing about overlap; the dependences come from
+the program JAX emits (a send's operand, a switch's operands), not from the CPU backend, and they bound what a
+GPU schedule can hide.
 """
 
 from __future__ import annotations
