@@ -6,6 +6,7 @@ import os
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -348,6 +349,31 @@ def test_bad_input_is_one_line(model, parallel, message):
     with pytest.raises(ConfigError) as e:
         validate_parallel(model, parallel, 8)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_why_the_ring_is_refused_under_a_pipeline():
+    """The XLA behaviour behind the refusal, pinned so that the day it changes this test says so. Two stages, two
+    ticks, as the executor runs them: at tick t one stage's branch sends 2·x over `context` (a ring step), the
+    other's idles, then the executor's ppermute over `pipe` hands each stage's output to the other. Stage 1
+    should add stage 0's doubled, swapped x at tick 0; XLA pairs stage 0's context permute with stage 1's pipe
+    permute, and stage 1 receives stage 0's buffer from before its permute."""
+    mesh = make_mesh(ParallelConfig(pipe=2, data=2, context=2, tensor=1), jax.devices())
+    ring, idle = (lambda y: jax.lax.ppermute(2 * y, "context", [(0, 1), (1, 0)])), (lambda y: 0 * y)
+
+    def body(x):
+        def tick(carry, t):
+            out = jax.lax.switch(jnp.asarray([[0, 1], [1, 0]])[t, jax.lax.axis_index("pipe")], [ring, idle], carry)
+            return carry + jax.lax.ppermute(out, "pipe", [(0, 1), (1, 0)]), None
+        return jax.lax.scan(tick, x, jnp.arange(2))[0]
+
+    x = np.arange(1.0, 9.0, dtype=np.float32).reshape(2, 2, 2)  # [pipe, data, context]
+    spec = P("pipe", "data", "context")
+    got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, axis_names={"pipe", "data", "context"}, in_specs=spec,
+                                           out_specs=spec))(x))
+    stage1 = x[1] + 2 * x[0][:, ::-1]  # tick 0: stage 0's output, doubled and swapped over context
+    right = np.stack([x[0] + 2 * stage1[:, ::-1], stage1])  # tick 1: stage 1's, back to stage 0
+    assert not np.array_equal(got, right)
+    np.testing.assert_array_equal(got[1], x[1] + 2 * x[0])  # stage 0's buffer before its permute
 
 
 def test_generate_and_convert_refuse_a_context_mesh():

@@ -280,11 +280,11 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
     delta = jnp.sum(gh * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
     dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
-    dk = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
-    dv = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
+    zeros = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
 
     def branch(pattern, step):
-        def run(dq, dk, dv, k, v):
+        def run(dq, k, v):  # this step's dK/dV from zeros: the arriving accumulators stay out of the switch
+            dk, dv = zeros, zeros
             kh, vh = blk.halves(k, (blk.kv,)), blk.halves(v, (blk.kv,))
             src = (blk.rank - step) % c
             for qa in range(2):
@@ -306,8 +306,11 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
         return run
 
     for step in range(c):
-        dq, dk, dv = _by_pattern(plan, step, lambda p: branch(p, step), dq, dk, dv, k, v)
+        dq, dk_step, dv_step = _by_pattern(plan, step, lambda p: branch(p, step), dq, k, v)
         if step < c - 1:
             k, v = _pass_on(k, c), _pass_on(v, c)
+        # Added after the switch, so the send arriving here gates only this add, not the next step's blocks
+        # (experiments/results/context.md, "Overlap on a GPU"; TransformerEngine's order).
+        dk, dv = (dk_step, dv_step) if step == 0 else (dk + dk_step, dv + dv_step)
         dk, dv = _pass_on(dk, c), _pass_on(dv, c)
     return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype)
