@@ -46,7 +46,7 @@ ALLOWED = {
     "parallel.schedule": {"config"},
     "parallel.data_parallel": {"config", "models.model", "parallel.context", "sharding"},
     "parallel.context": {"config", "models.ops", "remat", "sharding"},
-    "parallel.pipeline": {"config", "models.model", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
+    "parallel.pipeline": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     # training: the step, the loop and what it reads and writes
     "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.pipeline",
