@@ -168,6 +168,22 @@ def context_kv_bytes(cfg: ModelConfig, b: int, t: int, context: int, strategy: s
     return {"transient": kv, "transient_backward": 2 * kv, "traffic": 3 * share * kv}
 
 
+FLASH_TILE = (128, 128)  # query rows × key columns of a flash kernel's score tile (FlashAttention-2's, cuDNN's)
+
+
+def flash_attention_working_bytes(cfg: ModelConfig, b: int, t: int, context: int = 1) -> dict[str, float]:
+    """Per device per layer, what a GPU's fused (flash) attention kernel holds beyond its inputs and output
+    (Dao 2023, FlashAttention-2): never the [s/c, s] scores of a head, only a Br × Bc tile of them per thread
+    block in on-chip memory (`tile`: float32, shared memory/registers, not HBM); in HBM the float32 log-sum-exp
+    of each query row (forward, kept for backward) and, in backward, the float32 dQ accumulator [b, s/c, a/t, d]
+    and the row sums D = rowsum(dO·O) [b, a/t, s/c] (`hbm`). XLA:CPU has no such kernel: its compiled
+    `--attention fused` materialises the scores (`explicit_scores`: one float32 [b, a/t, s/c, s] buffer; the
+    compiled step's working memory holds one or more of them at its peak, as XLA's buffer assignment decides)."""
+    rows = b * cfg.heads / t * cfg.seq_len / context  # query rows on a device: local heads × its s/c tokens
+    return {"hbm": 4 * rows * (cfg.head_dim + 2), "tile": 4 * FLASH_TILE[0] * FLASH_TILE[1],
+            "explicit_scores": 4 * rows * cfg.seq_len}
+
+
 def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
     """Model FLOPs per iteration (forward + backward, no recompute): 72·B·s·L·h²·(1 + s/(6h) + V/(12hL))."""
     return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
