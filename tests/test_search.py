@@ -561,4 +561,5 @@ def test_flash_attention_working_memory_is_rows_not_scores():
     small = replace(CFG, attention="fused")
     text = S.format_result(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))
     assert "caveat (--attention fused)" in text and "4·b·(a/t)·(s/c)·(d + 2) bytes per layer" in text
+    assert S.to_json(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))["fused_attention_caveat"] in text
     assert "caveat" not in S.format_result(S.search(CFG, request(remats=("full",)), HandCosts(), "tiny"))

@@ -661,6 +661,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
         "ranked": [e.to_json() for e in res.ranked[:top]],
         "rejected_families": res.rejected_families,
+        "fused_attention_caveat": fused_attention_caveat(res) if res.config.attention == "fused" else None,
     }
 
 
