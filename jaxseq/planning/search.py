@@ -642,8 +642,8 @@ def fused_attention_caveat(res: Result) -> str:
     if best is None:
         return line
     f = F.flash_attention_working_bytes(res.config, best.micro_batch, best.tensor, best.context)
-    return (line + f"; for #1 ({best.label()}): one score buffer {f['explicit_scores'] / GIB:.3f} GiB (formula) "
-            f"counted in its working memory at least once, against the kernel's {f['hbm'] / GIB:.4f} GiB (formula): "
+    return (line + f"; for #1 ({best.label()}): one score buffer {f['explicit_scores'] / 2**20:,.2f} MiB (formula) "
+            f"counted in its working memory at least once, against the kernel's {f['hbm'] / 2**20:,.2f} MiB (formula): "
             "its memory is over-stated by at least the difference")
 
 
