@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-sizes", default="1,2,4,8",
                    help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); p = 1 with c > 1 "
                         "(default 1,2,4,8)")
+    g.add_argument("--scale-context", action="store_true",
+                   help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
+                        "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
+                        "memory a stated estimate (the table's layer column says which rows are which)")
     g.add_argument("--compute-efficiency", type=float, default=S.COMPUTE_EFFICIENCY,
                    help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {S.COMPUTE_EFFICIENCY}, "
                         "calibrated on Korthikanti et al. Table 5, 175B)")
@@ -112,6 +116,22 @@ def host_devices(n: int):
     return jax.devices("cpu")[: max(n, 1)]
 
 
+def search_devices(r: S.Request, scale_context: bool = False):
+    """The simulated devices `--search` compiles on: enough for every t·c it tries (at most
+    MAX_SIMULATED_DEVICES; with `scale_context` only the largest t); in-process, where the backend already runs
+    with fewer, the ones it has (at least the largest t): a c > 1 layer beyond them is scaled from c = 1
+    (`search.at_context`)."""
+    tensor = max(S.tensor_sizes(r))
+    if scale_context:
+        return host_devices(tensor)
+    wanted = min(max(t * c for t in S.tensor_sizes(r) for c in r.context_sizes), MAX_SIMULATED_DEVICES)
+    try:
+        return host_devices(max(wanted, tensor))
+    except ConfigError:
+        host_devices(tensor)  # one line where not even the largest t fits
+        return jax.devices("cpu")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return cli.run(lambda: _search(args) if args.search else _plan(args))
@@ -141,7 +161,7 @@ def _search(args) -> int:
     S.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
-    costs = SearchCosts(cfg, host_devices(max(S.tensor_sizes(request))))
+    costs = SearchCosts(cfg, search_devices(request, args.scale_context))
     result = S.search(cfg, request, costs, args.preset)
     print(json.dumps(S.to_json(result, args.top), indent=1) if args.json else S.format_result(result, args.top))
     return 0

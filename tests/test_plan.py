@@ -285,6 +285,26 @@ def test_context_layer_stores_the_formula_exactly(strategy):
     assert formula == one / 2 + (ring if strategy == "ring" else 0) and ring > 0
 
 
+@pytest.mark.parametrize("name,t,sp,b,c", [("tiny", 2, True, 2, 4), ("tiny-llama", 4, False, 1, 2)])
+def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c):
+    """`dots` with the ring keeps every matmul output of the ring's forward: the 2c + 1 blocks a rank computes
+    (context.attention_work), each a float32 q·kᵀ [b, a/t, n, n] and probs·v [b, n, a/t, d] (n = s/2c), and
+    neither the ring's output nor its log-sum-exp (recomputed from the blocks): formulas.RING_POLICY_TERMS.
+    GPT with dropout and SP; Llama with its 2 K/V heads repeated to t = 4."""
+    cfg = replace(preset(name), dtype="bfloat16")
+    parallel = ParallelConfig(data=1, context=c, tensor=t, sequence_parallel=sp, context_strategy="ring")
+    text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
+    formula = F.activation_bytes(cfg, "dots", b, t, sp, c, "ring")
+    assert hlo.stored_bytes_per_layer(text, cfg.layers) == formula
+    n, e = cfg.seq_len // (2 * c), cfg.itemsize
+    tokens, local = b * cfg.seq_len // c, cfg.heads // t
+    blocks = (2 * c + 1) * 4 * b * local * n * (n + cfg.head_dim)
+    assert F.layer_tensor_bytes(cfg, b, t, sp, c)["ring_blocks"] == blocks
+    weight_outputs = e * tokens * (2 * cfg.hidden // (t if sp else 1) + (local + 2 * max(cfg.num_kv_heads, t) // t)
+                                   * cfg.head_dim + (2 if cfg.family == "llama" else 1) * cfg.mlp_hidden // t)
+    assert formula == weight_outputs + blocks
+
+
 def test_context_kv_bytes_are_the_design_notes():
     """docs/DESIGN.md: all-gather holds 2·e·s·b·d·(kv heads per rank) (4·s·b·d·… in bf16), not / c; a ring two
     K/V blocks; traffic: 3 × (c−1)/c of the whole K/V (gathered forward and backward, dK/dV reduce-scattered),
@@ -309,8 +329,5 @@ def test_context_plan_rows_equal_the_formula(strategy, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["context"], out["context_strategy"]) == (2, strategy)
     for row in out["rows"]:
-        if row["remat"] == "dots" and strategy == "ring":
-            assert row["formula_bytes_per_layer"] is None
-            continue
         assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"], row["config"]
     assert out["context_kv_bytes_per_layer"] == F.context_kv_bytes(CONTEXT_CFG, 2, 2, 2, strategy)

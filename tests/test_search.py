@@ -40,7 +40,7 @@ class HandCosts:
     def prepare(self, keys, micro_batches):
         self.prepared = list(keys)
 
-    def layer(self, t, sp, remat, b):
+    def layer(self, t, sp, remat, b, context=1, strategy="all-gather"):  # the c = 1 layer: scaled at c > 1
         collectives = ({"all-gather": 3e6 * b, "reduce-scatter": 2e6 * b} if sp else {"all-reduce": 2e6 * b}) if t > 1 else {}
         return S.LayerCost(REMAT_STORED[remat] * 1e6 * b / t, collectives, 5e5 * b + 1e6, 2e6 * b / t)
 
@@ -452,7 +452,7 @@ class FormulaCosts(SearchCosts):
     def prepare(self, keys, micro_batches=(1, 2)):
         pass
 
-    def layer(self, t, sp, remat, b):
+    def layer(self, t, sp, remat, b, context=1, strategy="all-gather"):  # the c = 1 layer: scaled at c > 1
         cfg, e, s = self.cfg, self.cfg.itemsize, self.cfg.seq_len
         act = e * s * b * cfg.hidden
         coll = ({"all-gather": 2 * act, "reduce-scatter": 2 * act} if sp else {"all-reduce": 2 * act}) if t > 1 else {}
@@ -510,3 +510,56 @@ def test_context_candidates_are_valid():
                                   context_strategy=c.context_strategy)
         validate(cfg, parallel, c.remat, r.gpus, batch_size=r.global_batch,
                  micro_batch_size=c.micro_batch * c.data)
+
+
+@pytest.mark.slow
+def test_search_compiles_the_layer_at_context():
+    """Where the simulated devices hold c·t, a c > 1 row's layer is compiled on a c × t mesh ("compiled"): its
+    stored bytes are formulas.activation_bytes at c (both strategies, with and without SP), equal to the scaled
+    c = 1 layer (`at_context`, what a search with fewer devices uses: "scaled"), and so are its TP collectives
+    (per token: / c). The working memory is not (tiny, b = 1, float32 step): compiled at c, all-gather's is
+    1.20–1.22 × the scaled working / c + K/V transient (some transients, the gathered whole-sequence K/V and
+    their float32 gradients among them, do not divide by c as the per-token model assumes), the ring's
+    0.69–0.74 × (it never holds a rank's [s/c, s] scores, only s/2c × s/2c blocks, which the scaled c = 1
+    scores / c still count)."""
+    cfg = replace(preset("tiny"), dtype="bfloat16")
+    r = S.Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
+    costs = SearchCosts(cfg, jax.devices()[:4])
+    res = S.search(cfg, r, costs, "tiny")
+    split = [e for e in res.ranked if e.candidate.context == 2]
+    assert {(e.candidate.context_strategy, e.candidate.sequence_parallel) for e in split} == {
+        (s, sp) for s in ("all-gather", "ring") for sp in (False, True)}
+    assert all(e.layer_source == "compiled" for e in split) and "all-gather, compiled" in S.format_result(res, 100)
+    # at c = 2 each strategy with SP or not; no c = 1 configuration is valid (d = 2 does not divide B = 1)
+    assert res.compiled == 4 and all(e.candidate.context == 2 for e in res.ranked)
+    scaled = SearchCosts(cfg, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2 devices: scaled
+    ratios = {}
+    for e in split:
+        c = e.candidate
+        args = (c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
+        at_c, from_1 = costs.layer(*args), scaled.layer(*args)
+        assert (at_c.context, from_1.context) == (2, 1)
+        from_1 = S.at_context(cfg, c, from_1)
+        assert at_c.stored_bytes == from_1.stored_bytes == F.activation_bytes(cfg, c.remat, 1, 2, c.sequence_parallel,
+                                                                               2, c.context_strategy)
+        assert at_c.collective_bytes == from_1.collective_bytes and sum(at_c.collective_bytes.values()) > 0
+        ratios[c.context_strategy, c.sequence_parallel] = at_c.working_bytes / from_1.working_bytes
+        print(f"{c.label()}: working {at_c.working_bytes} B compiled at c, {from_1.working_bytes:.0f} B scaled")
+    assert all(1.0 < ratios["all-gather", sp] < 1.25 and 0.6 < ratios["ring", sp] < 1.0 for sp in (False, True)), ratios
+
+
+def test_flash_attention_working_memory_is_rows_not_scores():
+    """formulas.flash_attention_working_bytes: llama3-8b at s = 131072, t = 8, c = 8, b = 1 has 4 local heads ×
+    16384 query rows a device; a flash kernel holds float32 dQ (d = 128) + log-sum-exp + rowsum(dO·O) per row,
+    4·65536·130 bytes = 32.5 MiB, where XLA:CPU's one score buffer is 4·65536·131072 bytes = 32 GiB; its tile,
+    128 × 128 float32 = 64 KiB, is on chip. The search prints it as a caveat beside fused attention's rows."""
+    cfg = replace(preset("llama3-8b"), seq_len=131072, attention="fused")
+    f = F.flash_attention_working_bytes(cfg, 1, 8, 8)
+    assert f == {"hbm": 4 * 65536 * 130, "tile": 65536, "explicit_scores": 32 * 2**30}
+    assert f["hbm"] == 32.5 * 2**20
+    assert F.flash_attention_working_bytes(cfg, 2, 8, 1)["hbm"] == 16 * f["hbm"]  # b × 2, c ÷ 8
+    small = replace(CFG, attention="fused")
+    text = S.format_result(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))
+    assert "caveat (--attention fused)" in text and "4·b·(a/t)·(s/c)·(d + 2) bytes per layer" in text
+    assert S.to_json(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))["fused_attention_caveat"] in text
+    assert "caveat" not in S.format_result(S.search(CFG, request(remats=("full",)), HandCosts(), "tiny"))

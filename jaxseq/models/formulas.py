@@ -70,6 +70,8 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
     sb, seq, r = s * b / context, (t if sequence_parallel else 1), (1 if cfg.dropout > 0 else 0)
     kv_heads = max(cfg.num_kv_heads, t)
     scores = a * sb * s / t
+    n = s / (2 * context)
+    ring_blocks = (2 * context + 1) * 4 * b * a / t * n * (n + d) if context > 1 else 0.0
     return {
         "residual": e * sb * h / seq,  # one [s, b, h] of the residual stream (layer input, norm outputs, …)
         "norm_stats": (4 if llama else 8) * sb / seq,  # of one norm
@@ -85,6 +87,10 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
         # the ring strategy's backward residuals beside the context (parallel/context.py, `ring_fwd`): its
         # output (activation dtype) and float32 log-sum-exp, per local query head and token
         "ring_out_lse": e * sb * a * d / t + 4 * sb * a / t,
+        # the ring's block matmul outputs (`_ring_forward`), what `dots` keeps of it: each of the 2c + 1 query-half
+        # × key-half blocks a rank computes (`context.attention_work`) has a float32 q·kᵀ [b, a/t, n, n] and a
+        # float32 probs·v [b, n, a/t, d], n = s/2c
+        "ring_blocks": ring_blocks,
     }
 
 
@@ -107,6 +113,12 @@ POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
 # The ring computes its blocks itself (no scores kept: P is recomputed from the log-sum-exp) and keeps its output
 # and log-sum-exp (tagged `context`) wherever a policy keeps the context.
 RING_DROPS = ("probs", "probs_dropout", "qk_scores")
+# `dots` under the ring (measured, tests/test_plan.py): every matmul output the ring's forward makes, its blocks'
+# q·kᵀ and probs·v in float32, and not its output and log-sum-exp (no matmul outputs: recomputed from the blocks
+# by the merge), so not the context either; the weight matmuls' outputs as without the ring.
+RING_POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
+    "dots": (("residual", 2), ("q", 1), ("kv", 1), ("mlp_in", 1), ("ring_blocks", 1)),
+}
 
 
 def policy_terms(remat: str, context: int = 1, strategy: str = "all-gather") -> tuple[tuple[str, int], ...]:
@@ -116,9 +128,8 @@ def policy_terms(remat: str, context: int = 1, strategy: str = "all-gather") -> 
     terms = POLICY_TERMS[remat]
     if context == 1 or strategy == "all-gather":
         return terms
-    if remat == "dots":  # measured: it also keeps matmul outputs inside the ring's blocks (not counted here)
-        raise ConfigError("remat='dots' under context_strategy='ring' has no formula (it keeps the ring's block "
-                          "matmul outputs)")
+    if remat in RING_POLICY_TERMS:
+        return RING_POLICY_TERMS[remat]
     kept = tuple((name, n) for name, n in terms if name not in RING_DROPS)
     return kept + ((("ring_out_lse", 1),) if any(name == "context" for name, _ in kept) else ())
 
@@ -155,6 +166,22 @@ def context_kv_bytes(cfg: ModelConfig, b: int, t: int, context: int, strategy: s
                 "traffic": (context - 1) * block + (context - 1) * block + context * block}
     share = (context - 1) / context
     return {"transient": kv, "transient_backward": 2 * kv, "traffic": 3 * share * kv}
+
+
+FLASH_TILE = (128, 128)  # query rows × key columns of a flash kernel's score tile (FlashAttention-2's, cuDNN's)
+
+
+def flash_attention_working_bytes(cfg: ModelConfig, b: int, t: int, context: int = 1) -> dict[str, float]:
+    """Per device per layer, what a GPU's fused (flash) attention kernel holds beyond its inputs and output
+    (Dao 2023, FlashAttention-2): never the [s/c, s] scores of a head, only a Br × Bc tile of them per thread
+    block in on-chip memory (`tile`: float32, shared memory/registers, not HBM); in HBM the float32 log-sum-exp
+    of each query row (forward, kept for backward) and, in backward, the float32 dQ accumulator [b, s/c, a/t, d]
+    and the row sums D = rowsum(dO·O) [b, a/t, s/c] (`hbm`). XLA:CPU has no such kernel: its compiled
+    `--attention fused` materialises the scores (`explicit_scores`: one float32 [b, a/t, s/c, s] buffer; the
+    compiled step's working memory holds one or more of them at its peak, as XLA's buffer assignment decides)."""
+    rows = b * cfg.heads / t * cfg.seq_len / context  # query rows on a device: local heads × its s/c tokens
+    return {"hbm": 4 * rows * (cfg.head_dim + 2), "tile": 4 * FLASH_TILE[0] * FLASH_TILE[1],
+            "explicit_scores": 4 * rows * cfg.seq_len}
 
 
 def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:

@@ -191,6 +191,7 @@ class Collective:
     elements: int  # elements of the full (unscattered) buffer, per device
     group_size: int
     source: str = ""  # the jaxpr op it came from (HLO metadata op_name), e.g. ".../bsf,fh->bsh/dot_general"
+    groups: tuple | None = None  # its device groups (`replica_groups`), None where they are not read
 
 
 _PASS_THROUGH = {"convert", "bitcast", "copy", "reshape", "get-tuple-element"}
@@ -264,7 +265,9 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
                 elements = int(np.prod(dims, dtype=np.int64))
                 if base == "reduce-scatter":
                     elements *= size  # report the full buffer, like the others
-                out.append(Collective(kind, elements, size, _op_name(ins.rest)))
+                groups = replica_groups(ins.rest)
+                out.append(Collective(kind, elements, size, _op_name(ins.rest),
+                                      None if groups is None else tuple(map(tuple, groups))))
     return out
 
 

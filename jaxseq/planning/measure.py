@@ -109,6 +109,18 @@ class Compiler:
         flops = _flops(compiled) - self.head_flops(c)
         return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c))
 
+    @staticmethod
+    def layer_programs(c: RowSpec) -> list[tuple]:
+        """The programs `layer_costs` reads (no L=0 program: the search's FLOPs come from shapes)."""
+        return [("grad", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel),
+                ("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)]
+
+    def layer_costs(self, c: RowSpec) -> dict:
+        """What `--search` reads of a row: stored bytes and activation collectives per layer, working bytes."""
+        text = self._compile(*self.layer_programs(c)[0]).as_text()
+        return {"stored_bytes_per_layer": hlo.stored_bytes_per_layer(text, MEASURE_LAYERS),
+                "collective_bytes_per_layer": self._collectives(text, c.tensor), "working_bytes": self.working_bytes(c)}
+
     def head_flops(self, c: RowSpec) -> float:
         """The training computation's FLOPs without layers (L=0): embedding, final LayerNorm, logits, loss."""
         return _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
@@ -136,12 +148,20 @@ class Compiler:
         doubled; elements × itemsize is what a GPU moves. Parameter-gradient reductions (LayerNorm
         weights under SP, a few h elements) are left out: smaller than one activation shard."""
         itemsize = self.cfg.itemsize
-        shard = self.b * self.cfg.seq_len * self.cfg.hidden // tensor
+        shard = self.b * self.cfg.seq_len * self.cfg.hidden // (tensor * self.context)
         out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
         if tensor == 1:
             return out
         for backward in (False, True):
             for c in hlo.loop_collectives(text, MEASURE_LAYERS, backward):
-                if c.group_size > 1 and c.elements >= shard:
+                if c.group_size > 1 and c.elements >= shard and self._over_tensor(c, tensor):
                     out[c.kind] = out.get(c.kind, 0) + c.elements * itemsize
         return out
+
+    def _over_tensor(self, c: hlo.Collective, tensor: int) -> bool:
+        """Whether a collective runs over the `tensor` axis: every one at context 1; at context c, those whose
+        groups are runs of t consecutive devices (the mesh is context × tensor, tensor fastest), not the K/V
+        gathers and ring sends over `context` (`formulas.context_kv_bytes` counts those)."""
+        if self.context == 1:
+            return True
+        return c.groups is not None and all(tuple(sorted(g)) == tuple(range(min(g), min(g) + tensor)) for g in c.groups)

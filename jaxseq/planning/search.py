@@ -113,6 +113,7 @@ class LayerCost:
     collective_bytes: dict  # kind → bytes of the buffers per layer (forward + backward), activation dtype
     working_bytes: float  # the step's transients beyond state and stored activations
     non_layer_activation_bytes: float  # embedding/logits activations
+    context: int = 1  # the context size it was compiled at (1 at a candidate's c > 1: `at_context` scales it)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,10 @@ class StateCost:
 
 
 class Costs(Protocol):
-    def prepare(self, keys: list[tuple[int, bool, str]], micro_batches: tuple[int, ...]) -> None: ...  # compile all at once
-    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> LayerCost: ...
+    # keys: (t, SP, remat, c, context strategy) each; compile all at once
+    def prepare(self, keys: list[tuple[int, bool, str, int, str]], micro_batches: tuple[int, ...]) -> None: ...
+    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
+              strategy: str = "all-gather") -> LayerCost: ...
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> StateCost: ...
 
 
@@ -273,8 +276,8 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
     """Every valid configuration with c > 1: G = t·c·d, no pipeline (a context run with a pipeline is refused by
     `config.validate_context`: not proposed), s divisible by 2c (2c·t with SP), each strategy; the ring not
-    with gradient accumulation (refused too), nor with the `dots` policy or fused attention (its stored bytes
-    have no formula to scale the measured layer by: `formulas.policy_terms`)."""
+    with gradient accumulation (refused too), nor with fused attention (its stored bytes have no formula to scale
+    the measured layer by where c·t exceeds the simulated devices: `formulas.activation_bytes`)."""
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):
@@ -291,8 +294,6 @@ def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
                     if strategy == "ring" and (m > 1 or cfg.attention != "explicit"):
                         continue
                     for remat in r.remats:
-                        if strategy == "ring" and remat == "dots":
-                            continue
                         for sp in sps:
                             for dist in ((False, True) if d > 1 else (False,)):
                                 out.append(Candidate(t, 1, 1, d, b, remat, sp, dist, m, c, strategy))
@@ -388,13 +389,16 @@ class Memory:
 
 
 def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
-    """The layer's costs at context c from the measured context-1 layer (a stated model, nothing compiled at c):
+    """The layer's costs at context c: the layer compiled at c as it is (`LayerCost.context`: where the simulated
+    devices hold c·t); else from the measured context-1 layer (a stated model, nothing compiled at c):
     stored bytes / c, exact for all-gather (tests/test_plan.py holds the compiled layer to the formula), plus the
     ring's own change (`formulas.activation_bytes` at c − at 1 / c: no scores, its output and log-sum-exp);
     TP collectives / c (per token); working memory / c (per token) + the K/V transient at backward's peak
     (`formulas.context_kv_bytes`: not divided by c); the embedding/logits activations of s/c tokens."""
-    if c.context == 1:
+    if layer.context == c.context:
         return layer
+    if layer.context != 1:
+        raise ValueError(f"a layer compiled at context {layer.context} for a candidate at context {c.context}")
     b, t, sp = c.micro_batch, c.tensor, c.sequence_parallel
     ring = (F.activation_bytes(cfg, c.remat, b, t, sp, c.context, c.context_strategy)
             - F.activation_bytes(cfg, c.remat, b, t, sp) / c.context) if c.context_strategy == "ring" else 0.0
@@ -494,6 +498,12 @@ class Evaluated:
     model_tflops_per_gpu: float  # model FLOPs per step (no recompute) / step time / GPUs
     mfu: float
     fits: bool
+    layer_context: int = 1  # the context size its layer was compiled at (< c: scaled by `at_context`)
+
+    @property
+    def layer_source(self) -> str:
+        """Whether its layer's memory and TP collectives were compiled at its c or scaled from c = 1."""
+        return "compiled" if self.layer_context == self.candidate.context else "scaled"
 
     def to_json(self) -> dict:
         c, mem, t = self.candidate, self.memory, self.time
@@ -506,16 +516,16 @@ class Evaluated:
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
                            "context_kv": t.context_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
-                "fits": self.fits}
+                "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context}
 
 
 def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
     mem = memory(cfg, c, layer, state)
     t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
     tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
-    return Evaluated(c, mem, t, tflops, tflops / r.hardware.peak_tflops, mem.total_bytes <= r.budget_bytes)
+    return Evaluated(c, mem, t, tflops, tflops / r.hardware.peak_tflops, mem.total_bytes <= r.budget_bytes, layer.context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,7 +540,7 @@ class Result:
     ranked: list[Evaluated]  # those that fit, fastest first
     evaluated: int
     rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "reason"}
-    compiled: int = 0  # (t, SP, remat) measured
+    compiled: int = 0  # layers measured: distinct (t, SP, remat, and where compiled at c > 1, c and strategy)
 
     def rank_of(self, match) -> int | None:
         """1-based rank of the first fitting configuration `match(candidate)` accepts, or None."""
@@ -545,7 +555,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
     if not candidates:
         raise ConfigError(f"no valid configuration of {r.gpus} GPUs for {model}: "
                           + "; ".join(sorted(set(filter(None, reasons.values())))[:3]))
-    keys = sorted({(c.tensor, c.sequence_parallel, c.remat) for c in candidates})
+    keys = sorted({(c.tensor, c.sequence_parallel, c.remat, c.context, c.context_strategy) for c in candidates})
     costs.prepare(keys, r.micro_batches)
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
     ranked = sorted((e for e in evaluated if e.fits), key=lambda e: (e.time.total_s, e.memory.total_bytes, e.candidate))
@@ -563,7 +573,9 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
         least = min(evaluated, key=lambda e: e.memory.total_bytes)
         raise ConfigError(f"no configuration of {model} fits in {r.hardware.memory_gib:g} GiB per GPU on {r.gpus} GPUs: "
                           f"the least memory is {least.memory.total_bytes / GIB:.1f} GiB ({least.candidate.label()})")
-    return Result(model, cfg, r, ranked, len(evaluated), rejected, len(keys))
+    measured = {(e.candidate.tensor, e.candidate.sequence_parallel, e.candidate.remat, e.layer_context,
+                 e.candidate.context_strategy if e.layer_context > 1 else "") for e in evaluated}
+    return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,12 +598,12 @@ def format_result(res: Result, top: int = 10) -> str:
         f"HBM speed if memory-bound, elementwise kernels at {tm.memory_efficiency:g} of HBM bandwidth, links at "
         f"{tm.link_efficiency:g} of bandwidth, nothing overlapped",
         f"memory: {MEMORY_ACCOUNTING}",
-        f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} (t, SP, remat) measured "
-        f"from compiled programs",
+        f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} layers (t, SP, remat; c and "
+        f"strategy where compiled at c > 1) measured from compiled programs",
         "",
         f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
         f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
-        f"{'CP s':>8}  CP strategy",
+        f"{'CP s':>8}  CP strategy, layer",
     ]
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
@@ -600,18 +612,39 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
-            f"  {c.context_strategy if c.context > 1 else '-'}")
+            f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (p = 1 only: "
                   "a pipeline with c > 1 is refused by config validation, so not proposed), CP s = its K/V traffic "
-                  "(formulas.context_kv_bytes); at c > 1 memory and time are the measured c = 1 layer's scaled "
-                  "(search.at_context)"]
+                  "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
+                  "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
+                  "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
+    if cfg.attention == "fused":
+        lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
         lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
     return "\n".join(lines)
+
+
+def fused_attention_caveat(res: Result) -> str:
+    """The working memory of `--attention fused` is XLA:CPU's, which materialises the scores a GPU's flash kernel
+    never holds (`formulas.flash_attention_working_bytes`). Not subtracted: `memory_analysis()` gives one temp
+    total, and how many score buffers are live at its peak is XLA's buffer assignment's choice, not readable from
+    it (a second compile at another s would separate the s² part from the rest; the search does not)."""
+    best = res.ranked[0].candidate if res.ranked else None
+    line = ("caveat (--attention fused): working memory is the compiled XLA:CPU step's, which materialises the float32 "
+            "[b, a/t, s/c, s] scores of a layer (no flash kernel on CPU); a GPU's flash kernel keeps a "
+            f"{F.FLASH_TILE[0]}×{F.FLASH_TILE[1]} tile of them on chip and holds in HBM only the float32 dQ, "
+            "log-sum-exp and rowsum(dO·O): 4·b·(a/t)·(s/c)·(d + 2) bytes per layer (formulas.flash_attention_working_bytes)")
+    if best is None:
+        return line
+    f = F.flash_attention_working_bytes(res.config, best.micro_batch, best.tensor, best.context)
+    return (line + f"; for #1 ({best.label()}): one score buffer {f['explicit_scores'] / 2**20:,.2f} MiB (formula) "
+            f"counted in its working memory at least once, against the kernel's {f['hbm'] / 2**20:,.2f} MiB (formula): "
+            "its memory is over-stated by at least the difference")
 
 
 def to_json(res: Result, top: int = 10) -> dict:
@@ -628,6 +661,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
         "ranked": [e.to_json() for e in res.ranked[:top]],
         "rejected_families": res.rejected_families,
+        "fused_attention_caveat": fused_attention_caveat(res) if res.config.attention == "fused" else None,
     }
 
 
@@ -644,7 +678,7 @@ def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float
 def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs, seconds: float) -> float:
     """The compute efficiency that makes candidate c's predicted step time equal `seconds`. The time falls
     as the efficiency rises (until every GEMM is memory-bound), so bisection finds it."""
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
     at = lambda eff: step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=eff)).total_s
     if seconds <= at(1.0):

@@ -6,55 +6,79 @@ from dataclasses import asdict
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
 from jaxseq.planning import search as S
-from jaxseq.planning.measure import MEASURE_LAYERS, Compiler, RowSpec
+from jaxseq.planning.measure import Compiler, RowSpec
 from jaxseq.planning.memory import (non_layer_activation_bytes, parameter_elements_per_device, state_bytes,
                                     state_bytes_by_part)
 
 
 class SearchCosts:
-    """jaxseq.planning.search's costs, measured once per (t, SP, remat) for one layer shape (any depth): the
-    training computation at micro-batch 1 (stored bytes, FLOPs, activation collectives, the
-    embedding/logits FLOPs: proportional to b) and the float32 train step at micro-batch 1 and 2 (the
-    working memory: affine in b). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
+    """jaxseq.planning.search's costs, measured once per (t, SP, remat, c, context strategy) for one layer shape
+    (any depth): the training computation at micro-batch 1 (stored bytes, activation collectives: proportional
+    to b; at c = 1 also FLOPs and the embedding/logits FLOPs) and the float32 train step at micro-batch 1 and 2
+    (the working memory: affine in b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
+    where they do not, its c = 1 layer is measured and `search.at_context` scales it (`LayerCost.context` says
+    which). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
 
     def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None):
-        self.cfg = cfg
-        self.one, self.two = Compiler(cfg, 1, devices, workers), Compiler(cfg, 2, devices, workers)
+        self.cfg, self.devices, self.workers = cfg, devices, workers
         self.measured = dict(measured or {})
+        self._compilers: dict = {}
         self._states: dict = {}
 
     @staticmethod
-    def key(tensor: int, sequence_parallel: bool, remat: str) -> str:
-        return f"t={tensor} sp={int(sequence_parallel)} {remat}"
+    def key(tensor: int, sequence_parallel: bool, remat: str, context: int = 1, strategy: str = "all-gather") -> str:
+        return f"t={tensor} sp={int(sequence_parallel)} {remat}" + (f" c={context} {strategy}" if context > 1 else "")
+
+    def compiled_at(self, tensor: int, context: int) -> int:
+        """The context size a layer of (t, c) is compiled at: c where the devices hold c·t, else 1 (scaled)."""
+        return context if context * tensor <= len(self.devices) else 1
+
+    def _compiler(self, micro_batch: int, context: int, strategy: str) -> Compiler:
+        key = (micro_batch, context, strategy if context > 1 else "all-gather")
+        if key not in self._compilers:
+            self._compilers[key] = Compiler(self.cfg, micro_batch, self.devices, self.workers, context, key[2])
+        return self._compilers[key]
 
     def prepare(self, keys, micro_batches=(1, 2)) -> None:
-        rows = [RowSpec("search", remat, sp, t, None) for t, sp, remat in keys]
-        for c in rows:
-            validate(self.cfg, ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel), c.remat)
-        name = lambda c: self.key(c.tensor, c.sequence_parallel, c.remat)
-        todo = [c for c in rows if name(c) not in self.measured]
-        # The working memory at b = 2 too, unless b = 1 is all that is asked for.
-        affine = [c for c in rows if max(micro_batches) > 1 and self.measured.get(name(c), {}).get("working_bytes_b2") is None]
-        self.one.compile_all([k for c in todo for k in self.one.programs(c)])  # grad at L=2 and 0, the step
-        self.two.compile_all([("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel) for c in affine])
-        for c in todo:
-            self.measured[name(c)] = {**asdict(self.one.measure(c)), "working_bytes_b2": None,
-                                      "head_flops": self.one.head_flops(c)}
-        for c in affine:
-            self.measured[name(c)]["working_bytes_b2"] = self.two.working_bytes(c)
-        # The numbers are read: free the executables' memory.
-        self.one.clear()
-        self.two.clear()
+        """Compile what `keys` need: (t, SP, remat) or (t, SP, remat, c, strategy) each."""
+        todo = {}
+        for key in keys:
+            t, sp, remat, c, strategy = (*key, 1, "all-gather")[:5]
+            c = self.compiled_at(t, c)
+            strategy = strategy if c > 1 else "all-gather"
+            validate(self.cfg, ParallelConfig(data=1, context=c, tensor=t, sequence_parallel=sp,
+                                              context_strategy=strategy), remat)
+            todo[(t, sp, remat, c, strategy)] = RowSpec("search", remat, sp, t, None)
+        affine = max(micro_batches) > 1
+        for c, strategy in dict.fromkeys((c, strategy) for _, _, _, c, strategy in todo):  # one mesh at a time
+            rows = {self.key(*k): row for k, row in todo.items() if k[3:] == (c, strategy)}
+            one, two = self._compiler(1, c, strategy), self._compiler(2, c, strategy)
+            new = {name: row for name, row in rows.items() if name not in self.measured}
+            b2 = {name: row for name, row in rows.items()
+                  if affine and self.measured.get(name, {}).get("working_bytes_b2") is None}
+            one.compile_all([k for row in new.values() for k in (one.programs(row) if c == 1 else one.layer_programs(row))])
+            two.compile_all([one.layer_programs(row)[1] for row in b2.values()])  # the float32 step at b = 2
+            for name, row in new.items():
+                self.measured[name] = ({**asdict(one.measure(row)), "head_flops": one.head_flops(row)} if c == 1
+                                       else one.layer_costs(row)) | {"working_bytes_b2": None}
+            for name, row in b2.items():
+                self.measured[name]["working_bytes_b2"] = two.working_bytes(row)
+            one.clear()  # the numbers are read: free the executables' memory
+            two.clear()
 
-    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int) -> S.LayerCost:
-        m, b = self.measured[self.key(tensor, sequence_parallel, remat)], micro_batch
-        if b > 1 and m["working_bytes_b2"] is None:
-            self.prepare([(tensor, sequence_parallel, remat)], (b,))  # measured at b = 1 only so far
-            m = self.measured[self.key(tensor, sequence_parallel, remat)]
+    def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
+              strategy: str = "all-gather") -> S.LayerCost:
+        """Per device at micro-batch b; `LayerCost.context` is the context size it was compiled at."""
+        c = self.compiled_at(tensor, context)
+        strategy = strategy if c > 1 else "all-gather"
+        name, b = self.key(tensor, sequence_parallel, remat, c, strategy), micro_batch
+        if name not in self.measured or (b > 1 and self.measured[name]["working_bytes_b2"] is None):
+            self.prepare([(tensor, sequence_parallel, remat, c, strategy)], (b,))
+        m = self.measured[name]
         return S.LayerCost(
             b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
             m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
-            non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel))
+            non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c)
 
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> S.StateCost:
         key = (stage, tensor, data, distributed_optimizer, pipe)
