@@ -154,11 +154,18 @@ class StageSharder(Sharder):
         return self.context > 1
 
     def reorder(self, s: int):
-        """The global positions of this context rank's s stored tokens (its two chunks of 2c), traced."""
+        """The global positions of this context rank's s stored tokens, traced: rank r's chunks r and 2c−1−r of
+        s/2 tokens each (`context_chunks`). Computed from its index, not read from a table: a table would be a
+        constant every pipeline chunk's vjp keeps as a residual (a stash slot's worth each)."""
         if self.context == 1:
             return None
+        return stored_positions(s, self.context, jax.lax.axis_index("context"))
+
+    def whole_order(self, s: int):
+        """The global positions of a whole sequence of s gathered over `context` (every rank's tokens, rank
+        after rank), traced as `reorder` is."""
         c = self.context
-        return jnp.asarray(context_order(s * c, c).reshape(c, s))[jax.lax.axis_index("context")]
+        return stored_positions(s, c, jax.lax.iota(jnp.int32, s) // (s // c), local=False)
 
     def split_sequence(self, tokens: jax.Array) -> jax.Array:
         """Tokens [b, s] in natural order → this context rank's s/c, in stored order."""
@@ -284,6 +291,14 @@ def context_order(s: int, c: int, chunks=None) -> np.ndarray:
     n = s // (2 * c)
     chunks = context_chunks(c) if chunks is None else chunks
     return np.concatenate([np.arange(i * n, (i + 1) * n) for pair in chunks for i in pair]).astype(np.int32)
+
+
+def stored_positions(s: int, c: int, rank, local: bool = True):
+    """`context_order` computed from iota and the rank (no constant table): the global positions of the s tokens
+    context rank `rank` stores (local), or of s tokens stored rank after rank with `rank` each token's rank."""
+    n = s // (2 * c) if not local else s // 2  # tokens a chunk
+    j = jax.lax.iota(jnp.int32, s) % (2 * n)  # index within the rank's two chunks
+    return jnp.where(j < n, rank * n + j, (2 * c - 1 - rank) * n + j - n).astype(jnp.int32)
 
 
 def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):

@@ -132,6 +132,18 @@ def test_a_pipelined_run_equals_context_1(schedule, virtual, pipeline_reference)
     assert_same(accumulated(GPT4, parallel, "selective"), pipeline_reference)
 
 
+def test_a_pipeline_stashes_one_context_ranks_tokens():
+    """What a pipelined micro-batch chunk keeps between its forward and backward at context 2 is half of
+    context 1's, every leaf per token (no full-sequence K/V, no position table kept as a constant)."""
+    def slot_bytes(context: int):
+        parallel = ParallelConfig(pipe=2, context=context, tensor=2, sequence_parallel=True)
+        mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
+        stash, _ = PL.stash_layout(GPT, parallel, "selective", mesh, 2, 2)
+        assert all(a.shape[2] == GPT.seq_len // context for a in stash), [a.shape for a in stash]  # [k, b, s/c, …]
+        return sum(a.size * a.dtype.itemsize for a in stash)
+    assert slot_bytes(2) * 2 == slot_bytes(1)
+
+
 def test_dropout_is_on(gpt_reference):
     """Guard: the dropout comparison would be vacuous if dropout did nothing."""
     assert abs(loss_and_grads(replace(GPT, dropout=0.0), context_mesh(2, "ring"), "none")[0]

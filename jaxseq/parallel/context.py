@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq import remat as R
 from jaxseq.models import ops as O
-from jaxseq.sharding import Sharder, StageSharder, context_chunks, context_order, entry_axes
+from jaxseq.sharding import Sharder, StageSharder, context_chunks, entry_axes
 
 FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
 
@@ -53,7 +53,7 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
     k, v = gather_over_context(k, shard), gather_over_context(v, shard)
     order = shard.reorder(q.shape[1])
     if shard.context_manual:  # one rank's queries against the gathered whole sequence's keys
-        order = (order, context_order(k.shape[1], shard.context))
+        order = (order, shard.whole_order(k.shape[1]))
     return O.causal_attention(q, k, v, cfg, key, shard, order)
 
 
@@ -67,7 +67,7 @@ def gather_over_context(x, shard: Sharder):
     also works inside a region already manual over `data`. Inside a region manual over `context` too
     (`StageSharder`), the gather and the reduce-scatter are written there directly."""
     if shard.context_manual:
-        return _gather_in_region(x)
+        return _gather_in_region(x, shard)
     split, whole = shard.spec("batch", "seq", "heads", None), shard.spec("batch", None, "heads", None)
     gather = jax.shard_map(lambda y: jax.lax.all_gather(y, "context", axis=1, tiled=True), mesh=shard.map_mesh,
                            in_specs=split, out_specs=whole, axis_names=_axes(split),
@@ -84,14 +84,22 @@ def gather_over_context(x, shard: Sharder):
     return gathered(x)
 
 
-@jax.custom_vjp
-def _gather_in_region(x):
-    """`gather_over_context` inside a region manual over `context`: x [b, s/c, heads, d] → [b, s, heads, d]."""
-    return jax.lax.all_gather(x, "context", axis=1, tiled=True)
+def _gather_in_region(x, shard: Sharder):
+    """`gather_over_context` inside a region manual over `context`: x [b, s/c, heads, d] → [b, s, heads, d]. The
+    gather and its backward's reduce-scatter run in nested shard_maps manual over `tensor` too (over every
+    axis, then): left with `tensor` automatic, XLA:CPU aborted compiling the bfloat16 reduce-scatter ("Invalid
+    binary instruction opcode copy", its all-reduce promotion)."""
+    spec = shard.spec("batch", None, "heads", None)
+    nested = partial(jax.shard_map, mesh=shard.map_mesh, in_specs=spec, out_specs=spec, axis_names=set(shard.manual_axes))
+    gather = nested(lambda y: jax.lax.all_gather(y, "context", axis=1, tiled=True))
+    scatter = nested(lambda g: jax.lax.psum_scatter(g, "context", scatter_dimension=1, tiled=True))
 
+    @jax.custom_vjp
+    def gathered(x):
+        return gather(x)
 
-_gather_in_region.defvjp(lambda x: (_gather_in_region(x), None),
-                         lambda _, g: (jax.lax.psum_scatter(g, "context", scatter_dimension=1, tiled=True),))
+    gathered.defvjp(lambda x: (gather(x), None), lambda _, g: (scatter(g),))
+    return gathered(x)
 
 
 def _vary(x, axes):
@@ -281,6 +289,7 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
     dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
     zeros = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
+    dk = dv = zeros
 
     def branch(pattern, step):
         def run(dq, k, v):  # this step's dK/dV from zeros: the arriving accumulators stay out of the switch
@@ -311,6 +320,6 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
             k, v = _pass_on(k, c), _pass_on(v, c)
         # Added after the switch, so the send arriving here gates only this add, not the next step's blocks
         # (experiments/results/context.md, "Overlap on a GPU"; TransformerEngine's order).
-        dk, dv = (dk_step, dv_step) if step == 0 else (dk + dk_step, dv + dv_step)
+        dk, dv = dk + dk_step, dv + dv_step
         dk, dv = _pass_on(dk, c), _pass_on(dv, c)
     return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype)

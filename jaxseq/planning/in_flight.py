@@ -55,16 +55,17 @@ def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -
 
 
 def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, schedule: str, p: int, v: int,
-                       m: int) -> InFlight:
-    """Compile the pipelined step for row `c` at p stages × c.tensor and read stage 0's stash (see InFlight)."""
+                       m: int, context: int = 1, strategy: str = "all-gather") -> InFlight:
+    """Compile the pipelined step for row `c` at p stages × context × c.tensor and read stage 0's stash (see
+    InFlight)."""
     k_c, k = PIPELINE_LAYERS_PER_CHUNK, cfg.layers // (p * v)
     small = replace(cfg, layers=p * v * k_c)
     parallel = ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel, pipe=p,
-                              schedule=schedule, virtual_stages=v)
+                              schedule=schedule, virtual_stages=v, context=context, context_strategy=strategy)
     n = parallel.num_devices
     if len(devices) < n:
-        raise ConfigError(f"the pipelined step at pipeline={p} × tensor={c.tensor} compiles on {n} simulated "
-                          f"devices; {len(devices)} available")
+        raise ConfigError(f"the pipelined step at pipeline={p} × context={context} × tensor={c.tensor} compiles on "
+                          f"{n} simulated devices; {len(devices)} available")
     mesh = make_mesh(parallel, devices[:n])
     sched = PL.schedule_of(parallel, m, small.layers)
     params, batch = aot.abstract_inputs(small, parallel, mesh, micro_batch * m)
@@ -88,7 +89,8 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
                and dims[1] == micro_batch and dims[3] == cfg.hidden]
     compiled_bytes = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
     formula, formula_layers = paper_in_flight_layers(sched.name, cfg.layers, p, v, m)
-    source = (f"compiled: the pipelined {sched.name} step ({c.name}, pipe={p} × tensor={c.tensor} = {n} simulated "
+    mesh_name = f"pipe={p} × " + (f"context={context} × " if context > 1 else "") + f"tensor={c.tensor}"
+    source = (f"compiled: the pipelined {sched.name} step ({c.name}, {mesh_name} = {n} simulated "
               f"devices, {k_c} layers per chunk), stash read from its tick loop; scaled ×{k}/{k_c} to {k} layers "
               "per chunk")
     return InFlight(source, c.name, sched.depths["stash"], k_c, k, compiled_bytes, compiled_bytes * k // k_c,

@@ -199,19 +199,20 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     n_micro = pipeline if microbatches is None else microbatches
     schedule, in_flight_layers, bubble, paper_bubble = _schedule_figures(cfg, pipeline, schedule, virtual_stages,
                                                                          n_micro)
-    _check_devices(devices, tensor * context, pipeline)
+    _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
     compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy)
     compiler.compile_all([k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor))
     measured = {c: compiler.measure(c) for c in configs}
     in_flight = None
     if pipeline > 1:
         in_flight = compiled_in_flight(cfg, pipeline_row(configs), micro_batch, devices, schedule, pipeline,
-                                       virtual_stages, n_micro)
+                                       virtual_stages, n_micro, context, context_strategy)
         in_flight_layers = in_flight.layers
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
-                     state_bytes(stage, c.tensor, data, distributed_optimizer, pipeline), context, context_strategy)
+                     state_bytes(stage, c.tensor, data * context, distributed_optimizer, pipeline), context,
+                     context_strategy)  # the distributed optimizer splits over data × context
             for c, m in measured.items()]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank

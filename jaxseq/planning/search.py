@@ -150,7 +150,7 @@ class Request:
     remats: tuple[str, ...] = ("none", "selective", "full")
     time_model: TimeModel = TimeModel()
     tensor_sizes: tuple[int, ...] | None = None  # None: every divisor of the GPUs per node
-    context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: p = 1 only, `context_candidates`)
+    context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: `context_candidates`)
 
     @property
     def budget_bytes(self) -> float:
@@ -274,29 +274,46 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration with c > 1: G = t·c·d, no pipeline (a context run with a pipeline is refused by
-    `config.validate_context`: not proposed), s divisible by 2c (2c·t with SP), each strategy; the ring not
-    with gradient accumulation (refused too), nor with fused attention (its stored bytes have no formula to scale
-    the measured layer by where c·t exceeds the simulated devices: `formulas.activation_bytes`)."""
+    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy; the
+    ring not under a pipeline (refused by `config.validate_context`), nor with fused attention (its stored bytes
+    have no formula to scale the measured layer by where c·t exceeds the simulated devices:
+    `formulas.activation_bytes`)."""
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):
             reason = family_reason(cfg, r, t, 1)  # its data size G/t is not this one's: that check left out
             if r.gpus % (t * c) or (reason and not reason.startswith("d=")):
                 continue
-            d = r.gpus // (t * c)
             sps = [sp for sp in ((False, True) if t > 1 else (False,)) if cfg.seq_len % (2 * c * (t if sp else 1)) == 0]
-            for b in r.micro_batches:
-                if r.global_batch % (d * b):
+            for p in divisors(r.gpus // (t * c)):
+                if cfg.layers % p:
                     continue
-                m = r.global_batch // (d * b)
-                for strategy in CONTEXT_STRATEGIES:
-                    if strategy == "ring" and (m > 1 or cfg.attention != "explicit"):
-                        continue
-                    for remat in r.remats:
-                        for sp in sps:
-                            for dist in ((False, True) if d > 1 else (False,)):
-                                out.append(Candidate(t, 1, 1, d, b, remat, sp, dist, m, c, strategy))
+                d = r.gpus // (t * c * p)
+                out += _context_family(cfg, r, t, c, p, d, sps)
+    return out
+
+
+def _context_family(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, sps) -> list[Candidate]:
+    """The candidates of one (t, c, p) mesh: every micro-batch, virtual stage count, strategy, policy, SP and
+    optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved)."""
+    out = []
+    vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
+    for b in r.micro_batches:
+        if r.global_batch % (d * b):
+            continue
+        m = r.global_batch // (d * b)
+        if p > 1 and m < p:
+            continue
+        for v in vs:
+            if v > 1 and m % p:
+                continue
+            for strategy in CONTEXT_STRATEGIES:
+                if strategy == "ring" and (p > 1 or cfg.attention != "explicit"):
+                    continue
+                for remat in r.remats:
+                    for sp in sps:
+                        for dist in ((False, True) if d * c > 1 else (False,)):
+                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy))
     return out
 
 
@@ -353,7 +370,8 @@ def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: St
     """The executor's own buffers for candidate c (a pipeline), from shapes and the schedule's depths."""
     depth = pipeline_schedule(c.pipe, c.microbatches, c.virtual).depths
     k = cfg.layers // (c.pipe * c.virtual)
-    activation = c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
+    activation = (c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
+                  / c.context)  # one context rank's tokens
     chunk_parameters = state.layer_parameters / c.virtual
     regroup = c.virtual > 1 and state.layer_copy_bytes == 0
     return ExecutorBuffers(receive_bytes=(depth["x"] + 1 + depth["g"] + 1) * activation,
@@ -437,7 +455,7 @@ class Time:
     bubble_s: float  # of compute + tp + p2p: the idle ticks
     dp_s: float
     bubble: float
-    context_s: float = 0.0  # K/V traffic of context parallelism (no pipeline: no bubble share)
+    context_s: float = 0.0  # K/V traffic of context parallelism (its bubble share is in bubble_s)
 
     @property
     def total_s(self) -> float:
@@ -476,18 +494,18 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     context = layers * kv / bw["context"]
     tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
     itemsize = cfg.itemsize
-    message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / c.tensor
+    message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / (c.tensor * c.context)
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
     _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     m = c.microbatches
     n = state.parameters
     reduce = c.data * c.context  # gradients reduce over data × context (context ranks are data ranks to weights)
     if c.distributed_optimizer:
-        dp_bytes = ring_traffic("reduce-scatter", 4 * n, reduce) + ring_traffic("all-gather", itemsize * n, c.data)
+        dp_bytes = ring_traffic("reduce-scatter", 4 * n, reduce) + ring_traffic("all-gather", itemsize * n, reduce)
     else:
         dp_bytes = ring_traffic("all-reduce", 4 * n, reduce)
-    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p) * bubble, dp_bytes / bw["data"], bubble,
-                m * context)
+    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context) * bubble, dp_bytes / bw["data"],
+                bubble, m * context)
 
 
 @dataclass(frozen=True)
@@ -521,7 +539,9 @@ class Evaluated:
 
 def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
-    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
+    # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context, c.distributed_optimizer,
+                        c.pipe)
     mem = memory(cfg, c, layer, state)
     t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
     tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
@@ -616,8 +636,8 @@ def format_result(res: Result, top: int = 10) -> str:
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
-                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (p = 1 only: "
-                  "a pipeline with c > 1 is refused by config validation, so not proposed), CP s = its K/V traffic "
+                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (the ring "
+                  "not under a pipeline: refused by config validation, so not proposed), CP s = its K/V traffic "
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
@@ -679,7 +699,9 @@ def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, cos
     """The compute efficiency that makes candidate c's predicted step time equal `seconds`. The time falls
     as the efficiency rises (until every GEMM is memory-bound), so bisection finds it."""
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
-    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
+    # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context, c.distributed_optimizer,
+                        c.pipe)
     at = lambda eff: step_time(cfg, c, layer, state, r.hardware, replace(r.time_model, compute_efficiency=eff)).total_s
     if seconds <= at(1.0):
         raise ConfigError(f"{seconds:g} s is less than the time at peak efficiency, {at(1.0):.3f} s: cannot calibrate")
