@@ -132,16 +132,22 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in weight_dots), weight_dots
 
 
-def test_a_bf16_step_with_gradient_accumulation_compiles_on_cpu(devices):
-    """The train command's CPU step in bf16 with two micro-batches compiles (XLA:CPU aborted on a mesh holding
-    a size-1 `context` axis: "Invalid binary instruction opcode copy"; `mesh.make_mesh` leaves the axis out)."""
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(data=2, tensor=4, sequence_parallel=True),
+    ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True),
+    ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True),
+], ids=["data2-tensor4", "data2-context2-tensor2", "pipe2-context2-tensor2"])
+def test_a_bf16_step_with_gradient_accumulation_compiles_on_cpu(devices, parallel):
+    """The train command's CPU step in bf16 with two micro-batches compiles. XLA:CPU aborted ("Invalid binary
+    instruction opcode copy", its bf16 all-reduce promotion) on a mesh holding a size-1 `context` axis
+    (`mesh.make_mesh` leaves the axis out), and on the all-gather strategy's reduce-scatter over `context` left
+    with `tensor` automatic (`parallel.context._gather_in_region` runs it manual over every axis)."""
     from jaxseq.config import OptimizerConfig
     from jaxseq.training import aot
 
     cfg = replace(CFG, dtype="bfloat16", dropout=0.0)
-    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices[: parallel.num_devices])
-    assert "context" not in mesh.shape
+    assert ("context" in mesh.shape) == (parallel.context > 1)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches=2)
     step.lower(*aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, 16)).compile()

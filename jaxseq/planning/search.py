@@ -254,22 +254,8 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
     for t, p in families(cfg, r):
         if family_reason(cfg, r, t, p):
             continue
-        d = r.gpus // (t * p)
         sps = (False, True) if t > 1 and cfg.seq_len % t == 0 else (False,)
-        vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
-        for b in r.micro_batches:
-            if r.global_batch % (d * b):
-                continue
-            m = r.global_batch // (d * b)
-            if p > 1 and m < p:
-                continue
-            for v in vs:
-                if v > 1 and m % p:
-                    continue
-                for remat in r.remats:
-                    for sp in sps:
-                        for dist in ((False, True) if d > 1 else (False,)):
-                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m))
+        out += mesh_candidates(cfg, r, t, 1, p, r.gpus // (t * p), sps)
     return out + context_candidates(cfg, r)
 
 
@@ -289,15 +275,17 @@ def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
                 if cfg.layers % p:
                     continue
                 d = r.gpus // (t * c * p)
-                out += _context_family(cfg, r, t, c, p, d, sps)
+                out += mesh_candidates(cfg, r, t, c, p, d, sps)
     return out
 
 
-def _context_family(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, sps) -> list[Candidate]:
-    """The candidates of one (t, c, p) mesh: every micro-batch, virtual stage count, strategy, policy, SP and
-    optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved)."""
+def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, sps) -> list[Candidate]:
+    """The candidates of one t × c × p × d mesh: every micro-batch, virtual stage count, strategy (c > 1),
+    policy, SP and optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved)."""
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
+    strategies = [s for s in CONTEXT_STRATEGIES
+                  if s == "all-gather" or (c > 1 and p == 1 and cfg.attention == "explicit")]
     for b in r.micro_batches:
         if r.global_batch % (d * b):
             continue
@@ -307,9 +295,7 @@ def _context_family(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int
         for v in vs:
             if v > 1 and m % p:
                 continue
-            for strategy in CONTEXT_STRATEGIES:
-                if strategy == "ring" and (p > 1 or cfg.attention != "explicit"):
-                    continue
+            for strategy in strategies:
                 for remat in r.remats:
                     for sp in sps:
                         for dist in ((False, True) if d * c > 1 else (False,)):
