@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--context-sizes", default="1,2,4,8",
-                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); p = 1 with c > 1 "
-                        "(default 1,2,4,8)")
+                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); the ring without a "
+                        "pipeline (default 1,2,4,8)")
     g.add_argument("--scale-context", action="store_true",
                    help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "

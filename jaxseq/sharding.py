@@ -159,13 +159,13 @@ class StageSharder(Sharder):
         constant every pipeline chunk's vjp keeps as a residual (a stash slot's worth each)."""
         if self.context == 1:
             return None
-        return stored_positions(s, self.context, jax.lax.axis_index("context"))
+        return stored_positions(jax.lax.axis_index("context") * s + jax.lax.iota(jnp.int32, s), s * self.context,
+                                self.context)
 
     def whole_order(self, s: int):
         """The global positions of a whole sequence of s gathered over `context` (every rank's tokens, rank
         after rank), traced as `reorder` is."""
-        c = self.context
-        return stored_positions(s, c, jax.lax.iota(jnp.int32, s) // (s // c), local=False)
+        return stored_positions(jax.lax.iota(jnp.int32, s), s, self.context)
 
     def split_sequence(self, tokens: jax.Array) -> jax.Array:
         """Tokens [b, s] in natural order → this context rank's s/c, in stored order."""
@@ -293,11 +293,11 @@ def context_order(s: int, c: int, chunks=None) -> np.ndarray:
     return np.concatenate([np.arange(i * n, (i + 1) * n) for pair in chunks for i in pair]).astype(np.int32)
 
 
-def stored_positions(s: int, c: int, rank, local: bool = True):
-    """`context_order` computed from iota and the rank (no constant table): the global positions of the s tokens
-    context rank `rank` stores (local), or of s tokens stored rank after rank with `rank` each token's rank."""
-    n = s // (2 * c) if not local else s // 2  # tokens a chunk
-    j = jax.lax.iota(jnp.int32, s) % (2 * n)  # index within the rank's two chunks
+def stored_positions(index, s: int, c: int):
+    """`context_order(s, c)[index]` computed, not read from a constant table: the global positions of the tokens
+    at storage indices `index` (an int32 array) of a sequence of s split over c context ranks."""
+    n = s // (2 * c)  # tokens a chunk
+    rank, j = index // (2 * n), index % (2 * n)  # the rank storing it, its index among that rank's two chunks
     return jnp.where(j < n, rank * n + j, (2 * c - 1 - rank) * n + j - n).astype(jnp.int32)
 
 

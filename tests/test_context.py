@@ -19,7 +19,7 @@ from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan
 from jaxseq.planning import hlo as HLO
-from jaxseq.sharding import context_chunks, context_order, entry_axes
+from jaxseq.sharding import context_chunks, context_order, entry_axes, stored_positions
 from jaxseq.training import aot
 from jaxseq.training import rundir
 from jaxseq.training import train_step as T
@@ -160,6 +160,16 @@ def test_the_two_chunk_order():
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])
+def test_computed_positions_are_the_chunk_order(c):
+    """`stored_positions` (what a region manual over `context` computes from its rank) is `context_order`."""
+    s = 64
+    np.testing.assert_array_equal(stored_positions(jnp.arange(s), s, c), context_order(s, c))
+    for r in range(c):
+        np.testing.assert_array_equal(stored_positions(r * (s // c) + jnp.arange(s // c), s, c),
+                                      context_order(s, c)[r * s // c:(r + 1) * s // c])
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
 def test_ring_work_is_equal_per_rank_with_the_reorder_and_unequal_without(c):
     """Blocks of (s/2c)² scores each rank's ring computes (the plan its switch branches are built from)."""
     assert attention_work(context_chunks(c)) == [2 * c + 1] * c
@@ -179,12 +189,12 @@ def test_every_ring_step_is_a_diagonal_or_half_a_block():
 # The compiled program: collectives over `context` and stored bytes
 
 
-def _groups(parallel: ParallelConfig, axis: str) -> set[tuple[int, ...]]:
-    """The device groups of one mesh axis (ids in the mesh's device order)."""
-    mesh = make_mesh(parallel)
+def _groups(mesh, *axes: str) -> set[tuple[int, ...]]:
+    """The device groups spanning `axes` of the mesh, the other axes fixed (sorted device ids)."""
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
-    return {tuple(sorted(g)) for g in moved.tolist()}
+    names = list(mesh.axis_names)
+    moved = np.moveaxis(ids, [names.index(a) for a in axes], range(-len(axes), 0))
+    return {tuple(sorted(g)) for g in moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes]))).tolist()}
 
 
 def _loop_collectives(text: str, backward: bool, groups) -> list[tuple[str, tuple[int, ...]]]:
@@ -215,7 +225,7 @@ def compiled():
 
 
 B, S, HEADS, D = 2, GPT.seq_len, GPT.heads // 2, GPT.head_dim  # per device: 4 rows over data=2, heads over t=2
-CONTEXT_GROUPS = _groups(ParallelConfig(data=2, context=2, tensor=2), "context")
+CONTEXT_GROUPS = _groups(make_mesh(ParallelConfig(data=2, context=2, tensor=2)), "context")
 
 
 def test_all_gather_gathers_only_k_and_v_over_context(compiled):
@@ -272,7 +282,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     reductions = HLO.reductions(text)
     assert not [r.op_name for r in reductions if r.in_loop and (r.groups is None or any(
         spans(g, "data") or spans(g, "context") for g in r.groups))]
-    data_context = {tuple(sorted(g)) for g in _groups_of(mesh, ("data", "context"))}
+    data_context = _groups(mesh, "data", "context")
     after = [r for r in reductions if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
     sizes = {"data": 2, "context": 2, "tensor": 2}
     specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, P))
@@ -282,14 +292,6 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     assert len(split) == len(specs) - 1  # every leaf but one has a dimension d·c = 4 divides
     scattered = sorted(d for r in after if r.kind == "reduce-scatter" for d in r.shapes if d)
     assert scattered == sorted(split)  # each gradient once, onto its 1/(d·c) shard
-
-
-def _groups_of(mesh, axes: tuple[str, ...]) -> list[list[int]]:
-    """The device groups spanning `axes` of the mesh (the others fixed)."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    names = list(mesh.axis_names)
-    moved = np.moveaxis(ids, [names.index(a) for a in axes], range(-len(axes), 0))
-    return moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes]))).tolist()
 
 
 # ---------------------------------------------------------------------------------------------
