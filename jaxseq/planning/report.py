@@ -239,12 +239,12 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
              f"{'with' if p.distributed_optimizer else 'without'} the distributed optimizer, "
              f"micro-batch={p.micro_batch}; least recompute first:"]
     for r, why in rejected:
-        lines.append(f"  {r.config:<22} does not fit: {why} (recompute +{r.recompute_overhead_pct:.2f}%)")
+        lines.append(f"  {r.config:<22} does not fit: {why} (recompute {r.recompute_overhead_pct:+.2f}%)")
     if chosen is None:
         hint = "" if p.distributed_optimizer or p.data == 1 else ", or --distributed-optimizer"
         lines.append(f"  nothing fits: more tensor/pipeline parallelism or a smaller micro-batch is needed{hint}")
     else:
         lines.append(f"  recommended: {chosen.config} (remat={chosen.remat}, sequence_parallel="
                      f"{chosen.sequence_parallel}): {chosen.total_bytes_per_device / GIB:.1f} GiB, recompute "
-                     f"+{chosen.recompute_overhead_pct:.2f}% FLOPs")
+                     f"{chosen.recompute_overhead_pct:+.2f}% FLOPs")
     return "\n".join(lines)
