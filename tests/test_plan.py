@@ -322,8 +322,8 @@ def test_context_kv_bytes_are_the_design_notes():
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
 def test_context_plan_rows_equal_the_formula(strategy, capsys):
-    """`python -m jaxseq.plan --context 2`: every row (the paper's seven) compiled at context 2 equals
-    formulas.activation_bytes at context 2, to the byte; the K/V line is printed."""
+    """`python -m jaxseq.plan --context 2`: every row (each registered policy, with and without SP) compiled at
+    context 2 equals formulas.activation_bytes at context 2, to the byte; the K/V line is printed."""
     plan_command.main(["--preset", "tiny", "--dtype", "bfloat16", "--tensor", "2", "--micro-batch-size", "2",
                        "--context", "2", "--context-strategy", strategy, "--json"])
     out = json.loads(capsys.readouterr().out)
