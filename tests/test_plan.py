@@ -331,3 +331,50 @@ def test_context_plan_rows_equal_the_formula(strategy, capsys):
     for row in out["rows"]:
         assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"], row["config"]
     assert out["context_kv_bytes_per_layer"] == F.context_kv_bytes(CONTEXT_CFG, 2, 2, 2, strategy)
+
+
+class ArithmeticOnly(measure.Compiler):
+    """The plan's arithmetic without compiling: every row's layer measured alike (stored bytes, FLOPs, working)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def programs(self, c):
+        return []
+
+    def forward_programs(self, tensor):
+        return []
+
+    def compile_all(self, keys):
+        pass
+
+    def measure(self, c):
+        return measure.Measured(1000, 2e6 if c.remat == "full" else 1e6, {}, 500)
+
+    def forward_flops_per_layer(self, tensor):
+        return 1e6
+
+
+def test_state_tables_split_the_optimizer_over_data_and_context_as_the_rows(monkeypatch):
+    """`plan --context 2 --data 2 --distributed-optimizer`: the rows, the state table (`optimizer_state`), the
+    pipeline's per-stage table and `with_optimizer` all split master weights and moments over d·c = 4, one count."""
+    monkeypatch.setattr(P, "Compiler", ArithmeticOnly)
+    cfg, t = CONTEXT_CFG, CONTEXT_T
+    p = P.plan(cfg, t, 1, jax.devices(), "tiny", policies=[], data=2, distributed_optimizer=True, context=2)
+    row = p.row("tp+sp+selective")
+    state = memory.state_bytes(cfg, t, 4, True)
+    assert state.params < memory.state_bytes(cfg, t, 2, True).params  # d·c splits finer than d
+    assert (row.params_bytes_per_device, row.optimizer_bytes_per_device, row.weight_copy_bytes_per_device) == (
+        state.params, state.optimizer, state.weight_copy)
+    table = p.optimizer_state()["with_distributed_optimizer"]["bytes_per_device"]
+    assert (table["master_weights"], table["adam_moments"], table["weight_copy"], table["total"]) == (
+        state.params, state.optimizer, state.weight_copy, state.total)
+    assert P.with_optimizer(p, 2, True).rows == p.rows
+    assert P.with_optimizer(p, 1, False).row(row.config).params_bytes_per_device == memory.state_bytes(cfg, t).params
+    text = report.format_table(p)
+    assert "training state per device (t=2, d=2, c=2," in text and "split over data × context = 4" in text
+    piped = dataclasses.replace(p, pipeline=2)  # the per-stage table's arithmetic (the pipelined step not compiled)
+    stage = piped.stage_state()
+    whole = memory.state_bytes(replace(cfg, layers=cfg.layers // 2), t, 4, True, 2)
+    assert stage["layers"]["total"] + stage["embedding_group"]["total"] == whole.total == piped.optimizer_state()[
+        "with_distributed_optimizer"]["bytes_per_device"]["total"]

@@ -16,7 +16,7 @@ from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes,
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
-from jaxseq.planning.memory import (GIB, State, activation_bytes, non_layer_activation_bytes,
+from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, non_layer_activation_bytes,
                                     parameter_elements_per_device, peak_bytes, state_bytes, state_bytes_by_part)
 from jaxseq.remat import POLICIES
 
@@ -76,7 +76,7 @@ class Plan:
     forward_flops_per_layer: float  # measured, per device at `tensor`, no SP
     last_matmul_flops_per_layer: float  # the second MLP matmul's forward, per device
     pipeline: int = 1  # whole-model figures: the first of this many pipeline stages
-    data: int = 1  # data-parallel size d: divides master weights and moments with the distributed optimizer
+    data: int = 1  # data-parallel size d: d × context divides master weights and moments with the distributed optimizer
     distributed_optimizer: bool = False  # whether the rows' totals (and the budget) assume it
     parameters_per_device: int = 0  # of the first stage, split by tensor
     schedule: str = "1f1b"
@@ -116,27 +116,49 @@ class Plan:
             "context_kv_bytes_per_layer": self.context_kv,
         }
 
+    def state(self, tensor: int | None = None, distributed_optimizer: bool | None = None,
+              by_part: bool = False):
+        """The one count of this plan's state per device (rows, totals, the state tables): `plan_state` at its
+        configuration (tensor, distributed optimizer: the plan's unless given)."""
+        return plan_state(self.config, self.tensor if tensor is None else tensor, self.data, self.context,
+                          self.distributed_optimizer if distributed_optimizer is None else distributed_optimizer,
+                          self.pipeline, by_part)
+
     def optimizer_state(self) -> dict:
-        """Per-device state bytes and bytes per parameter without and with the distributed optimizer."""
-        stage = replace(self.config, layers=-(-self.config.layers // self.pipeline))
+        """Per-device state bytes and bytes per parameter without and with the distributed optimizer (with it,
+        split over data × context, as the rows count it)."""
         out = {}
         for key, distributed in (("without_distributed_optimizer", False), ("with_distributed_optimizer", True)):
-            parts = _parts(state_bytes(stage, self.tensor, self.data, distributed, self.pipeline))
+            parts = _parts(self.state(distributed_optimizer=distributed))
             out[key] = {"bytes_per_device": parts,
                         "bytes_per_parameter": {k: v / self.parameters_per_device for k, v in parts.items()}}
         return out
 
     def stage_state(self) -> dict:
-        """With a pipeline: each device's state by part, as the rows count it (the plan's data size and
+        """With a pipeline: each device's state by part, as the rows count it (the plan's data × context size and
         distributed-optimizer choice). In jaxseq's one SPMD program every stage holds the same: its L/p layers,
         and the embedding group (embedding and final LayerNorm) whole for compute, its master weights and
         moments split over `pipe`; Megatron-LM's first and last stages hold that group's state whole (its
         optimizer state unsplit), its middle stages none of it."""
-        stage = replace(self.config, layers=-(-self.config.layers // self.pipeline))
-        parts = state_bytes_by_part(stage, self.tensor, self.data, self.distributed_optimizer, self.pipeline)
-        megatron = state_bytes_by_part(stage, self.tensor, self.data, self.distributed_optimizer)["embedding group"]
-        return {"layers": _parts(parts["layers"]), "embedding_group": _parts(parts["embedding group"]),
+        parts = self.state(by_part=True)
+        megatron = plan_state(self.config, self.tensor, self.data, self.context, self.distributed_optimizer,
+                              self.pipeline, by_part=True, embedding_over_pipe=False)[EMBEDDING_GROUP]
+        return {"layers": _parts(parts["layers"]), "embedding_group": _parts(parts[EMBEDDING_GROUP]),
                 "megatron_first_stage_embedding_group": _parts(megatron)}
+
+
+def plan_state(cfg: ModelConfig, tensor: int, data: int, context: int, distributed_optimizer: bool,
+               pipeline: int = 1, by_part: bool = False, embedding_over_pipe: bool = True):
+    """Per-device state bytes of the first of `pipeline` stages (its L/p layers): `memory.state_bytes`, or by
+    part (`state_bytes_by_part`). The distributed optimizer splits the fp32 master weights and Adam moments over
+    data × context (a context rank holds the same weights as its data rank: `T.master_specs` shards them over
+    both), so every figure of a plan, its rows as its state tables, counts d·c here and nowhere else.
+    `embedding_over_pipe=False`: the embedding group's optimizer state unsplit over `pipe` (Megatron-LM's first
+    stage)."""
+    stage = replace(cfg, layers=-(-cfg.layers // pipeline))
+    pipe = pipeline if embedding_over_pipe else 1
+    count = state_bytes_by_part if by_part else state_bytes
+    return count(stage, tensor, data * context, distributed_optimizer, pipe)
 
 
 def _parts(state: State) -> dict:
@@ -211,8 +233,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
-                     state_bytes(stage, c.tensor, data * context, distributed_optimizer, pipeline), context,
-                     context_strategy)  # the distributed optimizer splits over data × context
+                     plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline), context,
+                     context_strategy)
             for c, m in measured.items()]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
@@ -288,14 +310,15 @@ def _state_columns(state: State, activations: int, working: int) -> dict:
 
 def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
     """The same plan with every row's state bytes (and totals) for data size `data`, with or without
-    the distributed optimizer; activations are unchanged, nothing is recompiled."""
+    the distributed optimizer (split over data × the plan's context size, as `plan` counts it); activations
+    are unchanged, nothing is recompiled."""
     if not isinstance(data, int) or data <= 0:
         raise ConfigError(f"data={data!r} must be a positive integer")
-    stage = replace(p.config, layers=-(-p.config.layers // p.pipeline))
-    rows = [dataclasses.replace(r, **_state_columns(state_bytes(stage, r.tensor, data, distributed_optimizer, p.pipeline),
-                                                    r.activation_bytes_per_device, r.working_bytes_per_device))
+    p = dataclasses.replace(p, data=data, distributed_optimizer=distributed_optimizer)
+    rows = [dataclasses.replace(r, **_state_columns(p.state(r.tensor), r.activation_bytes_per_device,
+                                                    r.working_bytes_per_device))
             for r in p.rows]
-    return dataclasses.replace(p, rows=rows, data=data, distributed_optimizer=distributed_optimizer)
+    return dataclasses.replace(p, rows=rows)
 
 def recommend(p: Plan, budget_bytes: float) -> tuple[Row | None, list[tuple[Row, str]]]:
     """The configuration on `p.tensor` devices with the least recompute that fits, and why each

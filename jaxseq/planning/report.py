@@ -200,15 +200,17 @@ def format_optimizer_state(p: Plan) -> list[str]:
     without, with_it = both["without_distributed_optimizer"], both["with_distributed_optimizer"]
     unit, scale = _unit(without["bytes_per_device"]["total"], BYTES_MODEL)
     used = "with" if p.distributed_optimizer else "without"
-    lines = [f"training state per device (t={p.tensor}, d={p.data}, {p.parameters_per_device / 1e6:,.1f}M parameters "
+    over = "data" if p.context == 1 else f"data × context = {p.data * p.context}"
+    lines = [f"training state per device (t={p.tensor}, d={p.data}{f', c={p.context}' if p.context > 1 else ''}, "
+             f"{p.parameters_per_device / 1e6:,.1f}M parameters "
              f"per device; the totals above use: {used}):",
              f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
     for key, label in STATE_LABELS.items():
         label = label.format(dtype=p.config.dtype)
         lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}{with_it['bytes_per_parameter'][key]:>14.2f}"
                      f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
-    lines.append("  with: master weights and moments split over data (--distributed-optimizer); the weight copy is "
-                 "gathered over data once per step; gradients are full during backward, then reduce-scattered")
+    lines.append(f"  with: master weights and moments split over {over} (--distributed-optimizer); the weight copy is "
+                 f"gathered over {over} once per step; gradients are full during backward, then reduce-scattered")
     return lines
 
 
