@@ -401,9 +401,24 @@ def test_llama_gemms_are_the_formulas_flops_but_for_repeated_kv_heads():
 def test_tensor_sizes_split_or_repeat_the_kv_heads():
     cfg = replace(LLAMA, hidden=96, heads=12, kv_heads=6, ffn_hidden=192)  # t = 4 neither divides 6 nor is a multiple
     r = request(gpus=8, global_batch=8)
-    assert S.family_reason(cfg, r, 4, 1) == "t=4 neither divides kv_heads=6 nor is a multiple of it"
+    assert S.family_reason(cfg, r, 4, 1) == S.FamilyReason("tensor", "t=4 neither divides kv_heads=6 nor is a multiple of it")
     assert S.family_reason(cfg, r, 2, 1) is None and S.family_reason(LLAMA, r, 4, 1) is None
     assert {c.tensor for c in S.enumerate_candidates(cfg, r)} == {1, 2}
+
+
+def test_rejected_families_carry_the_rule_they_break():
+    """The search decides from a reason's rule, not its text: at 16 GPUs and a global batch of 4, t = 1's family
+    breaks "batch" (d = 16) but its context meshes (c = 4: d = 4) are enumerated; t = 3 breaks "tensor" at every c."""
+    r = request(global_batch=4, context_sizes=(1, 4), tensor_sizes=(1, 2, 4))
+    assert S.family_reason(CFG, r, 1, 1) == S.FamilyReason("batch", "d=16 does not divide the global batch 4")
+    assert S.family_reason(CFG, r, 1, 8).rule == "layers" and S.family_reason(CFG, r, 4, 8).rule == "gpus"
+    assert S.family_reason(replace(CFG, heads=6, hidden=48), r, 4, 1).rule == "tensor"
+    assert (1, 4, 4) in {(c.tensor, c.context, c.data) for c in S.enumerate_candidates(CFG, r)}
+    res = S.search(CFG, r, HandCosts(), "hand")
+    rules = {(f["tensor"], f["pipe"]): (f["rule"], f["reason"]) for f in res.rejected_families}
+    assert rules[(1, 1)] == ("batch", "d=16 does not divide the global batch 4") and rules[(1, 8)][0] == "layers"
+    assert {f["rule"] for f in S.to_json(res)["rejected_families"]} <= {"tensor", "gpus", "layers", "batch",
+                                                                        "microbatches", "memory"}
 
 
 def test_llama_elementwise_bytes_count_swiglu_and_rope():

@@ -225,21 +225,42 @@ def tensor_sizes(r: Request) -> list[int]:
     return sorted(r.tensor_sizes) if r.tensor_sizes else divisors(r.hardware.gpus_per_node)
 
 
-def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> str | None:
-    """Why no candidate of mesh family (t, p) is valid, or None if some are."""
+@dataclass(frozen=True)
+class FamilyReason:
+    """Why no candidate of a mesh family (t, p) is valid: the rule it breaks, and the sentence that says so.
+    rule: "tensor" (t against the heads, the MLP width or the K/V heads: `tensor_reason`), "gpus" (t·p against G),
+    "layers" (p against L), "batch" (d = G/(t·p) against the global batch), "microbatches" (m < p for every b)."""
+
+    rule: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def tensor_reason(cfg: ModelConfig, t: int) -> FamilyReason | None:
+    """Why t cannot split the model's layers (whatever p, c and d), or None."""
     if cfg.heads % t or cfg.mlp_hidden % t:
-        return f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t else f"t={t} does not divide mlp={cfg.mlp_hidden}"
+        return FamilyReason("tensor", f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t
+                            else f"t={t} does not divide mlp={cfg.mlp_hidden}")
     if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
-        return f"t={t} neither divides kv_heads={cfg.num_kv_heads} nor is a multiple of it"
+        return FamilyReason("tensor", f"t={t} neither divides kv_heads={cfg.num_kv_heads} nor is a multiple of it")
+    return None
+
+
+def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> FamilyReason | None:
+    """Why no candidate of mesh family (t, p) is valid, or None if some are."""
+    if reason := tensor_reason(cfg, t):
+        return reason
     if r.gpus % (t * p):
-        return f"t·p={t * p} does not divide {r.gpus} GPUs"
+        return FamilyReason("gpus", f"t·p={t * p} does not divide {r.gpus} GPUs")
     if cfg.layers % p:
-        return f"p={p} does not divide layers={cfg.layers}"
+        return FamilyReason("layers", f"p={p} does not divide layers={cfg.layers}")
     d = r.gpus // (t * p)
     if r.global_batch % d:
-        return f"d={d} does not divide the global batch {r.global_batch}"
+        return FamilyReason("batch", f"d={d} does not divide the global batch {r.global_batch}")
     if p > 1 and all(r.global_batch % (d * b) or r.global_batch // (d * b) < p for b in r.micro_batches):
-        return f"m = B/(d·b) < p={p} for every micro-batch {list(r.micro_batches)}"
+        return FamilyReason("microbatches", f"m = B/(d·b) < p={p} for every micro-batch {list(r.micro_batches)}")
     return None
 
 
@@ -267,8 +288,7 @@ def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):
-            reason = family_reason(cfg, r, t, 1)  # its data size G/t is not this one's: that check left out
-            if r.gpus % (t * c) or (reason and not reason.startswith("d=")):
+            if r.gpus % (t * c) or tensor_reason(cfg, t):  # its data size is G/(t·c·p), checked per mesh below
                 continue
             sps = [sp for sp in ((False, True) if t > 1 else (False,)) if cfg.seq_len % (2 * c * (t if sp else 1)) == 0]
             for p in divisors(r.gpus // (t * c)):
@@ -545,7 +565,7 @@ class Result:
     request: Request
     ranked: list[Evaluated]  # those that fit, fastest first
     evaluated: int
-    rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "reason"}
+    rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "data", "rule", "reason"}
     compiled: int = 0  # layers measured: distinct (t, SP, remat, and where compiled at c > 1, c and strategy)
 
     def rank_of(self, match) -> int | None:
@@ -560,7 +580,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
     reasons = {f: family_reason(cfg, r, *f) for f in families(cfg, r)}
     if not candidates:
         raise ConfigError(f"no valid configuration of {r.gpus} GPUs for {model}: "
-                          + "; ".join(sorted(set(filter(None, reasons.values())))[:3]))
+                          + "; ".join(sorted({str(why) for why in reasons.values() if why})[:3]))
     keys = sorted({(c.tensor, c.sequence_parallel, c.remat, c.context, c.context_strategy) for c in candidates})
     costs.prepare(keys, r.micro_batches)
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
@@ -572,9 +592,10 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
             if any(e.fits for e in fam):
                 continue
             least = min(fam, key=lambda e: e.memory.total_bytes)
-            reason = (f"over memory: least {least.memory.total_bytes / GIB:.1f} GiB > {r.hardware.memory_gib:g} GiB "
-                      f"({least.candidate.label()})")
-        rejected.append({"tensor": f[0], "pipe": f[1], "data": r.gpus // (f[0] * f[1]), "reason": reason})
+            reason = FamilyReason("memory", f"over memory: least {least.memory.total_bytes / GIB:.1f} GiB > "
+                                            f"{r.hardware.memory_gib:g} GiB ({least.candidate.label()})")
+        rejected.append({"tensor": f[0], "pipe": f[1], "data": r.gpus // (f[0] * f[1]), "rule": reason.rule,
+                         "reason": reason.text})
     if not ranked:
         least = min(evaluated, key=lambda e: e.memory.total_bytes)
         raise ConfigError(f"no configuration of {model} fits in {r.hardware.memory_gib:g} GiB per GPU on {r.gpus} GPUs: "
