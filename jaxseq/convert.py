@@ -56,7 +56,7 @@ def read_hf(hf_dir: str, dtype: str = "float32"):
     validate_model(cfg)
     weights = hf.open_weights(hf_dir)
     if fmt is hf_llama:
-        leaves, record, buffers = hf_llama.to_params(cfg, weights, tied=config.get("tie_word_embeddings", False))
+        leaves, record, buffers = hf_llama.to_params(cfg, weights)
     else:
         leaves, record, buffers = hf.to_params(cfg, weights)
     record = {**record, "metadata": weights.metadata}
@@ -201,15 +201,11 @@ def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: in
         metadata = record.pop("metadata", None)
         if os.path.isfile(os.path.join(side, "buffers.safetensors")):
             buffers = hf.safetensors_numpy().load_file(os.path.join(side, "buffers.safetensors"))
-        original = fmt.model_config(json.load(open(os.path.join(side, "config.json"))))
+        if not record.get("tied"):  # a Llama converted tied (before they were refused): its config.json says tied
+            original = fmt.model_config(json.load(open(os.path.join(side, "config.json"))))
     params = jax.tree.map(_OnHost, restored.params)
-    if fmt is hf_llama:
-        tied = hf_llama.tie_embeddings(cfg, params, record)
-        tensors, config = hf_llama.from_params(cfg, params, record, buffers, tied=tied), hf_llama.hf_config(cfg, tied)
-    else:
-        tied = False
-        tensors, config = hf.from_params(cfg, params, record, buffers), hf.hf_config(cfg)
-    keep_config = original is not None and tied == record.get("tied", False) and all(
+    tensors, config = fmt.from_params(cfg, params, record, buffers), fmt.hf_config(cfg)
+    keep_config = original is not None and all(
         getattr(original, k) == getattr(cfg, k) for k in ARCHITECTURE_FIELDS)
     hf.write_dir(out, config, tensors, metadata, max_shard_bytes)
     if os.path.isdir(side):

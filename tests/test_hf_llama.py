@@ -4,7 +4,7 @@ jaxseq's layout equal to torch's state dict, block by block; written back they a
 and transformers loads them with the same logits.
 
 Variants: RoPE θ 500000 in one file; llama3 RoPE scaling with head_dim 24 (≠ hidden/heads) over several
-files (an index); tied embeddings in bfloat16. transformers is the outside reference: without
+files (an index); bfloat16. Tied embeddings (Llama 3.2 1B/3B) are refused. transformers is the outside reference: without
 torch/transformers these tests fail (an import error), never skip."""
 
 import json
@@ -20,6 +20,7 @@ except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 from safetensors.torch import load_file  # noqa: E402
 
+from jaxseq import convert  # noqa: E402
 from jaxseq.config import ConfigError  # noqa: E402
 from jaxseq.interop import hf, hf_llama  # noqa: E402
 
@@ -30,7 +31,7 @@ VARIANTS = {
     "theta": dict(config=dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0)), shard=None,
                   dtype=torch.float32),
     "llama3-sharded": dict(config=dict(rope_parameters=LLAMA3, head_dim=24), shard="40KB", dtype=torch.float32),
-    "tied-bf16": dict(config=dict(tie_word_embeddings=True), shard=None, dtype=torch.bfloat16),
+    "bf16": dict(config=dict(), shard=None, dtype=torch.bfloat16),
 }
 TOKENS = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, (2, 16)))
 
@@ -67,7 +68,7 @@ def hf_model(request, saved):
     return request.param, *saved[request.param]
 
 
-def jaxseq_layout(state: dict, head_dim: int, tied: bool) -> dict:
+def jaxseq_layout(state: dict, head_dim: int) -> dict:
     """torch's state dict in jaxseq's Llama tree, written out independently of the converter."""
     h, a, k, d = HIDDEN, HEADS, KV_HEADS, head_dim
     s = {n: t.float().numpy() for n, t in state.items()}
@@ -90,7 +91,7 @@ def jaxseq_layout(state: dict, head_dim: int, tied: bool) -> dict:
                     "wo": {"kernel": stack(lambda b: s[b + "mlp.down_proj.weight"].T)}},
         },
         "final_norm": {"scale": s["model.norm.weight"]},
-        "lm_head": {"kernel": s["model.embed_tokens.weight" if tied else "lm_head.weight"]},
+        "lm_head": {"kernel": s["lm_head.weight"]},
     }
 
 
@@ -117,13 +118,13 @@ def test_model_config(hf_model):
     assert cfg.head_dim == model.config.head_dim == (24 if variant == "llama3-sharded" else 16)
     assert cfg.kv_channels == (24 if variant == "llama3-sharded" else None)
     rope = model.config.rope_parameters
-    assert cfg.rope_theta == rope["rope_theta"] == (10000.0 if variant == "tied-bf16" else 500000.0)
+    assert cfg.rope_theta == rope["rope_theta"] == (10000.0 if variant == "bf16" else 500000.0)
     if variant == "llama3-sharded":
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                 cfg.rope_original_positions) == ("llama3", 4.0, 1.0, 4.0, 16)
     else:
         assert cfg.rope_scaling is None
-    assert record["tied"] == (variant == "tied-bf16")
+    assert "tied" not in record
 
 
 def test_to_params_equals_the_state_dict(hf_model):
@@ -131,7 +132,7 @@ def test_to_params_equals_the_state_dict(hf_model):
     device's shard reads: heads, rows and the K/V, gate/up pairs split)."""
     variant, model, path = hf_model
     _, cfg, params, _, buffers = read(path)
-    expected = dict(leaves(jaxseq_layout(model.state_dict(), cfg.head_dim, variant == "tied-bf16")))
+    expected = dict(leaves(jaxseq_layout(model.state_dict(), cfg.head_dim)))
     got = dict(leaves(params))
     assert sorted(got) == sorted(expected) and buffers == {}
     rng = np.random.default_rng(1)
@@ -151,17 +152,15 @@ def test_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path, shard
     config, cfg, params, record, buffers = read(path)
     params = {name: leaf.whole() for name, leaf in leaves(params)}
     params = _tree(params)
-    tied = hf_llama.tie_embeddings(cfg, params, record)
-    assert tied == (variant == "tied-bf16")
     tensors = hf_llama.from_params(cfg, params, record, buffers)
     out = str(tmp_path / "back")
-    files = hf.write_dir(out, hf_llama.hf_config(cfg, tied), tensors, max_shard_bytes=shard_bytes)
+    files = hf.write_dir(out, hf_llama.hf_config(cfg), tensors, max_shard_bytes=shard_bytes)
     assert (len(files) > 1) == (shard_bytes < 10**6)
     back = {}
     for name in files:
         back.update(load_file(os.path.join(out, name)))
     src = model.state_dict()
-    assert set(back) == set(src) - ({"lm_head.weight"} if tied else set())
+    assert set(back) == set(src)
     for name, t in back.items():
         assert t.dtype == src[name].dtype and torch.equal(t, src[name]), name
 
@@ -187,22 +186,17 @@ def _tree(flat: dict) -> dict:
     return tree
 
 
-def test_untied_once_the_embeddings_differ(saved, tmp_path):
-    """A tied checkpoint whose lm_head moved away from the embedding (trained in jaxseq) is written untied:
-    lm_head.weight and tie_word_embeddings false, which transformers loads as such."""
-    model, path = saved["tied-bf16"]
-    _, cfg, params, record, buffers = read(path)
-    params = _tree({name: leaf.whole() for name, leaf in leaves(params)})
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 2
-    assert not hf_llama.tie_embeddings(cfg, params, record)
-    tensors = hf_llama.from_params(cfg, params, record, buffers)
-    assert tensors["lm_head.weight"].dtype == tensors["model.embed_tokens.weight"].dtype
-    hf.write_dir(str(tmp_path / "out"), hf_llama.hf_config(cfg, tied=False), tensors)
-    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert not loaded.config.tie_word_embeddings
-    torch.testing.assert_close(loaded.lm_head.weight.float(), model.lm_head.weight.float() * 2, atol=0, rtol=0)
-    torch.testing.assert_close(loaded.model.embed_tokens.weight.float(), model.model.embed_tokens.weight.float(),
-                               atol=0, rtol=0)
+def test_tied_embeddings_are_refused_in_one_line(tmp_path):
+    """Llama 3.2 1B/3B's tie_word_embeddings=true: refused from config.json, before a weight is read (jaxseq's
+    Llama has an untied lm_head; a copy of the embedding would train as a second V·h matrix)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "tied")
+    for read_it in (lambda: hf_llama.read_dir(str(tmp_path / "tied")),
+                    lambda: convert.read_hf(str(tmp_path / "tied"))):
+        with pytest.raises(ConfigError) as e:
+            read_it()
+        assert str(e.value).startswith("config.json: tie_word_embeddings=true (Llama 3.2 1B/3B") and (
+            "\n" not in str(e.value)), str(e.value)
 
 
 def test_legacy_rope_spelling_reads_the_same():
@@ -244,6 +238,7 @@ def test_written_config_is_what_transformers_writes():
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}}, "low_freq_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"hidden_size": None}, "hidden_size"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true"),
 ])
 def test_refusals_name_the_value(tmp_path, change, named):
     """Refused from config.json alone (the directory has no weights): one line naming the value."""
@@ -273,7 +268,7 @@ def test_refuses_weights_that_disagree_with_the_config(saved, tmp_path):
         save_file(state, str(tmp_path / "nohead" / hf.SINGLE), metadata={"format": "pt"})
         json.dump(config, open(tmp_path / "nohead" / "config.json", "w"))
         cfg = hf_llama.model_config(config)
-        hf_llama.to_params(cfg, hf_llama.read_dir(str(tmp_path / "nohead"))[1], tied=config["tie_word_embeddings"])
+        hf_llama.to_params(cfg, hf_llama.read_dir(str(tmp_path / "nohead"))[1])
     state = load_file(os.path.join(path, hf.SINGLE))
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(HIDDEN)
     os.makedirs(tmp_path / "bias")

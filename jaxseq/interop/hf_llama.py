@@ -6,10 +6,9 @@ transposed; q/k/v are split into heads. HF stores q and k for rotate-half RoPE, 
 too, so no rows are permuted. Everything refusable is refused from config.json and the files' headers,
 before a weight is read.
 
-Tied embeddings: the jaxseq tree always has its own lm_head; a tied checkpoint (no lm_head.weight, or one
-equal to the embedding) gives lm_head a copy of the embedding, and the record says it was tied. Writing
-back, the embeddings stay tied only while the two are still equal (`tie_embeddings`); once training has
-moved them apart the directory is written untied, with lm_head.weight and tie_word_embeddings false.
+Tied embeddings (`tie_word_embeddings=true`, Llama 3.2 1B/3B) are refused in one line: jaxseq's Llama has an
+untied lm_head (models/llama.py), so a copy of the embedding would train as a second V·h matrix and come back
+untied. Every checkpoint read has its own lm_head.weight, and every one written has it too.
 """
 
 from __future__ import annotations
@@ -47,6 +46,9 @@ def model_config(hf: dict, dtype: str = "float32") -> ModelConfig:
             refuse(f"{flag}=true")
     if hf.get("sliding_window") is not None:
         refuse(f"sliding_window={hf['sliding_window']!r} (only null)")
+    if hf.get("tie_word_embeddings", False):
+        refuse("tie_word_embeddings=true (Llama 3.2 1B/3B: jaxseq's Llama has an untied lm_head, so the embedding's "
+               "copy would train as a second V·h matrix)")
     try:
         h, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
         vocab, positions, ffn = int(hf["vocab_size"]), int(hf["max_position_embeddings"]), int(hf["intermediate_size"])
@@ -89,9 +91,9 @@ def _rope(hf: dict, refuse) -> dict:
     return fields
 
 
-def hf_config(cfg: ModelConfig, tied: bool = False) -> dict:
+def hf_config(cfg: ModelConfig) -> dict:
     """A Llama config.json for a jaxseq model, written as the installed transformers (5.x) writes it:
-    RoPE in `rope_parameters`. tied: the embeddings are tied (no lm_head.weight is written)."""
+    RoPE in `rope_parameters`, the embeddings untied (lm_head.weight is written)."""
     if cfg.family != "llama":
         raise ConfigError(f"family={cfg.family!r}: HF Llama needs family='llama'")
     rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
@@ -104,7 +106,7 @@ def hf_config(cfg: ModelConfig, tied: bool = False) -> dict:
             "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads or cfg.heads,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.seq_len,
             "rms_norm_eps": cfg.ln_eps, "rope_parameters": rope, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": cfg.dropout, "tie_word_embeddings": tied, "dtype": "float32"}
+            "attention_dropout": cfg.dropout, "tie_word_embeddings": False, "dtype": "float32"}
 
 
 def read_dir(hf_dir: str) -> tuple[dict, Weights]:
@@ -170,20 +172,17 @@ def _pair(block, idx_pair: slice, axis: int) -> np.ndarray:
     return np.stack([block(j) for j in range(2)[idx_pair]], axis=axis)
 
 
-def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> tuple[dict, dict, dict]:
+def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
     """HF tensors → (jaxseq Llama params as `Leaf`s, read on demand, the record from_params needs to write
-    them back, buffers). The embedding and lm_head keep their vocab_size rows.
-
-    tied: config.json's tie_word_embeddings; None: tied exactly when there is no lm_head.weight. A tied
-    lm_head is the embedding (an lm_head.weight saved beside it must equal it)."""
+    them back, buffers). The embedding and lm_head keep their vocab_size rows; lm_head.weight must be saved
+    (tied embeddings are refused by `model_config`)."""
     p, h, a, d, L, f = _prefix(weights), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.mlp_hidden
     k = cfg.kv_heads or cfg.heads
     embed, norm = p + "embed_tokens.weight", p + "norm.weight"
-    tied = "lm_head.weight" not in weights if tied is None else tied
-    if not tied and "lm_head.weight" not in weights:
+    if "lm_head.weight" not in weights:
         raise ConfigError("model.safetensors has no lm_head.weight (tie_word_embeddings=false in config.json)")
     expect = {embed: (cfg.vocab_size, h), norm: (h,), "lm_head.weight": (cfg.vocab_size, h)}
-    used = {embed, norm} | ({"lm_head.weight"} if "lm_head.weight" in weights else set())
+    used = {embed, norm, "lm_head.weight"}
     names = [_layer_names(p, i) for i in range(L)]
     layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "gate": (f, h), "up": (f, h),
                     "down": (h, f), "attn_norm": (h,), "mlp_norm": (h,)}
@@ -218,34 +217,22 @@ def to_params(cfg: ModelConfig, weights: Weights, tied: bool | None = None) -> t
             },
         },
         "final_norm": {"scale": tensor_leaf(weights, norm)},
-        "lm_head": {"kernel": tensor_leaf(weights, "lm_head.weight" if not tied else embed)},
+        "lm_head": {"kernel": tensor_leaf(weights, "lm_head.weight")},
     }
-    if tied and "lm_head.weight" in weights and not np.array_equal(weights.read("lm_head.weight"), weights.read(embed)):
-        raise ConfigError("lm_head.weight differs from embed_tokens.weight while tie_word_embeddings=true")
     buffers, record = leftovers(weights, used, BUFFER_SUFFIXES)
-    return params, {"prefix": p, **record, "tied": tied, "lm_head": "lm_head.weight" in weights}, buffers
+    return params, {"prefix": p, **record}, buffers
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing: jaxseq params → HF tensors, each computed when written
 
 
-def tie_embeddings(cfg: ModelConfig, params: dict, record: dict | None) -> bool:
-    """Whether to write the embeddings tied: they came tied (the record says so) and are still equal."""
-    if not (record or {}).get("tied"):
-        return False
-    V = cfg.vocab_size
-    return np.array_equal(_f32(params["embed"]["token"])[:V], _f32(params["lm_head"]["kernel"])[:V])
-
-
 def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
-                buffers: dict[str, np.ndarray] | None = None, tied: bool | None = None) -> dict[str, Tensor]:
-    """jaxseq Llama params → HF tensors, each computed when written; with the record of a from-hf conversion,
-    the original names, order and dtypes. A params leaf is anything with a shape whose `[i]` (layer i of a
-    stacked leaf) and `np.asarray` give host arrays. tied (None: `tie_embeddings`) leaves lm_head.weight
-    out unless the original file had one; write config.json's tie_word_embeddings to match."""
-    record = record or {"prefix": "model.", "tied": False, "lm_head": True}
-    tied = tie_embeddings(cfg, params, record) if tied is None else tied
+                buffers: dict[str, np.ndarray] | None = None) -> dict[str, Tensor]:
+    """jaxseq Llama params → HF tensors, each computed when written (lm_head.weight included: untied); with the
+    record of a from-hf conversion, the original names, order and dtypes. A params leaf is anything with a
+    shape whose `[i]` (layer i of a stacked leaf) and `np.asarray` give host arrays."""
+    record = record or {"prefix": "model."}
     p, h, a, d, L, V = record["prefix"], cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.vocab_size
     k, f = cfg.kv_heads or cfg.heads, cfg.mlp_hidden
     lay = params["layers"]
@@ -253,7 +240,8 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
     wi, wo = lay["mlp"]["wi"]["kernel"], lay["mlp"]["wo"]["kernel"]
     token, head = params["embed"]["token"], params["lm_head"]["kernel"]
     tensors = {p + "embed_tokens.weight": ((V, h), lambda: _f32(token)[:V]),
-               p + "norm.weight": unstacked(params["final_norm"]["scale"])}
+               p + "norm.weight": unstacked(params["final_norm"]["scale"]),
+               "lm_head.weight": ((V, h), lambda: _f32(head)[:V])}
     for i, n in enumerate(_layer_names(p, j) for j in range(L)):
         tensors.update({
             n["q"]: ((a * d, h), lambda i=i: _f32(q[i]).reshape(h, a * d).T),
@@ -267,7 +255,5 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
             n["mlp_norm"]: ((h,), lambda i=i: _f32(lay["mlp_norm"]["scale"][i])),
         })
     dtypes = dict(record.get("dtypes", {}))
-    if not tied or record.get("lm_head"):
-        tensors["lm_head.weight"] = ((V, h), lambda: _f32(head)[:V])
-        dtypes.setdefault("lm_head.weight", dtypes.get(p + "embed_tokens.weight", "float32"))
+    dtypes.setdefault("lm_head.weight", dtypes.get(p + "embed_tokens.weight", "float32"))
     return as_tensors(tensors, {**record, "dtypes": dtypes}, buffers)
