@@ -175,7 +175,9 @@ def test_tokenizer_command_round_trips(tmp_path):
     prefix = str(tmp_path / "tok" / "code")
     out = python_m("jaxseq.data", "--input", str(src), "--output", prefix, "--vocab-size", "300", timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "wrote" in out.stdout and "uint16" in out.stdout and not out.stderr  # no bar off a terminal
+    # no bar off a terminal; one line: the merges ran out before 300 ids (test_bpe_says_when_merges_run_out)
+    assert "wrote" in out.stdout and "uint16" in out.stdout and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("the BPE has ") and "not the 300 asked for" in out.stderr
     corpus = load_corpus(prefix)
     assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
     assert 256 < corpus.vocab_size <= 300 and int(corpus.train.max()) < corpus.vocab_size  # merges run out early
@@ -189,3 +191,20 @@ def test_tokenizer_command_round_trips(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "matches no files" in bad.stderr
     small = command(data_command.main, "--input", str(src), "--output", prefix, "--vocab-size", "257", check=False)
     assert small.returncode == 2 and "vocab_size=257 must be at least 258" in small.stderr
+
+
+def test_bpe_says_when_merges_run_out(tmp_path, caplog):
+    """Asked for more ids than the text has pairs to merge, train_bpe returns fewer and says so in one warning
+    line (asked for what it has, nothing)."""
+    (tmp_path / "a.py").write_text(TEXT * 5)
+    with caplog.at_level("WARNING", logger="jaxseq"):
+        tok = D.train_bpe([str(tmp_path / "a.py")], 8192)
+    got = tok.get_vocab_size()
+    assert 257 < got < 8192
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the BPE has {got} ids, not the 8192 asked for: the text ran out of pairs to merge after {got - 257} merges "
+        "(more text, or a smaller --vocab-size)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxseq"):
+        assert D.train_bpe([str(tmp_path / "a.py")], got).get_vocab_size() == got
+    assert not caplog.records

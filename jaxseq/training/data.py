@@ -255,7 +255,8 @@ class Batches:
 
 def train_bpe(paths: list[str], vocab_size: int, progress: bool = False):
     """A byte-level BPE of `vocab_size` ids trained locally on the text (Hugging Face `tokenizers`):
-    the 256 bytes, the merges, and NEW_EOD as the last id (as GPT-2's 50256; fewer merges if they run out)."""
+    the 256 bytes, the merges, and NEW_EOD as the last id (as GPT-2's 50256; fewer merges if they run out, and
+    then a warning line says how many ids it has)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -265,6 +266,10 @@ def train_bpe(paths: list[str], vocab_size: int, progress: bool = False):
                                   show_progress=progress)
     tok.train(paths, trainer)
     tok.add_special_tokens([NEW_EOD])
+    if tok.get_vocab_size() < vocab_size:
+        log.warning("the BPE has %d ids, not the %d asked for: the text ran out of pairs to merge after %d merges "
+                    "(more text, or a smaller --vocab-size)", tok.get_vocab_size(), vocab_size,
+                    tok.get_vocab_size() - 257)
     return tok
 
 
