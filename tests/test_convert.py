@@ -93,6 +93,7 @@ def test_round_trip_is_exact(hf_model, converted, tmp_path):
         assert dst[name].dtype == t.dtype and dst[name].shape == t.shape, name
         assert np.array_equal(dst[name], t), name
     assert open(os.path.join(back, "config.json")).read() == open(os.path.join(hf_model[1], "config.json")).read()
+    assert {n: file_mode(os.path.join(back, n)) for n in os.listdir(back)} == {n: umask_mode() for n in os.listdir(back)}
     # The step directory form reads the same checkpoint.
     assert convert.main(["to-hf", os.path.join(converted, "checkpoints", "0"), str(tmp_path / "step0")]) == 0
 
@@ -373,6 +374,35 @@ def test_the_streaming_writer_holds_one_tensor_at_a_time(tmp_path):
     assert peak < 4 * 100_000, peak
     save_file({n: values(i) for i, n in enumerate(tensors)}, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
     assert read_bytes(tmp_path / "lazy" / "model.safetensors") == read_bytes(tmp_path / "whole.safetensors")
+
+
+def file_mode(path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def umask_mode() -> int:
+    """What a file the process creates gets: 0666 less the umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002])
+def test_written_files_follow_the_umask(tmp_path, mask):
+    """Every file `hf.write_dir` writes (the safetensors files, which the library creates 0600, the index and
+    config.json) gets 0666 less the umask, as any file the user makes: a group or web server can read them."""
+    from jaxseq.interop import hf
+
+    tensors = {f"t{i}": hf.Tensor((1000,), np.dtype(np.float32), lambda i=i: np.full((1000,), i, np.float32))
+               for i in range(2)}
+    old = os.umask(mask)
+    try:
+        files = hf.write_dir(str(tmp_path / "out"), {}, tensors, max_shard_bytes=4000)
+    finally:
+        os.umask(old)
+    assert len(files) == 2 and sorted(os.listdir(tmp_path / "out")) == sorted([*files, "config.json", hf.INDEX])
+    assert {n: file_mode(tmp_path / "out" / n) for n in os.listdir(tmp_path / "out")} == {
+        n: 0o666 & ~mask for n in os.listdir(tmp_path / "out")}
 
 
 def test_generate_and_convert_take_a_mesh(converted, tmp_path):

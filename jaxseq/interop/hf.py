@@ -384,6 +384,7 @@ def _write_file(path: str, tensors: dict[str, Tensor], metadata: dict) -> None:
     specs = {n: safetensors.TensorSpec(dtype=np.dtype(t.dtype).name, shape=t.shape, data_ptr=zeros.ctypes.data,
                                        data_len=_nbytes(t)) for n, t in tensors.items()}
     safetensors.serialize_file(specs, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())  # the library creates its files 0600; these follow the umask like config.json
     del zeros
     with open(path, "r+b") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -395,6 +396,13 @@ def _write_file(path: str, tensors: dict[str, Tensor], metadata: dict) -> None:
                 raise ValueError(f"{name}: computed {data.shape} {data.dtype}, declared {t.shape} {t.dtype}")
             f.seek(8 + header_len + begin)
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _dtype(name: str):
