@@ -48,8 +48,8 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_pyproject_declares_every_runtime_requirement():
     project = tomllib.loads(_read("pyproject.toml"))["project"]
     declared = {re.split(r"[<>=\[ ]", d)[0].lower() for d in project["dependencies"]}
-    # jaxlib comes with jax; matplotlib only draws the experiments' plots (the `experiments` extra).
-    assert set(_pins("requirements.txt")) - {"jaxlib", "matplotlib"} == declared
+    # jaxlib comes with jax.
+    assert set(_pins("requirements.txt")) - {"jaxlib"} == declared
     assert TEST_ONLY <= {re.split(r"[<>=\[ ]", d)[0].lower() for d in project["optional-dependencies"]["test"]}
 
 
@@ -62,3 +62,29 @@ def test_one_jax_version_everywhere():
     # The newest pins differ from the runtime pins in JAX only (plus the test runner).
     assert {k: v for k, v in newest.items() if k not in ("jax", "jaxlib", "pytest", "pytest-xdist")} == \
         {k: v for k, v in pins.items() if k not in ("jax", "jaxlib")}
+
+
+def _imported_modules(folder):
+    """Top-level modules every .py under `folder` imports (import x / from x import …)."""
+    found = set()
+    for base, _, names in os.walk(os.path.join(ROOT, folder)):
+        for name in (n for n in names if n.endswith(".py")):
+            text = _read(os.path.relpath(os.path.join(base, name), ROOT))
+            found |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", text, re.M))
+    return found
+
+
+def test_matplotlib_is_the_experiments_own_requirement():
+    """Only experiments/ imports matplotlib (jaxseq and the tests never do): runtime and test requirements leave it
+    out, requirements-experiments.txt (the runtime pins plus it) and pyproject's `experiments` extra hold it, and
+    README and experiments/README.md say how to install it."""
+    assert "matplotlib" in _imported_modules("experiments")
+    assert "matplotlib" not in _imported_modules("jaxseq") | _imported_modules("tests")
+    for name in ("requirements.txt", "requirements-test.txt", "requirements-newest.txt"):
+        assert "matplotlib" not in _pins(name), name
+    assert "-r requirements.txt" in _read("requirements-experiments.txt").splitlines()
+    assert set(_pins("requirements-experiments.txt")) == {"matplotlib"}
+    extra = tomllib.loads(_read("pyproject.toml"))["project"]["optional-dependencies"]["experiments"]
+    assert [re.split(r"[<>=\[ ]", d)[0].lower() for d in extra] == ["matplotlib"]
+    for doc in ("README.md", "experiments/README.md"):
+        assert "pip install -r requirements-experiments.txt" in _read(doc), doc
