@@ -301,6 +301,37 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
                    schedule=pipeline[0], virtual_stages=pipeline[1])
 
 
+def default_mesh_fits(run: RunConfig, devices) -> str | None:
+    """--mesh text of the first data × tensor mesh of these devices (the largest tensor first) on which the run's
+    configuration is valid, or None."""
+    n = len(devices)
+    for t in sorted((t for t in range(1, n + 1) if n % t == 0), reverse=True):
+        parallel = replace(run.parallel, pipe=1, context=1, data=n // t, tensor=t,
+                           sequence_parallel=run.parallel.sequence_parallel and t > 1)
+        try:
+            validate(run.model, parallel, run.train.remat, n, run.train.batch_size, run.train.micro_batch_size)
+        except ConfigError:
+            continue
+        return f"data={n // t},tensor={t}"
+    return None
+
+
+def validate_run(run: RunConfig, default_mesh: bool) -> None:
+    """`validate`. `default_mesh`: the user gave no --mesh; where the configuration fails on that default mesh
+    and another mesh of the same devices would do, the one line says the mesh was the default and names one."""
+    devices = available_devices()
+    try:
+        validate(run.model, run.parallel, run.train.remat, len(devices), run.train.batch_size,
+                 run.train.micro_batch_size)
+    except ConfigError as e:
+        fits = default_mesh_fits(run, devices) if default_mesh else None
+        if fits is None:
+            raise
+        p, kind = run.parallel, ("simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper())
+        raise ConfigError(f"{e}: the mesh data={p.data},tensor={p.tensor} is the default on {len(devices)} {kind} "
+                          f"devices, not one you asked for; set one with --mesh (e.g. --mesh {fits})") from None
+
+
 def resolve(args) -> tuple[RunConfig, Corpus]:
     """Everything the run needs (devices and mesh, the data and its vocabulary and tokenizer, the
     initial weights), resolved, then validated: the loop receives a final RunConfig."""
@@ -324,8 +355,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,
                     train=replace(train, tokenizer=corpus.tokenizer),
                     distributed=distributed)
-    validate(run.model, run.parallel, run.train.remat, len(available_devices()), run.train.batch_size,
-             run.train.micro_batch_size)
+    validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
     check_run_dir(run.train.run_dir)
     return run, corpus
 

@@ -83,3 +83,43 @@ def test_each_command_parses(name, command, argv, monkeypatch):
         args = train_command.build_parser().parse_intermixed_args(argv)
         if not args.config and not args.init_from:
             train_command.configs_from_args(args)
+
+
+def _run_dir(argv):
+    """The `--run-dir` a train command names (None: the default, runs/default)."""
+    for i, word in enumerate(argv):
+        if word == "--run-dir":
+            return argv[i + 1]
+        if word.startswith("--run-dir="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def test_each_new_train_run_has_a_run_directory_of_its_own():
+    """Run one after another as written, no train command collides with an earlier run's checkpoints (`already
+    holds checkpoints`): the default run alone uses the default directory (no flags at all), every other command
+    that starts a run names a `--run-dir`, and two commands share one only where they are the same command
+    (README and a doc giving it both) or the later one resumes it."""
+    owners = {}
+    for name, command, argv in INVOCATIONS:
+        if command != "train" or "--help" in argv or "--resume" in argv:
+            continue
+        run_dir = _run_dir(argv)
+        assert run_dir is not None or argv == [], f"{name}: python -m jaxseq.train {shlex.join(argv)} needs --run-dir"
+        owners.setdefault(run_dir, set()).add(shlex.join(argv))
+    # docs/clusters.md: the processes of one run (and srun / mpirun launching the same job) share its directory.
+    shared = {d: commands for d, commands in owners.items() if len(commands) > 1 and not d.startswith("/shared/")}
+    assert not shared, shared
+
+
+def test_the_yaml_example_is_valid_as_written(tmp_path):
+    """docs/training.md's YAML file with the command its first line gives: resolved and validated as the command
+    would (devices, mesh, data, every check before the first compile), in this process; nothing is trained."""
+    block = re.search(r"```yaml\n(.*?)```", _read("docs/training.md"), re.S).group(1)
+    command = re.match(r"# run\.yaml: (python -m jaxseq\.train .*)\n", block).group(1)
+    (tmp_path / "run.yaml").write_text(block)
+    argv = shlex.split(command)[3:]
+    assert argv[:2] == ["--config", "run.yaml"] and _run_dir(argv)
+    argv[1], argv[argv.index("--run-dir") + 1] = str(tmp_path / "run.yaml"), str(tmp_path / "run")
+    run, _ = train_command.resolve(train_command.build_parser().parse_intermixed_args(argv))
+    assert (run.model.heads, run.model.layers, run.train.steps) == (6, 6, 2000)

@@ -151,6 +151,19 @@ def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     assert message in out.stderr and out.stderr.startswith("error: "), out.stderr[-2000:]
 
 
+def test_a_value_of_the_default_mesh_says_so(tmp_path):
+    """No --mesh: the 8 simulated devices' default data=2 × tensor=4 does not divide 6 heads; the one line says the
+    mesh was the default, not asked for, and names one that works (docs/training.md's YAML example gives it)."""
+    out = run("--preset", "tiny", "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+              "heads=6", "hidden=96", check=False)
+    assert out.returncode == 2 and out.stderr == (
+        "error: tensor=4 does not divide heads=6: the mesh data=2,tensor=4 is the default on 8 simulated CPU devices, "
+        "not one you asked for; set one with --mesh (e.g. --mesh data=4,tensor=2)\n"), out.stderr
+    asked = run("--preset", "tiny", "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+                "--mesh", "data=2,tensor=4", "heads=6", "hidden=96", check=False)
+    assert asked.returncode == 2 and asked.stderr == "error: tensor=4 does not divide heads=6\n", asked.stderr
+
+
 def test_empty_data_and_incompatible_resume(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
