@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
 from jaxseq.models import model as M
+from jaxseq.sharding import entry_axes
 
 log = logging.getLogger("jaxseq")
 
@@ -86,9 +89,9 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
 
     Returns (state, meta), or None when there is no checkpoint. `check(meta)` runs before the state is
     read (to refuse an incompatible model with a clear error). A step that fails to read as a torn or
-    missing checkpoint does is skipped with a warning and the previous one is tried; once one restores,
-    `set_aside` moves the skipped ones out of the way (`set_aside_steps`), so that a resumed run can
-    save those steps again. Any other exception is a bug and propagates; no readable step at all is a
+    missing checkpoint does is skipped and the previous one is tried; once one restores, one warning line
+    per skipped step says so, and `set_aside` moves the skipped ones out of the way (`set_aside_steps`), so
+    that a resumed run can save those steps again. Any other exception is a bug and propagates; no readable step at all is a
     ConfigError naming each failure.
     """
     skipped = []
@@ -109,11 +112,12 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
                 state = mgr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
         except UnreadableStep as e:
-            log.warning("%s; trying the previous one", e)
             skipped.append(e)
             continue
         if set_aside and skipped:
-            set_aside_steps(mgr, [e.step for e in skipped], step)
+            set_aside_steps(mgr, skipped, step)
+        for e in [] if set_aside else skipped:  # one line each, set aside or not
+            log.warning("%s; restored step %d instead", e, step)
         wanted = _vocab_rows(abstract_state.params)
         if rows != wanted:
             state = resize_vocab(state, wanted, state_shardings)
@@ -183,15 +187,45 @@ def _reading(step: int):
             cause = cause.__cause__
         if cause is None:
             raise
+        _drop_abandoned_reads()
         raise UnreadableStep(step, cause) from e
 
 
-def set_aside_steps(mgr: ocp.CheckpointManager, steps: list[int], restored: int) -> None:
-    """Move unreadable steps to DIR/unreadable/STEP (one line each says where) and forget them: left in
-    place, the run that resumed from `restored` could not save those steps again (orbax refuses a step
+def _closed_loop(unraisable) -> bool:
+    return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+
+
+def _not_an_unretrieved_read(record: logging.LogRecord) -> bool:
+    return not (record.getMessage().startswith("Future exception was never retrieved") and record.exc_info is not None
+                and isinstance(record.exc_info[1], UNREADABLE))
+
+
+def _drop_abandoned_reads() -> None:
+    """After a failed read orbax closes its asyncio loop under the reads still in flight: each of their late
+    completions raises RuntimeError('Event loop is closed') into sys.unraisablehook, and each failed one is
+    logged by asyncio as a "Future exception was never retrieved" — pages of tracebacks after the one line
+    that says the step is unreadable. From then on those are dropped; anything else still reaches the
+    hook that was there and the log."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _closed_loop(unraisable):
+            previous(unraisable)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_not_an_unretrieved_read)  # once: addFilter skips one it holds
+
+
+def set_aside_steps(mgr: ocp.CheckpointManager, unreadable: list[UnreadableStep], restored: int) -> None:
+    """Move unreadable steps to DIR/unreadable/STEP (one line each says why and where) and forget them: left
+    in place, the run that resumed from `restored` could not save those steps again (orbax refuses a step
     that exists), and every later resume would fall back the same way. Process 0 moves; all wait."""
+    steps = [e.step for e in unreadable]
     if jax.process_index() == 0:
-        for step in steps:
+        for step, e in zip(steps, unreadable):
             source = os.path.join(str(mgr.directory), str(step))
             target = os.path.join(str(mgr.directory), SET_ASIDE, str(step))
             suffix = 1
@@ -200,17 +234,19 @@ def set_aside_steps(mgr: ocp.CheckpointManager, steps: list[int], restored: int)
                 target = os.path.join(str(mgr.directory), SET_ASIDE, f"{step}-{suffix}")
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.replace(source, target)
-            log.warning("checkpoint step %d set aside in %s (unreadable; the run resumes from step %d)",
-                        step, target, restored)
+            log.warning("checkpoint step %d set aside in %s (unreadable: %s; the run resumes from step %d)",
+                        step, target, e.detail, restored)
     ocp.multihost.sync_global_processes(f"jaxseq-set-aside-{'-'.join(map(str, steps))}")
     mgr.reload()
 
 
 def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:
-    """The saved padding may not divide the new mesh; replicate such a dimension while restoring."""
+    """The saved padding may not divide the new mesh; replicate such a dimension while restoring. A spec entry
+    names one mesh axis or several (the distributed optimizer's ("data", "context") under context parallelism,
+    the embedding group's ("pipe", "data") under a pipeline): the dimension is split over their product."""
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    for i, axis in enumerate(spec):
-        if axis is not None and shape[i] % mesh.shape[axis]:
+    for i, entry in enumerate(spec):
+        if shape[i] % math.prod(mesh.shape[a] for a in entry_axes(entry)):
             spec[i] = None
     return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 

@@ -1,0 +1,220 @@
+"""Resume in every layout family the search recommends: save, stop, restore, and the losses after the resume equal
+an uninterrupted run's (float32, relative ≤ 1e-5).
+
+The families: data × tensor + SP; pipe × data × tensor under 1F1B and interleaved; data × context × tensor under
+both context strategies (all-gather, ring); context (all-gather) inside a pipeline. Each with and without the
+distributed optimizer and, where there is no pipeline (a pipeline always accumulates), with one micro-batch and
+with two: pairwise, not every product (`MATRIX`). The distributed optimizer's master shards split one dimension
+over several mesh axes at once there (("data", "context") under context parallelism, ("pipe", "data") for the
+embedding group under a pipeline): the restore read each such entry as one axis name (a KeyError) until
+`checkpoint._divisible` took the product of the axes' sizes.
+
+Each row's step is compiled once and runs both the uninterrupted run (which saves at step SAVED_AT) and the
+resumed one; the resumes onto another mesh (`MOVES`) reuse the rows' programs. In-process ("stop after SAVED_AT
+steps" is the checkpoint of the uninterrupted run); `test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one`
+is the one subprocess: `python -m jaxseq.train` SIGKILLed, then `--resume`.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import lru_cache
+
+import jax
+import numpy as np
+import pytest
+
+from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.models import model as M
+from jaxseq.training import checkpoint as C
+from jaxseq.training import train_step as T
+
+# 4 layers (pipe × virtual stages = 2 × 2 divides them), dropout on (the tiny preset's 0.1): every row draws the
+# same global masks, so rows with the same micro-batches compute the same losses on any mesh.
+CFG = replace(preset("tiny"), layers=4, dtype="float32")
+OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=1, decay_steps=10), CFG)
+BATCH, STEPS, SAVED_AT = 8, 4, 2
+KEY = jax.random.key(1)
+REL = 1e-5
+
+# family → ParallelConfig on 8 devices (the distributed optimizer is the matrix's to set)
+LAYOUTS = {
+    "data4-tensor2-sp": ParallelConfig(data=4, tensor=2, sequence_parallel=True),
+    "1f1b-pipe2-data2-tensor2-sp": ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True, schedule="1f1b"),
+    "interleaved-pipe2v2-data2-tensor2-sp": ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True,
+                                                           schedule="interleaved", virtual_stages=2),
+    "all-gather-data2-context2-tensor2-sp": ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True),
+    "ring-data2-context2-tensor2-sp": ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True,
+                                                     context_strategy="ring"),
+    "all-gather-pipe2-context2-tensor2": ParallelConfig(pipe=2, context=2, tensor=2),
+}
+
+# (family, distributed optimizer, micro-batches): each unpipelined family with the optimizer on and off and with 1
+# and 2 micro-batches, each (optimizer, micro-batches) pair; every pipelined family with the optimizer on (its
+# master shards join `pipe` and `data` or `context` on one dimension), and one without it (a pipeline's plain
+# specs, which the resumes in test_pipeline_train.py restore onto too). A row is a compile (5–20 s on 2 cores).
+MATRIX = [
+    ("data4-tensor2-sp", True, 1),
+    ("data4-tensor2-sp", False, 2),
+    ("all-gather-data2-context2-tensor2-sp", True, 2),
+    ("all-gather-data2-context2-tensor2-sp", False, 1),
+    ("ring-data2-context2-tensor2-sp", True, 1),
+    ("ring-data2-context2-tensor2-sp", False, 2),
+    ("1f1b-pipe2-data2-tensor2-sp", True, 2),
+    ("interleaved-pipe2v2-data2-tensor2-sp", True, 2),
+    ("interleaved-pipe2v2-data2-tensor2-sp", False, 2),
+    ("all-gather-pipe2-context2-tensor2", True, 2),
+]
+
+
+def _id(row) -> str:
+    family, distributed, m = row
+    return f"{family}{'-distopt' if distributed else ''}-m{m}"
+
+
+def _batch(step: int) -> dict:
+    """Rows counting up in steps of 7 from random starts: learnable in a few steps."""
+    starts = np.random.default_rng(step).integers(0, CFG.vocab_size, (BATCH, 1))
+    tokens = ((starts + 7 * np.arange(CFG.seq_len + 1)) % CFG.vocab_size).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+class Row:
+    """A row's mesh, state shardings and compiled step."""
+
+    def __init__(self, family: str, distributed: bool, micro_batches: int):
+        self.parallel = replace(LAYOUTS[family], distributed_optimizer=distributed)
+        self.micro_batches = micro_batches
+        self.mesh = make_mesh(self.parallel, jax.devices()[: self.parallel.num_devices])
+        self.shardings = T.state_shardings(CFG, self.parallel, OPT, self.mesh)
+        self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, self.parallel, OPT, self.mesh))
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                self.abstract, self.shardings)
+        step = T.make_train_step(CFG, self.parallel, "selective", OPT, self.mesh, micro_batches)
+        self.compiled = step.lower(abstract, _batch(0), KEY).compile()
+
+    def run(self, state, first: int, last: int, save_to=None) -> list[float]:
+        """Steps first+1 … last (batch i for step i+1); saves a checkpoint after step SAVED_AT."""
+        losses = []
+        for i in range(first, last):
+            state, metrics = self.compiled(state, _batch(i), KEY)
+            losses.append(float(metrics["loss"]))
+            if save_to is not None and i + 1 == SAVED_AT:
+                mgr = C.manager(save_to, async_save=False)
+                C.save(mgr, SAVED_AT, state, {"data_position": SAVED_AT}, force=True)
+                mgr.close()
+        return losses
+
+    def restore(self, directory):
+        state, meta = C.restore(C.manager(directory, async_save=False), self.abstract, self.shardings, self.mesh)
+        assert int(state.step) == meta["data_position"] == SAVED_AT
+        for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(self.shardings)):
+            assert got.sharding.is_equivalent_to(want, got.ndim)  # restored into this mesh's shards
+        return state
+
+
+@lru_cache(maxsize=None)
+def row(family: str, distributed: bool, micro_batches: int) -> Row:
+    return Row(family, distributed, micro_batches)
+
+
+@lru_cache(maxsize=None)
+def initial_state():
+    """Step 0 on the host, the same for every row (each row places it in its shards: no compile per row)."""
+    return jax.device_get(jax.jit(lambda key: T.new_state(M.init_params(key, CFG, 2), OPT))(jax.random.key(0)))
+
+
+def uninterrupted(r, directory: str) -> list[float]:
+    """STEPS steps from the initial state, checkpointed at step SAVED_AT into `directory`."""
+    assert LAYOUTS[r[0]].tensor == 2  # the vocabulary padding of initial_state
+    return row(*r).run(jax.device_put(initial_state(), row(*r).shardings), 0, STEPS, save_to=directory)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """row → (losses of STEPS uninterrupted steps, the directory of its checkpoint at step SAVED_AT)."""
+    cache = {}
+
+    def get(r):
+        if r not in cache:
+            directory = str(tmp_path_factory.mktemp("resume"))
+            cache[r] = (uninterrupted(r, directory), directory)
+        return cache[r]
+
+    return get
+
+
+def _close(got: list[float], want: list[float]):
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert abs(x - y) <= REL * abs(y), (got, want)
+
+
+# The fast tier resumes one row whose master shards split over data × context.
+FAST = ("all-gather-data2-context2-tensor2-sp", True, 2)
+
+
+@pytest.mark.parametrize("r", [pytest.param(r, marks=[] if r == FAST else pytest.mark.slow) for r in MATRIX], ids=_id)
+def test_resume_gives_the_uninterrupted_losses(saved, r):
+    losses, directory = saved(r)
+    assert losses[-1] < losses[0]  # it learns
+    _close(row(*r).run(row(*r).restore(directory), SAVED_AT, STEPS), losses[SAVED_AT:])
+
+
+# (saved by, resumed by): context=2 → data, pipe=2 → pipe=1, the distributed optimizer on → off; and onto the
+# master shards split over several axes (data → context, pipe=1 → pipe=2 with the optimizer on, pipe=2 → 1 with
+# context). Rows with the same
+# micro-batches compute the same losses (the same global dropout masks on any mesh).
+MOVES = [
+    (("all-gather-data2-context2-tensor2-sp", True, 2), ("data4-tensor2-sp", False, 2)),
+    (("1f1b-pipe2-data2-tensor2-sp", True, 2), ("data4-tensor2-sp", False, 2)),
+    (("data4-tensor2-sp", False, 2), ("ring-data2-context2-tensor2-sp", False, 2)),
+    (("data4-tensor2-sp", False, 2), ("interleaved-pipe2v2-data2-tensor2-sp", True, 2)),
+    (("all-gather-pipe2-context2-tensor2", True, 2), ("all-gather-data2-context2-tensor2-sp", True, 2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,target", MOVES, ids=lambda r: _id(r))
+def test_resume_onto_another_mesh(saved, source, target):
+    losses, directory = saved(source)
+    _close(row(*target).run(row(*target).restore(directory), SAVED_AT, STEPS), losses[SAVED_AT:])
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path):
+    """`python -m jaxseq.train` on data=2 × context=2 × tensor=2 with the distributed optimizer (master shards over
+    data × context), SIGKILLed once a checkpoint is complete (an asynchronous save may be cut short: its temporary
+    directory is left behind); `--resume` continues from the newest complete checkpoint with the losses of an
+    uninterrupted run (its learning-rate schedule fixed by warmup and decay steps, not by --steps)."""
+    from commands import ROOT, env
+    from test_train import losses, run
+
+    args = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--host-devices", "8",
+            "--mesh", "data=2,context=2,tensor=2", "--distributed-optimizer", "--checkpoint-every", "2",
+            "--log-every", "1", "--eval-every", "100000", "--warmup-steps", "2", "decay_steps=20", "eval_batches=1",
+            "sample_tokens=4"]
+    killed, straight = str(tmp_path / "killed"), str(tmp_path / "straight")
+    checkpoints = os.path.join(killed, "checkpoints")
+    complete = lambda: [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if os.path.isdir(checkpoints) else []
+    proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *args, "--steps", "100000", "--run-dir", killed],
+                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not complete() and proc.poll() is None:
+            time.sleep(0.1)
+        assert complete(), proc.communicate(timeout=5)[1][-3000:] if proc.poll() is not None else "no checkpoint"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    newest = max(complete())
+    last = newest + 2
+    run(*args, "--steps", str(last), "--run-dir", killed, "--resume")
+    run(*args, "--steps", str(last), "--run-dir", straight)
+    resumed, reference = losses(killed), losses(straight)
+    for step in range(newest + 1, last + 1):
+        assert abs(resumed[step] - reference[step]) <= REL * abs(reference[step]), (step, resumed, reference)
