@@ -175,9 +175,11 @@ def test_bernoulli_rows_are_rows_of_the_global_mask():
         for r in range(ranks):
             part = rows_of(key, 0.9, (rows, *shape[1:]), r * rows)
             np.testing.assert_array_equal(part, full[r * rows:(r + 1) * rows])
-    # The 64-bit element index: rows beyond 2³² elements.
-    hi, lo = O._mul_u32(jax.numpy.asarray([1, 5000, 2**32 - 1], jax.numpy.uint32), 3_000_000_000)
-    assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * 3_000_000_000, 2**32) for x in (1, 5000, 2**32 - 1)]
+    # The 64-bit element index: products past 2³² elements, and strides past 2³² (modulo 2⁶⁴).
+    xs = (1, 5000, 2**32 - 1)
+    for c in (3_000_000_000, 2**32 + 12_345, 2**63 + 2**40 + 7):
+        hi, lo = O._mul_u64(jax.numpy.asarray(xs, jax.numpy.uint32), c)
+        assert [(int(h), int(l)) for h, l in zip(hi, lo)] == [divmod(x * c % 2**64, 2**32) for x in xs]
 
 
 @pytest.mark.slow

@@ -200,13 +200,24 @@ def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-def _mul_u32(x, c: int):
-    """(high, low) uint32 words of the 64-bit product x · c (x: uint32 array, 0 ≤ c < 2³²)."""
+def _mul_u64(x, c: int):
+    """(high, low) uint32 words of the product x · c modulo 2⁶⁴ (x: uint32 array, 0 ≤ c < 2⁶⁴): the 64-bit
+    element index JAX counts in, carried in two words so that it needs no `jax_enable_x64`."""
     u = lambda v: jnp.asarray(v, jnp.uint32)
-    x_lo, x_hi, c_lo, c_hi = x & u(0xFFFF), x >> u(16), c & 0xFFFF, c >> 16
+    c_low, c_high = c & 0xFFFFFFFF, c >> 32
+    x_lo, x_hi, c_lo, c_hi = x & u(0xFFFF), x >> u(16), c_low & 0xFFFF, c_low >> 16
     ll, lh, hl, hh = x_lo * u(c_lo), x_lo * u(c_hi), x_hi * u(c_lo), x_hi * u(c_hi)
     mid = (ll >> u(16)) + (lh & u(0xFFFF)) + (hl & u(0xFFFF))
-    return hh + (lh >> u(16)) + (hl >> u(16)) + (mid >> u(16)), (ll & u(0xFFFF)) | (mid << u(16))
+    high = hh + (lh >> u(16)) + (hl >> u(16)) + (mid >> u(16))
+    return high + x * u(c_high), (ll & u(0xFFFF)) | (mid << u(16))  # x · c_high · 2³² only adds to the high word
+
+
+def _check_threefry(key, global_shape, caller: str):
+    if str(jax.random.key_impl(key)) != "threefry2x32":
+        raise ValueError(f"{caller} needs a threefry2x32 key (jax.random.key), got {jax.random.key_impl(key)}")
+    if math.prod(global_shape) > 2**64:
+        raise ValueError(f"{caller}: a mask of shape {tuple(global_shape)} has more than 2⁶⁴ elements, "
+                         "past JAX's 64-bit element counter")
 
 
 def bernoulli_rows(key, p: float, shape, first_row):
@@ -214,34 +225,29 @@ def bernoulli_rows(key, p: float, shape, first_row):
     R past them, computing only those rows.
 
     Why: `jax_threefry_partitionable` (on by default) makes element i of a random array threefry(key, i),
-    i its row-major index as two uint32 words, and a float32 uniform is the top 23 bits as a mantissa in
-    [1, 2) minus 1; that is what this recomputes at an offset (jax.random offers no offset). It leans on
-    JAX's implementation: tests/test_pipeline.py compares it with jax.random.bernoulli."""
-    u = lambda v: jnp.asarray(v, jnp.uint32)
-    row_size = math.prod(shape[1:])
-    if str(jax.random.key_impl(key)) != "threefry2x32" or row_size >= 2**32:
-        raise ValueError(f"bernoulli_rows needs a threefry2x32 key and rows under 2³² elements, got "
-                         f"{str(jax.random.key_impl(key))}, {row_size}")
-    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_row).astype(jnp.uint32)
-    within, stride = jnp.zeros(shape, jnp.uint32), 1
-    for axis in range(len(shape) - 1, 0, -1):
-        within = within + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * u(stride)
-        stride *= shape[axis]
-    hi, lo = _mul_u32(rows, row_size)
-    index_lo = lo + within
-    index_hi = hi + (index_lo < lo).astype(jnp.uint32)  # the carry
-    return _uniform_below(key, p, index_hi, index_lo)
+    i its row-major index as two uint32 words (a 64-bit counter: any size up to 2⁶⁴ elements), and a float32
+    uniform is the top 23 bits as a mantissa in [1, 2) minus 1; that is what this recomputes at an offset
+    (jax.random offers no offset). It leans on JAX's implementation: tests/test_pipeline.py compares it with
+    jax.random.bernoulli, tests/test_long_sequences.py with JAX's own counter past 2³² elements."""
+    rows = jnp.arange(shape[0], dtype=jnp.uint32) + jnp.asarray(first_row).astype(jnp.uint32)
+    return bernoulli_at(key, p, shape, {0: rows}, caller="bernoulli_rows")
 
 
-def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None):
+def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None, caller: str = "bernoulli_at"):
     """The entries of `jax.random.bernoulli(key, p, global_shape)` at the given coordinates, shaped `shape`:
     coords maps an axis to the global index of each entry along it (an array of shape[axis]); the other axes
     count from 0. Why: a sequence stored reordered (context parallelism) draws the natural order's mask
-    elementwise, each device only its own entries; the same threefry-of-the-global-index as `bernoulli_rows`."""
+    elementwise, each device only its own entries; the same threefry-of-the-global-index as `bernoulli_rows`.
+    The index is 64-bit (two uint32 words, as JAX's own `iota_2x32_shape`): any mask size, e.g. the
+    attention-probability mask of s = 128k tokens (b·a·s² ≫ 2³² elements), is one global mask."""
     global_shape = tuple(shape if global_shape is None else global_shape)
-    if str(jax.random.key_impl(key)) != "threefry2x32" or math.prod(global_shape[1:]) >= 2**32:
-        raise ValueError(f"bernoulli_at needs a threefry2x32 key and rows under 2³² elements, got "
-                         f"{str(jax.random.key_impl(key))}, {global_shape}")
+    _check_threefry(key, global_shape, caller)
+    return _uniform_below(key, p, *element_index(shape, coords, global_shape))
+
+
+def element_index(shape, coords: dict, global_shape):
+    """(high, low) uint32 words of the row-major index in `global_shape` of each entry of `shape` (coords as
+    in `bernoulli_at`): the counter JAX's threefry draws element i at (`jax._src.random.prng.iota_2x32_shape`)."""
     hi, lo, stride = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32), 1
     for axis in range(len(shape) - 1, -1, -1):
         if axis in coords:
@@ -249,11 +255,11 @@ def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None):
             index = jnp.broadcast_to(index, shape)
         else:
             index = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-        add_hi, add_lo = _mul_u32(index, stride)
+        add_hi, add_lo = _mul_u64(index, stride)
         new_lo = lo + add_lo
         hi, lo = hi + add_hi + (new_lo < lo).astype(jnp.uint32), new_lo
         stride *= global_shape[axis]
-    return _uniform_below(key, p, hi, lo)
+    return hi, lo
 
 
 def _uniform_below(key, p: float, index_hi, index_lo):

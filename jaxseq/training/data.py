@@ -214,6 +214,11 @@ def _checked(corpus: Corpus) -> Corpus:
 def load_token_files(prefix: str) -> Corpus:
     meta = json.loads(Path(prefix + ".json").read_text())
     dtype = np.dtype(meta["dtype"])
+    for split in ("train", "val"):  # np.memmap of an empty file is a traceback ("cannot mmap an empty file")
+        path = f"{prefix}.{split}.bin"
+        if not os.path.isfile(path) or os.path.getsize(path) < dtype.itemsize:
+            raise ConfigError(f"data={prefix!r}: {path} " + ("is missing" if not os.path.isfile(path) else
+                              "holds no tokens") + " (python -m jaxseq.data writes both splits of non-empty text)")
     train = np.memmap(prefix + ".train.bin", dtype=dtype, mode="r")
     val = np.memmap(prefix + ".val.bin", dtype=dtype, mode="r")
     tok = meta.get("tokenizer")
@@ -238,14 +243,20 @@ class Batches:
     seed: int
 
     def __post_init__(self):
-        if len(self.tokens) <= self.seq_len + 1:
+        if len(self.tokens) < self.seq_len + 1:
             raise ConfigError(f"the data has {len(self.tokens)} tokens, fewer than seq_len+1={self.seq_len + 1}")
+
+    def starts(self, position: int) -> np.ndarray:
+        """The first token of each window of global batch number `position`: int64, uniform over every window
+        the data holds (0 … len − seq_len − 1, the last included), so a token file past 2³¹ tokens or 2³²
+        bytes is indexed whole."""
+        rng = np.random.default_rng([self.seed, position])
+        return rng.integers(0, len(self.tokens) - self.seq_len, self.batch_size, dtype=np.int64)
 
     def rows(self, position: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """The `rows` of global batch number `position`: inputs and next-token targets, int32."""
-        rng = np.random.default_rng([self.seed, position])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch_size)[rows]
-        windows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int32) for s in starts])
+        windows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int32)
+                            for s in self.starts(position)[rows]])
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
@@ -293,6 +304,9 @@ def write_token_files(inputs: str, prefix: str, vocab_size: int | None, tokenize
     the end-of-document token was added to the given tokenizer (else None). `progress`: bars on stderr
     (training the BPE, tokenizing)."""
     paths = expand(inputs)
+    if not any(os.path.getsize(path) for path in paths):
+        raise ConfigError(f"--input {inputs!r}: " + ("the file is empty" if len(paths) == 1 else
+                          f"its {len(paths)} files are empty") + ": no text to tokenize")
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tok, note = _output_tokenizer(paths, vocab_size, tokenizer, progress)
     if tok is not None:
@@ -310,6 +324,12 @@ def write_token_files(inputs: str, prefix: str, vocab_size: int | None, tokenize
             counts[name] = _write_tokens(path + ".partial", document_tokens(split, tok, eod, bar.update), dtype)
     if len(paths) == 1:  # one file: the last 5% of its tokens validate
         counts = _move_tail(files["train"] + ".partial", files["val"] + ".partial", counts["train"], dtype)
+    if not (counts["train"] and counts["val"]):  # training would stop on it: say so here, write nothing
+        for path in files.values():
+            os.remove(path + ".partial")
+        raise ConfigError(f"--input {inputs!r} gives {counts['train']:,} training and {counts['val']:,} validation "
+                          "tokens; training needs both (one file validates with its last 5%, several with one "
+                          "file in 20): give more text")
     for path in files.values():
         os.replace(path + ".partial", path)
     meta = {"dtype": dtype.name, "vocab_size": vocab, "eod_token": eod,
