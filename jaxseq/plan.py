@@ -18,6 +18,7 @@ from jaxseq.hardware import HARDWARE
 from jaxseq.planning import search as S
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import plan, recommend
+from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts
 
@@ -161,7 +162,11 @@ def _search(args) -> int:
     S.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
-    costs = SearchCosts(cfg, search_devices(request, args.scale_context))
+    devices = search_devices(request, args.scale_context)
+    progress = Progress("search")  # on stderr: stdout holds the table or the JSON alone
+    progress.note(f"{args.preset}: compiling each layer's programs on up to {len(devices)} simulated CPU devices "
+                  f"(c·t beyond them scaled from c = 1), two at a time")
+    costs = SearchCosts(cfg, devices, progress=progress)
     result = S.search(cfg, request, costs, args.preset)
     print(json.dumps(S.to_json(result, args.top), indent=1) if args.json else S.format_result(result, args.top))
     return 0
@@ -181,7 +186,7 @@ def _plan(args) -> int:
         p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe * args.context), args.preset,
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
-                 context=args.context, context_strategy=args.context_strategy)
+                 context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"))
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

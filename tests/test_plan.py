@@ -378,3 +378,25 @@ def test_state_tables_split_the_optimizer_over_data_and_context_as_the_rows(monk
     whole = memory.state_bytes(replace(cfg, layers=cfg.layers // 2), t, 4, True, 2)
     assert stage["layers"]["total"] + stage["embedding_group"]["total"] == whole.total == piped.optimizer_state()[
         "with_distributed_optimizer"]["bytes_per_device"]["total"]
+
+
+def test_the_plan_says_what_it_compiles_on_stderr(monkeypatch):
+    """A line as each program starts compiling, n of N announced before the first (two compile at a time, so the
+    order of a pair may vary): the forward programs of the tiny preset at t = 1 (not compiled here: the line is
+    said before XLA is asked)."""
+    import io
+
+    from jaxseq.planning.progress import Progress
+
+    monkeypatch.setattr(measure.aot, "compile_forward", lambda *args: "compiled")
+    stream = io.StringIO()
+    progress = Progress("plan", stream)
+    compiler = measure.Compiler(CONTEXT_CFG, 1, jax.devices(), progress=progress)
+    keys = compiler.forward_programs(1)
+    progress.expect(len(compiler.todo(keys)))
+    compiler.compile_all(keys)
+    compiler.compile_all(keys)  # compiled already: nothing more to say
+    lines = sorted(line.rsplit(" (", 1)[0] for line in stream.getvalue().splitlines())
+    assert [line.split(": ", 2)[1] for line in lines] == ["compiling 1/2", "compiling 2/2"], lines
+    assert sorted(line.split(": ", 2)[2] for line in lines) == ["forward, 0 layers, none, t=1, b=1",
+                                                                "forward, 2 layers, none, t=1, b=1"]

@@ -6,6 +6,7 @@ answer in one line."""
 
 import itertools
 import json
+import re
 
 import jax
 import pytest
@@ -581,3 +582,20 @@ def test_flash_attention_working_memory_is_rows_not_scores():
     assert "caveat (--attention fused)" in text and "4·b·(a/t)·(s/c)·(d + 2) bytes per layer" in text
     assert S.to_json(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))["fused_attention_caveat"] in text
     assert "caveat" not in S.format_result(S.search(CFG, request(remats=("full",)), HandCosts(), "tiny"))
+
+
+@pytest.mark.slow
+def test_the_search_says_what_it_compiles_on_stderr(capsys):
+    """`plan --search --json` prints a line on stderr as each program starts compiling (what, n of N, seconds so
+    far) and nothing but the JSON on stdout: t = 1 of the tiny preset, 3 programs."""
+    code = plan_command.main(["--search", "--preset", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--tensor-sizes",
+                              "1", "--global-batch", "2", "--remat-policies", "full", "--micro-batch-sizes", "1",
+                              "--context-sizes", "1", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["ranked"]
+    lines = err.splitlines()
+    assert lines[0].startswith("search: tiny: compiling each layer's programs on up to ")
+    assert [re.sub(r" \(\d+ s\)$", "", line) for line in lines[1:]] == [
+        "search: compiling 1/3: loss and gradients, 2 layers, full, t=1, b=1",
+        "search: compiling 2/3: loss and gradients, 0 layers, none, t=1, b=1",
+        "search: compiling 3/3: float32 train step, 2 layers, full, t=1, b=1"], err

@@ -66,10 +66,21 @@ class Compiler:
     plan reuses the L=0 and forward programs across rows)."""
 
     def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2, context: int = 1,
-                 strategy: str = "all-gather"):
+                 strategy: str = "all-gather", progress=None):
         self.cfg, self.b, self.devices, self.workers = cfg, micro_batch, devices, workers
         self.context, self.strategy = context, strategy  # every program on a context × tensor mesh
+        self.progress = progress  # a `planning.progress.Progress`: a line as each program starts compiling
         self._cache: dict = {}
+
+    def todo(self, keys) -> list[tuple]:
+        """The distinct programs of `keys` not compiled yet."""
+        return list(dict.fromkeys(k for k in keys if k not in self._cache))
+
+    def describe(self, key: tuple) -> str:
+        kind, layers, remat, tensor, sp = key
+        what = {"grad": "loss and gradients", "step": "float32 train step", "forward": "forward"}[kind]
+        return (f"{what}, {layers} layers, {remat}, t={tensor}{' + SP' if sp else ''}, b={self.b}"
+                + (f", c={self.context} {self.strategy}" if self.context > 1 else ""))
 
     @staticmethod
     def programs(c: RowSpec) -> list[tuple]:
@@ -79,7 +90,7 @@ class Compiler:
                 ("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)]
 
     def compile_all(self, keys) -> None:
-        todo = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        todo = self.todo(keys)
         with ThreadPoolExecutor(self.workers) as pool:
             for key, compiled in zip(todo, pool.map(self._build, todo)):
                 self._cache[key] = compiled
@@ -90,6 +101,8 @@ class Compiler:
 
     def _build(self, key: tuple):
         kind, layers, remat, tensor, sp = key
+        if self.progress is not None:
+            self.progress.compiling(self.describe(key))
         parallel, mesh = _mesh(tensor, sp, self.devices, self.context, self.strategy)
         if kind == "step":  # float32: XLA:CPU's bf16 temporaries are not what a GPU allocates
             return aot.compile_train_step(replace(self.cfg, layers=layers, dtype="float32"), parallel, remat, mesh, self.b)

@@ -201,7 +201,7 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
          microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
-         context_strategy: str = "all-gather") -> Plan:
+         context_strategy: str = "all-gather", progress=None) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -215,18 +215,25 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     master weights and Adam moments split d ways; the table reports both ways whatever is chosen.
     context = c: every row compiled on a c × t mesh (`context_strategy`: all-gather or ring), `devices` holding
     c·t; with it the formula column is `formulas.activation_bytes` at context c, and the K/V context
-    parallelism holds for a moment and moves per layer (`formulas.context_kv_bytes`) is reported."""
+    parallelism holds for a moment and moves per layer (`formulas.context_kv_bytes`) is reported.
+    progress: a `planning.progress.Progress`, told of each program as it starts compiling."""
     configs = configurations(tensor, policies)
     _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy)
     n_micro = pipeline if microbatches is None else microbatches
     schedule, in_flight_layers, bubble, paper_bubble = _schedule_figures(cfg, pipeline, schedule, virtual_stages,
                                                                          n_micro)
     _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
-    compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy)
-    compiler.compile_all([k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor))
+    compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy, progress=progress)
+    keys = [k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor)
+    if progress is not None:
+        progress.expect(len(compiler.todo(keys)) + (pipeline > 1))
+    compiler.compile_all(keys)
     measured = {c: compiler.measure(c) for c in configs}
     in_flight = None
     if pipeline > 1:
+        if progress is not None:
+            progress.compiling(f"the pipelined {schedule} step ({pipeline_row(configs).name}, pipe={pipeline} × "
+                               f"tensor={tensor}{f' × context={context}' if context > 1 else ''})")
         in_flight = compiled_in_flight(cfg, pipeline_row(configs), micro_batch, devices, schedule, pipeline,
                                        virtual_stages, n_micro, context, context_strategy)
         in_flight_layers = in_flight.layers

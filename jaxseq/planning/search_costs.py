@@ -19,8 +19,9 @@ class SearchCosts:
     where they do not, its c = 1 layer is measured and `search.at_context` scales it (`LayerCost.context` says
     which). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
 
-    def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None):
+    def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None, progress=None):
         self.cfg, self.devices, self.workers = cfg, devices, workers
+        self.progress = progress  # a `planning.progress.Progress`: a line as each program starts compiling
         self.measured = dict(measured or {})
         self._compilers: dict = {}
         self._states: dict = {}
@@ -36,7 +37,8 @@ class SearchCosts:
     def _compiler(self, micro_batch: int, context: int, strategy: str) -> Compiler:
         key = (micro_batch, context, strategy if context > 1 else "all-gather")
         if key not in self._compilers:
-            self._compilers[key] = Compiler(self.cfg, micro_batch, self.devices, self.workers, context, key[2])
+            self._compilers[key] = Compiler(self.cfg, micro_batch, self.devices, self.workers, context, key[2],
+                                            self.progress)
         return self._compilers[key]
 
     def prepare(self, keys, micro_batches=(1, 2)) -> None:
@@ -50,14 +52,23 @@ class SearchCosts:
                                               context_strategy=strategy), remat)
             todo[(t, sp, remat, c, strategy)] = RowSpec("search", remat, sp, t, None)
         affine = max(micro_batches) > 1
-        for c, strategy in dict.fromkeys((c, strategy) for _, _, _, c, strategy in todo):  # one mesh at a time
+        meshes = []  # per mesh: (c, strategy, its rows, the programs at b = 1 and at b = 2 to compile)
+        for c, strategy in dict.fromkeys((c, strategy) for _, _, _, c, strategy in todo):
             rows = {self.key(*k): row for k, row in todo.items() if k[3:] == (c, strategy)}
-            one, two = self._compiler(1, c, strategy), self._compiler(2, c, strategy)
+            one = self._compiler(1, c, strategy)
             new = {name: row for name, row in rows.items() if name not in self.measured}
             b2 = {name: row for name, row in rows.items()
                   if affine and self.measured.get(name, {}).get("working_bytes_b2") is None}
-            one.compile_all([k for row in new.values() for k in (one.programs(row) if c == 1 else one.layer_programs(row))])
-            two.compile_all([one.layer_programs(row)[1] for row in b2.values()])  # the float32 step at b = 2
+            meshes.append((c, strategy, new, b2,
+                           [k for row in new.values() for k in (one.programs(row) if c == 1 else one.layer_programs(row))],
+                           [one.layer_programs(row)[1] for row in b2.values()]))  # the float32 step at b = 2
+        if self.progress is not None:
+            self.progress.expect(sum(len(self._compiler(1, c, s).todo(k1)) + len(self._compiler(2, c, s).todo(k2))
+                                     for c, s, _, _, k1, k2 in meshes))
+        for c, strategy, new, b2, keys_one, keys_two in meshes:  # one mesh at a time
+            one, two = self._compiler(1, c, strategy), self._compiler(2, c, strategy)
+            one.compile_all(keys_one)
+            two.compile_all(keys_two)
             for name, row in new.items():
                 self.measured[name] = ({**asdict(one.measure(row)), "head_flops": one.head_flops(row)} if c == 1
                                        else one.layer_costs(row)) | {"working_bytes_b2": None}
