@@ -123,3 +123,12 @@ def test_the_yaml_example_is_valid_as_written(tmp_path):
     argv[1], argv[argv.index("--run-dir") + 1] = str(tmp_path / "run.yaml"), str(tmp_path / "run")
     run, _ = train_command.resolve(train_command.build_parser().parse_intermixed_args(argv))
     assert (run.model.heads, run.model.layers, run.train.steps) == (6, 6, 2000)
+
+
+def test_the_own_data_example_runs_on_a_cpu_or_says_it_needs_a_gpu():
+    """README's "Your own data": a train command on the token files with the default model (which runs on the
+    CPU's simulated devices), and the GPT-2 124M one marked as a GPU command on its own line."""
+    block = re.search(r"## Your own data\n+```bash\n(.*?)```", _read("README.md"), re.S).group(1)
+    trains = [line for line in block.splitlines() if "python -m jaxseq.train --data data/corpus" in line]
+    assert any("--preset" not in line for line in trains), trains
+    assert all("GPU" in line.split("#", 1)[-1] for line in trains if "--preset gpt2" in line), trains
