@@ -387,7 +387,7 @@ def umask_mode() -> int:
     return 0o666 & ~mask
 
 
-@pytest.mark.parametrize("mask", [0o022, 0o002])
+@pytest.mark.parametrize("mask", [0o022, 0o002], ids=["umask-022", "umask-002"])
 def test_written_files_follow_the_umask(tmp_path, mask):
     """Every file `hf.write_dir` writes (the safetensors files, which the library creates 0600, the index and
     config.json) gets 0666 less the umask, as any file the user makes: a group or web server can read them."""
