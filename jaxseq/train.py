@@ -7,17 +7,30 @@ parallelism and selective recompute.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
+import signal
 import sys
-import tempfile
+
+
+def _stopped_while_importing(signum, frame):
+    print(f"error: {signal.Signals(signum).name}: stopped before the first step; nothing to save", file=sys.stderr,
+          flush=True)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM while the modules below import (seconds): one line, not a traceback
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _stopped_while_importing)
+
+import argparse  # noqa: E402 (after the handlers above)
+import dataclasses  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (COMPUTE_DTYPES, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
 from jaxseq.mesh import available_devices, parse_mesh
@@ -115,11 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
     a("--context-strategy", help="with context > 1 in --mesh: all-gather (K/V gathered, the default) or ring "
                                  "(K/V blocks passed rank to rank)")
-    a("--schedule", choices=SCHEDULES, default=ParallelConfig().schedule,
-      help="pipeline schedule when the mesh has pipe > 1 (default %(default)s; with --virtual-stages > 1: "
-           "interleaved)")
-    a("--virtual-stages", type=int, default=ParallelConfig().virtual_stages,
-      help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this)")
+    # Defaults of None: a flag not given keeps a resumed run's saved value (`resumed_configs`).
+    a("--schedule", choices=SCHEDULES,
+      help=f"pipeline schedule when the mesh has pipe > 1 (default {ParallelConfig().schedule}; with "
+           "--virtual-stages > 1: interleaved)")
+    a("--virtual-stages", type=int,
+      help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this; "
+           "default 1)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
     a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
@@ -144,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-every", type=int, help="steps between metric lines")
     a("--eval-every", type=int, help="steps between validation evaluations")
     a("--checkpoint-every", type=int, help="steps between checkpoints")
-    a("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    a("--resume", action="store_true",
+      help="continue the run in --run-dir from its newest checkpoint, with its saved configuration (RUN/config.json); "
+           "flags and key=value change only the fields they name")
     a("--init-from", help="start from the weights (and architecture) of a run or converted directory, at step 0")
     a("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (auto on A100/H100/H200)")
     a("--coordinator", help="multi-process: HOST:PORT of process 0 (auto under SLURM / Open MPI)")
@@ -164,12 +181,15 @@ FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batc
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
     """Everything but the mesh (which needs the device count): preset < YAML < flags < key=value.
 
-    configs: "model", "optimizer", "train", and "explicit": the fields ("optimizer.lr", …) the user
-    set in the YAML file, a flag or a key=value (a resume keeps the saved value of every other one)."""
+    configs: "model", "optimizer", "train", "parallel", and "explicit": the fields ("optimizer.lr", …) the user
+    set in the YAML file, a flag or a key=value, and the architecture of a preset named (a resume keeps the
+    saved value of every other one)."""
     yaml_preset, fields = yaml_fields(args.config) if args.config else (None, {})
     # `--preset X` and `preset: X` in the YAML file name the same run (the flag wins if both are given).
     configs = preset_configs(args.preset or yaml_preset or DEFAULT_PRESET)
-    explicit = set()
+    # A preset named is its architecture asked for (a resume refuses another); the vocabulary is the data's.
+    explicit = {f"model.{name}" for name in ARCHITECTURE_FIELDS if name != "vocab_size"} \
+        if args.preset or yaml_preset else set()
 
     def override(configs, overrides):
         explicit.update(f"{_field_section(key)}.{key.split('.')[-1]}" for key in overrides)
@@ -242,17 +262,49 @@ def read_yaml(path: str):
         raise ConfigError(f"--config {path!r} is not valid YAML: {problem}{where}") from None
 
 
-def resumed_optimizer(saved: OptimizerConfig, configured: OptimizerConfig,
-                      explicit: frozenset) -> tuple[OptimizerConfig, str | None]:
-    """The optimizer of a resumed run: the saved one (its schedule included: decay_steps of the
-    original run, so extending a finished run stays at the final learning rate), with only the fields
-    the user set explicitly replaced; and a line naming what changed, or None."""
-    fields = [f.name for f in dataclasses.fields(OptimizerConfig)]
-    given = {name: getattr(configured, name) for name in fields if f"optimizer.{name}" in explicit}
-    optimizer = replace(saved, **given)
-    changes = [f"{name} {getattr(saved, name)!r} → {getattr(optimizer, name)!r}" for name in fields
-               if getattr(saved, name) != getattr(optimizer, name)]
-    return optimizer, ("resume: the optimizer changes as asked: " + ", ".join(changes)) if changes else None
+# What a resume neither restores nor reports: how this launch finds the run, and what the platform decides.
+NOT_RESTORED = {"train": {"resume", "run_dir"}, "model": {"matmul", "fused_kernel"}}
+
+
+def resumed_configs(saved: dict, configs: dict) -> dict:
+    """The configs of a resumed run: the saved ones (`rundir.saved_configs`: data, steps, batch sizes, mesh,
+    tokenizer, the optimizer and its schedule, `decay_steps` of the original run included, so extending a
+    finished run stays at the final learning rate), with only the fields in configs["explicit"] replaced by
+    their configured values."""
+    explicit, resumed = configs["explicit"], dict(configs)
+    for section in SECTIONS:
+        keep = NOT_RESTORED.get(section, set())
+        given = {f.name: getattr(configs[section], f.name) for f in dataclasses.fields(SECTIONS[section])
+                 if f"{section}.{f.name}" in explicit or f.name in keep}
+        resumed[section] = replace(saved[section], **given)
+    return resumed
+
+
+def resume_changes(saved: dict, run: RunConfig) -> list[str]:
+    """What a resumed run changes of the saved one ("steps 200 → 400", "mesh data=2 × tensor=4 → …")."""
+    changes = []
+    if saved["parallel"].mesh_text() != run.parallel.mesh_text():
+        changes.append(f"mesh {saved['parallel'].mesh_text()} → {run.parallel.mesh_text()}")
+    for section in SECTIONS:
+        skip = NOT_RESTORED.get(section, set()) | ({"pipe", "data", "context", "tensor"} if section == "parallel" else set())
+        for f in dataclasses.fields(SECTIONS[section]):
+            before, after = getattr(saved[section], f.name), getattr(getattr(run, section), f.name)
+            if f.name not in skip and before != after:
+                changes.append(f"{f.name} {before!r} → {after!r}")
+    return changes
+
+
+def check_architecture(saved: ModelConfig, model: ModelConfig) -> None:
+    """A resume trains the saved model: what cannot change is refused in one line."""
+    diffs = [f"{k}={getattr(saved, k)!r} (saved) vs {getattr(model, k)!r}" for k in ARCHITECTURE_FIELDS
+             if getattr(saved, k) != getattr(model, k)]
+    if diffs:
+        raise ConfigError("cannot resume: the checkpoint's model differs: " + ", ".join(diffs) +
+                          " (a run's architecture is fixed; --init-from RUN starts a new run from its weights)")
+
+
+def _saved_mesh(parallel: ParallelConfig) -> str:
+    return f"pipe={parallel.pipe},data={parallel.data},context={parallel.context},tensor={parallel.tensor}"
 
 
 def _init_from(configs: dict, path: str, seq_len) -> dict:
@@ -285,20 +337,30 @@ def check_run_dir(run_dir: str) -> None:
 
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
                      sequence_parallel: bool | None, configured: ParallelConfig,
-                     pipeline: tuple[str, int]) -> ParallelConfig:
+                     pipeline: tuple[str | None, int | None], resumed: bool = False) -> ParallelConfig:
     """Start the devices (simulated CPU devices, the distributed runtime), then resolve the mesh;
     the other parallel fields (the distributed optimizer) come from `configured`, the pipeline
-    schedule and virtual stages from `pipeline`."""
+    schedule and virtual stages from `pipeline` where given. `resumed`: `configured` is the saved
+    run's, whose mesh and sequence parallelism are kept unless given."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
     D.initialize(distributed)
     devices = available_devices()
+    if mesh_text is None and resumed:  # the saved run's (`resumed_configs`), on this machine's devices
+        mesh_text = _saved_mesh(configured)
+        if configured.num_devices != len(devices):
+            raise ConfigError(f"--resume: the run's mesh {configured.mesh_text()} needs {configured.num_devices} "
+                              f"devices, and there are {len(devices)}: pass --mesh for these")
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
     pipe, data, context, tensor = parse_mesh(mesh_text, len(devices))
+    if sequence_parallel is None:  # a resume keeps the saved one (meaningless at tensor = 1)
+        sequence_parallel = tensor > 1 and (configured.sequence_parallel or not resumed)
+    schedule, virtual_stages = pipeline
     return replace(configured, pipe=pipe, data=data, context=context, tensor=tensor,
-                   sequence_parallel=tensor > 1 if sequence_parallel is None else sequence_parallel,
-                   schedule=pipeline[0], virtual_stages=pipeline[1])
+                   sequence_parallel=sequence_parallel,
+                   schedule=configured.schedule if schedule is None else schedule,
+                   virtual_stages=configured.virtual_stages if virtual_stages is None else virtual_stages)
 
 
 def default_mesh_fits(run: RunConfig, devices) -> str | None:
@@ -334,35 +396,57 @@ def validate_run(run: RunConfig, default_mesh: bool) -> None:
 
 def resolve(args) -> tuple[RunConfig, Corpus]:
     """Everything the run needs (devices and mesh, the data and its vocabulary and tokenizer, the
-    initial weights), resolved, then validated: the loop receives a final RunConfig."""
+    initial weights), resolved, then validated: the loop receives a final RunConfig. A resume starts
+    from the run's saved configuration (`resumed_configs`) and says in one line what it changes."""
     configs, mesh_text, sequence_parallel = configs_from_args(args)
+    saved = None
+    if configs["train"].resume and os.path.isfile(os.path.join(configs["train"].run_dir, rundir.CONFIG)):
+        if "train.init_from" in configs["explicit"]:
+            raise ConfigError("--init-from starts a new run from a run's weights; --resume continues the run in "
+                              "--run-dir from its own checkpoint: pass one of them")
+        saved = rundir.saved_configs(configs["train"].run_dir)
+        configs = resumed_configs(saved, configs)
     model, optimizer, train = configs["model"], configs["optimizer"], configs["train"]
     validate_train(train)
-    changed = None
-    if train.resume and os.path.isfile(os.path.join(train.run_dir, rundir.CONFIG)):
-        optimizer, changed = resumed_optimizer(rundir.saved_optimizer(train.run_dir), optimizer, configs["explicit"])
     validate_optimizer(optimizer)
     distributed = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
                                     process_id=args.process_id)
     parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
-                                (args.schedule, args.virtual_stages))
-    if changed and D.is_main_process():
-        print(changed, flush=True)
+                                (args.schedule, args.virtual_stages), resumed=saved is not None)
     corpus = load_corpus(train.data, train.tokenizer)
-    # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more.
-    vocab = corpus.vocab_size if train.init_from is None else rundir.init_vocab(train.init_from, corpus.vocab_size)
+    # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more,
+    # and a resumed model keeps its own where the data's fits in it.
+    if saved is not None:  # a larger vocabulary than the saved one is refused below
+        vocab = max(corpus.vocab_size, saved["model"].vocab_size)
+    elif train.init_from is not None:
+        vocab = rundir.init_vocab(train.init_from, corpus.vocab_size)
+    else:
+        vocab = corpus.vocab_size
     model = on_platform(replace(model, vocab_size=vocab), available_devices()[0].platform)
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,
                     train=replace(train, tokenizer=corpus.tokenizer),
                     distributed=distributed)
+    if saved is not None:
+        check_architecture(saved["model"], run.model)
     validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
     check_run_dir(run.train.run_dir)
+    if saved is not None and D.is_main_process():
+        changes = resume_changes(saved, run)
+        where = os.path.join(run.train.run_dir, rundir.CONFIG)
+        print(f"resume: the run as saved in {where}" + (", changed as asked: " + ", ".join(changes) if changes
+                                                         else " (nothing changed)"), flush=True)
     return run, corpus
 
 
 def main(argv=None) -> int:
+    """The command: its exit status (0; 1 a failed run; 2 a bad configuration; 128 + N after signal N:
+    130 for SIGINT, 143 for SIGTERM, docs/training.md)."""
     args = build_parser().parse_intermixed_args(argv)
-    return cli.run(lambda: _train(args))
+    try:
+        with cli.interruptible():
+            return cli.run(lambda: _train(args))
+    except cli.Interrupted as e:
+        return cli.error(f"{e}: stopped before the first step; nothing to save", e.status)
 
 
 def _train(args) -> int:
@@ -385,4 +469,4 @@ def runtime_failure(e: Exception, processes: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

@@ -16,6 +16,7 @@ from commands import ROOT, command, env, python_m
 from jaxseq import data as data_command
 from jaxseq import generate as generate_command
 from jaxseq import train as train_command
+from jaxseq.train import main
 
 TINY = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--mesh", "data=2,tensor=4",
         "--host-devices", "8", "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "eval_batches=1",
@@ -91,8 +92,8 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
-    assert "SIGTERM: saved a checkpoint" in out
+    assert proc.returncode == 143, err[-2000:]  # 128 + 15: stopped, not finished
+    assert "SIGTERM: saved a checkpoint" in out and "Traceback" not in err
     step = max(losses(run_dir))
     gen = python_m("jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab", "--max-tokens", "5", timeout=120)
     assert gen.returncode == 0, gen.stderr[-2000:]
@@ -176,6 +177,23 @@ def test_empty_data_and_incompatible_resume(tmp_path):
     assert out.returncode == 2 and "already holds checkpoints" in out.stderr
 
 
+def test_empty_text_is_refused_when_tokenized_and_empty_token_files_when_trained_on(tmp_path):
+    """`python -m jaxseq.data` on an empty file wrote a 0-token split and exited 0, and training on it ended in
+    a traceback (np.memmap: "cannot mmap an empty file"): one line and exit status 2 at each."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = command(data_command.main, "--input", str(empty), "--output", str(tmp_path / "e"), check=False)
+    assert out.returncode == 2 and out.stderr == f"error: --input {str(empty)!r}: the file is empty: no text to tokenize\n"
+    assert not list(tmp_path.glob("e.*"))
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 50)
+    prefix = str(tmp_path / "tok")
+    command(data_command.main, "--input", str(tmp_path / "text.txt"), "--output", prefix)
+    open(prefix + ".val.bin", "wb").close()  # as an old jaxseq.data wrote it
+    out = run(*TINY, "--steps", "1", "--data", prefix, "--run-dir", str(tmp_path / "run"), check=False)
+    assert out.returncode == 2 and out.stderr == (f"error: data={prefix!r}: {prefix}.val.bin holds no tokens (python -m "
+                                                  "jaxseq.data writes both splits of non-empty text)\n"), out.stderr
+
+
 def test_train_and_generate_on_token_files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -236,17 +254,101 @@ def test_a_preset_named_in_the_yaml_file_is_the_same_run_as_the_flag(tmp_path, n
     assert both == resolve(build_parser().parse_intermixed_args(["--preset", other, *common]))[0]
 
 
-def test_resume_keeps_the_saved_optimizer_unless_asked():
-    from jaxseq.config import OptimizerConfig
-    from jaxseq.train import resumed_optimizer
+def test_resume_keeps_the_saved_run_and_changes_only_what_is_named():
+    """A resume starts from the saved configs and replaces only the fields given (a flag, the YAML file or a
+    key=value); a preset named asks for its architecture (which the resume then compares with the saved one)."""
+    from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig, replace
+    from jaxseq.train import build_parser, configs_from_args, resumed_configs
 
-    saved = OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800)
-    configured = OptimizerConfig(lr=6e-4, decay_steps=1500)  # a preset's defaults, decay from --steps 1500
-    kept, line = resumed_optimizer(saved, configured, frozenset({"train.steps", "train.resume"}))
-    assert kept == saved and line is None
-    changed, line = resumed_optimizer(saved, configured, frozenset({"optimizer.lr"}))
-    assert changed == OptimizerConfig(lr=6e-4, warmup_steps=50, decay_steps=800)
-    assert line == "resume: the optimizer changes as asked: lr 0.002 → 0.0006"
+    saved = {"model": ModelConfig(hidden=64, heads=8, layers=2, vocab_size=257, seq_len=64, dtype="float32"),
+             "optimizer": OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800),
+             "train": TrainConfig(steps=800, batch_size=16, micro_batch_size=8, data="notes/*.md", run_dir="old"),
+             "parallel": ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=True)}
+    resume = lambda *argv: resumed_configs(saved, configs_from_args(build_parser().parse_intermixed_args(
+        ["--run-dir", "runs/x", "--resume", *argv]))[0])
+    kept = resume()
+    assert {k: kept[k] for k in saved} == {**saved, "train": replace(saved["train"], run_dir="runs/x", resume=True)}
+    changed = resume("--steps", "1500", "--lr", "1e-3", "dropout=0.2", "--micro-batch-size", "4")
+    assert changed["optimizer"] == replace(saved["optimizer"], lr=1e-3)  # decay_steps: the original run's
+    assert changed["model"] == replace(saved["model"], dropout=0.2)
+    assert (changed["train"].steps, changed["train"].micro_batch_size, changed["train"].batch_size,
+            changed["train"].data) == (1500, 4, 16, "notes/*.md")
+    assert changed["parallel"] == saved["parallel"]
+    named = resume("--preset", "gpt2-124m")["model"]
+    assert (named.hidden, named.layers, named.vocab_size, named.dtype) == (768, 12, 257, "float32")
+
+
+def test_resume_resolves_the_saved_run(tmp_path, capsys):
+    """`--resume` alone resolves to the run saved in RUN/config.json (its data, batch sizes, mesh, distributed
+    optimizer, model), not to the default preset's; a flag changes what it names and one line says so; another
+    model is refused in one line. Before, data, steps, batch sizes and mesh came back as the defaults."""
+    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+    from jaxseq.train import build_parser, resolve
+    from jaxseq.training import rundir
+
+    text = tmp_path / "notes.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 300)
+    run_dir = str(tmp_path / "run")
+    saved = RunConfig(model=replace(preset("tiny"), vocab_size=257, dtype="float32", dropout=0.0),
+                      parallel=ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=True),
+                      optimizer=OptimizerConfig(lr=1e-3, warmup_steps=5, decay_steps=200),
+                      train=TrainConfig(steps=200, batch_size=16, micro_batch_size=8, data=str(text), run_dir=run_dir,
+                                        log_every=10, sample_tokens=0))
+    os.makedirs(run_dir)
+    rundir.write_config(run_dir, saved)
+    resume = lambda *argv: resolve(build_parser().parse_intermixed_args(["--run-dir", run_dir, "--resume", *argv]))[0]
+    kept = resume()
+    assert replace(kept, model=replace(kept.model, matmul="einsum")) == \
+        replace(saved, train=replace(saved.train, resume=True))
+    assert capsys.readouterr().out == f"resume: the run as saved in {run_dir}/config.json (nothing changed)\n"
+    moved = resume("--mesh", "data=2,tensor=4", "--steps", "300", "--no-distributed-optimizer")
+    assert (moved.parallel.data, moved.parallel.tensor, moved.parallel.sequence_parallel) == (2, 4, True)
+    assert (moved.train.batch_size, moved.train.micro_batch_size, moved.optimizer) == (16, 8, saved.optimizer)
+    assert capsys.readouterr().out == (f"resume: the run as saved in {run_dir}/config.json, changed as asked: mesh "
+                                       "data=4 × tensor=2 → data=2 × tensor=4, steps 200 → 300, "
+                                       "distributed_optimizer True → False\n")
+    for argv, message in ((["--preset", "gpt2-124m"], "hidden=64 (saved) vs 768"), (["layers=3"], "layers=2 (saved) vs 3")):
+        assert main(["--run-dir", run_dir, "--resume", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot resume: the checkpoint's model differs: ") and message in err, err
+
+
+def test_resume_restores_the_run_and_says_what_changes(tmp_path):
+    """As a user meets it: a run on its own text, resumed with `--resume --steps 3` alone (no preset, no
+    data): the same run, one line naming the one change; config.json is the run's, not the defaults' (it said
+    `"data": null` after such a resume). On the finished run a bare `--resume` says so; fewer steps than done
+    are refused in one line."""
+    text = tmp_path / "notes.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 300)
+    run_dir = str(tmp_path / "run")
+    run(*TINY, "--data", str(text), "--steps", "2", "--run-dir", run_dir)
+    config = os.path.join(run_dir, "config.json")
+    saved = json.load(open(config))
+    out = run("--run-dir", run_dir, "--resume", "--steps", "3")
+    assert out.stdout.splitlines()[0] == f"resume: the run as saved in {config}, changed as asked: steps 2 → 3"
+    assert f"{text} (" in out.stdout and "steps 2→3" in out.stdout
+    resumed = json.load(open(config))
+    assert resumed == {**saved, "train": {**saved["train"], "steps": 3, "resume": True}}
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+    out = run("--run-dir", run_dir, "--resume")
+    assert out.stdout.splitlines()[-1] == (f"{run_dir} has finished its 3 steps: nothing to train; to continue it, "
+                                           "--resume --steps N with N > 3")
+    assert json.load(open(config)) == resumed
+    out = run("--run-dir", run_dir, "--resume", "--steps", "2", check=False)
+    assert out.returncode == 2 and out.stderr.startswith("error: --resume: the newest checkpoint") \
+        and "is at step 3, past steps=2" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path):
+    """Ctrl-C while the run starts (here while it compiles, after its first line): one line and exit status
+    130, where it was a 61-line KeyboardInterrupt traceback and a segmentation fault (exit 139)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *TINY, "--steps", "5", "--run-dir", str(tmp_path)],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()  # the banner, printed before the step is compiled
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert first.startswith("jaxseq: ") and proc.returncode == 130, (first, err[-2000:])
+    assert err == "error: SIGINT: stopped before the first step; nothing to save\n", err[-2000:]
 
 
 def test_extending_a_finished_run_stays_at_the_final_learning_rate():
@@ -291,6 +393,8 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, messag
     (["min_lr_ratio=2"], "min_lr_ratio=2.0 must be in [0, 1]"),
     (["decay_steps=0"], "decay_steps=0 must be an integer ≥ 1"),
     (["--lr", "nan"], "lr=nan must be ≥ 0"),
+    (["--lr", "-1e-3"], "lr=-0.001 must be ≥ 0"),  # a value, not an option ("expected one argument")
+    (["--lr", "-.5"], "lr=-0.5 must be ≥ 0"),
 ])
 def test_optimizer_ranges_are_checked_at_the_edge(capsys, flag, message):
     from jaxseq.train import main

@@ -237,10 +237,22 @@ def compile_step(session: Session, state, position: int):
 
 class PendingMetrics:
     """Each step's loss and gradient norm, left on the device until a log or checkpoint boundary reads
-    every pending step in one transfer (docs/DESIGN.md)."""
+    every pending step in one transfer (docs/DESIGN.md); and when each step was first seen complete, the
+    end of its interval in the throughput figures."""
 
     def __init__(self):
         self._steps = []  # (step, its metrics still on the device)
+        self._done = {}  # step → time.perf_counter() when the host first saw it complete
+
+    def _stamp(self, step: int) -> None:
+        self._done.setdefault(step, time.perf_counter())
+
+    def note_ready(self) -> None:
+        """Called before each dispatch: the newest step's completion time if it is complete already (a
+        dispatch that returned only once its step ran, as XLA:CPU's may), which waiting for it after the
+        next dispatch would put one step late. Reads nothing."""
+        if self._steps and all(x.is_ready() for x in jax.tree.leaves(self._steps[-1][1])):
+            self._stamp(self._steps[-1][0])
 
     def add(self, step: int, out: dict) -> None:
         self._steps.append((step, out))
@@ -249,17 +261,22 @@ class PendingMetrics:
             # busy, and XLA:CPU's in-process collectives deadlock (a 40 s rendezvous timeout, seen
             # with 50 steps queued) when many executions hold its threads. Waits, reads nothing.
             jax.block_until_ready(self._steps[-2][1])
+            self._stamp(self._steps[-2][0])
 
-    def read(self, upto: int, last_good: int | None) -> tuple[float, float]:
+    def read(self, upto: int, last_good: int | None) -> tuple[float, float, float]:
         """Every pending step up to `upto` on the host, checked in order for non-finite values (so a
-        bad step between two logs is caught before any checkpoint can hold it); upto's values."""
+        bad step between two logs is caught before any checkpoint can hold it); upto's values and the
+        time it was first seen complete."""
         done = [p for p in self._steps if p[0] <= upto]
         self._steps = [p for p in self._steps if p[0] > upto]
         for at, (loss, grad_norm) in fetch_metrics(done):
             problem = non_finite(at, loss, grad_norm, last_good)
             if problem:
                 raise TrainingError(problem)
-        return loss, grad_norm
+        self._stamp(upto)
+        finished = self._done.pop(upto)
+        self._done = {k: v for k, v in self._done.items() if k > upto}
+        return loss, grad_norm, finished
 
 
 class Progress:
@@ -277,20 +294,22 @@ class Progress:
         self.bar = tqdm(total=run.train.steps, initial=start, disable=not self._main, unit="step",
                         mininterval=2.0, dynamic_ncols=True)
 
-    def read(self, pending: PendingMetrics, upto: int, last_good: int | None) -> tuple[float, float]:
+    def read(self, pending: PendingMetrics, upto: int, last_good: int | None) -> tuple[float, float, float]:
         """`pending.read`, the loss shown on the bar."""
-        loss, grad_norm = pending.read(upto, last_good)
+        loss, grad_norm, finished = pending.read(upto, last_good)
         self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        return loss, grad_norm
+        return loss, grad_norm, finished
 
-    def record(self, at: int, loss: float, grad_norm: float) -> dict:
-        now = time.perf_counter()
+    def record(self, at: int, loss: float, grad_norm: float, finished: float) -> dict:
+        """Step `at`'s record; its throughput over the steps since the previous record, timed from when
+        that one's step was seen complete to `finished`, when this one's was (not when each is written: a
+        record written one step late would take the next step's time, and the last the remainder)."""
         settings = self._run.train
         record = {"step": at, "loss": loss, "lr": self._learning_rate(at - 1), "grad_norm": grad_norm,
                   **throughput(self._run.model, settings.remat, settings.batch_size, at - self._last_step,
-                               now - self._last_time, len(self._devices), self._peak),
+                               finished - self._last_time, len(self._devices), self._peak),
                   "memory_gib": memory_gib()}
-        self._last_time, self._last_step = now, at
+        self._last_time, self._last_step = finished, at
         return record
 
     def restart_clock(self) -> None:
@@ -310,20 +329,22 @@ class Progress:
 
 
 def train(run: RunConfig, corpus: Corpus) -> int:
-    """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`)."""
+    """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`). Returns the
+    exit status: 0, or 128 + the signal's number for a run a signal stopped (its checkpoint saved)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     session = set_up(run, corpus)
     state, position = initial_state(session)
     start = int(state.step)
+    if start >= run.train.steps:
+        return _finished(run, start)
     if D.is_main_process():
         rundir.write_config(run.train.run_dir, run)
         print(_banner(session, corpus, start), flush=True)
+    learning_rate = host_learning_rate(run.optimizer)
+    # Compiled before the run's signal handlers: a signal during start-up ends the command at once
+    # (`jaxseq.train.main`), with nothing to save.
+    session, step_fn, batch = compile_step(session, state, position)
     with StopFlag(session.mesh) as stop:
-        learning_rate = host_learning_rate(run.optimizer)
-        if start < run.train.steps:
-            session, step_fn, batch = compile_step(session, state, position)
-        else:
-            step_fn, batch = None, None
         progress = Progress(run, session.devices, learning_rate, start)
         try:
             state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
@@ -332,9 +353,23 @@ def train(run: RunConfig, corpus: Corpus) -> int:
             progress.close(session.checkpoints)
         if stopping:
             if D.is_main_process():
-                print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume")
-        elif start < run.train.steps:
-            _closing_report(session, corpus, state, val_loss)
+                print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume",
+                      flush=True)
+            # Not 0: a scheduler tells an interrupted run from a finished one (the shell's 128 + N).
+            return 128 + signal.Signals[stopping].value
+        _closing_report(session, corpus, state, val_loss)
+    return 0
+
+
+def _finished(run: RunConfig, start: int) -> int:
+    """A resume of a run whose checkpoint is at (or past) its last step: nothing to train."""
+    steps = run.train.steps
+    if start > steps:
+        raise ConfigError(f"--resume: the newest checkpoint of {run.train.run_dir} is at step {start}, past "
+                          f"steps={steps}: nothing to train; to continue the run pass --steps N with N > {start}")
+    if D.is_main_process():
+        print(f"{run.train.run_dir} has finished its {steps} steps: nothing to train; to continue it, "
+              f"--resume --steps N with N > {steps}", flush=True)
     return 0
 
 
@@ -350,6 +385,7 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
         # Between boundaries nothing on the host waits for the device: the step is dispatched, the
         # next batch built while it runs, and its loss and gradient norm stay on the device. On a
         # GPU, whose step is short, a per-step fetch would leave it idle while the host catches up.
+        pending.note_ready()
         with jax.transfer_guard_device_to_host("disallow"):
             state, out = step_fn(state, batch, session.key)
             step, position = step + 1, position + 1
@@ -372,8 +408,8 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
             late_log = step if log_now else None
             continue
         # Saving or evaluating uses this step's state, which the next step would consume (donated).
-        loss, grad_norm = progress.read(pending, step, last_good)
-        record = progress.record(step, loss, grad_norm) if log_now else None
+        loss, grad_norm, finished = progress.read(pending, step, last_good)
+        record = progress.record(step, loss, grad_norm, finished) if log_now else None
         if save_now:
             session.save(step, state, position)
             last_good = step

@@ -10,6 +10,7 @@ so one reader serves converted weights and trained runs alike, and `--init-from`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
-                           replace, validate_parallel)
+                           TrainConfig, replace, validate_parallel)
 from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
@@ -74,8 +75,16 @@ def saved_model(path: str) -> ModelConfig:
     return ModelConfig(**read_config(path)["model"])
 
 
-def saved_optimizer(path: str) -> OptimizerConfig:
-    return OptimizerConfig(**read_config(path)["optimizer"])
+def saved_configs(path: str) -> dict:
+    """The configs a run was saved with: {"model", "optimizer", "train", "parallel"} (fields this version
+    does not know are left out, fields it added take their defaults)."""
+    saved = read_config(path)
+    configs = {}
+    for section, kind in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("train", TrainConfig),
+                          ("parallel", ParallelConfig)):
+        names = {f.name for f in dataclasses.fields(kind)}
+        configs[section] = kind(**{k: v for k, v in saved.get(section, {}).items() if k in names})
+    return configs
 
 
 # ---------------------------------------------------------------------------------------------
