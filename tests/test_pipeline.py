@@ -502,3 +502,17 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
     batch_bytes = 2 * 4 * MICRO * m // d * CFG.seq_len
     counters = 3 * 4 + 8  # the step, Adam's count, the schedule's count (int32); the key (two uint32)
     assert compiled.memory_analysis().argument_size_in_bytes - batch_bytes - counters == planned.params + planned.optimizer
+
+
+def test_the_executor_s_invariants_are_errors_not_asserts():
+    """`python -O` strips asserts: a stash layout that changed since it was traced, or gradient specs whose
+    layers are not split over pipe, raise errors that say what is wrong."""
+    layout = PL.ResidualLayout(None, (-1,), (jax.ShapeDtypeStruct((2, 3), np.float32),))
+    with pytest.raises(RuntimeError, match=r"vjp changed its layout .* 1 residual leaves \[\(4, 3\)\] where the stash "
+                                           r"holds 1 \[\(2, 3\)\]"):
+        layout.split([np.zeros((4, 3), np.float32)])
+    specs = {"layers": {"mlp": {"wi": {"kernel": P(None, None, "tensor")}}}}
+    with pytest.raises(ValueError, match=r"grad_specs: layers\['mlp'\]\['wi'\]\['kernel'\] is P\(None, "
+                                         r"None, 'tensor'\); every layer's gradient is split over pipe"):
+        PL.pipeline_loss_and_grad(None, None, None, cfg=preset("tiny"), parallel=ParallelConfig(pipe=2, data=4),
+                                  remat="none", mesh=None, microbatches=2, grad_specs=specs)

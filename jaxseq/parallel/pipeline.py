@@ -269,7 +269,10 @@ class ResidualLayout:
         """The leaves of a forward's vjp that go to the stash, varying over `pipe` and `data` as the stash is: a
         constant among them (Llama's RoPE frequencies, closed over by the layer) is invariant."""
         leaves = jax.tree.leaves(f_vjp)
-        assert [a.shape for a in leaves] == [a.shape for a in self.avals], "a chunk's vjp changed its layout"
+        shapes, traced = [a.shape for a in leaves], [a.shape for a in self.avals]
+        if shapes != traced:  # not an assert: `python -O` would stash the wrong arrays
+            raise RuntimeError(f"a pipeline chunk's vjp changed its layout since `of` traced it: {len(shapes)} residual "
+                               f"leaves {shapes} where the stash holds {len(traced)} {traced}")
         return [DP.varying(leaf) for leaf, i in zip(leaves, self.source) if i < 0]
 
     def join(self, stashed: list, w, keys) -> Callable:
@@ -587,8 +590,10 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
     grad_specs = M.param_specs(cfg, parallel) if grad_specs is None else grad_specs
-    assert all(entry_axes(spec[0]) == ("pipe",) for spec in jax.tree.leaves(
-        grad_specs["layers"], is_leaf=lambda x: isinstance(x, P))), "layers are split over pipe on their first dimension"
+    for path, spec in jax.tree_util.tree_leaves_with_path(grad_specs["layers"], is_leaf=lambda x: isinstance(x, P)):
+        if not spec or entry_axes(spec[0]) != ("pipe",):
+            raise ValueError(f"grad_specs: layers{jax.tree_util.keystr(path)} is {spec}; every layer's gradient is "
+                             "split over pipe on its first dimension (the stage's layers)")
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
     over = DP.gradient_axes(parallel)
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data * parallel.context, remat=remat,
