@@ -215,6 +215,6 @@ def test_train_command_with_it_then_resumed_without_it(tmp_path):
     out = run(*TINY, "--steps", "2", "--run-dir", run_dir, "--distributed-optimizer")
     assert "data=2 × tensor=4 + SP + distributed optimizer" in out.stdout
     assert json.load(open(os.path.join(run_dir, "config.json")))["parallel"]["distributed_optimizer"] is True
-    run(*TINY, "--steps", "3", "--run-dir", run_dir, "--resume")
+    run(*TINY, "--steps", "3", "--run-dir", run_dir, "--resume", "--no-distributed-optimizer")  # (else kept)
     assert json.load(open(os.path.join(run_dir, "config.json")))["parallel"]["distributed_optimizer"] is False
     assert sorted(losses(run_dir)) == [1, 2, 3]
