@@ -65,6 +65,51 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
         assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
 
 
+# Layouts whose processes share batch rows: one pipeline stage per process (tensor and data inside a host, stages
+# across hosts, the PTD-P layout), and context ranks across processes. Each process reads every row its devices
+# hold, which here is the whole batch (it used to stop with "not an even share").
+ACROSS_HOSTS = {"pipe": ["--mesh", "pipe=2,data=2,tensor=2", "--micro-batch-size", "2", "sample_tokens=0"],
+                "context": ["--mesh", "context=2,tensor=4", "sample_tokens=0"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ACROSS_HOSTS))
+def test_stages_and_context_ranks_span_processes(layout, tmp_path):
+    """2 processes × 4 devices with pipe=2 × data=2 × tensor=2 (a stage per process) or context=2 × tensor=4 (a
+    context rank per process) train with the losses of 1 process × 8 devices on the same mesh."""
+    pair_dir, single_dir = str(tmp_path / "pair"), str(tmp_path / "single")
+    procs = launch(pair_dir, 3, extra=ACROSS_HOSTS[layout])
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    run(*ARGS, "--host-devices", "8", "--steps", "3", "--run-dir", single_dir, *ACROSS_HOSTS[layout])
+    pair, single = losses(pair_dir), losses(single_dir)
+    assert sorted(pair) == [1, 2, 3]
+    for step in pair:
+        assert abs(pair[step] - single[step]) <= 1e-5 * abs(single[step]), (step, pair[step], single[step])
+
+
+def test_a_process_reads_the_rows_its_devices_hold():
+    """local_batch_rows on 8 devices seen as 2 hosts of 4: 1/2 of the rows when hosts split `data`, all of them
+    when they split `pipe` or `context` (each stage and context rank needs every row)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxseq.config import ParallelConfig
+    from jaxseq.mesh import make_mesh
+    from jaxseq.parallel import distributed as D
+
+    host0 = set(jax.devices()[:4])
+    for parallel, rows in ((ParallelConfig(data=2, tensor=4), slice(0, 4)),
+                           (ParallelConfig(pipe=2, data=2, tensor=2), slice(0, 8)),
+                           (ParallelConfig(context=2, tensor=4), slice(0, 8)),
+                           (ParallelConfig(data=4, tensor=2), slice(0, 4))):
+        sharding = NamedSharding(make_mesh(parallel), P("data"))
+        held = {d: i for d, i in sharding.devices_indices_map((8, 16)).items() if d in host0}
+        view = type("HostView", (), {"addressable_devices_indices_map": lambda self, shape: held})()
+        assert D.local_batch_rows(view, 8, 16) == rows, parallel
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):

@@ -177,17 +177,22 @@ def is_main_process() -> bool:
 
 
 def local_batch_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> slice:
-    """The contiguous rows of the global batch whose shards live on this process's devices.
+    """The rows of the global batch that this process's devices hold, which it alone reads from its data source.
 
-    Each process then reads only those rows from its data source.
-    """
+    A process's share is whatever its devices' shards cover: 1/P of the rows when processes split `data`, every
+    row when they split an axis the batch is replicated over (pipeline stages, context or tensor ranks across
+    hosts: each stage needs every micro-batch, each context rank every row), and anything between. Processes
+    that hold the same rows read the same rows (the stream is a function of the step), so
+    `make_array_from_process_local_data` places identical replicas. The rows must be one contiguous run."""
     index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
-    starts = sorted({idx[0].start or 0 for idx in index_map.values()})
-    stops = sorted({idx[0].stop if idx[0].stop is not None else global_batch for idx in index_map.values()})
-    rows = slice(starts[0], stops[-1])
-    if (rows.stop - rows.start) * jax.process_count() != global_batch:
-        raise ConfigError(f"the batch rows of process {jax.process_index()} ({rows}) are not an even share "
-                          f"of batch_size={global_batch} over {jax.process_count()} processes")
+    held = set()
+    for idx in index_map.values():
+        held.update(range(*idx[0].indices(global_batch)))
+    rows = slice(min(held), max(held) + 1)
+    if len(held) != rows.stop - rows.start:
+        raise ConfigError(f"the batch rows of process {jax.process_index()} are not one contiguous run "
+                          f"({sorted(held)} of batch_size={global_batch}): order the mesh so that one host's "
+                          "devices hold neighbouring data ranks")
     return rows
 
 
