@@ -52,7 +52,7 @@ ALLOWED = {
     "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.pipeline",
                             "sharding"},
     "training.aot": {"config", "models.model", "parallel.context", "training.train_step"},
-    "training.checkpoint": {"config", "models.model"},
+    "training.checkpoint": {"config", "models.model", "sharding"},
     "training.rundir": {"config", "mesh", "models.model", "training.checkpoint", "training.sampling",
                         "training.train_step"},
     "training.data": {"config"},
