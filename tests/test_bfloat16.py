@@ -132,22 +132,98 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in weight_dots), weight_dots
 
 
-@pytest.mark.parametrize("parallel", [
-    ParallelConfig(data=2, tensor=4, sequence_parallel=True),
-    ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True),
-    ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True),
-], ids=["data2-tensor4", "data2-context2-tensor2", "pipe2-context2-tensor2"])
-def test_a_bf16_step_with_gradient_accumulation_compiles_on_cpu(devices, parallel):
+# The train step's gradient paths in bf16, each compiled once for the tests below (its partitioned HLO read too):
+# name → (parallel, micro-batches).
+PATHS = {
+    "data2-tensor4": (ParallelConfig(data=2, tensor=4, sequence_parallel=True), 1),  # no accumulation
+    "data2-tensor4-m2": (ParallelConfig(data=2, tensor=4, sequence_parallel=True), 2),  # accumulation
+    "data2-context2-tensor2-m2-distopt": (ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True,
+                                                         distributed_optimizer=True), 2),
+    "ring-data2-context2-tensor2-distopt": (ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True,
+                                                           context_strategy="ring", distributed_optimizer=True), 1),
+    "pipe2-context2-tensor2": (ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True), 2),
+    "1f1b-pipe2-data2-tensor2-distopt": (ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True,
+                                                        distributed_optimizer=True), 2),
+}
+SLOW_PATHS = {"ring-data2-context2-tensor2-distopt", "1f1b-pipe2-data2-tensor2-distopt"}
+PATH_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_PATHS else []) for name in PATHS]
+
+
+def _received(optimizer):
+    """`optimizer` after a transformation that keeps, as its state, the gradients the optimizer received (its
+    state starts as the parameters, so that the state's shardings follow theirs), and records their dtypes as
+    it is traced."""
+    import optax
+
+    dtypes = []
+
+    def update(grads, state, params=None):
+        dtypes.extend(str(g.dtype) for g in jax.tree.leaves(grads))
+        return grads, grads
+
+    return optax.chain(optax.GradientTransformation(lambda params: params, update), optimizer), dtypes
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(devices):
+    """name → (parallel, its bf16 train step compiled, the HLO as partitioned, the dtypes the optimizer was
+    traced with, the gradients it received in one step)."""
+    from jaxseq.config import OptimizerConfig
+    from jaxseq.training import aot
+
+    steps = {}
+
+    def get(name):
+        if name not in steps:
+            parallel, micro_batches = PATHS[name]
+            cfg = replace(CFG, dtype="bfloat16", dropout=0.0)
+            mesh = make_mesh(parallel, devices[: parallel.num_devices])
+            assert ("context" in mesh.shape) == (parallel.context > 1)
+            optimizer, dtypes = _received(T.make_optimizer(OptimizerConfig(), cfg))
+            step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches=micro_batches)
+            compiled, text = HLO.compile_partitioned(
+                step.lower(*aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, 16)))
+            state = T.init_state(jax.random.key(1), cfg, parallel, optimizer, mesh)
+            state, _ = compiled(state, _batch(16), jax.random.key(2))
+            steps[name] = parallel, mesh, text, dtypes, jax.device_get(state.opt_state[0])
+        return steps[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["data2-tensor4-m2", "data2-context2-tensor2-m2-distopt", "pipe2-context2-tensor2"])
+def test_a_bf16_step_with_gradient_accumulation_compiles_on_cpu(bf16_steps, name):
     """The train command's CPU step in bf16 with two micro-batches compiles. XLA:CPU aborted ("Invalid binary
     instruction opcode copy", its bf16 all-reduce promotion) on a mesh holding a size-1 `context` axis
     (`mesh.make_mesh` leaves the axis out), and on the all-gather strategy's reduce-scatter over `context` left
     with `tensor` automatic (`parallel.context._gather_in_region` runs it manual over every axis)."""
-    from jaxseq.config import OptimizerConfig
-    from jaxseq.training import aot
+    bf16_steps(name)
 
-    cfg = replace(CFG, dtype="bfloat16", dropout=0.0)
-    mesh = make_mesh(parallel, devices[: parallel.num_devices])
-    assert ("context" in mesh.shape) == (parallel.context > 1)
-    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches=2)
-    step.lower(*aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, 16)).compile()
+
+@pytest.mark.parametrize("name", PATH_PARAMS)
+def test_bf16_gradients_are_reduced_and_applied_in_float32(bf16_steps, name):
+    """Megatron's default (--accumulate-allreduce-grads-in-fp32) on every path of a bf16 step (one micro-batch or
+    several, a pipeline, context parallelism, the distributed optimizer): each rank's gradients of the bf16
+    compute copy are cast to float32, the ranks reduce them in float32 over data (and context), and clipping and
+    AdamW receive float32. Read three ways: every floating reduction whose device groups span data or context
+    ranks, in the program as XLA's partitioner leaves it (XLA:CPU then promotes bf16 reductions to float32,
+    which would hide one), has a float32 element type, except the all-gather strategy's dK/dV reduce-scatter over
+    context (activations, within one data rank); the optimizer is traced with float32 gradients; and the
+    gradients it receives for each bf16 weight are not all bf16 values (a sum of float32 partial sums is not,
+    where a bf16 reduction, or a float32 one cast through bf16 as the pipeline's was, gives only bf16 values)."""
+    parallel, mesh, text, dtypes, received = bf16_steps(name)
+    coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
+    spans = lambda groups, axis: any(len({coords[i].get(axis, 0) for i in g}) > 1 for g in groups)
+    over = [r for r in HLO.reductions(text) if r.groups and (spans(r.groups, "data") or spans(r.groups, "context"))]
+    gradient_axes = "data" if parallel.data > 1 else "context"
+    reductions = [r for r in over if spans(r.groups, gradient_axes)]
+    assert reductions  # the gradients' reductions are there to be read
+    assert [(r.kind, r.shapes, r.dtypes, r.op_name) for r in over if set(r.dtypes) != {"f32"}
+            and (spans(r.groups, "data") or "reduce_scatter" not in r.op_name)] == []
+    assert dtypes and set(dtypes) == {"float32"}
+    cast = jax.tree.leaves(M.cast_mask(replace(CFG, dtype="bfloat16")))
+    for (path, g), is_cast in zip(jax.tree_util.tree_leaves_with_path(received), cast):
+        g = np.asarray(g)
+        assert g.dtype == np.float32
+        if is_cast:  # LayerNorm parameters stay float32 anyway
+            assert (g != g.astype(jnp.bfloat16).astype(np.float32)).any(), jax.tree_util.keystr(path)

@@ -71,7 +71,10 @@ def reduce_over(g, spec: P, over: tuple[str, ...]):
 def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
                              microbatches: int, grad_specs):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
-    [B, s] int32), micro-batch i with dropout key fold_in(key, i), without a pipeline. To be called under
+    [B, s] int32), micro-batch i with dropout key fold_in(key, i) (one micro-batch: `key` itself, no scan), without
+    a pipeline. The train step's gradients take this path with one micro-batch too: left to XLA, the reduction of
+    a gradient of the compute-dtype weights runs in that dtype (bf16), where here each rank's gradient is cast to
+    float32 first and the ranks sum float32 (Megatron's default, --accumulate-allreduce-grads-in-fp32). To be called under
     jit with `params` in their compute layout (`model.param_specs`). Each data rank runs its rows of every
     micro-batch (dropout masks: those rows of the global mask, `model.bernoulli_rows`), each context rank its
     tokens of them, and sums its float32 gradients in a `lax.scan`; after it the sum is reduced over data ×
@@ -83,6 +86,8 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     ending in a copy, which all-reduce promotion cannot clone)."""
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
+    if parallel.data * parallel.context == 1:
+        return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
                                                shard=context.sharder(mesh, parallel, stage=True)))
     over = gradient_axes(parallel)
@@ -91,20 +96,43 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
 
     def rank(params, micro, key_data):
         key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, over), params)
+        float32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
         def add(total, inputs):
             mb, i = inputs
             loss, grads = loss_and_grad(weights, mb, key=jax.random.fold_in(key, i))
-            return jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), total, (loss, grads)), None
+            return jax.tree.map(jnp.add, total, float32((loss, grads))), None
 
-        zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), over), (jnp.zeros(()), params))
-        (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
+        if microbatches == 1:  # the step's own key, as a step without accumulation draws it; no accumulator
+            loss, grads = float32(loss_and_grad(weights, jax.tree.map(lambda a: a[0], micro), key=key))
+        else:
+            zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), over), (jnp.zeros(()), params))
+            (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
         return (jax.lax.psum(loss, over) * scale,
                 jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, over), grads, grad_specs))
 
     out_specs = jax.tree.map(lambda spec: only_axes(spec, over), grad_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(rank, mesh=mesh, axis_names=set(region_axes(parallel)), in_specs=(P(), P(None, "data"), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
+
+
+def _unreduced_loss_and_grad(params, micro, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
+    """`accumulate_loss_and_grad` where there is no data or context rank to reduce over (data = context = 1): no
+    region (one manual over axes all of size 1 made XLA's partitioner refuse its psum: "Cross-partition allreduce
+    must be in (partial) manual partitioning mode"), the same keys and float32 sums."""
+    loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat, shard=context.sharder(mesh, parallel)))
+    float32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+    microbatches = jax.tree.leaves(micro)[0].shape[0]
+    if microbatches == 1:
+        return float32(loss_and_grad(params, jax.tree.map(lambda a: a[0], micro), key=key))
+
+    def add(total, inputs):
+        mb, i = inputs
+        return jax.tree.map(jnp.add, total, float32(loss_and_grad(params, mb, key=jax.random.fold_in(key, i)))), None
+
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (jnp.zeros(()), params))
+    (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
+    return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
 
 
 def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):

@@ -580,7 +580,7 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
 
 def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
                            microbatches: int, grad_specs=None, inspect=None):
-    """(loss, grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
+    """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
     the parameters'); a leaf whose spec names `data` or, for the embedding and final LN, `pipe` (the master
@@ -601,8 +601,8 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(grad_specs, over)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
-    grads = {"layers": from_stages(layer_grads), **other_grads}
-    return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), grads, params)
+    # float32, as accumulated and reduced: not cast back to the dtype of `params` (the step's bf16 compute copy)
+    return loss, {"layers": from_stages(layer_grads), **other_grads}
 
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):

@@ -8,7 +8,10 @@ buffer that the forward loop writes; its per-device size / L is the per-layer st
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -364,6 +367,7 @@ class Reduction:
     groups: tuple[tuple[int, ...], ...] | None  # device groups (mesh device ids); None: not read
     in_loop: bool  # inside a while loop's body, a conditional's branch in it included
     op_name: str
+    dtypes: tuple[str, ...] = ()  # element types of its floating-point results, as `shapes`
 
 
 def reductions(hlo_text: str) -> list[Reduction]:
@@ -379,10 +383,12 @@ def reductions(hlo_text: str) -> list[Reduction]:
             if kind not in ("all-reduce", "reduce-scatter"):
                 continue
             groups = replica_groups(ins.rest)
-            shapes = tuple(dims for dt, dims in ins.arrays() if dt.startswith(("f", "bf")))
+            floats = [(dt, dims) for dt, dims in ins.arrays() if dt.startswith(("f", "bf"))]
+            shapes = tuple(dims for _, dims in floats)
             if shapes:
                 out.append(Reduction(kind, sum(int(np.prod(d, dtype=np.int64)) for d in shapes), shapes,
-                                     tuple(groups) if groups else None, comp in in_loops, _op_name(ins.rest)))
+                                     tuple(groups) if groups else None, comp in in_loops, _op_name(ins.rest),
+                                     tuple(dt for dt, _ in floats)))
     return out
 
 
@@ -449,3 +455,27 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
             total += max(dot_flops(comps, b, memo) for b in ins.branches())
     memo[comp] = total
     return total
+
+
+def compile_partitioned(lowered):
+    """(compiled, HLO text as XLA's SPMD partitioner leaves it) of `lowered` (a `jax.jit(...).lower(...)`): the
+    collectives the partitioner inserted, each in the element type it chose. Why not the optimized program:
+    XLA:CPU promotes every bf16 all-reduce and reduce-scatter to float32 after partitioning (its
+    all-reduce-promotion pass), so the optimized text cannot tell a bf16 gradient reduction (what a GPU runs)
+    from a float32 one. Compiles with the compilation cache off: a cached program runs no passes, and the
+    cache key leaves the dump options out."""
+    import jax
+
+    with tempfile.TemporaryDirectory(prefix="jaxseq-spmd-") as directory:
+        enabled = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            compiled = lowered.compile(compiler_options={"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
+                                                         "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+        files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
+        if len(files) != 1:
+            raise RuntimeError(f"expected one HLO dump after spmd-partitioning, found {sorted(files)}")
+        with open(files[0]) as f:
+            return compiled, f.read()

@@ -149,34 +149,31 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients arrive
     in the master shards, so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
 
-    The gradients are reduced over `data` once per step, as in Megatron-LM. With one micro-batch XLA inserts
-    the reductions (each gradient's once; onto the master shards a reduce-scatter, which XLA:CPU writes
-    all-reduce + dynamic-slice). With several, each data rank sums its own gradients over the micro-batches and the
-    ranks reduce the sum once after the accumulation (an all-reduce, or a reduce-scatter onto the master
-    shards): in a plain scan without a pipeline (`parallel.data_parallel.accumulate_loss_and_grad`), through
-    the pipeline schedule with parallel.pipe > 1 (`parallel.pipeline.pipeline_loss_and_grad`, same keys).
+    The gradients are reduced over `data` (and `context`) once per step, in float32, as in Megatron-LM: each data
+    rank casts its gradients of the compute copy to float32 (summed over the micro-batches when there are several)
+    and the ranks reduce that once (an all-reduce, or a reduce-scatter onto the master shards), in a region manual
+    over `data` without a pipeline (`parallel.data_parallel.accumulate_loss_and_grad`, with one micro-batch too),
+    through the pipeline schedule with parallel.pipe > 1 (`parallel.pipeline.pipeline_loss_and_grad`, same keys).
+    Left to XLA (differentiating the bf16 copy under jit), the reductions ran in bf16. Clipping and AdamW see the
+    float32 gradients.
     Under a pipeline the embedding's and final LayerNorm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
-    shard = context.sharder(mesh, parallel)
-    loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
     master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-    accumulate = pipeline_loss_and_grad if parallel.pipe > 1 else DP.accumulate_loss_and_grad
+    # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
+    loss_and_grad = pipeline_loss_and_grad if parallel.pipe > 1 else DP.accumulate_loss_and_grad
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
         # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
         weights = constrain(M.cast_params(state.params, cfg), compute_sh)
-        if parallel.pipe > 1 or micro_batches > 1:
-            loss, grads = accumulate(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                                     microbatches=micro_batches, grad_specs=master_specs(cfg, parallel))
-        else:
-            loss, grads = loss_and_grad(weights, batch, key=key)
-        # float32 gradients in the master weights' shards (where they already are, a no-op)
-        grads = constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
+        loss, grads = loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
+                                    microbatches=micro_batches, grad_specs=master_specs(cfg, parallel))
+        # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
+        grads = constrain(grads, master_sh)
         grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
