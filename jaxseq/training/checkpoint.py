@@ -178,7 +178,10 @@ class UnreadableStep(Exception):
 
 @contextlib.contextmanager
 def _reading(step: int):
-    """Around orbax's reads only: what a damaged checkpoint raises becomes UnreadableStep; a bug propagates."""
+    """Around orbax's reads only: what a damaged checkpoint raises becomes UnreadableStep; a bug propagates.
+    The abandoned reads' noise is dropped from before the first read: they can complete before the failure
+    reaches here."""
+    _drop_abandoned_reads()
     try:
         yield
     except Exception as e:
@@ -187,7 +190,6 @@ def _reading(step: int):
             cause = cause.__cause__
         if cause is None:
             raise
-        _drop_abandoned_reads()
         raise UnreadableStep(step, cause) from e
 
 
@@ -204,8 +206,8 @@ def _drop_abandoned_reads() -> None:
     """After a failed read orbax closes its asyncio loop under the reads still in flight: each of their late
     completions raises RuntimeError('Event loop is closed') into sys.unraisablehook, and each failed one is
     logged by asyncio as a "Future exception was never retrieved" — pages of tracebacks after the one line
-    that says the step is unreadable. From then on those are dropped; anything else still reaches the
-    hook that was there and the log."""
+    that says the step is unreadable. Those are dropped (installed once, before a read); anything else still
+    reaches the hook that was there and the log."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_reads", False):
         return
