@@ -537,10 +537,10 @@ def test_search_compiles_the_layer_at_context():
     stored bytes are formulas.activation_bytes at c (both strategies, with and without SP), equal to the scaled
     c = 1 layer (`at_context`, what a search with fewer devices uses: "scaled"), and so are its TP collectives
     (per token: / c). The working memory is not (tiny, b = 1, float32 step): compiled at c, all-gather's is
-    1.20–1.22 × the scaled working / c + K/V transient (some transients, the gathered whole-sequence K/V and
-    their float32 gradients among them, do not divide by c as the per-token model assumes), the ring's
-    0.69–0.74 × (it never holds a rank's [s/c, s] scores, only s/2c × s/2c blocks, which the scaled c = 1
-    scores / c still count)."""
+    0.96–0.97 × the scaled working / c + K/V transient, the ring's 0.60–0.61 × (it never holds a rank's [s/c, s]
+    scores, only s/2c × s/2c blocks, which the scaled c = 1 scores / c still count). Since the one micro-batch
+    runs in the region manual over data × context (gradients reduced in float32, once), each rank's program holds
+    less than the partitioned one did (1.20–1.22 × and 0.69–0.74 × before): the scaled model is an upper bound here."""
     cfg = replace(preset("tiny"), dtype="bfloat16")
     r = S.Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
     costs = SearchCosts(cfg, jax.devices()[:4])
@@ -564,7 +564,7 @@ def test_search_compiles_the_layer_at_context():
         assert at_c.collective_bytes == from_1.collective_bytes and sum(at_c.collective_bytes.values()) > 0
         ratios[c.context_strategy, c.sequence_parallel] = at_c.working_bytes / from_1.working_bytes
         print(f"{c.label()}: working {at_c.working_bytes} B compiled at c, {from_1.working_bytes:.0f} B scaled")
-    assert all(1.0 < ratios["all-gather", sp] < 1.25 and 0.6 < ratios["ring", sp] < 1.0 for sp in (False, True)), ratios
+    assert all(0.9 < ratios["all-gather", sp] < 1.0 and 0.55 < ratios["ring", sp] < 0.7 for sp in (False, True)), ratios
 
 
 def test_flash_attention_working_memory_is_rows_not_scores():
