@@ -8,73 +8,30 @@ data size. Each compiled step is built once per module (tiny model, float32).
 from functools import lru_cache
 
 import jax
-import numpy as np
 import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
-from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.planning import hlo as A
 from jaxseq.planning import memory
-from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
+
+from compiled_steps import CompiledStep
 
 CFG = replace(preset("tiny"), dtype="float32")  # dropout 0.1: masks do not depend on the sharding
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), CFG)
 BATCH, STEPS, SAVED_AT = 16, 4, 2
 # name → (data, tensor, sequence parallel, micro-batches); data=2 runs on the first 4 devices.
 MESHES = {"data=4,tensor=2+sp": (4, 2, True, 4), "data=8": (8, 1, False, 1), "data=2,tensor=2+sp": (2, 2, True, 4)}
-
-
-def _batch(step: int) -> dict:
-    """Rows counting up in steps of 7 from random starts: learnable in a few steps."""
-    starts = np.random.default_rng(step).integers(0, CFG.vocab_size, (BATCH, 1))
-    tokens = ((starts + 7 * np.arange(CFG.seq_len + 1)) % CFG.vocab_size).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
 KEY = jax.random.key(1)
 
 
-class Setup:
-    """A mesh, its state shardings and the compiled step, with or without the distributed optimizer."""
-
-    def __init__(self, name: str, distributed: bool):
-        data, tensor, sp, self.micro_batches = MESHES[name]
-        self.parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp,
-                                       distributed_optimizer=distributed)
-        self.mesh = make_mesh(self.parallel, jax.devices()[: data * tensor])
-        self.shardings = T.state_shardings(CFG, self.parallel, OPT, self.mesh)
-        self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, self.parallel, OPT, self.mesh))
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                self.abstract, self.shardings)
-        step = T.make_train_step(CFG, self.parallel, "selective", OPT, self.mesh, self.micro_batches)
-        self.compiled = step.lower(abstract, _batch(0), KEY).compile()
-
-    def init(self):
-        return T.init_state(jax.random.key(0), CFG, self.parallel, OPT, self.mesh)
-
-    def run(self, state, first: int, last: int, save_to=None) -> list[float]:
-        """Steps first+1 … last (batch i for step i+1); saves a checkpoint after step SAVED_AT."""
-        losses = []
-        for i in range(first, last):
-            state, metrics = self.compiled(state, _batch(i), KEY)
-            losses.append(float(metrics["loss"]))
-            if save_to is not None and i + 1 == SAVED_AT:
-                mgr = C.manager(save_to, async_save=False)
-                C.save(mgr, SAVED_AT, state, {"data_position": SAVED_AT}, force=True)
-                mgr.close()
-        return losses
-
-    def restore(self, directory):
-        state, meta = C.restore(C.manager(directory, async_save=False), self.abstract, self.shardings, self.mesh)
-        assert int(state.step) == meta["data_position"] == SAVED_AT
-        return state
-
-
 @lru_cache(maxsize=None)
-def setup(name: str, distributed: bool) -> Setup:
-    return Setup(name, distributed)
+def setup(name: str, distributed: bool) -> CompiledStep:
+    """A mesh of MESHES, its state shardings and the compiled step, with or without the distributed optimizer."""
+    data, tensor, sp, micro_batches = MESHES[name]
+    parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, distributed_optimizer=distributed)
+    return CompiledStep(CFG, parallel, OPT, micro_batches, BATCH, KEY, SAVED_AT)
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,13 @@ import time
 from functools import lru_cache
 
 import jax
-import numpy as np
 import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
-from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
-from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
+
+from compiled_steps import CompiledStep
 
 # 4 layers (pipe × virtual stages = 2 × 2 divides them), dropout on (the tiny preset's 0.1): every row draws the
 # same global masks, so rows with the same micro-batches compute the same losses on any mesh.
@@ -75,50 +74,11 @@ def _id(row) -> str:
     return f"{family}{'-distopt' if distributed else ''}-m{m}"
 
 
-def _batch(step: int) -> dict:
-    """Rows counting up in steps of 7 from random starts: learnable in a few steps."""
-    starts = np.random.default_rng(step).integers(0, CFG.vocab_size, (BATCH, 1))
-    tokens = ((starts + 7 * np.arange(CFG.seq_len + 1)) % CFG.vocab_size).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
-class Row:
-    """A row's mesh, state shardings and compiled step."""
-
-    def __init__(self, family: str, distributed: bool, micro_batches: int):
-        self.parallel = replace(LAYOUTS[family], distributed_optimizer=distributed)
-        self.micro_batches = micro_batches
-        self.mesh = make_mesh(self.parallel, jax.devices()[: self.parallel.num_devices])
-        self.shardings = T.state_shardings(CFG, self.parallel, OPT, self.mesh)
-        self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, self.parallel, OPT, self.mesh))
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                self.abstract, self.shardings)
-        step = T.make_train_step(CFG, self.parallel, "selective", OPT, self.mesh, micro_batches)
-        self.compiled = step.lower(abstract, _batch(0), KEY).compile()
-
-    def run(self, state, first: int, last: int, save_to=None) -> list[float]:
-        """Steps first+1 … last (batch i for step i+1); saves a checkpoint after step SAVED_AT."""
-        losses = []
-        for i in range(first, last):
-            state, metrics = self.compiled(state, _batch(i), KEY)
-            losses.append(float(metrics["loss"]))
-            if save_to is not None and i + 1 == SAVED_AT:
-                mgr = C.manager(save_to, async_save=False)
-                C.save(mgr, SAVED_AT, state, {"data_position": SAVED_AT}, force=True)
-                mgr.close()
-        return losses
-
-    def restore(self, directory):
-        state, meta = C.restore(C.manager(directory, async_save=False), self.abstract, self.shardings, self.mesh)
-        assert int(state.step) == meta["data_position"] == SAVED_AT
-        for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(self.shardings)):
-            assert got.sharding.is_equivalent_to(want, got.ndim)  # restored into this mesh's shards
-        return state
-
-
 @lru_cache(maxsize=None)
-def row(family: str, distributed: bool, micro_batches: int) -> Row:
-    return Row(family, distributed, micro_batches)
+def row(family: str, distributed: bool, micro_batches: int) -> CompiledStep:
+    """A row's mesh, state shardings and compiled step."""
+    parallel = replace(LAYOUTS[family], distributed_optimizer=distributed)
+    return CompiledStep(CFG, parallel, OPT, micro_batches, BATCH, KEY, SAVED_AT)
 
 
 @lru_cache(maxsize=None)
