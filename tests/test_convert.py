@@ -194,6 +194,7 @@ def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
                    "--sequence-parallel", "--host-devices", "8", "--steps", "1", "--batch-size", "4", "--lr", "0",
                    "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation loss" in proc.stdout and "sample (prompt" not in proc.stdout  # sample_tokens=0: no sample
     assert convert.main(["to-hf", run, str(tmp_path / "back")]) == 0
     src, back = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_model[1], str(tmp_path / "back")))
     assert sorted(back) == sorted(src)

@@ -447,7 +447,8 @@ def _closing_report(session: Session, corpus: Corpus, state, val: float) -> None
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)
         print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
               f"({corpus.name}); checkpoint: {session.checkpoint_dir}")
-        print("sample (prompt: the start of a validation document):\n" + prompt + decode_tokens(ids, corpus.tokenizer))
+        if settings.sample_tokens:  # sample_tokens=0: no sample, and no prompt printed as if it were one
+            print("sample (prompt: the start of a validation document):\n" + prompt + decode_tokens(ids, corpus.tokenizer))
 
 
 def _pipeline_text(p: ParallelConfig, micro: int) -> str:
