@@ -393,10 +393,6 @@ def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
                           f"{', '.join(CONTEXT_STRATEGIES)}")
     if c == 1:
         return
-    if parallel.pipe > 1 and parallel.context_strategy == "ring":
-        raise ConfigError(f"context_strategy='ring' with pipe={parallel.pipe}: the ring's collective-permutes would run "
-                          "inside the pipeline's per-tick branches, where XLA pairs them with other stages' permutes "
-                          "(wrong activations, docs/DESIGN.md); use context_strategy=all-gather with a pipeline")
     split = 2 * c * (parallel.tensor if parallel.sequence_parallel else 1)
     if model.seq_len % split:
         what = f"2·context·tensor = {split} (2c load-balanced chunks, each split over tensor by SP)" \

@@ -123,12 +123,15 @@ def pipeline_reference():
     return accumulated(GPT4, ParallelConfig(data=4, tensor=2, sequence_parallel=True), "none")
 
 
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])
-def test_a_pipelined_run_equals_context_1(schedule, virtual, pipeline_reference):
-    """pipe=2 × context=2 × tensor=2 + SP (all-gather), dropout on: the executor's region is manual over
-    context too, each stage passing one context rank's activations to the next."""
+@pytest.mark.parametrize("schedule,virtual,strategy", [("1f1b", 1, "all-gather"), ("interleaved", 2, "all-gather"),
+                                                       ("1f1b", 1, "ring"), ("interleaved", 2, "ring")])
+def test_a_pipelined_run_equals_context_1(schedule, virtual, strategy, pipeline_reference):
+    """pipe=2 × context=2 × tensor=2 + SP, dropout on, both strategies: the executor's region is manual over
+    context too, each stage passing one context rank's activations to the next. The ring's sends run inside
+    the ticks' branches, every branch padded to the same count of context permutes
+    (`pipeline.same_context_permutes`)."""
     parallel = ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True, schedule=schedule,
-                              virtual_stages=virtual)
+                              virtual_stages=virtual, context_strategy=strategy)
     assert_same(accumulated(GPT4, parallel, "selective"), pipeline_reference)
 
 
@@ -353,8 +356,6 @@ def test_parse_mesh_with_context():
     (GPT, ParallelConfig(data=1, context=3, tensor=1), "seq_len=64 is not divisible by 2·context = 6"),
     (replace(GPT, seq_len=40), ParallelConfig(context=2, tensor=4, sequence_parallel=True),
      "seq_len=40 is not divisible by 2·context·tensor = 16"),
-    (GPT, ParallelConfig(pipe=2, context=2, tensor=2, context_strategy="ring"),
-     "context_strategy='ring' with pipe=2: the ring's collective-permutes would run inside the pipeline's"),
     (GPT, ParallelConfig(context=2, context_strategy="ulysses"), "context_strategy='ulysses' is not valid"),
     (GPT, ParallelConfig(data=2, context=2, tensor=4), "data×context×tensor = 2×2×4 = 16 does not equal the device count 8"),
     (GPT, ParallelConfig(context=0), "context=0 must be a positive integer"),
@@ -365,29 +366,38 @@ def test_bad_input_is_one_line(model, parallel, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_why_the_ring_is_refused_under_a_pipeline():
-    """The XLA behaviour behind the refusal, pinned so that the day it changes this test says so. Two stages, two
-    ticks, as the executor runs them: at tick t one stage's branch sends 2·x over `context` (a ring step), the
-    other's idles, then the executor's ppermute over `pipe` hands each stage's output to the other. Stage 1
-    should add stage 0's doubled, swapped x at tick 0; XLA pairs stage 0's context permute with stage 1's pipe
-    permute, and stage 1 receives stage 0's buffer from before its permute."""
+def test_why_the_rings_branches_are_padded_under_a_pipeline():
+    """The XLA behaviour behind `pipeline.same_context_permutes`, pinned so that the day it changes this test says
+    so. Two stages, two ticks, as the executor runs them: at tick t one stage's branch sends 2·x over `context` (a
+    ring step), the other's idles, then the executor's ppermute over `pipe` hands each stage's output to the other.
+    Stage 1 should add stage 0's doubled, swapped x at tick 0; XLA:CPU pairs stage 0's context permute with stage
+    1's pipe permute, and stage 1 receives stage 0's buffer from before its permute. With the idle branch padded to
+    the same count of context permutes (one scalar send, as the executor pads), the result is right."""
     mesh = make_mesh(ParallelConfig(pipe=2, data=2, context=2, tensor=1), jax.devices())
     ring, idle = (lambda y: jax.lax.ppermute(2 * y, "context", [(0, 1), (1, 0)])), (lambda y: 0 * y)
-
-    def body(x):
-        def tick(carry, t):
-            out = jax.lax.switch(jnp.asarray([[0, 1], [1, 0]])[t, jax.lax.axis_index("pipe")], [ring, idle], carry)
-            return carry + jax.lax.ppermute(out, "pipe", [(0, 1), (1, 0)]), None
-        return jax.lax.scan(tick, x, jnp.arange(2))[0]
-
     x = np.arange(1.0, 9.0, dtype=np.float32).reshape(2, 2, 2)  # [pipe, data, context]
-    spec = P("pipe", "data", "context")
-    got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, axis_names={"pipe", "data", "context"}, in_specs=spec,
-                                           out_specs=spec))(x))
+
+    def run(pad: bool):
+        def body(x):
+            def tick(carry, t):
+                which = jnp.asarray([[0, 1], [1, 0]])[t, jax.lax.axis_index("pipe")]
+                branches = [ring, idle]
+                if pad:
+                    branches = PL.same_context_permutes(branches, (carry,), lambda out, z: out + z)
+                out = jax.lax.switch(which, branches, carry)
+                return carry + jax.lax.ppermute(out, "pipe", [(0, 1), (1, 0)]), None
+            return jax.lax.scan(tick, x, jnp.arange(2))[0]
+
+        spec = P("pipe", "data", "context")
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, axis_names={"pipe", "data", "context"},
+                                                in_specs=spec, out_specs=spec))(x))
+
     stage1 = x[1] + 2 * x[0][:, ::-1]  # tick 0: stage 0's output, doubled and swapped over context
     right = np.stack([x[0] + 2 * stage1[:, ::-1], stage1])  # tick 1: stage 1's, back to stage 0
+    got = run(pad=False)
     assert not np.array_equal(got, right)
     np.testing.assert_array_equal(got[1], x[1] + 2 * x[0])  # stage 0's buffer before its permute
+    np.testing.assert_array_equal(run(pad=True), right)
 
 
 def test_generate_and_convert_refuse_a_context_mesh():

@@ -205,8 +205,6 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     (["--preset", "tiny", "--attention", "flash"], "error: attention='flash' is not valid"),
     (["--preset", "tiny", "--tensor", "1", "--data", "0"], "error: data=0 must be a positive integer"),
     (["--preset", "tiny", "--dtype", "float16"], "error: dtype='float16' needs loss scaling"),
-    (["--preset", "tiny", "--tensor", "2", "--context", "2", "--context-strategy", "ring", "--pipeline", "2"],
-     "error: context_strategy='ring' with pipe=2: the ring's collective-permutes would run inside the pipeline's"),
     (["--preset", "tiny", "--tensor", "2", "--context", "2", "--context-strategy", "ulysses"],
      "error: context_strategy='ulysses' is not valid"),
     (["--preset", "tiny", "--tensor", "1", "--context", "3"], "error: seq_len=64 is not divisible by 2·context = 6"),

@@ -395,8 +395,11 @@ class TickProgram:
         fields from the whole row (one int32 [8] operand; fields sliced outside became scalar operands, and
         XLA's program 64 bytes larger)."""
         row = TickRow.of(table_row)
-        out = jax.lax.switch(row.branch, self.branches(), table_row, carry.x[row.x_slot], carry.g[row.g_slot],
-                             carry.stash)
+        operands = (table_row, carry.x[row.x_slot], carry.g[row.g_slot], carry.stash)
+        branches = self.branches()
+        if self.stage.shard.context > 1:
+            branches = same_context_permutes(branches, operands, lambda o, z: o._replace(loss=o.loss + z))
+        out = jax.lax.switch(row.branch, branches, *operands)
         p = self.stage.sched.p
         got_x = jax.lax.ppermute(out.send_x, "pipe", _to_next(p))
         got_g = jax.lax.ppermute(out.send_g, "pipe", [(i, (i - 1) % p) for i in range(p)])
@@ -471,10 +474,66 @@ class ForwardProgram:
         branches = {Branch.IDLE: self.idle, Branch.FORWARD: partial(self.forward, first=False, last=False),
                     Branch.FORWARD_FIRST: partial(self.forward, first=True, last=False),
                     Branch.FORWARD_LAST: partial(self.forward, first=False, last=True)}
-        send, loss = jax.lax.switch(row.branch, [branches[b] for b in sorted(branches)], table_row,
-                                    carry.x[row.x_slot])
+        operands, branches = (table_row, carry.x[row.x_slot]), [branches[b] for b in sorted(branches)]
+        if self.stage.shard.context > 1:
+            branches = same_context_permutes(branches, operands, lambda o, z: (o[0], o[1] + z))
+        send, loss = jax.lax.switch(row.branch, branches, *operands)
         got = jax.lax.ppermute(send, "pipe", _to_next(self.stage.sched.p))
         return ForwardBuffers(x=carry.x.at[row.recv_x].set(got), loss=carry.loss + loss), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring under a pipeline: every branch runs as many context permutes
+
+
+def context_permutes(jaxpr) -> int:
+    """How many collective-permutes over `context` a jaxpr runs: a loop's times its trip count, a conditional's
+    busiest branch's (the ring's K/V and dK/dV sends, each a `ppermute` over `context`)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "ppermute":
+            count += "context" in entry_axes(eqn.params["axis_name"])
+        elif name == "scan":
+            count += eqn.params["length"] * context_permutes(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            count += max(context_permutes(b.jaxpr) for b in eqn.params["branches"])
+        else:
+            for sub in _inner_jaxprs(eqn.params):
+                if name == "while" and context_permutes(sub):
+                    raise ValueError("a context permute inside a while loop: its trip count is unknown when traced")
+                count += context_permutes(sub)
+    return count
+
+
+def _inner_jaxprs(params: dict):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def same_context_permutes(branches: list[Callable], operands: tuple, with_zero: Callable) -> list[Callable]:
+    """`branches` padded with scalar collective-permutes over `context` so that every branch runs the busiest
+    one's count. Why: the ring's sends run inside one stage's branch of a tick while another stage runs another
+    branch, and XLA:CPU pairs the stages' collective-permutes by the order they run in (docs/DESIGN.md, "Context
+    parallelism"): with equal counts every stage's k-th permute is a context permute, paired with its own
+    stage's. with_zero(out, z): the branch's output with the dummies' zero result added (so they are kept)."""
+    counts = [context_permutes(jax.make_jaxpr(b)(*operands).jaxpr) for b in branches]
+    most = max(counts)
+    if most == 0 or len(set(counts)) == 1:
+        return branches
+
+    def padded(branch, n, *args):
+        out = branch(*args)
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("context",), to="varying")
+        c = jax.sharding.get_abstract_mesh().shape["context"]
+        send = lambda z, _: (jax.lax.ppermute(z, "context", [(j, (j + 1) % c) for j in range(c)]), None)
+        return with_zero(out, 0.0 * jax.lax.scan(send, zero, None, length=n)[0])
+
+    return [b if n == most else partial(padded, b, most - n) for b, n in zip(branches, counts)]
 
 
 def _to_next(p: int) -> list[tuple[int, int]]:

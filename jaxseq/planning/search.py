@@ -282,9 +282,9 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
     """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy; the
-    ring not under a pipeline (refused by `config.validate_context`), nor with fused attention (its stored bytes
-    have no formula to scale the measured layer by where c·t exceeds the simulated devices:
-    `formulas.activation_bytes`)."""
+    ring not under a pipeline (the train command runs it, but the search does not price it yet), nor with fused
+    attention (its stored bytes have no formula to scale the measured layer by where c·t exceeds the simulated
+    devices: `formulas.activation_bytes`)."""
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):
@@ -644,7 +644,8 @@ def format_result(res: Result, top: int = 10) -> str:
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (the ring "
-                  "not under a pipeline: refused by config validation, so not proposed), CP s = its K/V traffic "
+                  "not under a pipeline: the train command runs it, the search does not price it yet), CP s = its "
+                  "K/V traffic "
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
