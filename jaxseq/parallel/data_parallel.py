@@ -13,6 +13,7 @@ scan over the micro-batches (no pipeline).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -96,18 +97,7 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
 
     def rank(params, micro, key_data):
         key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, over), params)
-        float32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-
-        def add(total, inputs):
-            mb, i = inputs
-            loss, grads = loss_and_grad(weights, mb, key=jax.random.fold_in(key, i))
-            return jax.tree.map(jnp.add, total, float32((loss, grads))), None
-
-        if microbatches == 1:  # the step's own key, as a step without accumulation draws it; no accumulator
-            loss, grads = float32(loss_and_grad(weights, jax.tree.map(lambda a: a[0], micro), key=key))
-        else:
-            zeros = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, jnp.float32), over), (jnp.zeros(()), params))
-            (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
+        loss, grads = _summed(loss_and_grad, weights, micro, key, lambda z: varying(z, over))
         return (jax.lax.psum(loss, over) * scale,
                 jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, over), grads, grad_specs))
 
@@ -121,18 +111,29 @@ def _unreduced_loss_and_grad(params, micro, key, *, cfg: ModelConfig, parallel: 
     region (one manual over axes all of size 1 made XLA's partitioner refuse its psum: "Cross-partition allreduce
     must be in (partial) manual partitioning mode"), the same keys and float32 sums."""
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat, shard=context.sharder(mesh, parallel)))
+    microbatches = jax.tree.leaves(micro)[0].shape[0]
+    loss, grads = _summed(loss_and_grad, params, micro, key, lambda z: z)
+    if microbatches == 1:
+        return loss, grads
+    return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+
+
+def _summed(loss_and_grad, weights, micro, key, accumulator: Callable):
+    """The float32 (loss, grads) of `loss_and_grad` summed over the micro-batches of `micro` ([m, b, …] per leaf),
+    micro-batch i with dropout key fold_in(key, i); one micro-batch: `key` itself, as a step without accumulation
+    draws it, and no scan or accumulator. accumulator(zeros): the accumulator's type (varying inside a region)."""
     float32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
     microbatches = jax.tree.leaves(micro)[0].shape[0]
     if microbatches == 1:
-        return float32(loss_and_grad(params, jax.tree.map(lambda a: a[0], micro), key=key))
+        return float32(loss_and_grad(weights, jax.tree.map(lambda a: a[0], micro), key=key))
 
     def add(total, inputs):
         mb, i = inputs
-        return jax.tree.map(jnp.add, total, float32(loss_and_grad(params, mb, key=jax.random.fold_in(key, i)))), None
+        return jax.tree.map(jnp.add, total, float32(loss_and_grad(weights, mb, key=jax.random.fold_in(key, i)))), None
 
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (jnp.zeros(()), params))
+    zeros = jax.tree.map(lambda a: accumulator(jnp.zeros(a.shape, jnp.float32)), (jnp.zeros(()), weights))
     (loss, grads), _ = jax.lax.scan(add, zeros, (micro, jnp.arange(microbatches)))
-    return loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+    return loss, grads
 
 
 def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):

@@ -316,6 +316,7 @@ class TickProgram:
 
     stage: Stage
     layout: ResidualLayout
+    ring: bool = False  # the ring strategy's sends run inside the branches: pad them (`same_context_permutes`)
 
     def nothing(self, g) -> BranchOut:
         """What a branch returns for the outputs it has none of: zeros, and the gradient slot `g` unchanged.
@@ -397,7 +398,7 @@ class TickProgram:
         row = TickRow.of(table_row)
         operands = (table_row, carry.x[row.x_slot], carry.g[row.g_slot], carry.stash)
         branches = self.branches()
-        if self.stage.shard.context > 1:
+        if self.ring:
             branches = same_context_permutes(branches, operands, lambda o, z: o._replace(loss=o.loss + z))
         out = jax.lax.switch(row.branch, branches, *operands)
         p = self.stage.sched.p
@@ -447,6 +448,7 @@ class ForwardProgram:
     `TickProgram` without jax.vjp, stash or gradients, and only the forward ppermute."""
 
     stage: Stage
+    ring: bool = False  # as TickProgram's
 
     def buffers(self) -> ForwardBuffers:
         act = self.stage.activation
@@ -475,7 +477,7 @@ class ForwardProgram:
                     Branch.FORWARD_FIRST: partial(self.forward, first=True, last=False),
                     Branch.FORWARD_LAST: partial(self.forward, first=False, last=True)}
         operands, branches = (table_row, carry.x[row.x_slot]), [branches[b] for b in sorted(branches)]
-        if self.stage.shard.context > 1:
+        if self.ring:
             branches = same_context_permutes(branches, operands, lambda o, z: (o[0], o[1] + z))
         send, loss = jax.lax.switch(row.branch, branches, *operands)
         got = jax.lax.ppermute(send, "pipe", _to_next(self.stage.sched.p))
@@ -513,6 +515,11 @@ def _inner_jaxprs(params: dict):
                 yield v.jaxpr
             elif isinstance(v, jax.extend.core.Jaxpr):
                 yield v
+
+
+def _ring(parallel: ParallelConfig) -> bool:
+    """Whether the ring strategy runs inside the stages' branches (their permutes then need padding)."""
+    return parallel.context > 1 and parallel.context_strategy == "ring"
 
 
 def same_context_permutes(branches: list[Callable], operands: tuple, with_zero: Callable) -> list[Callable]:
@@ -571,14 +578,15 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
-                  remat: str, shard: StageSharder, grad_specs: dict, over: tuple[str, ...], inspect):
+                  remat: str, shard: StageSharder, grad_specs: dict, over: tuple[str, ...], inspect, ring: bool):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
-    rows: the tick table [ticks, p, len(FIELDS)]; the rest as `Stage.enter` and `reduce_gradients`."""
+    rows: the tick table [ticks, p, len(FIELDS)]; ring: `TickProgram.ring`; the rest as `Stage.enter` and
+    `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
     layout = ResidualLayout.of(stage)
     if inspect is not None:
         inspect(list(layout.stashed), list(layout.reused))
-    program = TickProgram(stage, layout)
+    program = TickProgram(stage, layout, ring)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
     return reduce_gradients(buffers, grad_specs, over)
 
@@ -628,7 +636,7 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     def program(layers, others, micro, rows):
         stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data * parallel.context,
                             remat="none", shard=CP.sharder(mesh, parallel, stage=True))
-        forward = ForwardProgram(stage)
+        forward = ForwardProgram(stage, _ring(parallel))
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
         return jax.lax.psum(buffers.loss, ("pipe", *DP.gradient_axes(parallel)))
 
@@ -656,7 +664,8 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
     over = DP.gradient_axes(parallel)
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data * parallel.context, remat=remat,
-                      shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect)
+                      shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect,
+                      ring=_ring(parallel))
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(grad_specs, over)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
