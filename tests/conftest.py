@@ -4,7 +4,12 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# LLVM at -O0 (`--xla_backend_optimization_level=0`): the tests' programs are tiny, so compiling them is most of
+# the suite's time, and LLVM's optimization of the CPU code is a third of each compile; the HLO, its buffers,
+# FLOPs and collectives (what the tests read) are fixed before it (`aot.ANALYSIS_OPTIONS` says the same for
+# the plan). The commands the tests start inherit it.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -70,7 +70,7 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     sched = PL.schedule_of(parallel, m, small.layers)
     params, batch = aot.abstract_inputs(small, parallel, mesh, micro_batch * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    compiled = PL.make_loss_and_grad(small, parallel, c.remat, mesh, m).lower(params, batch, key).compile()
+    compiled = aot.compile_for_analysis(PL.make_loss_and_grad(small, parallel, c.remat, mesh, m).lower(params, batch, key))
     carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
     slot_avals, _ = PL.stash_layout(small, parallel, c.remat, mesh, m, micro_batch)
 
