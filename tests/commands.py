@@ -51,18 +51,32 @@ def assert_succeeded(done) -> None:
         raise AssertionError(f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
 
 
-def env() -> dict:
-    """A new process's environment: this checkout's jaxseq, and the devices its --host-devices asks for
-    (not the XLA_FLAGS conftest.py sets for the pytest process)."""
+def env(cache: bool = False) -> dict:
+    """A new process's environment: this checkout's jaxseq, and the devices its --host-devices asks for (the
+    XLA_FLAGS conftest.py sets for the pytest process without its device count: LLVM at -O0 stays, as it says).
+
+    `cache`: the pytest processes' compilation cache too (conftest.py), for commands whose start-up is not what
+    is tested (a command interrupted while it compiles would find its programs already built): a process then
+    loads what the pytest process or an earlier command compiled with the same XLA flags (the device count
+    is no part of the cache key), and several processes of one test (the two of a pair, the pair started
+    again) compile each program once."""
     e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        e["XLA_FLAGS"] = " ".join(flags)
     e["PYTHONPATH"] = ROOT
+    if cache and os.environ.get("JAXSEQ_TESTS_COMPILATION_CACHE"):
+        e["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXSEQ_TESTS_COMPILATION_CACHE"]
+        e["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**33)  # as conftest.py: JAX then locks the directory
     return e
 
 
-def python_m(module: str, *argv: str, timeout: int = 240, check: bool = False) -> subprocess.CompletedProcess:
-    """`python -m module argv` in a new process."""
-    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, cwd=ROOT, env=env(),
-                          timeout=timeout)
+def python_m(module: str, *argv: str, timeout: int = 240, check: bool = False,
+             cache: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module argv` in a new process (`cache`: as `env`)."""
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, cwd=ROOT,
+                          env=env(cache), timeout=timeout)
     if check:
         assert_succeeded(done)
     return done

@@ -3,6 +3,7 @@ the collectives and stored bytes the compiled program shows, the load balance, a
 
 import json
 import os
+import shutil
 from functools import partial
 
 import jax
@@ -304,6 +305,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
 BASE = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--host-devices", "8", "--log-every", "1",
         "--eval-every", "3", "--warmup-steps", "2", "eval_batches=1", "sample_tokens=4"]
 TINY = BASE + ["--steps", "3"]
+RUN = BASE + ["dropout=0.0", "decay_steps=3", "--checkpoint-every", "3"]  # the runs below and their resume
 
 
 def _losses(run_dir):
@@ -311,40 +313,54 @@ def _losses(run_dir):
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_train_command_gives_the_losses_of_context_1(tmp_path):
+@pytest.fixture(scope="module")
+def context_runs(tmp_path_factory):
+    """The train command's runs both tests below read (dropout off): data=4,tensor=2 for 5 steps (the reference of
+    both); 3 steps with all-gather (checkpointed at step 3, where the other test resumes it at context 1); the ring
+    with gradient accumulation and the distributed optimizer (master shards split over data × context); and
+    pipe=2 × context=2 × tensor=2 with two micro-batches. The cosine ends at step 3 in every run (decay_steps=3),
+    so the reference's first 3 steps are a 3-step run's. Only the ring's run draws the end-of-run sample (sampling
+    from a context-parallel run's weights); the others compile no sampler."""
+    tmp = tmp_path_factory.mktemp("context-runs")
+    runs = {"1": ["--steps", "5", "--mesh", "data=4,tensor=2", "sample_tokens=0"],
+            "all-gather": ["--steps", "3", "--mesh", "context=2,tensor=2,data=2", "sample_tokens=0"],
+            "ring": ["--steps", "3", "--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring",
+                     "--micro-batch-size", "4", "--distributed-optimizer"],
+            "pipelined": ["--steps", "3", "--mesh", "pipe=2,context=2,tensor=2", "--micro-batch-size", "4",
+                          "sample_tokens=0"]}
+    done = {name: command(train_command.main, *RUN, *args, "--run-dir", str(tmp / name))
+            for name, args in runs.items()}
+    return {name: str(tmp / name) for name in runs}, done
+
+
+def test_train_command_gives_the_losses_of_context_1(context_runs):
     """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (all-gather; the ring with gradient
     accumulation and the distributed optimizer, master shards split over data × context) and a pipelined run
     (pipe=2 × context=2 × tensor=2, two micro-batches) against data=4,tensor=2 (dropout off here: accumulation
     draws each micro-batch's masks from its own key; the dropout comparisons are the tests above)."""
-    runs = {"1": ["--mesh", "data=4,tensor=2"],
-            "all-gather": ["--mesh", "context=2,tensor=2,data=2"],
-            "ring": ["--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring", "--micro-batch-size", "4",
-                     "--distributed-optimizer"],
-            "pipelined": ["--mesh", "pipe=2,context=2,tensor=2", "--micro-batch-size", "4"]}
-    losses = {}
-    for name, args in runs.items():
-        done = command(train_command.main, *TINY, *args, "--run-dir", str(tmp_path / name), "dropout=0.0")
-        losses[name] = _losses(tmp_path / name)
-        assert len(losses[name]) == 3
-    assert "context=2" in done.stdout
+    dirs, done = context_runs
+    losses = {name: _losses(d) for name, d in dirs.items()}
+    assert len(losses["1"]) == 5
     for name in ("all-gather", "ring", "pipelined"):
-        np.testing.assert_allclose(losses[name], losses["1"], rtol=1e-5)
+        assert len(losses[name]) == 3
+        assert "context=2" in done[name].stdout
+        np.testing.assert_allclose(losses[name], losses["1"][:3], rtol=1e-5)
+    assert "sample (prompt" in done["ring"].stdout
     # Sampling runs in its own layout (no context axis): generate from a context-parallel run.
-    gen = command(generate_command.main, "--run-dir", str(tmp_path / "ring"), "--prompt", "def", "--max-tokens", "4")
+    gen = command(generate_command.main, "--run-dir", dirs["ring"], "--prompt", "def", "--max-tokens", "4")
     assert gen.stdout.startswith("# step 3\ndef"), gen.stdout
 
 
-def test_a_run_saved_at_context_2_resumes_at_context_1(tmp_path):
+def test_a_run_saved_at_context_2_resumes_at_context_1(context_runs, tmp_path):
     """The weights do not depend on `context`: 3 steps at context=2, resumed for 2 more at context=1, give the
     losses of 5 steps at context=1 (same schedule: the cosine ends at step 3 in both)."""
-    straight, moved = str(tmp_path / "straight"), str(tmp_path / "moved")
-    common = BASE + ["dropout=0.0", "decay_steps=3", "--checkpoint-every", "3"]
-    command(train_command.main, *common, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", straight)
-    command(train_command.main, *common, "--steps", "3", "--mesh", "context=2,tensor=2,data=2", "--run-dir", moved)
-    out = command(train_command.main, *common, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", moved,
-                  "--resume")
+    dirs, _ = context_runs
+    moved = str(tmp_path / "moved")
+    shutil.copytree(dirs["all-gather"], moved)
+    out = command(train_command.main, *RUN, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", moved,
+                  "--resume", "sample_tokens=0")
     assert "data=4 × tensor=2" in out.stdout
-    np.testing.assert_allclose(_losses(moved), _losses(straight), rtol=1e-5)
+    np.testing.assert_allclose(_losses(moved), _losses(dirs["1"]), rtol=1e-5)
 
 
 def test_parse_mesh_with_context():

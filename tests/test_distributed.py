@@ -23,15 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A run the test stops (a kill, a signal) never reaches its end-of-run sample: none is compiled.
+UNFINISHED = ["--steps", "100000", "--checkpoint-every", "100000", "sample_tokens=0"]
+
+
 def launch(run_dir, steps, extra=(), slurm=False):
     """Two processes, told their coordinates by flags or, with `slurm`, by the environment srun gives
-    two tasks on one node (JAX's own SLURM detection then finds them)."""
+    two tasks on one node (JAX's own SLURM detection then finds them). They share the tests' compilation
+    cache (`commands.env`): a pair started with the same arguments as an earlier one loads its programs."""
     port = free_port()
     procs = []
     for i in range(2):
-        argv = [sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "4", "--steps", str(steps),
-                "--run-dir", run_dir, *extra]
-        e = env()
+        argv = [sys.executable, "-m", "jaxseq.train", *ARGS, "--host-devices", "4",
+                *(["--steps", str(steps)] if steps is not None else []), "--run-dir", run_dir, *extra]
+        e = env(cache=True)
         if slurm:
             e.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                      SLURM_PROCID=str(i), SLURM_LOCALID=str(i), JAX_COORDINATOR_PORT=str(port))
@@ -53,13 +58,13 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert "jaxseq:" in outs[0][0] and "jaxseq:" not in outs[1][0]  # only process 0 prints
-    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", single_dir)
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", single_dir, "sample_tokens=0")  # the pair samples
     pair, single = losses(pair_dir), losses(single_dir)
     assert sorted(pair) == [1, 2, 3, 4]
     for step in pair:
         assert abs(pair[step] - single[step]) <= 1e-5 * abs(single[step]), (step, pair[step], single[step])
     # The pair's checkpoint, restored by one process on 8 devices, continues like the single run.
-    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", pair_dir, "--resume")
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", pair_dir, "--resume", "sample_tokens=0")
     resumed = losses(pair_dir)
     for step in (5, 6):
         assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
@@ -114,7 +119,7 @@ def test_a_process_reads_the_rows_its_devices_hold():
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_a_killed_peer_does_not_hang_the_other(victim, tmp_path):
     run_dir = str(tmp_path)
-    procs = launch(run_dir, 100000, extra=["--checkpoint-every", "100000"])
+    procs = launch(run_dir, None, extra=UNFINISHED)
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.time() + 240
     while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 2):
@@ -138,7 +143,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     after the same step (it used to hang both, each saving a different step). The pair is started
     with the environment srun gives two tasks and no coordinator flags: JAX's SLURM detection."""
     run_dir = str(tmp_path)
-    procs = launch(run_dir, 100000, extra=["--checkpoint-every", "100000"], slurm=True)
+    procs = launch(run_dir, None, extra=UNFINISHED, slurm=True)
     try:
         path = os.path.join(run_dir, "metrics.jsonl")
         deadline = time.time() + 240
@@ -269,7 +274,7 @@ def test_an_salloc_shell_trains_in_one_process(tmp_path, monkeypatch):
     """SLURM_JOB_ID without an srun step used to end in JAX's `coordinator_address should be defined`."""
     for name, value in SALLOC.items():
         monkeypatch.setenv(name, value)
-    proc = run(*ARGS, "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path), check=False)
+    proc = run(*ARGS, "--host-devices", "8", "--steps", "1", "--run-dir", str(tmp_path), "sample_tokens=0", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: SLURM job without SLURM_STEP_NODELIST" in proc.stderr
     assert sorted(losses(str(tmp_path))) == [1]

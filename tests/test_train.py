@@ -61,11 +61,13 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
     equals one 10-step run whose schedule ends at 5 (to 1e-6); a resume from the same 5-step
     checkpoint onto tensor=2 continues with the same losses (to 1e-4)."""
     straight, halves, other_mesh = (str(tmp_path / name) for name in ("straight", "halves", "other"))
-    run(*TINY, "--steps", "10", "decay_steps=5", "--run-dir", straight)
+    # No end-of-run sample (nothing here reads it; test_train_and_generate_on_token_files does): no sampler compiled.
+    tiny = [*TINY, "sample_tokens=0"]
+    run(*tiny, "--steps", "10", "decay_steps=5", "--run-dir", straight)
     check_metrics_and_config(straight)
-    run(*TINY, "--steps", "5", "--run-dir", halves)
+    run(*tiny, "--steps", "5", "--run-dir", halves)
     shutil.copytree(halves, other_mesh)
-    run(*TINY, "--steps", "10", "--run-dir", halves, "--resume")
+    run(*tiny, "--steps", "10", "--run-dir", halves, "--resume")
     reference, resumed = losses(straight), losses(halves)
     assert sorted(resumed) == list(range(1, 11))
     for step in range(1, 11):
@@ -73,7 +75,7 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
     final_lr = 6e-4 * 0.1  # the tiny preset's lr × min_lr_ratio
     assert [r["lr"] for r in metrics(halves)[5:]] == pytest.approx([final_lr] * 5)
     assert json.load(open(os.path.join(halves, "config.json")))["optimizer"]["decay_steps"] == 5
-    moved = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in TINY]
+    moved = [a if a != "data=2,tensor=4" else "data=4,tensor=2" for a in tiny]
     out = run(*moved, "--steps", "7", "--run-dir", other_mesh, "--resume")
     assert "data=4 × tensor=2" in out.stdout
     for step in (6, 7):  # same model and data; only the reduction order differs
@@ -82,10 +84,14 @@ def test_metrics_and_resume_with_the_same_losses_on_any_mesh(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
+    """The run is stopped long before its end, so it compiles no end-of-run sample; its schedule (decay_steps=5) is
+    the one test_metrics_and_resume_with_the_same_losses_on_any_mesh's runs compiled in this process, whose train
+    step and evaluation the command loads from the tests' compilation cache (`commands.env`)."""
     run_dir = str(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *TINY, "--steps", "100000",
-                             "--checkpoint-every", "100000", "--eval-every", "100000", "--run-dir", run_dir],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--checkpoint-every", "100000", "--eval-every", "100000", "--run-dir", run_dir,
+                             "decay_steps=5", "sample_tokens=0"],
+                            cwd=ROOT, env=env(cache=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.time() + 180
     while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 3):
@@ -95,14 +101,15 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     assert proc.returncode == 143, err[-2000:]  # 128 + 15: stopped, not finished
     assert "SIGTERM: saved a checkpoint" in out and "Traceback" not in err
     step = max(losses(run_dir))
-    gen = python_m("jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab", "--max-tokens", "5", timeout=120)
+    gen = python_m("jaxseq.generate", "--run-dir", run_dir, "--prompt", "ab", "--max-tokens", "5", timeout=120,
+                   cache=True)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith(f"# step {step}\nab")
 
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):
     out = run(*TINY, "--steps", "20", "--lr", "1e30", "--warmup-steps", "0", "--checkpoint-every", "1",
-              "--run-dir", str(tmp_path), check=False)
+              "--run-dir", str(tmp_path), "sample_tokens=0", check=False)  # stopped: no end-of-run sample compiled
     assert out.returncode == 1
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: non-finite loss") and "at step" in line, out.stderr[-2000:]
