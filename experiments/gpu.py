@@ -176,6 +176,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
     from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
+    from jaxseq.models.model import num_params as model_parameters
     from jaxseq.parallel.schedule import Schedule
     from jaxseq.training import aot
     from jaxseq.training.metrics import peak_tflops, throughput
@@ -221,7 +222,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
             if limit is None or plan["none"]["total_bytes"] <= limit:
                 break
         base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
-        result = {"config": dataclasses.asdict(cfg), "num_params": cfg.num_params(), "micro_batch": micro_batch,
+        result = {"config": dataclasses.asdict(cfg), "num_params": model_parameters(cfg), "micro_batch": micro_batch,
                   "plan_error": plan_error, "policies": {}}
         for policy in POLICIES:
             predicted = plan[policy]["total_bytes"] if plan else None

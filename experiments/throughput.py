@@ -268,11 +268,12 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
     tot = {k: sum(s[k] for s in plain) for k in ("period", "device", "host")}
     from jaxseq.training import metrics as Mx
     from jaxseq.config import ModelConfig
+    from jaxseq.models.model import num_params
 
     cfg = ModelConfig(**config["model"])
     tps = Mx.throughput(cfg, t["remat"], t["batch_size"], 1, med["period"], jax.device_count(), None)
     result = {
-        "argv": argv, "rc": rc, "wall_s": wall, "steps_timed": len(plain), "num_params": cfg.num_params(),
+        "argv": argv, "rc": rc, "wall_s": wall, "steps_timed": len(plain), "num_params": num_params(cfg),
         "median_period_s": med["period"], "median_device_s": med["device"], "median_host_s": med["host"],
         "host_share": tot["host"] / tot["period"],
         "cpu_s_per_step": cpu_per_step,

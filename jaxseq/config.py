@@ -88,17 +88,6 @@ class ModelConfig:
         multiple = 128 * tensor
         return -(-self.vocab_size // multiple) * multiple
 
-    def num_params(self) -> int:
-        """Trainable parameters without vocabulary padding (GPT: positions and the tied embedding included;
-        Llama: the embedding and the lm_head)."""
-        h, f, L, w = self.hidden, self.mlp_hidden, self.layers, self.attention_width
-        if self.family == "llama":
-            kv = 2 * self.num_kv_heads * self.head_dim
-            per_layer = h * w + h * kv + w * h + 3 * h * f + 2 * h
-            return 2 * self.vocab_size * h + L * per_layer + h
-        per_layer = (h * 3 * w + 3 * w) + (w * h + h) + (h * f + f) + (f * h + h) + 4 * h
-        return self.vocab_size * h + self.seq_len * h + L * per_layer + 2 * h
-
 
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.

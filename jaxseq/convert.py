@@ -255,7 +255,7 @@ def _convert(args) -> int:
     kv = f" ({cfg.num_kv_heads} K/V)" if cfg.num_kv_heads != cfg.heads else ""
     print(f"wrote {args.out}: {FAMILY_FORMAT[cfg.family]} with {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.heads} heads{kv}, vocab {cfg.vocab_size}, {cfg.seq_len} positions "
-          f"({cfg.num_params() / 1e6:.2f}M parameters)")
+          f"({M.num_params(cfg) / 1e6:.2f}M parameters)")
     return 0
 
 

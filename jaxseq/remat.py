@@ -22,7 +22,8 @@ import jax
 # Tags, with their size per layer in units of sbh (attention-score tags in units of a·s²·b).
 # MaxText's names where the tensor is the same, plain names for the paper-only ones.
 DECODER_LAYER_INPUT = "decoder_layer_input"  # LN1 input, 2 (replicated under TP)
-LN_STATS = "ln_stats"  # LayerNorm mean and 1/std, float32 per token: 16 bytes per token per layer
+NORM_STATS = "norm_stats"  # a norm's float32 statistics: LayerNorm's mean and 1/std (16 bytes per token per
+# layer, two norms), RMSNorm's 1/rms (8)
 QKV_INPUT = "qkv_input"  # LN1 output, 2 (replicated under TP)
 QUERY, KEY, VALUE = "query_proj", "key_proj", "value_proj"  # 2 each, split t ways
 ATTN_SCORES = "attn_scores"  # QKᵀ before softmax: never needed by backward, tagged for user policies
@@ -35,7 +36,7 @@ ATTN_OUT_DROPOUT_MASK = "attn_out_dropout_mask"  # 1 (replicated under TP)
 MID_LAYER_RESIDUAL = "mid_layer_residual"  # LN2 input, 2 (replicated under TP)
 MLPWI_INPUT = "mlpwi_input"  # LN2 output, 2 (replicated under TP)
 MLPWI = "mlpwi"  # first MLP matmul output = GELU input, 8, split t ways
-GELU_OUTPUT = "gelu_output"  # second MLP matmul input, 8, split t ways
+MLP_ACTIVATION = "mlp_activation"  # GELU's or SwiGLU's output, the second MLP matmul's input, 8, split t ways
 MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
 MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)
 EMBED_DROPOUT_MASK = "embed_dropout_mask"  # outside the layers: not subject to the layer policy
@@ -45,10 +46,10 @@ MATMUL = "matmul"
 
 CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
 
-# Everything the backward pass needs: the paper's 34·sbh + 5·as²b (plus the LayerNorm statistics).
+# Everything the backward pass needs: the paper's 34·sbh + 5·as²b (plus the norm statistics).
 EVERYTHING = (
     DECODER_LAYER_INPUT,
-    LN_STATS,
+    NORM_STATS,
     QKV_INPUT,
     QUERY,
     KEY,
@@ -59,7 +60,7 @@ EVERYTHING = (
     MID_LAYER_RESIDUAL,
     MLPWI_INPUT,
     MLPWI,
-    GELU_OUTPUT,
+    MLP_ACTIVATION,
     MLP_DROPOUT_MASK,
 )
 

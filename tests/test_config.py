@@ -15,7 +15,14 @@ def test_paper_presets():
         cfg = preset(name)
         assert (cfg.heads, cfg.hidden, cfg.layers, cfg.seq_len, cfg.vocab_size) == (a, h, L, 2048, 51200)
     assert (preset("gpt3-1.3b").layers, preset("gpt3-1.3b").hidden, preset("gpt3-1.3b").heads) == (24, 2048, 24)
-    assert abs(preset("gpt2-124m").num_params() / 124.4e6 - 1) < 0.01
+
+
+def test_parameter_counts_from_the_tables_equal_the_published_models():
+    """models.model.num_params, counted from each family's parameter table, equals what `transformers` reports
+    for the published checkpoints (`model.num_parameters()`: GPT-2's tied embedding once, Llama's untied head)."""
+    published = {"gpt2-124m": 124_439_808, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
+                 "llama3-70b": 70_553_706_496}
+    assert {name: M.num_params(preset(name)) for name in published} == published
 
 
 def test_every_preset_is_valid():

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxseq.config import ConfigError, ModelConfig
+from jaxseq.models.model import family
 from jaxseq.remat import POLICIES
 
 
@@ -66,7 +67,7 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
     rank where t > kv_heads: max(kv_heads, t) heads, `llama.cache_heads`), and the MLP's first matmul
     output (GELU's input, f wide; SwiGLU's gate and up, 2f)."""
     e, s, h, a, d, f = cfg.itemsize, cfg.seq_len, cfg.hidden, cfg.heads, cfg.head_dim, cfg.mlp_hidden
-    llama = cfg.family == "llama"
+    traits = family(cfg).TRAITS
     sb, seq, r = s * b / context, (t if sequence_parallel else 1), (1 if cfg.dropout > 0 else 0)
     kv_heads = max(cfg.num_kv_heads, t)
     scores = a * sb * s / t
@@ -74,7 +75,7 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
     ring_blocks = (2 * context + 1) * 4 * b * a / t * n * (n + d) if context > 1 else 0.0
     return {
         "residual": e * sb * h / seq,  # one [s, b, h] of the residual stream (layer input, norm outputs, …)
-        "norm_stats": (4 if llama else 8) * sb / seq,  # of one norm
+        "norm_stats": traits.norm_stat_bytes * sb / seq,  # of one norm
         "q": e * sb * a * d / t,  # after RoPE for Llama (linear: its backward needs only cos and sin)
         "kv": 2 * e * sb * kv_heads * d / t,  # K and V
         "probs": e * scores,  # the softmax output
@@ -82,7 +83,7 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
         "qk_scores": e * scores,  # QKᵀ before softmax (the dots policy saves it as a matmul output)
         "context": e * sb * a * d / t,  # scores × V, the output projection's input
         "mask": r * sb * h / seq,  # one residual dropout's mask
-        "mlp_in": e * sb * (2 if llama else 1) * f / t,  # the first MLP matmul's output
+        "mlp_in": e * sb * traits.mlp_up_widths * f / t,  # the first MLP matmul's output
         "mlp_mid": e * sb * f / t,  # GELU's or SwiGLU's output, the second MLP matmul's input
         # the ring strategy's backward residuals beside the context (parallel/context.py, `ring_fwd`): its
         # output (activation dtype) and float32 log-sum-exp, per local query head and token
@@ -206,7 +207,7 @@ def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
     SwiGLU MLP's first matmul is gate and up, 2f wide."""
     b, s, h, w, f, d = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     qkv = w + 2 * cfg.num_kv_heads * d  # a·d query columns + k and v of each K/V head
-    up = 2 * f if cfg.family == "llama" else f
+    up = family(cfg).TRAITS.mlp_up_widths * f
     return {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
             "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
 

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxseq.config import ModelConfig
 from jaxseq import remat as R
 from jaxseq.models.ops import add_bias, attention, dropout, gelu, layer_norm, matmul, vocab_logits
-from jaxseq.models.params import bias, derive, drop_layer_axis, kernel, norm_bias, norm_scale, Param
+from jaxseq.models.params import bias, derive, drop_layer_axis, kernel, norm_bias, norm_scale, Param, Traits
 from jaxseq.sharding import Sharder
 
 # QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
@@ -46,6 +46,11 @@ PARAMS = {
 }
 
 LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
+
+# LayerNorm keeps its float32 mean and 1/std; GELU's input is f wide, bias + GELU move 2e forward and 3e back;
+# learned positions are added at the lookup; the papers' formulas are this family's.
+TRAITS = Traits(norm_stat_bytes=8, mlp_up_widths=1, mlp_elementwise=(2, 3), learned_positions=True, rotary=False,
+                papers_formulas=True, shape_label="")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

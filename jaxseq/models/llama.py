@@ -19,8 +19,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxseq.config import ModelConfig
 from jaxseq import remat as R
 from jaxseq.models.ops import attention, dropout, matmul, rms_norm, rope, swiglu, vocab_logits
-from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale
+from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale, Traits
 from jaxseq.sharding import Sharder
+
+
+# RMSNorm keeps its float32 1/rms; SwiGLU's input is gate and up (2f), it reads both and writes their product
+# (3e) and backward reads gate, up and dy and writes two gradients (5e); RoPE instead of learned positions.
+TRAITS = Traits(norm_stat_bytes=4, mlp_up_widths=2, mlp_elementwise=(3, 5), learned_positions=False, rotary=True,
+                papers_formulas=False, shape_label="kv_heads f")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

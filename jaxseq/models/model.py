@@ -2,7 +2,7 @@
 sampler, the planner and the converters reach it.
 
 A family (models/gpt.py, models/llama.py) is one file: its parameter table, `embed`, `block`, `final_norm`,
-`logits`, and its KV-cache forms for sampling. Everything else is the same for every family and lives here:
+`logits`, its KV-cache forms for sampling, and its `TRAITS` (what the cost side reads). Everything else is the same for every family and lives here:
 the trees derived from the table (models/params.py), the layer stack under `lax.scan` and
 `jax.checkpoint`, the loss. Adding a family is one file plus its entry in FAMILIES and a preset.
 """
@@ -30,6 +30,17 @@ def family(cfg: ModelConfig) -> ModuleType:
     return FAMILIES[cfg.family]
 
 
+def traits(cfg: ModelConfig) -> P.Traits:
+    """What the cost side reads of `cfg`'s family (models/params.py, `Traits`)."""
+    return family(cfg).TRAITS
+
+
+def shape_label(cfg: ModelConfig) -> str:
+    """The family's shape fields beyond GPT's (" kv_heads=8 f=14336" for a Llama), for a plan's header."""
+    names = {"kv_heads": cfg.num_kv_heads, "f": cfg.mlp_hidden}
+    return "".join(f" {name}={names[name]}" for name in traits(cfg).shape_label.split())
+
+
 # ---------------------------------------------------------------------------------------------
 # Parameters, from the family's table
 
@@ -48,6 +59,12 @@ def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     over `tensor` (and the stacked layers over `pipe`), replicated over `data`."""
     rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
     return P.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Trainable parameters, counted from the family's table, the vocabulary unpadded (GPT: positions and the
+    tied embedding included; Llama: the embedding and the lm_head)."""
+    return P.count(param_table(cfg), cfg)
 
 
 def param_shapes(cfg: ModelConfig, tensor: int) -> dict:

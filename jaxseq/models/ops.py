@@ -52,7 +52,7 @@ def _ln_stats(x, eps):
 
 def _layer_norm_fwd(x, scale, bias, eps):
     mean, rstd = _ln_stats(x, eps)
-    mean, rstd = checkpoint_name(mean, R.LN_STATS), checkpoint_name(rstd, R.LN_STATS)
+    mean, rstd = checkpoint_name(mean, R.NORM_STATS), checkpoint_name(rstd, R.NORM_STATS)
     y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(x.dtype)
     return y, (x, mean, rstd, scale)
 
@@ -79,7 +79,7 @@ def _gelu_f32(x):
 
 def _gelu(x):
     # Named here, not only in `gelu`: the VJP's forward must itself produce the tagged value.
-    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), R.GELU_OUTPUT)
+    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), R.MLP_ACTIVATION)
 
 
 @jax.custom_vjp
@@ -278,14 +278,14 @@ def _uniform_below(key, p: float, index_hi, index_lo):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
     """x / rms(x) · scale over the last axis, statistics in float32 (Llama's RMSNorm); backward keeps x
-    and 1/rms (R.LN_STATS: 4 bytes per token)."""
+    and 1/rms (R.NORM_STATS: 4 bytes per token)."""
     y, _ = _rms_norm_fwd(x, scale, eps)
     return y
 
 
 def _rms_norm_fwd(x, scale, eps):
     xf = x.astype(jnp.float32)
-    rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), R.LN_STATS)
+    rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), R.NORM_STATS)
     return (xf * rstd * scale).astype(x.dtype), (x, rstd, scale)
 
 
@@ -305,7 +305,7 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 def _swiglu(gate_up):
     g = gate_up[..., 0, :].astype(jnp.float32)
     u = gate_up[..., 1, :].astype(jnp.float32)
-    return checkpoint_name((jax.nn.silu(g) * u).astype(gate_up.dtype), R.GELU_OUTPUT)
+    return checkpoint_name((jax.nn.silu(g) * u).astype(gate_up.dtype), R.MLP_ACTIVATION)
 
 
 @jax.custom_vjp

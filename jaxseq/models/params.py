@@ -1,7 +1,9 @@
-"""Parameter declarations: each parameter declared once in a family's table (`Param`), and every tree the
-rest of jaxseq needs (shapes, logical axes, PartitionSpecs, init, weight decay, cast) derived from it.
+"""What a family declares: each parameter once in its table (`Param`), and every tree the rest of jaxseq
+needs (shapes, logical axes, PartitionSpecs, init, weight decay, cast, the parameter count) derived from it;
+and its `Traits`, what the cost side (formulas, the plan's and the search's memory and time models) asks of
+a family beyond its parameters.
 
-A family (models/gpt.py, models/llama.py) writes only its table; the functions here are the same for all.
+A family (models/gpt.py, models/llama.py) writes its table and its traits; the functions here are the same for all.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ class Param:
     init: str  # "normal" N(0, 0.02), "residual" N(0, 0.02/sqrt(2L)), "zeros", "ones"
     decay: bool  # AdamW weight decay applies (kernels and the token embedding)
     cast: bool  # copied to the compute dtype each step (norm parameters stay float32)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the formulas and the plan's and search's cost models read of a family (its layer's shapes come
+    from the config, its parameters from its table)."""
+
+    norm_stat_bytes: int  # float32 bytes per token a norm keeps for backward (LayerNorm: mean, 1/std; RMSNorm: 1/rms)
+    mlp_up_widths: int  # the first MLP matmul's output in MLP widths f (GELU's input: 1; SwiGLU's gate and up: 2)
+    mlp_elementwise: tuple[int, int]  # bytes per MLP element (s·b·f/t) of its activation, in activation
+    # itemsizes e, forward and backward (GELU + bias: 2e, 3e; SwiGLU: 3e, 5e)
+    learned_positions: bool  # a position table added at the lookup (read, add, write: 3e per element; else 2e)
+    rotary: bool  # RoPE on q and the K heads: read and write each, forward and backward
+    papers_formulas: bool  # the papers' GPT formulas (Table 2, 72·B·s·L·h²·…) describe it
+    shape_label: str  # the shape fields a plan's header prints beyond h, a, L, s, V ("kv_heads f": ModelConfig names)
 
 
 def kernel(dims, axes, init="normal") -> Param:
@@ -58,6 +75,12 @@ def sizes(cfg: ModelConfig, tensor: int) -> dict[str, int]:
     """What each symbolic dimension of a declaration is for `cfg` on `tensor` ranks."""
     return {"L": cfg.layers, "V": cfg.padded_vocab(tensor), "s": cfg.seq_len, "h": cfg.hidden, "a": cfg.heads,
             "k": cfg.num_kv_heads, "d": cfg.head_dim, "f": cfg.mlp_hidden, "2": 2, "3": 3}
+
+
+def count(table: dict, cfg: ModelConfig) -> int:
+    """Trainable parameters, the vocabulary unpadded (`sizes` at t = 1 with V = the vocabulary)."""
+    n = sizes(cfg, 1) | {"V": cfg.vocab_size}
+    return sum(math.prod(n[d] for d in p.dims) for p in jax.tree.leaves(table, is_leaf=is_param))
 
 
 def shapes(table: dict, cfg: ModelConfig, tensor: int) -> dict:

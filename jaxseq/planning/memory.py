@@ -121,7 +121,7 @@ def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool, 
     the logits matmul's input (sequence-sharded under SP), and the float32 logits the cross-entropy keeps,
     4·s·b·V/t; per token, so divided by the context size."""
     s, h, e = cfg.seq_len // context, cfg.hidden, cfg.itemsize
-    stats = 4 if cfg.family == "llama" else 8
+    stats = M.traits(cfg).norm_stat_bytes
     per_token = (1 if cfg.dropout > 0 else 0) * h + e * h + stats + e * h
     return s * b * per_token // (tensor if sp else 1) + 4 * s * b * cfg.padded_vocab(tensor) // tensor
 

@@ -68,6 +68,7 @@ from typing import Protocol
 from jaxseq.config import CONTEXT_STRATEGIES, ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models import formulas as F
+from jaxseq.models import model as M
 from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
@@ -609,15 +610,10 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
 # Output
 
 
-def _gqa_mlp(cfg: ModelConfig) -> str:
-    """A Llama shape's K/V heads and MLP width (GPT's are a and 4h)."""
-    return "" if cfg.family == "gpt" else f" kv_heads={cfg.num_kv_heads} f={cfg.mlp_hidden}"
-
-
 def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
     lines = [
-        f"{res.model}: h={cfg.hidden} a={cfg.heads}{_gqa_mlp(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
+        f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
         f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
         f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
@@ -640,7 +636,7 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
-    flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if cfg.family == "gpt"
+    flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if M.traits(cfg).papers_formulas
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (the ring "
@@ -696,7 +692,7 @@ def to_json(res: Result, top: int = 10) -> dict:
 def paper_tflops_per_gpu(cfg: ModelConfig, batch: int, gpus: int, seconds: float, accounting: str) -> float:
     """TFLOP/s per GPU as a paper counts it: `model` (Korthikanti's MFU numerator) or `full`
     (Narayanan et al. 2021: 96·B·s·L·h²·(1 + s/(6h) + V/(16hL)), full recompute: GPT's shapes only)."""
-    if accounting == "full" and cfg.family != "gpt":
+    if accounting == "full" and not M.traits(cfg).papers_formulas:
         raise ConfigError(f"accounting={accounting!r} is the papers' GPT formula; family={cfg.family!r} has none")
     flops = (paper_hardware_flops(batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size, "full")
              if accounting == "full" else train_flops(cfg, batch))

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig
 from jaxseq.mesh import available_devices, make_mesh
+from jaxseq.models import model as M
 from jaxseq.parallel import distributed as D
 from jaxseq.parallel.data_parallel import accumulated_loss
 from jaxseq.parallel.pipeline import pipeline_loss
@@ -425,7 +426,7 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
 
 def _banner(session: Session, corpus: Corpus, start: int) -> str:
     run, p = session.run, session.run.parallel
-    return (f"jaxseq: {run.model.family} with {run.model.num_params() / 1e6:.2f}M parameters, {corpus.name} "
+    return (f"jaxseq: {run.model.family} with {M.num_params(run.model) / 1e6:.2f}M parameters, {corpus.name} "
             f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
             f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
             f"{_pipeline_text(p, session.micro_batches)} on {len(session.devices)} "
