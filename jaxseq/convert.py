@@ -21,7 +21,6 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
@@ -29,10 +28,10 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, Optimi
 from jaxseq.interop import hf, hf_llama
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel, use_host_devices
 from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import Sharder, batch_sharding
 from jaxseq.training import checkpoint as C
 from jaxseq.training import rundir
-from jaxseq.training import train_step as T
 
 HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-hf
 
@@ -146,16 +145,17 @@ def _layout(cfg: ModelConfig, mesh_text: str | None):
 def _on_mesh(leaves: dict, cfg: ModelConfig, parallel: ParallelConfig, mesh) -> dict:
     """hf.Leaf params as arrays in the train step's master shards: each device's block is read (one HF
     tensor at a time) by the callback for that device; vocabulary rows past the real ones are zeros."""
-    def array(leaf, shape, spec):
+    def array(leaf, shape, sharding):
         def block(idx):
             rows = range(shape[0])[idx[0]]
             inside = slice(min(rows.start, leaf.shape[0]), min(rows.stop, leaf.shape[0]))
             part = leaf.read((inside, *idx[1:]))
             return np.concatenate([part, np.zeros((len(rows) - len(part), *part.shape[1:]), part.dtype)])
 
-        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+        return jax.make_array_from_callback(shape, sharding, block)
 
-    return jax.tree.map(array, leaves, M.param_shapes(cfg, parallel.tensor), T.master_specs(cfg, parallel),
+    layout = Layout(cfg, parallel, mesh)
+    return jax.tree.map(array, leaves, layout.param_shapes, layout.master_shardings,
                         is_leaf=lambda x: isinstance(x, (hf.Leaf, tuple)))
 
 

@@ -18,11 +18,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
+from jaxseq.parallel.layout import Layout, gradient_axes
 from jaxseq.sharding import Sharder, entry_axes, only_axes
 
 
@@ -31,12 +32,6 @@ def region_axes(parallel: ParallelConfig) -> frozenset[str]:
     `context` under context parallelism (each rank then runs its own tokens; the mesh has no `context` axis
     otherwise). `tensor` stays with XLA's partitioner."""
     return frozenset({"pipe", "data"} | ({"context"} if parallel.context > 1 else set()))
-
-
-def gradient_axes(parallel: ParallelConfig) -> tuple[str, ...]:
-    """The axes a replicated weight's gradient is summed over: `data`, and `context` (its ranks hold other
-    tokens of the same sequences: to the weights they are data ranks, as in Megatron-LM)."""
-    return ("data", "context") if parallel.context > 1 else ("data",)
 
 
 def varying(x, axes=None):
@@ -141,7 +136,7 @@ def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfi
     on the compute copy of the weights made once (gathered over data, as the train step's): the evaluation's
     forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
     shard = context.sharder(mesh, parallel)
-    weights = jax.tree.map(lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
-                           M.cast_params(params, cfg), M.param_specs(cfg, parallel))
+    weights = jax.tree.map(jax.lax.with_sharding_constraint, M.cast_params(params, cfg),
+                           Layout(cfg, parallel, mesh).param_shardings)
     micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
     return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))

@@ -48,7 +48,8 @@ from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import context as CP
 from jaxseq.parallel import data_parallel as DP
-from jaxseq.sharding import Sharder, StageSharder, batch_sharding, entry_axes, only_axes
+from jaxseq.parallel.layout import Layout
+from jaxseq.sharding import Sharder, StageSharder, entry_axes, only_axes
 
 # ---------------------------------------------------------------------------------------------
 # The tick table as the executor reads it
@@ -602,23 +603,24 @@ def _gradient_specs(grad_specs: dict, over: tuple[str, ...]) -> tuple[dict, dict
     return layers, others
 
 
-def _stage_weights(params, cfg: ModelConfig, parallel: ParallelConfig, mesh, specs: dict):
+def _stage_weights(params, layout: Layout):
     """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN, whole on
     every stage), cast to the compute dtype. Master weights split over `pipe` or `data` are gathered here, once
     (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
     "full rematerialization")."""
-    cast = M.cast_params(params, cfg)
-    constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    parallel, specs = layout.parallel, layout.param_specs
+    cast = M.cast_params(params, layout.model)
+    constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
     layers = jax.tree.map(lambda a, spec: constrain(a, P("pipe", None, None, *spec[1:])),
                           to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
     return layers, jax.tree.map(constrain, _others(cast), _others(specs))
 
 
-def _stage_inputs(params, batch, cfg: ModelConfig, parallel: ParallelConfig, mesh, sched: S.Schedule):
+def _stage_inputs(params, batch, layout: Layout, sched: S.Schedule):
     """(layers in the stage layout, embedding and final LN, the micro-batches [m, B/m, s] split over
     `data` on their rows), the executor's shard_map arguments with the in_specs of those three."""
-    layers, others = _stage_weights(params, cfg, parallel, mesh, M.param_specs(cfg, parallel))
-    shard = Sharder(mesh, parallel.sequence_parallel)
+    layers, others = _stage_weights(params, layout)
+    shard = Sharder(layout.mesh, layout.parallel.sequence_parallel)
     micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
     return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
 
@@ -631,14 +633,15 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     the mesh's shardings."""
     cfg = replace(cfg, dropout=0.0)
     sched = schedule_of(parallel, microbatches, cfg.layers, forward_only=True)
-    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
+    layout = Layout(cfg, parallel, mesh)
+    args, in_specs = _stage_inputs(params, batch, layout, sched)
 
     def program(layers, others, micro, rows):
         stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data * parallel.context,
                             remat="none", shard=CP.sharder(mesh, parallel, stage=True))
         forward = ForwardProgram(stage, _ring(parallel))
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
-        return jax.lax.psum(buffers.loss, ("pipe", *DP.gradient_axes(parallel)))
+        return jax.lax.psum(buffers.loss, ("pipe", *layout.gradient_axes))
 
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P()),
                        out_specs=P())
@@ -656,13 +659,14 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    grad_specs = M.param_specs(cfg, parallel) if grad_specs is None else grad_specs
+    layout = Layout(cfg, parallel, mesh)
+    grad_specs = layout.param_specs if grad_specs is None else grad_specs
     for path, spec in jax.tree_util.tree_leaves_with_path(grad_specs["layers"], is_leaf=lambda x: isinstance(x, P)):
         if not spec or entry_axes(spec[0]) != ("pipe",):
             raise ValueError(f"grad_specs: layers{jax.tree_util.keystr(path)} is {spec}; every layer's gradient is "
                              "split over pipe on its first dimension (the stage's layers)")
-    args, in_specs = _stage_inputs(params, batch, cfg, parallel, mesh, sched)
-    over = DP.gradient_axes(parallel)
+    args, in_specs = _stage_inputs(params, batch, layout, sched)
+    over = layout.gradient_axes
     program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data * parallel.context, remat=remat,
                       shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect,
                       ring=_ring(parallel))
@@ -675,14 +679,13 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
 
 def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(cfg, parallel))
-    replicated = NamedSharding(mesh, P())
+    layout = Layout(cfg, parallel, mesh)
     fn = partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
                  microbatches=microbatches)
     return jax.jit(
         fn,
-        in_shardings=(param_sh, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
-        out_shardings=(replicated, param_sh),
+        in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
+        out_shardings=(layout.replicated, layout.param_shardings),
     )
 
 

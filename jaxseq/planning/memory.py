@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import entry_axes
-from jaxseq.training import train_step as T
 
 MIB, GIB = 2**20, 2**30
 
@@ -44,14 +44,14 @@ EMBEDDING_GROUP = "embedding group"  # the embedding and the final LayerNorm: ev
 
 
 def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1) -> list[_Leaf]:
-    """Every parameter's per-device elements under the train step's own specs (`T.master_specs`). With
+    """Every parameter's per-device elements under the train step's own specs (`Layout.master_specs`). With
     pipe > 1, `cfg` is one stage's (its layers), and the embedding group's master weights and moments are
     split over `pipe` as the pipelined step's are."""
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False, pipe=pipe,
                               distributed_optimizer=distributed_optimizer)
     sizes = {"tensor": tensor, "data": data, "pipe": pipe}
     out = []
-    for part, specs in T.master_specs(cfg, parallel).items():
+    for part, specs in Layout(cfg, parallel).master_specs.items():
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
         shapes = jax.tree.leaves(M.param_shapes(cfg, tensor)[part], is_leaf=lambda x: isinstance(x, tuple))
         for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask(cfg)[part])):

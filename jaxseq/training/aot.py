@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
+from jaxseq.parallel.layout import Layout
 from jaxseq.training import train_step as T
 
 
@@ -31,11 +32,10 @@ def compile_for_analysis(lowered):
 
 def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
     """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
-    specs = M.param_specs(cfg, parallel)
-    shapes = M.param_shapes(cfg, parallel.tensor)
-    params = jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
-                          shapes, specs, is_leaf=lambda x: isinstance(x, tuple))
-    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
+    layout = Layout(cfg, parallel, mesh)
+    params = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding),
+                          layout.param_shapes, layout.param_shardings, is_leaf=lambda x: isinstance(x, tuple))
+    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=layout.batch["inputs"])
     return params, {"inputs": tokens, "targets": tokens}
 
 
@@ -59,7 +59,7 @@ def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh
 def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh, rows: int):
     """(state, batch of `rows` sequences, key) of the train step as sharded ShapeDtypeStructs, the state in
     its own shardings (`T.state_shardings`): lower and compile the step without allocating anything."""
-    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+    shardings = T.layout_state_shardings(Layout(cfg, parallel, mesh), optimizer)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
     _, batch = abstract_inputs(cfg, parallel, mesh, rows)

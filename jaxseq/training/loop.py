@@ -24,6 +24,7 @@ from jaxseq.mesh import available_devices, make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel import distributed as D
 from jaxseq.parallel.data_parallel import accumulated_loss
+from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.sharding import batch_sharding
@@ -47,13 +48,12 @@ def make_eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches
     train step splits it: its activations are one micro-batch's. With a pipeline, forward only through the
     stages (`pipeline.pipeline_loss`), each holding only its layers; without, the model's loss of each
     micro-batch in turn on the compute copy the train step makes."""
-    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), T.master_specs(cfg, parallel))
-    batch_sh = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
+    layout = Layout(cfg, parallel, mesh)
     if parallel.pipe > 1:
         loss = partial(pipeline_loss, cfg=cfg, parallel=parallel, mesh=mesh, microbatches=micro_batches)
     else:
         loss = partial(accumulated_loss, cfg=cfg, parallel=parallel, mesh=mesh, micro_batches=micro_batches)
-    return jax.jit(loss, in_shardings=(param_sh, batch_sh), out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(loss, in_shardings=(layout.master_shardings, layout.batch), out_shardings=layout.replicated)
 
 
 def _global(batch: dict, mesh, batch_size: int) -> dict:
@@ -149,6 +149,7 @@ class Session:
     run: RunConfig
     devices: list
     mesh: Mesh
+    layout: Layout  # the model, its parallel configuration and the mesh: every sharding the run's arrays take
     optimizer: optax.GradientTransformation
     micro_batches: int
     step_fn: Callable  # jit(step)(state, batch, key) → (state, metrics), compiled by `compile_step`
@@ -175,11 +176,12 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     settings = run.train
     devices = available_devices()
     mesh = make_mesh(run.parallel, devices)
+    layout = Layout(run.model, run.parallel, mesh)
     optimizer = T.make_optimizer(run.optimizer, run.model)
     micro = (settings.batch_size // settings.micro_batch_size) if settings.micro_batch_size else 1
     checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
     return Session(
-        run=run, devices=devices, mesh=mesh, optimizer=optimizer, micro_batches=micro,
+        run=run, devices=devices, mesh=mesh, layout=layout, optimizer=optimizer, micro_batches=micro,
         step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
         eval_fn=make_eval_fn(run.model, run.parallel, mesh, micro), sampler=None, key=jax.random.key(settings.seed + 1),
         rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
@@ -203,7 +205,7 @@ def initial_state(session: Session) -> tuple[T.TrainState, int]:
 
 def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
     run, optimizer, mesh = session.run, session.optimizer, session.mesh
-    shardings = T.state_shardings(run.model, run.parallel, optimizer, mesh)
+    shardings = T.layout_state_shardings(session.layout, optimizer)
     abstract = jax.eval_shape(
         lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
     restored = C.restore(session.checkpoints, abstract, shardings, mesh,

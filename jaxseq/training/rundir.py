@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_parallel)
 from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
 from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
 from jaxseq.training.sampling import sampling_parallel
@@ -109,9 +109,9 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     model = ModelConfig(**saved["model"])
     model = replace(model, seq_len=seq_len or model.seq_len)
     dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask(model))
-    abstract = jax.tree.map(lambda shape, spec, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec)),
-                            M.param_shapes(model, parallel.tensor), T.master_specs(model, parallel), dtypes,
-                            is_leaf=lambda x: isinstance(x, tuple))
+    layout = Layout(model, parallel, mesh)
+    abstract = jax.tree.map(lambda shape, sharding, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding),
+                            layout.param_shapes, layout.master_shardings, dtypes, is_leaf=lambda x: isinstance(x, tuple))
     step, params = _read_params(path, abstract)
     return Restored(model=model, params=params, tokenizer=saved["train"].get("tokenizer"), step=step)
 
@@ -156,13 +156,13 @@ def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False)
     parallel = mesh_parallel(mesh, sequence_parallel)
     rows = cfg.padded_vocab(parallel.tensor)
 
-    def put(is_vocab, x, spec):
+    def put(is_vocab, x, sharding):
         x = np.asarray(x)
         if is_vocab:
             x = np.concatenate([x[:rows], np.zeros((max(rows - len(x), 0), *x.shape[1:]), x.dtype)])
-        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-    return jax.tree.map(put, M.vocab_mask(cfg), params, M.param_specs(cfg, parallel))
+    return jax.tree.map(put, M.vocab_mask(cfg), params, Layout(cfg, parallel, mesh).param_shardings)
 
 
 # ---------------------------------------------------------------------------------------------

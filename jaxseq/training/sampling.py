@@ -24,11 +24,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
 from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
 from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import Sharder
 from jaxseq.training import checkpoint as C
 from jaxseq.training.data import BYTE_EOD, Corpus, decode_tokens, encode_text, load_tokenizer
@@ -66,7 +66,7 @@ def resharding(cfg: ModelConfig, mesh):
     the sampling mesh). One program moves every weight from its training shards (any pipe, tensor and
     distributed-optimizer split) to its sampling shards; nothing is gathered whole."""
     target = sampling_mesh(cfg, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(target, s), M.param_specs(cfg, mesh_parallel(target)))
+    shardings = Layout(cfg, mesh_parallel(target), target).param_shardings
     rows = cfg.padded_vocab(target.shape["tensor"])
     move = lambda params: C.resize_vocab(M.cast_params(params, cfg), rows, shardings)
     return jax.jit(move, out_shardings=shardings), target

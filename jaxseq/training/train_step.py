@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
 from jaxseq.parallel import data_parallel as DP
+from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
-from jaxseq.sharding import batch_sharding, entry_axes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
@@ -47,75 +46,23 @@ def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTran
     )
 
 
-def sharded_spec(shape: tuple[int, ...], spec: P, axis: str | tuple[str, ...], axis_sizes: dict[str, int],
-                 join: str | None = None) -> P:
-    """`spec` plus `axis` (a mesh axis, or several split over as one) on the largest dimension that no mesh
-    axis of size > 1 splits yet and that |axis| divides (the first such if several are equally large); failing
-    that, with `join`, after `join` on the dimension `join` splits, if |join|·|axis| divides it; `spec`
-    unchanged when there is none."""
-    names = entry_axes(axis)
-    size = math.prod(axis_sizes[a] for a in names)
-    axes = list(spec) + [None] * (len(shape) - len(spec))
-    split = lambda i: [a for a in entry_axes(axes[i]) if axis_sizes.get(a, 1) > 1]
-    free = [i for i, n in enumerate(shape) if not split(i) and n % size == 0]
-    if size == 1:
-        return spec
-    if free:
-        axes[max(free, key=lambda i: shape[i])] = axis
-    elif join is not None:
-        joined = [i for i, n in enumerate(shape) if split(i) == [join] and n % (axis_sizes[join] * size) == 0]
-        if not joined:
-            return spec
-        axes[joined[0]] = (join, *names)
-    else:
-        return spec
-    return P(*axes)
-
-
 def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    """Specs of the fp32 master weights (the TrainState's params) and of each Adam moment.
-
-    Without the distributed optimizer and without a pipeline these are the compute specs
-    (`model.param_specs`). With a pipeline the embedding's and the final LayerNorm's (the parameters every
-    stage holds for its compute) are split over `pipe` (`sharded_spec`): each stage keeps and updates 1/p
-    of their master weights and moments, Megatron's embedding group holding its optimizer state once. With
-    the distributed optimizer every leaf is also split over `data` (over data × context under context
-    parallelism, the axes its gradients reduce over; joined to `pipe` on one dimension where no other is
-    free): each of those ranks keeps and updates 1/(d·c) of the master weights and moments. A leaf with no
-    dimension that the size divides (e.g. a [layers, mlp/t] bias when neither is a multiple of d) stays
-    replicated over that axis: `jaxseq.plan` counts it at full size.
-    """
-    sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
-    over = DP.gradient_axes(parallel)
-    optimizer_axis = over if len(over) > 1 else over[0]
-
-    def master(part: str, shape, spec):
-        embedding_group = part != "layers"
-        if embedding_group:
-            spec = sharded_spec(shape, spec, "pipe", sizes)
-        if parallel.distributed_optimizer:
-            spec = sharded_spec(shape, spec, optimizer_axis, sizes, join="pipe" if embedding_group else None)
-        return spec
-
-    specs, shapes = M.param_specs(cfg, parallel), M.param_shapes(cfg, parallel.tensor)
-    return {part: jax.tree.map(partial(master, part), shapes[part], specs[part], is_leaf=lambda x: isinstance(x, tuple))
-            for part in specs}
+    """The master weights' specs (`Layout.master_specs`), for callers that hold no Layout."""
+    return Layout(cfg, parallel).master_specs
 
 
 def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
-    """Master weights and optimizer moments follow `master_specs`; scalars are replicated."""
-    specs = master_specs(cfg, parallel)
-    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), M.param_shapes(cfg, parallel.tensor),
+    return layout_state_shardings(Layout(cfg, parallel, mesh), optimizer)
+
+
+def layout_state_shardings(layout: Layout, optimizer) -> TrainState:
+    """Master weights and optimizer moments follow `layout.master_specs`; scalars are replicated."""
+    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), layout.param_shapes,
                                    is_leaf=lambda x: isinstance(x, tuple))
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, specs,
+    opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, layout.master_specs,
                                       transform_non_params=lambda _: P())
-    named = lambda spec: NamedSharding(mesh, spec)
-    return TrainState(
-        step=named(P()),
-        params=jax.tree.map(named, specs),
-        opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
-    )
+    return TrainState(step=layout.replicated, params=layout.master_shardings, opt_state=layout.shardings(opt_specs))
 
 
 def new_state(params, optimizer) -> TrainState:
@@ -126,13 +73,13 @@ def new_state(params, optimizer) -> TrainState:
 def init_state(key, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
     """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
     init = lambda key: new_state(M.init_params(key, cfg, parallel.tensor), optimizer)
-    return jax.jit(init, out_shardings=state_shardings(cfg, parallel, optimizer, mesh))(key)
+    return jax.jit(init, out_shardings=layout_state_shardings(Layout(cfg, parallel, mesh), optimizer))(key)
 
 
 def state_from_params(params, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
     """A step-0 state around given parameters (already on `mesh`), with moments in their shards."""
     fresh = lambda p: new_state(p, optimizer)
-    return jax.jit(fresh, out_shardings=state_shardings(cfg, parallel, optimizer, mesh))(params)
+    return jax.jit(fresh, out_shardings=layout_state_shardings(Layout(cfg, parallel, mesh), optimizer))(params)
 
 
 def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, optimizer, mesh,
@@ -159,8 +106,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     Under a pipeline the embedding's and final LayerNorm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
-    compute_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
-    master_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), master_specs(cfg, parallel))
+    layout = Layout(cfg, parallel, mesh)
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
     # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
     loss_and_grad = pipeline_loss_and_grad if parallel.pipe > 1 else DP.accumulate_loss_and_grad
@@ -169,23 +115,22 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
         key = jax.random.fold_in(key, state.step)
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
         # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
-        weights = constrain(M.cast_params(state.params, cfg), compute_sh)
+        weights = constrain(M.cast_params(state.params, cfg), layout.param_shardings)
         loss, grads = loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                                    microbatches=micro_batches, grad_specs=master_specs(cfg, parallel))
+                                    microbatches=micro_batches, grad_specs=layout.master_specs)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
-        grads = constrain(grads, master_sh)
+        grads = constrain(grads, layout.master_shardings)
         grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)
         return new_state, {"loss": loss, "grad_norm": grad_norm}
 
-    shardings = state_shardings(cfg, parallel, optimizer, mesh)
-    replicated = NamedSharding(mesh, P())
+    shardings = layout_state_shardings(layout, optimizer)
     return jax.jit(
         step,
-        in_shardings=(shardings, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
-        out_shardings=(shardings, {"loss": replicated, "grad_norm": replicated}),
+        in_shardings=(shardings, layout.batch, layout.replicated),
+        out_shardings=(shardings, {"loss": layout.replicated, "grad_norm": layout.replicated}),
         donate_argnums=(0,) if donate else (),
     )
 
@@ -194,11 +139,10 @@ def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = context.sharder(mesh, parallel)
-    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
-    replicated = NamedSharding(mesh, P())
+    layout = Layout(cfg, parallel, mesh)
     fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
     return jax.jit(
         lambda params, batch, key: fn(params, batch, key=key),
-        in_shardings=(param_sh, {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}, replicated),
-        out_shardings=(replicated, param_sh),
+        in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
+        out_shardings=(layout.replicated, layout.param_shardings),
     )

@@ -1,0 +1,131 @@
+"""A run's layout, owned in one place: the parallel configuration, the mesh, and every PartitionSpec and
+sharding the run's arrays take — the compute copy of the weights, the float32 master weights (and so their
+gradients and Adam moments), the batch — derived once from the family's parameter table (`model.param_specs`:
+its logical axes through the mesh's rules, `mesh.logical_rules`).
+
+An edge (the train step's and loss's builders, the training loop, the planner, convert, generate) makes one
+`Layout` and hands it down; nothing below recomputes a spec from (cfg, parallel). A new way to split a weight
+(FSDP's axis) is a change here, not at every place a sharding is used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.models import model as M
+from jaxseq.sharding import batch_sharding, entry_axes
+
+
+def gradient_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The axes a replicated weight's gradient is summed over: `data`, and `context` (its ranks hold other
+    tokens of the same sequences: to the weights they are data ranks, as in Megatron-LM)."""
+    return ("data", "context") if parallel.context > 1 else ("data",)
+
+
+def sharded_spec(shape: tuple[int, ...], spec: P, axis: str | tuple[str, ...], axis_sizes: dict[str, int],
+                 join: str | None = None) -> P:
+    """`spec` plus `axis` (a mesh axis, or several split over as one) on the largest dimension that no mesh
+    axis of size > 1 splits yet and that |axis| divides (the first such if several are equally large); failing
+    that, with `join`, after `join` on the dimension `join` splits, if |join|·|axis| divides it; `spec`
+    unchanged when there is none."""
+    names = entry_axes(axis)
+    size = math.prod(axis_sizes[a] for a in names)
+    axes = list(spec) + [None] * (len(shape) - len(spec))
+    split = lambda i: [a for a in entry_axes(axes[i]) if axis_sizes.get(a, 1) > 1]
+    free = [i for i, n in enumerate(shape) if not split(i) and n % size == 0]
+    if size == 1:
+        return spec
+    if free:
+        axes[max(free, key=lambda i: shape[i])] = axis
+    elif join is not None:
+        joined = [i for i, n in enumerate(shape) if split(i) == [join] and n % (axis_sizes[join] * size) == 0]
+        if not joined:
+            return spec
+        axes[joined[0]] = (join, *names)
+    else:
+        return spec
+    return P(*axes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model, how it is split, and (where arrays are placed) the mesh; every spec is derived once, on
+    first use. Without a mesh (`mesh=None`) it holds the specs alone: what the planner counts bytes from."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    mesh: Mesh | None = None
+
+    @cached_property
+    def param_shapes(self) -> dict:
+        """Global shapes of every parameter (the vocabulary padded for `tensor`)."""
+        return M.param_shapes(self.model, self.parallel.tensor)
+
+    @cached_property
+    def param_specs(self) -> dict:
+        """The weights the layers compute with: split over `tensor` (the stacked layers over `pipe`),
+        replicated over `data` and `context`."""
+        return M.param_specs(self.model, self.parallel)
+
+    @cached_property
+    def gradient_axes(self) -> tuple[str, ...]:
+        return gradient_axes(self.parallel)
+
+    @cached_property
+    def master_specs(self) -> dict:
+        """The float32 master weights (the TrainState's params), their gradients and each Adam moment.
+
+        Without the distributed optimizer and without a pipeline these are `param_specs`. With a pipeline the
+        embedding group's (the parameters every stage holds for its compute: the embedding, the final norm, an
+        untied head) are split over `pipe` (`sharded_spec`): each stage keeps and updates 1/p of their master
+        weights and moments, Megatron's embedding group holding its optimizer state once. With the distributed
+        optimizer every leaf is also split over `data` (over data × context under context parallelism, the axes
+        its gradients reduce over; joined to `pipe` on one dimension where no other is free): each of those
+        ranks keeps and updates 1/(d·c) of the master weights and moments. A leaf with no dimension that the
+        size divides (e.g. a [layers, mlp/t] bias when neither is a multiple of d) stays replicated over that
+        axis: `jaxseq.plan` counts it at full size."""
+        parallel = self.parallel
+        sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
+        over = self.gradient_axes
+        optimizer_axis = over if len(over) > 1 else over[0]
+
+        def master(part: str, shape, spec):
+            embedding_group = part != "layers"
+            if embedding_group:
+                spec = sharded_spec(shape, spec, "pipe", sizes)
+            if parallel.distributed_optimizer:
+                spec = sharded_spec(shape, spec, optimizer_axis, sizes, join="pipe" if embedding_group else None)
+            return spec
+
+        return {part: jax.tree.map(lambda shape, spec, part=part: master(part, shape, spec), self.param_shapes[part],
+                                   self.param_specs[part], is_leaf=lambda x: isinstance(x, tuple))
+                for part in self.param_specs}
+
+    def shardings(self, specs):
+        """NamedShardings on the mesh of a tree of PartitionSpecs."""
+        if self.mesh is None:
+            raise ValueError("this Layout has no mesh: it holds specs, not shardings")
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+    @cached_property
+    def param_shardings(self) -> dict:
+        return self.shardings(self.param_specs)
+
+    @cached_property
+    def master_shardings(self) -> dict:
+        return self.shardings(self.master_specs)
+
+    @cached_property
+    def batch(self) -> dict:
+        """A batch's {"inputs", "targets"} shardings (`sharding.batch_sharding`: rows over `data`)."""
+        return {"inputs": batch_sharding(self.mesh), "targets": batch_sharding(self.mesh)}
+
+    @cached_property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
