@@ -218,7 +218,7 @@ def test_every_record_times_its_own_steps(tmp_path, devices, monkeypatch):
     was. A record written one step late (log-only steps are) once took its time from when it was written: after
     a dispatch that returned only once its step ran (XLA:CPU's may), that is the next step's end, and the last
     record got the remainder, ~0 s: 51,467 tokens/s where every other said ~15,000 (68× in a gpt2-124m run).
-    Here every dispatch runs its step and then 0.3 s more, so each step takes ~0.3 s and every record the same."""
+    Here every dispatch runs its step and then 0.3 s more, so each step takes 0.3 s or more and every record about the same."""
     real_compile = loop.compile_step
 
     def synchronous(session, state, position):
@@ -237,7 +237,9 @@ def test_every_record_times_its_own_steps(tmp_path, devices, monkeypatch):
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rates = [r["tokens_per_sec"] for r in map(json.loads, f)]
     tokens = run.train.batch_size * run.model.seq_len
-    assert len(rates) == 4 and all(tokens / 0.5 < rate < tokens / 0.3 for rate in rates), (rates, tokens / 0.3)
+    # every record took at least its own 0.3 s, and none the ~0 s remainder (the bug's was 68× the others'); no
+    # upper bound on a step's time, which a loaded machine stretches (the old bound of 0.5 s failed under load)
+    assert len(rates) == 4 and all(rate < tokens / 0.3 for rate in rates) and max(rates) < 3 * min(rates), rates
 
 
 def test_a_signal_saves_and_ends_the_run_with_128_plus_its_number(tmp_path, devices, own_signal_handlers,
