@@ -315,12 +315,13 @@ def _losses(run_dir):
 
 @pytest.fixture(scope="module")
 def context_runs(tmp_path_factory):
-    """The train command's runs both tests below read (dropout off): data=4,tensor=2 for 5 steps (the reference of
-    both); 3 steps with all-gather (checkpointed at step 3, where the other test resumes it at context 1); the ring
-    with gradient accumulation and the distributed optimizer (master shards split over data × context); and
-    pipe=2 × context=2 × tensor=2 with two micro-batches. The cosine ends at step 3 in every run (decay_steps=3),
-    so the reference's first 3 steps are a 3-step run's. Only the ring's run draws the end-of-run sample (sampling
-    from a context-parallel run's weights); the others compile no sampler."""
+    """The train command's runs the two tests below read, each run once for the module when first asked for
+    (dropout off): "1", data=4,tensor=2 for 5 steps (the reference of both); "all-gather", 3 steps (checkpointed at
+    step 3, where the second test resumes it at context 1); "ring", with gradient accumulation and the distributed
+    optimizer (master shards split over data × context); "pipelined", pipe=2 × context=2 × tensor=2 with two
+    micro-batches. The cosine ends at step 3 in every run (decay_steps=3), so the reference's first 3 steps are a
+    3-step run's. Only the ring's run draws the end-of-run sample (sampling from a context-parallel run's weights);
+    the others compile no sampler. → get(name): (its run directory, what the command printed)."""
     tmp = tmp_path_factory.mktemp("context-runs")
     runs = {"1": ["--steps", "5", "--mesh", "data=4,tensor=2", "sample_tokens=0"],
             "all-gather": ["--steps", "3", "--mesh", "context=2,tensor=2,data=2", "sample_tokens=0"],
@@ -328,17 +329,27 @@ def context_runs(tmp_path_factory):
                      "--micro-batch-size", "4", "--distributed-optimizer"],
             "pipelined": ["--steps", "3", "--mesh", "pipe=2,context=2,tensor=2", "--micro-batch-size", "4",
                           "sample_tokens=0"]}
-    done = {name: command(train_command.main, *RUN, *args, "--run-dir", str(tmp / name))
-            for name, args in runs.items()}
-    return {name: str(tmp / name) for name in runs}, done
+    done = {}
+
+    def get(name):
+        if name not in done:
+            done[name] = str(tmp / name), command(train_command.main, *RUN, *runs[name], "--run-dir", str(tmp / name))
+        return done[name]
+
+    return get
 
 
+# Slow (four runs of the command, 60–90 s on 2 cores); the fast tier trains with the command at context 2 in the
+# test after it (two of these runs).
+@pytest.mark.slow
 def test_train_command_gives_the_losses_of_context_1(context_runs):
     """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (all-gather; the ring with gradient
     accumulation and the distributed optimizer, master shards split over data × context) and a pipelined run
     (pipe=2 × context=2 × tensor=2, two micro-batches) against data=4,tensor=2 (dropout off here: accumulation
     draws each micro-batch's masks from its own key; the dropout comparisons are the tests above)."""
-    dirs, done = context_runs
+    dirs, done = {}, {}
+    for name in ("1", "all-gather", "ring", "pipelined"):
+        dirs[name], done[name] = context_runs(name)
     losses = {name: _losses(d) for name, d in dirs.items()}
     assert len(losses["1"]) == 5
     for name in ("all-gather", "ring", "pipelined"):
@@ -354,13 +365,13 @@ def test_train_command_gives_the_losses_of_context_1(context_runs):
 def test_a_run_saved_at_context_2_resumes_at_context_1(context_runs, tmp_path):
     """The weights do not depend on `context`: 3 steps at context=2, resumed for 2 more at context=1, give the
     losses of 5 steps at context=1 (same schedule: the cosine ends at step 3 in both)."""
-    dirs, _ = context_runs
     moved = str(tmp_path / "moved")
-    shutil.copytree(dirs["all-gather"], moved)
+    shutil.copytree(context_runs("all-gather")[0], moved)
     out = command(train_command.main, *RUN, "--steps", "5", "--mesh", "data=4,tensor=2", "--run-dir", moved,
                   "--resume", "sample_tokens=0")
     assert "data=4 × tensor=2" in out.stdout
-    np.testing.assert_allclose(_losses(moved), _losses(dirs["1"]), rtol=1e-5)
+    assert "context=2" in context_runs("all-gather")[1].stdout
+    np.testing.assert_allclose(_losses(moved), _losses(context_runs("1")[0]), rtol=1e-5)
 
 
 def test_parse_mesh_with_context():

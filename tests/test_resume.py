@@ -151,14 +151,15 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path):
     directory is left behind); `--resume` continues from the newest complete checkpoint with the losses the run
     logged for the steps after it before it was killed, which were an uninterrupted run's (its learning-rate
     schedule fixed by warmup and decay steps, not by --steps). Should the kill have come after a later checkpoint
-    completed, an uninterrupted run in this process is the reference."""
+    completed, an uninterrupted run in this process is the reference. The killed process writes its programs to the
+    tests' compilation cache (`commands.env`): the resume in this process loads them."""
     from commands import ROOT, env
     from test_train import losses, run
 
     args = ["--preset", "tiny", "--dtype", "float32", "--batch-size", "8", "--host-devices", "8",
             "--mesh", "data=2,context=2,tensor=2", "--distributed-optimizer", "--checkpoint-every", "4",
             "--log-every", "1", "--eval-every", "100000", "--warmup-steps", "2", "decay_steps=20", "eval_batches=1",
-            "sample_tokens=4"]
+            "sample_tokens=0"]  # no end-of-run sample is read: none compiled
     killed = str(tmp_path / "killed")
     checkpoints = os.path.join(killed, "checkpoints")
     complete = lambda: [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if os.path.isdir(checkpoints) else []
@@ -170,7 +171,7 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path):
             return 0
 
     proc = subprocess.Popen([sys.executable, "-m", "jaxseq.train", *args, "--steps", "100000", "--run-dir", killed],
-                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env(cache=True), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None and not (complete() and logged() >= max(complete()) + 2):
