@@ -3,8 +3,8 @@
 `Sharder` applies the mesh's logical rules (`mesh.logical_rules`) as sharding constraints; its
 `column_parallel` (the sequence-parallel all-gather) and `embed` (the vocab-parallel lookup) are written
 as explicit collectives inside `jax.shard_map`, because left to the partitioner XLA stores or moves more
-than Megatron-LM does (docs/DESIGN.md). `StageSharder` is the same for code inside the pipeline's
-shard_map (manual over `pipe` and `data`), where those collectives must be forward-only custom_vjps.
+than Megatron-LM does (docs/DESIGN.md). `parallel/region.StageSharder` is the same for code inside a region
+manual over `pipe`, `data` and `context` (the pipeline's, gradient accumulation's).
 
 Under context parallelism the Sharder also knows the sequence's layout (`reorder`: 2c chunks, rank r holding
 chunks r and 2c−1−r) and carries the context attention a run chose (`context_attention`, from
@@ -130,122 +130,6 @@ class Sharder:
         )(table, tokens)
 
 
-@dataclass(frozen=True)
-class StageSharder(Sharder):
-    """Sharder for code running inside a region manual over `pipe`, `data` and, under context parallelism,
-    `context` (the pipeline executor's, gradient accumulation's): one data rank's rows of the batch and one
-    context rank's tokens, so constraints name neither axis and only `tensor` is left to the partitioner.
-    Shardings name the abstract mesh (a concrete-mesh NamedSharding fails in a partial-manual region), and the
-    collectives over `tensor` (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose
-    forward and backward are forward-only nested shard_maps (autodiff through a nested shard_map fails to
-    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index)."""
-
-    @property
-    def rules(self) -> dict[str, str | None]:
-        return {**logical_rules(self.sequence_parallel), "batch": None}
-
-    @property
-    def manual_axes(self) -> frozenset[str]:
-        """The axes the collectives' nested shard_maps are manual over (the region is already over the rest)."""
-        return frozenset({"tensor"})
-
-    @property
-    def context_manual(self) -> bool:
-        return self.context > 1
-
-    def reorder(self, s: int):
-        """The global positions of this context rank's s stored tokens, traced: rank r's chunks r and 2c−1−r of
-        s/2 tokens each (`context_chunks`). Computed from its index, not read from a table: a table would be a
-        constant every pipeline chunk's vjp keeps as a residual (a stash slot's worth each)."""
-        if self.context == 1:
-            return None
-        return stored_positions(jax.lax.axis_index("context") * s + jax.lax.iota(jnp.int32, s), s * self.context,
-                                self.context)
-
-    def whole_order(self, s: int):
-        """The global positions of a whole sequence of s gathered over `context` (every rank's tokens, rank
-        after rank), traced as `reorder` is."""
-        return stored_positions(jax.lax.iota(jnp.int32, s), s, self.context)
-
-    def split_sequence(self, tokens: jax.Array) -> jax.Array:
-        """Tokens [b, s] in natural order → this context rank's s/c, in stored order."""
-        if self.context == 1:
-            return tokens
-        return jnp.take(tokens, self.reorder(tokens.shape[1] // self.context), axis=1)
-
-    def seq_length(self, n: int) -> int:
-        return n * self.context
-
-    def named(self, *axes: str | None) -> NamedSharding:
-        return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
-
-    @property
-    def map_mesh(self):
-        return jax.sharding.get_abstract_mesh()
-
-    def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
-        if self.mesh is None or not self.sequence_parallel:
-            return super().column_parallel(fn, x, params, param_axes, out_axes)
-        mesh = jax.sharding.get_abstract_mesh()
-        x_spec = self.spec("batch", "seq_sp", None)
-        p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
-        out_spec = self.out_specs(out_axes)
-        gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
-        nested = partial(jax.shard_map, mesh=mesh, axis_names=self.manual_axes)
-
-        def forward(x, p):
-            return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
-
-        def backward(x, p, g):
-            def local(y, q, gy):
-                _, vjp = jax.vjp(fn, gather(y), q)
-                gx, gq = vjp(gy)
-                return jax.lax.psum_scatter(gx, "tensor", scatter_dimension=1, tiled=True), gq
-
-            return nested(local, in_specs=(x_spec, p_specs, out_spec), out_specs=(x_spec, p_specs))(x, p, g)
-
-        @jax.custom_vjp
-        def column(x, p):
-            return forward(x, p)
-
-        column.defvjp(lambda x, p: (forward(x, p), (x, p)), lambda res, g: backward(*res, g))
-        return column(x, params)
-
-    def embed(self, table, tokens):
-        """`Sharder.embed` (the same `vocab_parallel_lookup` per tensor rank) as a custom_vjp whose backward
-        scatter-adds the gradient into this rank's rows. Why not jnp.take under sharding constraints: XLA
-        then emits collective-permutes spanning every stage, and a stage that runs the first chunk while
-        the others run something else would wait for them forever. The table gradient stays this data
-        rank's partial sum (reduced over `data` once per step, after the tick loop)."""
-        if self.mesh is None:
-            return jnp.take(table, tokens, axis=0)
-        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names=self.manual_axes)
-        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", "seq"), self.spec("batch", "seq_sp", None)
-        sp = self.sequence_parallel
-
-        def forward(table, tokens):
-            return nested(partial(vocab_parallel_lookup, sequence_parallel=sp), in_specs=(t_spec, id_spec),
-                          out_specs=x_spec)(table, tokens)
-
-        def backward(table, tokens, g):
-            def local(table, tokens, g):
-                if sp:
-                    g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
-                ids, mine = _rank_rows(table.shape[0], tokens)
-                g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
-
-            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
-
-        @jax.custom_vjp
-        def lookup(table, tokens):
-            return forward(table, tokens)
-
-        lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
-                      lambda res, g: (backward(*res, g), None))
-        return lookup(table, tokens)
-
-
 def _several(out_axes) -> bool:
     """Whether column_parallel's out_axes name several outputs (a tuple of axis tuples)."""
     return len(out_axes) > 0 and isinstance(out_axes[0], tuple)
@@ -305,14 +189,14 @@ def vocab_parallel_lookup(table, tokens, sequence_parallel: bool):
     """One tensor rank's part of the vocab-parallel lookup (inside shard_map, manual over `tensor`): its
     rows' embeddings (zeros for other ids), all-reduced, or reduce-scattered along the sequence under SP."""
     rows = table.shape[0]
-    ids, mine = _rank_rows(rows, tokens)
+    ids, mine = rank_rows(rows, tokens)
     x = jnp.where(mine[..., None], jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0), jnp.zeros((), table.dtype))
     if sequence_parallel:
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
     return jax.lax.psum(x, "tensor")
 
 
-def _rank_rows(rows: int, tokens):
+def rank_rows(rows: int, tokens):
     """(tokens as row indices into this tensor rank's `rows` rows of the table, whether each falls in them)."""
     ids = tokens - jax.lax.axis_index("tensor") * rows
     return ids, (ids >= 0) & (ids < rows)

@@ -45,11 +45,12 @@ ALLOWED = {
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
     "parallel.data_parallel": {"config", "models.model", "parallel.context", "parallel.layout", "sharding"},
-    "parallel.context": {"config", "models.ops", "remat", "sharding"},
+    "parallel.context": {"config", "models.ops", "parallel.region", "remat", "sharding"},
     "parallel.pipeline": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
-                          "parallel.schedule", "remat", "sharding"},
+                          "parallel.region", "parallel.schedule", "remat", "sharding"},
     "parallel.distributed": {"config"},
     "parallel.layout": {"config", "models.model", "sharding"},
+    "parallel.region": {"mesh", "sharding"},
     # training: the step, the loop and what it reads and writes
     "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
                             "parallel.pipeline"},

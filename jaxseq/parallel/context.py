@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq import remat as R
 from jaxseq.models import ops as O
-from jaxseq.sharding import Sharder, StageSharder, context_chunks, entry_axes
+from jaxseq.parallel.region import StageSharder
+from jaxseq.sharding import Sharder, context_chunks, entry_axes
 
 FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
 

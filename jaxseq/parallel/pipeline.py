@@ -49,7 +49,8 @@ from jaxseq.parallel import schedule as S
 from jaxseq.parallel import context as CP
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel.layout import Layout
-from jaxseq.sharding import Sharder, StageSharder, entry_axes, only_axes
+from jaxseq.parallel.region import StageSharder
+from jaxseq.sharding import Sharder, entry_axes, only_axes
 
 # ---------------------------------------------------------------------------------------------
 # The tick table as the executor reads it
