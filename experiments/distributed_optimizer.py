@@ -39,6 +39,7 @@ from jaxseq.planning import memory  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
 from jaxseq.sharding import batch_sharding  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
+from jaxseq.parallel.layout import Layout
 
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), ModelConfig())
 MESHES = [(8, 1, False), (4, 2, True), (2, 4, True)]
@@ -68,7 +69,7 @@ def weight_shapes(cfg, parallel: ParallelConfig) -> set:
 
 def compile_abstract(cfg, parallel: ParallelConfig, micro_batches: int, batch: int):
     mesh = make_mesh(parallel)
-    shardings = T.state_shardings(cfg, parallel, OPT, mesh)
+    shardings = T.state_shardings(Layout(cfg, parallel, mesh), OPT)
     state = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, OPT, mesh))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
@@ -92,7 +93,7 @@ def state_bytes_rows() -> list[dict]:
             parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, distributed_optimizer=distributed)
             gathers = data_all_gathers(compiled.as_text(), data, weight_shapes(cfg, parallel))
             sharded = sum("data" in spec for spec in jax.tree.leaves(
-                T.master_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+                Layout(cfg, parallel).master_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
             rows.append({"mesh": f"data={data},tensor={tensor}" + ("+sp" if sp else ""), "distributed": distributed,
                          "measured_bytes": measured, "formula_bytes": formula.params + formula.optimizer,
                          "bytes_per_parameter": measured / elements, "data_sharded_weights": sharded, **gathers,

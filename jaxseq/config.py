@@ -104,7 +104,7 @@ class ParallelConfig:
 
     distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data` (data ×
     context under context parallelism: ZeRO-1, Megatron-LM's --use-distributed-optimizer over its data ×
-    context group); see train_step.master_specs.
+    context group); see parallel/layout.Layout.master_specs.
     """
 
     data: int = 1

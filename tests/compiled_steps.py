@@ -8,6 +8,7 @@ import numpy as np
 from jaxseq.mesh import make_mesh
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 
 
 def counting_batch(cfg, rows: int, step: int) -> dict:
@@ -24,7 +25,7 @@ class CompiledStep:
         self.cfg, self.parallel, self.optimizer, self.micro_batches = cfg, parallel, optimizer, micro_batches
         self.rows, self.key, self.saved_at = rows, key, saved_at
         self.mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-        self.shardings = T.state_shardings(cfg, parallel, optimizer, self.mesh)
+        self.shardings = T.state_shardings(Layout(cfg, parallel, self.mesh), optimizer)
         self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, self.mesh))
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.abstract, self.shardings)

@@ -18,6 +18,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 
 CFG = replace(preset("tiny"), vocab_size=300, dtype="float32")  # padded to 512 rows at t=4 and t=2, 384 at t=1
 OPT = T.make_optimizer(OptimizerConfig(), CFG)
@@ -31,7 +32,7 @@ def _state(parallel, devices, seed=0):
 def _target(parallel, devices):
     mesh = make_mesh(parallel, devices)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, OPT, mesh))
-    return abstract, T.state_shardings(CFG, parallel, OPT, mesh), mesh
+    return abstract, T.state_shardings(Layout(CFG, parallel, mesh), OPT), mesh
 
 
 def _save(directory, step, state, meta=None):

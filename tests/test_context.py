@@ -26,6 +26,7 @@ from jaxseq.training import rundir
 from jaxseq.training import train_step as T
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel.layout import Layout
 
 GPT = replace(preset("tiny"), dtype="float32", dropout=0.1)
 LLAMA = replace(preset("tiny-llama"), dtype="float32")  # 8 query heads sharing 2 K/V heads
@@ -275,7 +276,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
                               distributed_optimizer=True)
     mesh = make_mesh(parallel, jax.devices())
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+    shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
     _, batch = aot.abstract_inputs(cfg, parallel, mesh, 8)
@@ -290,7 +291,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     data_context = _groups(mesh, "data", "context")
     after = [r for r in reductions if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
     sizes = {"data": 2, "context": 2, "tensor": 2}
-    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(Layout(cfg, parallel).master_specs, is_leaf=lambda x: isinstance(x, P))
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
     split = [_shards(shape, spec, sizes) for shape, spec in zip(shapes, specs)
              if any(entry_axes(e) == ("data", "context") for e in spec)]

@@ -15,6 +15,7 @@ from jaxseq.models import model as M
 from jaxseq.planning import hlo as A
 from jaxseq.planning import memory
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 
 from compiled_steps import CompiledStep
 
@@ -114,7 +115,7 @@ def test_each_weight_is_all_gathered_once_per_step(devices):
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     shapes = jax.tree.leaves(jax.eval_shape(lambda: s.init().params))
     compute_specs = jax.tree.leaves(M.param_specs(CFG, s.parallel), is_leaf=is_spec)
-    master = jax.tree.leaves(T.master_specs(CFG, s.parallel), is_leaf=is_spec)
+    master = jax.tree.leaves(Layout(CFG, s.parallel).master_specs, is_leaf=is_spec)
     expected = sorted(
         tuple(n // (s.parallel.tensor if axis == "tensor" else 1) for n, axis in zip(x.shape, [*spec, *[None] * 8]))
         for x, spec, m in zip(shapes, compute_specs, master) if "data" in m)

@@ -16,6 +16,7 @@ from jaxseq.training import rundir
 from jaxseq.training import sampling as S
 from jaxseq.training import train_step as T
 from jaxseq.training.data import Corpus, decode_tokens, encode_text, train_bpe
+from jaxseq.parallel.layout import Layout
 
 # A vocabulary that needs padding (300 → 384 rows) and a non-default LayerNorm epsilon; positions scaled up
 # so that a random model's greedy text depends on where it is (sliding the window then changes it).
@@ -84,7 +85,7 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     over tensor like the attention; the greedy tokens equal one device's."""
     parallel = ParallelConfig(pipe=2, data=2, tensor=2, distributed_optimizer=True)
     mesh = make_mesh(parallel, devices)
-    masters = T.state_shardings(CFG, parallel, T.make_optimizer(OptimizerConfig(), CFG), mesh).params
+    masters = T.state_shardings(Layout(CFG, parallel, mesh), T.make_optimizer(OptimizerConfig(), CFG)).params
     placed = jax.device_put(rundir.place(params, CFG, mesh), masters)
     assert placed["layers"]["mlp"]["wi"]["kernel"].sharding.spec == P("pipe", "data", "tensor")
     move, sampling_mesh = S.resharding(CFG, mesh)

@@ -16,6 +16,7 @@ from jaxseq.planning import hlo
 from jaxseq.sharding import Sharder
 from jaxseq.training import aot, loop
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
 CFG = replace(preset("tiny"), hidden=32, heads=4, seq_len=16, layers=8, dtype="float32", dropout=0.1)
@@ -232,13 +233,13 @@ def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
     """The real train step with a pipeline and the distributed optimizer (p=2, data=2, tensor=2 + SP):
     the gradients leave the executor in the master shards, reduce-scattered over `data` once per step
     (Megatron's distributed optimizer: half an all-reduce's bytes), all-reduced only where a leaf has no
-    dimension |data| divides (kept whole by `train_step.master_specs`); nothing over `data` in the loop."""
+    dimension |data| divides (kept whole by `Layout.master_specs`); nothing over `data` in the loop."""
     parallel = ParallelConfig(data=2, tensor=2, sequence_parallel=True, distributed_optimizer=True, pipe=2,
                               schedule="1f1b")
     m = 4
     mesh = make_mesh(parallel, devices)
     optimizer = T.make_optimizer(OptimizerConfig(), CFG)
-    shardings = T.state_shardings(CFG, parallel, optimizer, mesh)
+    shardings = T.state_shardings(Layout(CFG, parallel, mesh), optimizer)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
     _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
@@ -248,7 +249,7 @@ def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
     assert not [r.op_name for r in in_loop]
     scattered = [r for r in after if r.kind == "reduce-scatter"]
     whole = [r for r in after if r.kind == "all-reduce"]
-    master = T.master_specs(CFG, parallel)
+    master = Layout(CFG, parallel).master_specs
     split = lambda has_data: lambda t: jax.tree.map(lambda leaf, spec: leaf if ("data" in spec) == has_data else None,
                                                     t, master, is_leaf=lambda x: isinstance(x, tuple))
     assert sum(r.elements for r in scattered) * 2 == _elements_per_device(split(True), parallel)
@@ -410,7 +411,7 @@ def evaluation(devices):
             mesh = make_mesh(parallel, devices[:parallel.num_devices])
             params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
             params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
-                                  params, T.master_specs(CFG, parallel))  # the train state's: its master weights
+                                  params, Layout(CFG, parallel).master_specs)  # the train state's: its master weights
             program = loop.make_eval_fn(CFG, parallel, mesh, case[3]).lower(params, batch).compile()
             programs[case] = (program, params)
         return programs[case]
@@ -482,7 +483,7 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
     optimizer = T.make_optimizer(OptimizerConfig(), CFG)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-                         T.state_shardings(CFG, parallel, optimizer, mesh))
+                         T.state_shardings(Layout(CFG, parallel, mesh), optimizer))
     _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
     compiled = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile()

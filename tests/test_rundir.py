@@ -14,6 +14,7 @@ from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C
 from jaxseq.training import rundir
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True),
@@ -70,7 +71,7 @@ def test_restore_reads_the_params_onto_another_mesh_shard_by_shard(saved_run, de
     mesh = make_mesh(target, devices)
     restored = rundir.restore(run_dir, target, mesh)
     assert restored.step == 3 and restored.model == CFG and set(restored.params) == set(saved)
-    specs = T.master_specs(CFG, target)  # the train step's (the embedding group split over pipe at p4t2)
+    specs = Layout(CFG, target).master_specs  # the train step's (the embedding group split over pipe at p4t2)
     for leaf, spec, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(specs),
                                 jax.tree.leaves(saved)):
         assert leaf.sharding.mesh == mesh and leaf.sharding.spec == spec and leaf.dtype == np.float32
@@ -109,7 +110,7 @@ def test_init_from_reads_the_params_straight_into_the_train_steps_shards(saved_r
     parallel = ParallelConfig(pipe=4, data=2, tensor=1, distributed_optimizer=True)
     mesh, optimizer = make_mesh(parallel, devices), T.make_optimizer(OptimizerConfig(), CFG)
     state = rundir.init_state(run_dir, replace(CFG, dropout=0.0), parallel, optimizer, mesh)
-    wanted = T.state_shardings(CFG, parallel, optimizer, mesh)
+    wanted = T.state_shardings(Layout(CFG, parallel, mesh), optimizer)
     read = [jax.tree.leaves(a["state"].item) for a in asked if "state" in a]
     assert len(read) == 1 and len(read[0]) == len(jax.tree.leaves(saved))  # the params, nothing else
     for target, sharding in zip(read[0], jax.tree.leaves(wanted.params)):

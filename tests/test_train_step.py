@@ -11,6 +11,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
+from jaxseq.parallel.layout import Layout
 from test_pipeline import _over_data
 
 PARALLEL = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
@@ -105,7 +106,7 @@ def accumulating_hlo(devices):
             parallel = replace(ACCUMULATING[name], distributed_optimizer=distributed)
             mesh = make_mesh(parallel, devices)
             optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-            shardings = T.state_shardings(cfg, parallel, optimizer, mesh)
+            shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
             abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
             state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
             _, batch = aot.abstract_inputs(cfg, parallel, mesh, parallel.data * MICRO_BATCHES)
@@ -123,7 +124,7 @@ def _gradient_shapes(cfg, parallel: ParallelConfig, reduce_scattered: bool) -> l
     sizes = {"tensor": parallel.tensor, "data": parallel.data, None: 1}
     is_spec = lambda x: isinstance(x, P)
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
-    specs = jax.tree.leaves(T.master_specs(cfg, parallel), is_leaf=is_spec)
+    specs = jax.tree.leaves(Layout(cfg, parallel).master_specs, is_leaf=is_spec)
     return sorted(tuple(n // sizes[axis] for n, axis in zip(shape, [*spec, *[None] * len(shape)]))
                   for shape, spec in zip(shapes, specs) if ("data" in spec) == reduce_scattered)
 

@@ -655,7 +655,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
     the parameters'); a leaf whose spec names `data` or, for the embedding and final LN, `pipe` (the master
-    shards: `train_step.master_specs`) is reduce-scattered over those axes onto that dimension instead of
+    shards: `Layout.master_specs`) is reduce-scattered over those axes onto that dimension instead of
     all-reduced. `inspect`, if given, is called
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""

@@ -152,7 +152,7 @@ def plan_state(cfg: ModelConfig, tensor: int, data: int, context: int, distribut
                pipeline: int = 1, by_part: bool = False, embedding_over_pipe: bool = True):
     """Per-device state bytes of the first of `pipeline` stages (its L/p layers): `memory.state_bytes`, or by
     part (`state_bytes_by_part`). The distributed optimizer splits the fp32 master weights and Adam moments over
-    data × context (a context rank holds the same weights as its data rank: `T.master_specs` shards them over
+    data × context (a context rank holds the same weights as its data rank: `Layout.master_specs` shards them over
     both), so every figure of a plan, its rows as its state tables, counts d·c here and nowhere else.
     `embedding_over_pipe=False`: the embedding group's optimizer state unsplit over `pipe` (Megatron-LM's first
     stage)."""

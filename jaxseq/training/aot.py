@@ -59,7 +59,7 @@ def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh
 def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh, rows: int):
     """(state, batch of `rows` sequences, key) of the train step as sharded ShapeDtypeStructs, the state in
     its own shardings (`T.state_shardings`): lower and compile the step without allocating anything."""
-    shardings = T.layout_state_shardings(Layout(cfg, parallel, mesh), optimizer)
+    shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
     abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
     _, batch = abstract_inputs(cfg, parallel, mesh, rows)

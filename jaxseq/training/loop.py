@@ -205,7 +205,7 @@ def initial_state(session: Session) -> tuple[T.TrainState, int]:
 
 def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
     run, optimizer, mesh = session.run, session.optimizer, session.mesh
-    shardings = T.layout_state_shardings(session.layout, optimizer)
+    shardings = T.state_shardings(session.layout, optimizer)
     abstract = jax.eval_shape(
         lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
     restored = C.restore(session.checkpoints, abstract, shardings, mesh,

@@ -46,16 +46,7 @@ def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTran
     )
 
 
-def master_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    """The master weights' specs (`Layout.master_specs`), for callers that hold no Layout."""
-    return Layout(cfg, parallel).master_specs
-
-
-def state_shardings(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
-    return layout_state_shardings(Layout(cfg, parallel, mesh), optimizer)
-
-
-def layout_state_shardings(layout: Layout, optimizer) -> TrainState:
+def state_shardings(layout: Layout, optimizer) -> TrainState:
     """Master weights and optimizer moments follow `layout.master_specs`; scalars are replicated."""
     abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), layout.param_shapes,
                                    is_leaf=lambda x: isinstance(x, tuple))
@@ -73,13 +64,13 @@ def new_state(params, optimizer) -> TrainState:
 def init_state(key, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
     """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
     init = lambda key: new_state(M.init_params(key, cfg, parallel.tensor), optimizer)
-    return jax.jit(init, out_shardings=layout_state_shardings(Layout(cfg, parallel, mesh), optimizer))(key)
+    return jax.jit(init, out_shardings=state_shardings(Layout(cfg, parallel, mesh), optimizer))(key)
 
 
 def state_from_params(params, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
     """A step-0 state around given parameters (already on `mesh`), with moments in their shards."""
     fresh = lambda p: new_state(p, optimizer)
-    return jax.jit(fresh, out_shardings=layout_state_shardings(Layout(cfg, parallel, mesh), optimizer))(params)
+    return jax.jit(fresh, out_shardings=state_shardings(Layout(cfg, parallel, mesh), optimizer))(params)
 
 
 def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, optimizer, mesh,
@@ -126,7 +117,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
         new_state = TrainState(state.step + 1, params, opt_state)
         return new_state, {"loss": loss, "grad_norm": grad_norm}
 
-    shardings = layout_state_shardings(layout, optimizer)
+    shardings = state_shardings(layout, optimizer)
     return jax.jit(
         step,
         in_shardings=(shardings, layout.batch, layout.replicated),
