@@ -51,9 +51,10 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
                               distributed_optimizer=distributed_optimizer)
     sizes = {"tensor": tensor, "data": data, "pipe": pipe}
     out = []
-    for part, specs in Layout(cfg, parallel).master_specs.items():
+    layout = Layout(cfg, parallel)
+    for part, specs in layout.master_specs.items():
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-        shapes = jax.tree.leaves(M.param_shapes(cfg, tensor)[part], is_leaf=lambda x: isinstance(x, tuple))
+        shapes = jax.tree.leaves(layout.param_shapes[part], is_leaf=lambda x: isinstance(x, tuple))
         for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask(cfg)[part])):
             # a layer's dimension 0 is split over `pipe` into the stages' layers, which `cfg` already holds (at
             # pipe = 1 the distributed optimizer may put `data` there: that split counts)
