@@ -319,16 +319,42 @@ def test_context_kv_bytes_are_the_design_notes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
-def test_context_plan_rows_equal_the_formula(strategy, capsys):
-    """`python -m jaxseq.plan --context 2`: every row (each registered policy, with and without SP) compiled at
-    context 2 equals formulas.activation_bytes at context 2, to the byte; the K/V line is printed."""
-    plan_command.main(["--preset", "tiny", "--dtype", "bfloat16", "--tensor", "2", "--micro-batch-size", "2",
-                       "--context", "2", "--context-strategy", strategy, "--json"])
+def test_context_plan_rows_equal_the_formula(strategy):
+    """Every row `python -m jaxseq.plan --tensor 2 --context 2` prints (each registered policy, with and without SP,
+    and `none` at t = 1): its layer's loss-and-gradient program, compiled at context 2 as the plan compiles it
+    (`measure.Compiler`, the program `Compiler.measure` reads the stored bytes from), stores the plan's formula
+    column, formulas.activation_bytes at context 2, to the byte. Only the stored bytes are read, so only that
+    program is compiled (not the plan's float32 train step, L = 0 and forward programs: 13 programs, not 31); that
+    the printed plan carries the compiled numbers beside the formula, and the K/V line, is
+    test_context_plan_json_carries_the_compiled_rows."""
+    rows = P.configurations(CONTEXT_T)
+    assert {(c.remat, c.sequence_parallel) for c in rows if c.tensor == CONTEXT_T} == {
+        (p, sp) for p in POLICIES for sp in (False, True)} and [c.name for c in rows if c.tensor == 1] == ["none"]
+    compiler = measure.Compiler(CONTEXT_CFG, CONTEXT_B, jax.devices(), context=2, strategy=strategy)
+    keys = [compiler.programs(c)[0] for c in rows]  # ("grad", MEASURE_LAYERS, remat, t, sp)
+    compiler.compile_all(keys)
+    for c, key in zip(rows, keys):
+        stored = hlo.stored_bytes_per_layer(compiler._compile(*key).as_text(), measure.MEASURE_LAYERS)
+        formula = P.formula_bytes_per_layer(CONTEXT_CFG, c, CONTEXT_B, 2, strategy)
+        assert stored == formula == F.activation_bytes(CONTEXT_CFG, c.remat, CONTEXT_B, c.tensor, c.sequence_parallel,
+                                                       2, strategy), c.name
+
+
+@pytest.mark.slow
+def test_context_plan_json_carries_the_compiled_rows(capsys):
+    """`python -m jaxseq.plan --context 2 --json` (all-gather; t = 1, whose rows are each registered policy: the
+    whole plan, its train steps included, compiled on 2 devices): every printed row's measured stored bytes equal
+    its formula column, formulas.activation_bytes at context 2, to the byte, and the K/V line is printed. The t = 2
+    rows (with and without SP, both strategies): test_context_plan_rows_equal_the_formula."""
+    plan_command.main(["--preset", "tiny", "--dtype", "bfloat16", "--tensor", "1", "--micro-batch-size", "2",
+                       "--context", "2", "--context-strategy", "all-gather", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert (out["context"], out["context_strategy"]) == (2, strategy)
+    assert (out["context"], out["context_strategy"], out["tensor"]) == (2, "all-gather", 1)
+    assert [row["config"] for row in out["rows"]] == list(POLICIES)
     for row in out["rows"]:
-        assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"], row["config"]
-    assert out["context_kv_bytes_per_layer"] == F.context_kv_bytes(CONTEXT_CFG, 2, 2, 2, strategy)
+        assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"] == F.activation_bytes(
+            CONTEXT_CFG, row["remat"], 2, 1, False, 2, "all-gather"), row["config"]
+    assert out["context_kv_bytes_per_layer"] == F.context_kv_bytes(CONTEXT_CFG, 2, 1, 2, "all-gather")
 
 
 class ArithmeticOnly(measure.Compiler):
