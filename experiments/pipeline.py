@@ -42,6 +42,7 @@ def main() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
@@ -55,7 +56,7 @@ def main() -> int:
             parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=name,
                                       virtual_stages=v)
             mesh = make_mesh(parallel, devices)
-            sched = PL.schedule_of(parallel, m, cfg.layers)
+            sched = ticks.schedule_of(parallel, m, cfg.layers)
             params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
             start = time.perf_counter()
@@ -215,6 +216,7 @@ def overhead() -> int:
     from jaxseq.training import aot
     from jaxseq.planning import hlo
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
@@ -241,14 +243,14 @@ def overhead() -> int:
             mesh = make_mesh(parallel, devs)
             row = {"config": label}
             if parallel.pipe > 1:
-                sched = PL.schedule_of(parallel, m, cfg.layers)
+                sched = ticks.schedule_of(parallel, m, cfg.layers)
                 params, abstract_batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
                 key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
                 compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, abstract_batch, key).compile()
                 text = compiled.as_text()
                 anatomy = tick_loop_anatomy(text, sched.ticks)
                 branch = anatomy["branch_dot_flops"]
-                table = PL.tick_rows(sched)[:, :, 0]  # [ticks, p]: the branch each stage takes
+                table = ticks.tick_rows(sched)[:, :, 0]  # [ticks, p]: the branch each stage takes
                 per_stage = [float(sum(branch[b] for b in table[:, s])) for s in range(sched.p)]
                 comps = hlo.parse_hlo(text)
                 everything = hlo.dot_flops(comps, hlo.entry_name(text))  # the tick loop at its dearest branch × ticks
@@ -298,7 +300,7 @@ def overhead() -> int:
     return 0
 
 
-BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # pipeline.Branch
+BRANCHES = ("idle", "forward", "forward_first", "forward_last", "backward", "backward_first")  # ticks.Branch
 
 
 def overhead_markdown(r: dict) -> str:
@@ -441,6 +443,7 @@ def refresh_anatomy() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 
@@ -455,7 +458,7 @@ def refresh_anatomy() -> int:
                                       virtual_stages=v)
             mesh = make_mesh(parallel, jax.devices())
             m = results["microbatches"]
-            sched = PL.schedule_of(parallel, m, cfg.layers)
+            sched = ticks.schedule_of(parallel, m, cfg.layers)
             params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
             text = PL.make_loss_and_grad(cfg, parallel, results["remat"], mesh, m).lower(params, batch, key).compile().as_text()
@@ -481,6 +484,7 @@ def paper_anatomy() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
 
@@ -488,7 +492,7 @@ def paper_anatomy() -> int:
     cfg = replace(preset("gpt3-175b"), layers=p * k_c, dtype="float32")  # see the units note
     parallel = ParallelConfig(data=1, tensor=t, sequence_parallel=True, pipe=p, schedule="1f1b")
     mesh = make_mesh(parallel, jax.devices()[:p * t])
-    sched = PL.schedule_of(parallel, m, cfg.layers)
+    sched = ticks.schedule_of(parallel, m, cfg.layers)
     params, batch = aot.abstract_inputs(cfg, parallel, mesh, m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
     compiled = PL.make_loss_and_grad(cfg, parallel, "selective", mesh, m).lower(params, batch, key).compile()
@@ -521,6 +525,7 @@ def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
     from collections import Counter
 
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.planning import hlo
 
     comps = hlo.parse_hlo(text)
@@ -529,7 +534,7 @@ def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
     index = lambda ins: int(re.search(r"index=(\d+)", ins.rest).group(1))
     stash_at = {n for n, (dt, dims) in enumerate(carry) if len(dims) > 3 and dims[:2] == (sched.depths["stash"], k)}
     shapes = {carry[n] for n in stash_at}
-    taken = Counter(int(b) for b in PL.tick_rows(sched)[:, stage, 0])
+    taken = Counter(int(b) for b in ticks.tick_rows(sched)[:, stage, 0])
     forward_ticks = sum(taken[b] for b in (PL.Branch.FORWARD, PL.Branch.FORWARD_FIRST, PL.Branch.FORWARD_LAST))
     moved = Counter()
 
@@ -590,11 +595,12 @@ def stash(label: str) -> int:
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel import ticks
     from jaxseq.training import aot
 
     def measure(cfg, parallel, m, micro, remat):
         mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
-        sched = PL.schedule_of(parallel, m, cfg.layers)
+        sched = ticks.schedule_of(parallel, m, cfg.layers)
         params, batch = aot.abstract_inputs(cfg, parallel, mesh, micro * m)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
         compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, batch, key).compile()

@@ -44,10 +44,11 @@ ALLOWED = {
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
+    "parallel.ticks": {"config", "parallel.schedule"},
     "parallel.data_parallel": {"config", "models.model", "parallel.context", "parallel.layout", "sharding"},
     "parallel.context": {"config", "models.ops", "parallel.region", "remat", "sharding"},
     "parallel.pipeline": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
-                          "parallel.region", "parallel.schedule", "remat", "sharding"},
+                          "parallel.region", "parallel.schedule", "parallel.ticks", "remat", "sharding"},
     "parallel.distributed": {"config"},
     "parallel.layout": {"config", "models.model", "sharding"},
     "parallel.region": {"mesh", "sharding"},

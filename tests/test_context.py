@@ -18,7 +18,7 @@ from jaxseq import train as train_command
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace, validate, validate_parallel
 from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
-from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan
+from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan, same_context_permutes
 from jaxseq.planning import hlo as HLO
 from jaxseq.sharding import context_chunks, context_order, entry_axes, stored_positions
 from jaxseq.training import aot
@@ -132,7 +132,7 @@ def test_a_pipelined_run_equals_context_1(schedule, virtual, strategy, pipeline_
     """pipe=2 × context=2 × tensor=2 + SP, dropout on, both strategies: the executor's region is manual over
     context too, each stage passing one context rank's activations to the next. The ring's sends run inside
     the ticks' branches, every branch padded to the same count of context permutes
-    (`pipeline.same_context_permutes`)."""
+    (`context.same_context_permutes`)."""
     parallel = ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True, schedule=schedule,
                               virtual_stages=virtual, context_strategy=strategy)
     assert_same(accumulated(GPT4, parallel, "selective"), pipeline_reference)
@@ -396,7 +396,7 @@ def test_bad_input_is_one_line(model, parallel, message):
 
 
 def test_why_the_rings_branches_are_padded_under_a_pipeline():
-    """The XLA behaviour behind `pipeline.same_context_permutes`, pinned so that the day it changes this test says
+    """The XLA behaviour behind `context.same_context_permutes`, pinned so that the day it changes this test says
     so. Two stages, two ticks, as the executor runs them: at tick t one stage's branch sends 2·x over `context` (a
     ring step), the other's idles, then the executor's ppermute over `pipe` hands each stage's output to the other.
     Stage 1 should add stage 0's doubled, swapped x at tick 0; XLA:CPU pairs stage 0's context permute with stage
@@ -412,7 +412,7 @@ def test_why_the_rings_branches_are_padded_under_a_pipeline():
                 which = jnp.asarray([[0, 1], [1, 0]])[t, jax.lax.axis_index("pipe")]
                 branches = [ring, idle]
                 if pad:
-                    branches = PL.same_context_permutes(branches, (carry,), lambda out, z: out + z)
+                    branches = same_context_permutes(branches, (carry,), lambda out, z: out + z)
                 out = jax.lax.switch(which, branches, carry)
                 return carry + jax.lax.ppermute(out, "pipe", [(0, 1), (1, 0)]), None
             return jax.lax.scan(tick, x, jnp.arange(2))[0]

@@ -12,6 +12,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.models import ops as O
 from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel import ticks
 from jaxseq.planning import hlo
 from jaxseq.sharding import Sharder
 from jaxseq.training import aot, loop
@@ -289,7 +290,7 @@ def _tick_loop(text: str, ticks: int):
 
 
 def _table_bytes(sched) -> int:
-    return sched.ticks * sched.p * len(PL.FIELDS) * 4
+    return sched.ticks * sched.p * len(ticks.FIELDS) * 4
 
 
 def _stash_users(text: str, sched, k: int) -> tuple[set, list]:
@@ -323,7 +324,7 @@ def test_the_stash_is_written_on_forward_ticks_and_read_on_backward_ticks(case, 
     read a slot before its switch and wrote one back after it on every tick: 3 slot reads and writes per tick
     instead of 3 per forward-backward pair), and XLA copies no whole stash buffer."""
     schedule, p, v, m, data, tensor, sp = case
-    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    sched = ticks.schedule_of(_parallel(case), m, CFG.layers)
     opcodes, copies = _stash_users(pipelined(case)[0].as_text(), sched, CFG.layers // (p * v))
     assert opcodes == {"conditional"} and not copies, (opcodes, copies)
 
@@ -335,7 +336,7 @@ def test_the_tick_loop_carries_no_zeros_of_a_chunks_gradients(pipelined):
     whole step (at GPT-3 175B, p = t = 8, v = 1: the stage's, ~10 GiB)."""
     case = CASES[0]
     schedule, p, v, m, data, tensor, sp = case
-    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    sched = ticks.schedule_of(_parallel(case), m, CFG.layers)
     k = CFG.layers // (p * v)
     chunk_gradients = {("f32", (k, *a.shape[1:])) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
     carried = set(_tick_loop(pipelined(case)[0].as_text(), sched.ticks).arrays())
@@ -345,7 +346,7 @@ def test_the_tick_loop_carries_no_zeros_of_a_chunks_gradients(pipelined):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=lambda c: c[0])
 def test_trip_count_is_the_schedule_tick_count(case, pipelined):
-    sched = PL.schedule_of(_parallel(case), case[3], CFG.layers)
+    sched = ticks.schedule_of(_parallel(case), case[3], CFG.layers)
     assert sched.ticks == 2 * sched.m * sched.v + 2 * (sched.p - 1)
     _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
 
@@ -361,7 +362,7 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows_linearly(devices, pipelined):
     for schedule in ("1f1b", "gpipe"):
         small, large = (schedule, 2, 1, 4, 1, 1, False), (schedule, 2, 1, 8, 1, 1, False)
         temp = [pipelined(c)[0].memory_analysis().temp_size_in_bytes for c in (small, large)]
-        tables = [_table_bytes(PL.schedule_of(_parallel(c), c[3], CFG.layers)) for c in (small, large)]
+        tables = [_table_bytes(ticks.schedule_of(_parallel(c), c[3], CFG.layers)) for c in (small, large)]
         growth[schedule] = (temp[1] - temp[0], tables[1] - tables[0])
     grown, table = growth["1f1b"]
     assert 0 <= grown <= table, growth
@@ -384,7 +385,7 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     """The stash in the compiled tick loop: 1F1B holds p micro-batches, interleaved p·v + p − 1 chunk
     inputs, each k layers at the per-layer bytes the unpipelined program stores (what jaxseq.plan reads)."""
     schedule, p, v, m, data, tensor, sp = case
-    sched = PL.schedule_of(_parallel(case), m, CFG.layers)
+    sched = ticks.schedule_of(_parallel(case), m, CFG.layers)
     k = CFG.layers // (p * v)
     assert sched.depths["stash"] == sched.in_flight(0) == held
     loop = _tick_loop(pipelined(case)[0].as_text(), sched.ticks)

@@ -23,6 +23,7 @@ call `models.ops.attention`; the Sharder a run builds here (`sharder`) carries t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -324,3 +325,58 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
         dk, dv = dk + dk_step, dv + dv_step
         dk, dv = _pass_on(dk, c), _pass_on(dv, c)
     return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring under a pipeline (parallel/pipeline.py): every branch of a tick runs as many context permutes
+
+
+def context_permutes(jaxpr) -> int:
+    """How many collective-permutes over `context` a jaxpr runs: a loop's times its trip count, a conditional's
+    busiest branch's (the ring's K/V and dK/dV sends, each a `ppermute` over `context`)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "ppermute":
+            count += "context" in entry_axes(eqn.params["axis_name"])
+        elif name == "scan":
+            count += eqn.params["length"] * context_permutes(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            count += max(context_permutes(b.jaxpr) for b in eqn.params["branches"])
+        else:
+            for sub in _inner_jaxprs(eqn.params):
+                if name == "while" and context_permutes(sub):
+                    raise ValueError("a context permute inside a while loop: its trip count is unknown when traced")
+                count += context_permutes(sub)
+    return count
+
+
+def _inner_jaxprs(params: dict):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+
+def same_context_permutes(branches: list[Callable], operands: tuple, with_zero: Callable) -> list[Callable]:
+    """`branches` padded with scalar collective-permutes over `context` so that every branch runs the busiest
+    one's count. Why: the ring's sends run inside one stage's branch of a tick while another stage runs another
+    branch, and XLA:CPU pairs the stages' collective-permutes by the order they run in (docs/DESIGN.md, "Context
+    parallelism"): with equal counts every stage's k-th permute is a context permute, paired with its own
+    stage's. with_zero(out, z): the branch's output with the dummies' zero result added (so they are kept)."""
+    counts = [context_permutes(jax.make_jaxpr(b)(*operands).jaxpr) for b in branches]
+    most = max(counts)
+    if most == 0 or len(set(counts)) == 1:
+        return branches
+
+    def padded(branch, n, *args):
+        out = branch(*args)
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("context",), to="varying")
+        c = jax.sharding.get_abstract_mesh().shape["context"]
+        send = lambda z, _: (jax.lax.ppermute(z, "context", [(j, (j + 1) % c) for j in range(c)]), None)
+        return with_zero(out, 0.0 * jax.lax.scan(send, zero, None, length=n)[0])
+
+    return [b if n == most else partial(padded, b, most - n) for b, n in zip(branches, counts)]

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace
@@ -50,74 +48,8 @@ from jaxseq.parallel import context as CP
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.region import StageSharder
+from jaxseq.parallel.ticks import Branch, TickRow, schedule_of, tick_rows
 from jaxseq.sharding import Sharder, entry_axes, only_axes
-
-# ---------------------------------------------------------------------------------------------
-# The tick table as the executor reads it
-
-
-class Branch(IntEnum):
-    """The executor's `lax.switch` branches, by number: the schedule's op kinds (`schedule.IDLE`,
-    `FORWARD`, `BACKWARD`) split by what else the op runs. The model's first chunk embeds before its
-    forward and runs the embedding's vjp after its backward; the last chunk's forward ends in the loss."""
-
-    IDLE = 0
-    FORWARD = 1
-    FORWARD_FIRST = 2
-    FORWARD_LAST = 3
-    BACKWARD = 4
-    BACKWARD_FIRST = 5
-
-
-class TickRow(NamedTuple):
-    """What one stage does at one tick: int32 scalars inside the loop. The schedule's fields
-    (`schedule.Schedule.tables`) with the −1s ("does not apply") replaced, so every read and write has a
-    target."""
-
-    branch: Any  # the `Branch` to run
-    mb: Any  # the op's micro-batch (0 when idle)
-    chunk: Any  # the op's chunk on this stage, 0 … v − 1 (0 when idle)
-    stash: Any  # the residual slot a forward writes and its backward reads
-    x_slot: Any  # the activation slot a forward reads its input from
-    g_slot: Any  # the gradient slot a backward reads (the last chunk's forward writes its loss gradient there)
-    recv_x: Any  # where the activation arriving after this tick is written (depth x: the trash slot)
-    recv_g: Any  # where the gradient arriving after this tick is written (depth g: the trash slot)
-
-    @staticmethod
-    def of(row) -> TickRow:
-        """The fields of one row of `tick_rows`' table (int32 [len(FIELDS)])."""
-        return TickRow(*(row[i] for i in range(len(FIELDS))))
-
-
-FIELDS = TickRow._fields
-
-
-def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> S.Schedule:
-    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
-                           forward_only)
-
-
-def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
-    """[ticks, p]: the `Branch` of each stage at each tick, from the schedule's kind, first and last."""
-    kind, first, last = tables["kind"], tables["first"] == 1, tables["last"] == 1
-    forward, backward = kind == S.FORWARD, kind == S.BACKWARD
-    return np.select([kind == S.IDLE, forward & first, forward & last, forward, backward & first],
-                     [Branch.IDLE, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD, Branch.BACKWARD_FIRST],
-                     Branch.BACKWARD)
-
-
-def tick_rows(sched: S.Schedule) -> np.ndarray:
-    """[ticks, p, len(FIELDS)] int32: each stage's `TickRow` at each tick, fields in `FIELDS` order.
-    Receive slots of −1 become the trash slot (index = depth) so that every write has a target."""
-    tab, depth = sched.tables, sched.depths
-    row = TickRow(
-        branch=branches_of(tab), mb=np.maximum(tab["mb"], 0), chunk=np.maximum(tab["chunk"], 0),
-        stash=np.maximum(tab["stash"], 0), x_slot=np.maximum(tab["x_slot"], 0), g_slot=np.maximum(tab["g_slot"], 0),
-        recv_x=np.where(tab["recv_x"] < 0, depth["x"], tab["recv_x"]),
-        recv_g=np.where(tab["recv_g"] < 0, depth["g"], tab["recv_g"]),
-    )
-    return np.stack(row, axis=-1).astype(np.int32)
-
 
 # ---------------------------------------------------------------------------------------------
 # What one stage computes for one micro-batch chunk
@@ -162,7 +94,7 @@ class Stage:
 
     cfg: ModelConfig
     sched: S.Schedule
-    data: int  # data ranks × context ranks: the loss is the mean over micro-batches and these ranks
+    loss_ranks: int  # data ranks × context ranks: the loss is the mean over micro-batches and these ranks
     remat: str
     shard: StageSharder
     index: jax.Array  # s: this stage's index on `pipe`
@@ -172,15 +104,15 @@ class Stage:
     micro: dict  # {"inputs", "targets"}: [m, b, s/c] int32, this data rank's rows, this context rank's tokens
 
     @staticmethod
-    def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, data: int, remat: str,
+    def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, loss_ranks: int, remat: str,
               shard: StageSharder) -> Stage:
         """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
         [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
         dropout)."""
         key = None if key_data is None else jax.random.wrap_key_data(key_data)
         micro = {name: jax.vmap(shard.split_sequence)(t) for name, t in micro.items()}
-        return Stage(cfg=cfg, sched=sched, data=data, remat=remat, shard=shard, index=jax.lax.axis_index("pipe"),
-                     key=key, layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
+        return Stage(cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
+                     index=jax.lax.axis_index("pipe"), key=key, layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
                      others=jax.tree.map(DP.varying, others), micro=micro)
 
     @property
@@ -212,7 +144,7 @@ class Stage:
     @property
     def loss_scale(self) -> float:
         """1/(m·data·context): the step's loss is the mean over micro-batches and data and context ranks."""
-        return 1.0 / (self.sched.m * self.data)
+        return 1.0 / (self.sched.m * self.loss_ranks)
 
     def loss(self, y, mb):
         """Micro-batch mb's loss share from the last chunk's output y (forward only)."""
@@ -318,7 +250,7 @@ class TickProgram:
 
     stage: Stage
     layout: ResidualLayout
-    ring: bool = False  # the ring strategy's sends run inside the branches: pad them (`same_context_permutes`)
+    ring: bool = False  # the ring strategy's sends run inside the branches: pad them (`context.same_context_permutes`)
 
     def nothing(self, g) -> BranchOut:
         """What a branch returns for the outputs it has none of: zeros, and the gradient slot `g` unchanged.
@@ -401,7 +333,7 @@ class TickProgram:
         operands = (table_row, carry.x[row.x_slot], carry.g[row.g_slot], carry.stash)
         branches = self.branches()
         if self.ring:
-            branches = same_context_permutes(branches, operands, lambda o, z: o._replace(loss=o.loss + z))
+            branches = CP.same_context_permutes(branches, operands, lambda o, z: o._replace(loss=o.loss + z))
         out = jax.lax.switch(row.branch, branches, *operands)
         p = self.stage.sched.p
         got_x = jax.lax.ppermute(out.send_x, "pipe", _to_next(p))
@@ -487,62 +419,12 @@ class ForwardProgram:
 
 
 # ---------------------------------------------------------------------------------------------
-# The ring under a pipeline: every branch runs as many context permutes
-
-
-def context_permutes(jaxpr) -> int:
-    """How many collective-permutes over `context` a jaxpr runs: a loop's times its trip count, a conditional's
-    busiest branch's (the ring's K/V and dK/dV sends, each a `ppermute` over `context`)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "ppermute":
-            count += "context" in entry_axes(eqn.params["axis_name"])
-        elif name == "scan":
-            count += eqn.params["length"] * context_permutes(eqn.params["jaxpr"].jaxpr)
-        elif name == "cond":
-            count += max(context_permutes(b.jaxpr) for b in eqn.params["branches"])
-        else:
-            for sub in _inner_jaxprs(eqn.params):
-                if name == "while" and context_permutes(sub):
-                    raise ValueError("a context permute inside a while loop: its trip count is unknown when traced")
-                count += context_permutes(sub)
-    return count
-
-
-def _inner_jaxprs(params: dict):
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                yield v
+# The ring under a pipeline: every branch runs as many context permutes (`context.same_context_permutes`)
 
 
 def _ring(parallel: ParallelConfig) -> bool:
     """Whether the ring strategy runs inside the stages' branches (their permutes then need padding)."""
     return parallel.context > 1 and parallel.context_strategy == "ring"
-
-
-def same_context_permutes(branches: list[Callable], operands: tuple, with_zero: Callable) -> list[Callable]:
-    """`branches` padded with scalar collective-permutes over `context` so that every branch runs the busiest
-    one's count. Why: the ring's sends run inside one stage's branch of a tick while another stage runs another
-    branch, and XLA:CPU pairs the stages' collective-permutes by the order they run in (docs/DESIGN.md, "Context
-    parallelism"): with equal counts every stage's k-th permute is a context permute, paired with its own
-    stage's. with_zero(out, z): the branch's output with the dummies' zero result added (so they are kept)."""
-    counts = [context_permutes(jax.make_jaxpr(b)(*operands).jaxpr) for b in branches]
-    most = max(counts)
-    if most == 0 or len(set(counts)) == 1:
-        return branches
-
-    def padded(branch, n, *args):
-        out = branch(*args)
-        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("context",), to="varying")
-        c = jax.sharding.get_abstract_mesh().shape["context"]
-        send = lambda z, _: (jax.lax.ppermute(z, "context", [(j, (j + 1) % c) for j in range(c)]), None)
-        return with_zero(out, 0.0 * jax.lax.scan(send, zero, None, length=n)[0])
-
-    return [b if n == most else partial(padded, b, most - n) for b, n in zip(branches, counts)]
 
 
 def _to_next(p: int) -> list[tuple[int, int]]:
@@ -579,12 +461,13 @@ def _others(tree: dict) -> dict:
 # The executor
 
 
-def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, data: int,
+def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, loss_ranks: int,
                   remat: str, shard: StageSharder, grad_specs: dict, over: tuple[str, ...], inspect, ring: bool):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; ring: `TickProgram.ring`; the rest as `Stage.enter` and
     `reduce_gradients`."""
-    stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, data=data, remat=remat, shard=shard)
+    stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat,
+                        shard=shard)
     layout = ResidualLayout.of(stage)
     if inspect is not None:
         inspect(list(layout.stashed), list(layout.reused))
@@ -638,8 +521,8 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     args, in_specs = _stage_inputs(params, batch, layout, sched)
 
     def program(layers, others, micro, rows):
-        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, data=parallel.data * parallel.context,
-                            remat="none", shard=CP.sharder(mesh, parallel, stage=True))
+        stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, remat="none",
+                            loss_ranks=parallel.data * parallel.context, shard=CP.sharder(mesh, parallel, stage=True))
         forward = ForwardProgram(stage, _ring(parallel))
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
         return jax.lax.psum(buffers.loss, ("pipe", *layout.gradient_axes))
@@ -668,7 +551,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
                              "split over pipe on its first dimension (the stage's layers)")
     args, in_specs = _stage_inputs(params, batch, layout, sched)
     over = layout.gradient_axes
-    program = partial(stage_program, cfg=cfg, sched=sched, data=parallel.data * parallel.context, remat=remat,
+    program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=parallel.data * parallel.context, remat=remat,
                       shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect,
                       ring=_ring(parallel))
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
