@@ -59,6 +59,8 @@ ALLOWED = {
     "training.checkpoint": {"config", "models.model", "sharding"},
     "training.rundir": {"config", "mesh", "models.model", "parallel.layout", "training.checkpoint", "training.sampling",
                         "training.train_step"},
+    "training.conversion": {"config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "parallel.layout",
+                            "sharding", "training.checkpoint", "training.rundir"},
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
@@ -86,8 +88,7 @@ ALLOWED = {
     "plan": {"cli", "config", "hardware", "planning.memory", "planning.plan", "planning.progress", "planning.report",
              "planning.search", "planning.search_costs"},
     "generate": {"cli", "config", "mesh", "training.data", "training.rundir", "training.sampling"},
-    "convert": {"cli", "config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
-                "training.rundir", "training.train_step"},
+    "convert": {"cli", "config", "mesh", "models.model", "training.conversion"},
     "data": {"cli", "config", "training.data"},
     "schedule": {"cli", "config", "parallel.schedule"},
 }

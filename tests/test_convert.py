@@ -22,6 +22,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from jaxseq.config import ParallelConfig  # noqa: E402
 from jaxseq import convert  # noqa: E402
+from jaxseq.training import conversion  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 
 VOCAB, POSITIONS = 300, 32  # 300: not a multiple of 128, so vocabulary padding is exercised
@@ -67,20 +68,20 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16)).astype(np.int32)
 def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     data, tensor, sp = mesh_shape
     ref = reference_logits(hf_model[0], TOKENS)
-    cfg, params = convert.load(converted)
+    cfg, params = conversion.load(converted)
     assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype, cfg.ln_eps) == (VOCAB, POSITIONS, 0.0, "float32", LN_EPS)
     # Read onto every device (8), tensor-parallel as far as the 4 heads split: the vocabulary padded for tensor=4.
     assert params["embed"]["token"].shape[0] == cfg.padded_vocab(4) == 512
     assert params["embed"]["token"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     mesh = make_mesh(ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp), devices[: data * tensor])
-    out = convert.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
+    out = conversion.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
     assert out.shape == ref.shape
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
 
 
 def test_load_hf_api(hf_model):
-    cfg, params = convert.load_hf(hf_model[1])
-    np.testing.assert_allclose(convert.logits(params, TOKENS[:1], cfg), reference_logits(hf_model[0], TOKENS[:1]),
+    cfg, params = conversion.load_hf(hf_model[1])
+    np.testing.assert_allclose(conversion.logits(params, TOKENS[:1], cfg), reference_logits(hf_model[0], TOKENS[:1]),
                                atol=1e-4, rtol=0)
 
 
@@ -100,7 +101,7 @@ def test_round_trip_is_exact(hf_model, converted, tmp_path):
 
 def test_to_hf_loads_in_transformers(hf_model, converted, tmp_path):
     """Without the original config (as for a run trained in jaxseq) to-hf writes one of its own."""
-    cfg, params = convert.load(converted)
+    cfg, params = conversion.load(converted)
     run = tmp_path / "run"
     os.makedirs(run)
     for name in ("config.json", "checkpoints"):
@@ -123,7 +124,7 @@ def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices)
     state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig(), model), mesh)
-    _, saved = convert.load(converted)
+    _, saved = conversion.load(converted)
     assert state.params["embed"]["token"].shape == (model.padded_vocab(4), 64)
     assert state.params["embed"]["token"].sharding.spec == M.param_specs(model, parallel)["embed"]["token"]
     np.testing.assert_array_equal(np.asarray(state.params["embed"]["token"])[:VOCAB],
@@ -206,17 +207,17 @@ def test_sharded_safetensors(hf_model, tmp_path):
     """A checkpoint split over several files (model.safetensors.index.json) reads the same weights."""
     hf_model[0].save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
-    (_, sharded), (_, whole) = convert.load_hf(str(tmp_path / "sharded")), convert.load_hf(hf_model[1])
+    (_, sharded), (_, whole) = conversion.load_hf(str(tmp_path / "sharded")), conversion.load_hf(hf_model[1])
     jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
 def test_logits_refuses_bad_tokens(hf_model):
     from jaxseq.config import ConfigError
 
-    cfg, params = convert.load_hf(hf_model[1])
+    cfg, params = conversion.load_hf(hf_model[1])
     for bad in (np.zeros((1, POSITIONS + 1)), [[0, VOCAB]], [0, 1]):
         with pytest.raises(ConfigError):
-            convert.logits(params, bad, cfg)
+            conversion.logits(params, bad, cfg)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -253,7 +254,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
                 p.mul_(20.0)  # positions that matter: a random model's greedy text then varies
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
-    cfg, params = convert.load(str(tmp_path / "run"))
+    cfg, params = conversion.load(str(tmp_path / "run"))
     assert (cfg.vocab_size, cfg.ln_eps, params["embed"]["token"].shape[0]) == (300, 1e-3, 512)
     mesh = params["embed"]["token"].sharding.mesh
     assert dict(mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
@@ -349,9 +350,9 @@ def test_to_hf_fetches_a_layer_without_gathering_the_leaf(devices):
     for parallel, spec in [(ParallelConfig(pipe=8), P("pipe")), (ParallelConfig(pipe=2, data=2, tensor=2),
                                                                   P("pipe", "data", "tensor"))]:
         leaf = jax.device_put(values, NamedSharding(make_mesh(parallel, devices), spec))
-        fetched = np.asarray(convert._layer(leaf, 3))
+        fetched = np.asarray(conversion._layer(leaf, 3))
         assert fetched.tobytes() == values[3].tobytes()
-    memory = convert._layer.lower(jax.device_put(values, NamedSharding(make_mesh(ParallelConfig(pipe=8), devices),
+    memory = conversion._layer.lower(jax.device_put(values, NamedSharding(make_mesh(ParallelConfig(pipe=8), devices),
                                                                        P("pipe"))), 3).compile().memory_analysis()
     per_device = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
     assert per_device < values.nbytes / 2, (per_device, values.nbytes)
@@ -428,7 +429,7 @@ def test_round_trip_of_bfloat16(hf_model, tmp_path):
     model = transformers.GPT2LMHeadModel(hf_model[0].config)
     model.load_state_dict(hf_model[0].state_dict())
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
-    _, params = convert.load_hf(str(tmp_path / "bf16"))
+    _, params = conversion.load_hf(str(tmp_path / "bf16"))
     wte = model.transformer.wte.weight.detach().float().numpy()
     assert not np.array_equal(wte, hf_model[0].transformer.wte.weight.detach().numpy())  # rounded: really bf16
     np.testing.assert_array_equal(params["embed"]["token"], wte)

@@ -20,7 +20,7 @@ except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 from safetensors.torch import load_file  # noqa: E402
 
-from jaxseq import convert  # noqa: E402
+from jaxseq.training import conversion  # noqa: E402
 from jaxseq.config import ConfigError  # noqa: E402
 from jaxseq.interop import hf, hf_llama  # noqa: E402
 
@@ -192,7 +192,7 @@ def test_tied_embeddings_are_refused_in_one_line(tmp_path):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "tied")
     for read_it in (lambda: hf_llama.read_dir(str(tmp_path / "tied")),
-                    lambda: convert.read_hf(str(tmp_path / "tied"))):
+                    lambda: conversion.read_hf(str(tmp_path / "tied"))):
         with pytest.raises(ConfigError) as e:
             read_it()
         assert str(e.value).startswith("config.json: tie_word_embeddings=true (Llama 3.2 1B/3B") and (

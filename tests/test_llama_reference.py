@@ -25,6 +25,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from test_reference import torch_loss_and_grads  # noqa: E402  (the suite's one PyTorch loss and gradients)
 
 from jaxseq import convert  # noqa: E402
+from jaxseq.training import conversion  # noqa: E402
 from jaxseq.config import ParallelConfig  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.sharding import Sharder  # noqa: E402
@@ -106,7 +107,7 @@ def test_loss_and_every_gradient_match_pytorch(hf_model):
     targets = rng.integers(0, VOCAB, (2, SEQ)).astype(np.int32)
     ref_loss, ref_grads = torch_loss_and_grads(model, inputs, targets)
 
-    cfg, params = convert.load_hf(path)
+    cfg, params = conversion.load_hf(path)
     assert (cfg.family, cfg.num_kv_heads, cfg.mlp_hidden, cfg.rope_scaling, cfg.dropout) == ("llama", 2, FFN, "llama3", 0.0)
     rows = cfg.padded_vocab(1)
     for group, name in (("embed", "token"), ("lm_head", "kernel")):
@@ -129,10 +130,10 @@ def test_loss_and_every_gradient_match_pytorch(hf_model):
                          ids=["1dev", "data2-tensor4-sp-repeated-kv", "data2-tensor2-sp-split-kv"])
 def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     data, tensor, sp = mesh_shape
-    cfg, params = convert.load(converted)
+    cfg, params = conversion.load(converted)
     assert params["lm_head"]["kernel"].shape[0] == cfg.padded_vocab(4)  # read onto tensor=4 (the 4 heads split)
     mesh = make_mesh(ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp), devices[: data * tensor])
-    out = convert.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
+    out = conversion.logits(params, TOKENS, cfg, mesh=None if data * tensor == 1 else mesh, sequence_parallel=sp)
     np.testing.assert_allclose(out, reference_logits(hf_model[0], TOKENS), atol=1e-4, rtol=0)
 
 
@@ -170,7 +171,7 @@ def test_greedy_generation_matches_transformers(converted, hf_model):
     tensor ranks) equals transformers' `generate(do_sample=False)`, token for token."""
     from jaxseq.training.sampling import sample
 
-    cfg, params = convert.load(converted)
+    cfg, params = conversion.load(converted)
     mesh = params["lm_head"]["kernel"].sharding.mesh
     assert dict(mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
     prompt = [5, 290, 17, 133, 2]

@@ -16,7 +16,7 @@ try:
 except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 
-from jaxseq import convert  # noqa: E402
+from jaxseq.training import conversion  # noqa: E402
 from jaxseq.sharding import Sharder  # noqa: E402
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, LAYERS = 300, 32, 2, 64, 4, 2  # 300: padded to 384 rows
@@ -91,7 +91,7 @@ def test_loss_and_every_gradient_match_pytorch(hf_model):
     ref_loss, ref_grads = torch_loss_and_grads(model, inputs, targets)
     assert set(ref_grads) >= {"transformer.wte.weight", "transformer.h.1.mlp.c_proj.bias"}
 
-    cfg, params = convert.load_hf(path)
+    cfg, params = conversion.load_hf(path)
     assert (cfg.dropout, cfg.dtype, cfg.ln_eps, cfg.vocab_size) == (0.0, "float32", LN_EPS, VOCAB)
     rows = cfg.padded_vocab(1)
     assert rows == 384
