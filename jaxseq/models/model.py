@@ -19,7 +19,7 @@ from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.mesh import logical_rules, logical_to_spec
 from jaxseq import remat as R
 from jaxseq.models import gpt, llama
-from jaxseq.models import params as P
+from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
 
@@ -30,7 +30,7 @@ def family(cfg: ModelConfig) -> ModuleType:
     return FAMILIES[cfg.family]
 
 
-def traits(cfg: ModelConfig) -> P.Traits:
+def traits(cfg: ModelConfig) -> decl.Traits:
     """What the cost side reads of `cfg`'s family (models/params.py, `Traits`)."""
     return family(cfg).TRAITS
 
@@ -51,43 +51,43 @@ def param_table(cfg: ModelConfig, tensor: int = 1) -> dict:
 
 def param_axes(cfg: ModelConfig, tensor: int = 1) -> dict:
     """Logical axes of every parameter."""
-    return P.derive(param_table(cfg, tensor), lambda p: p.axes)
+    return decl.derive(param_table(cfg, tensor), lambda p: p.axes)
 
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     """PartitionSpecs of the weights the layers compute with (`mesh.logical_rules` of `param_axes`): split
     over `tensor` (and the stacked layers over `pipe`), replicated over `data`."""
     rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
-    return P.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
+    return decl.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
 
 
 def num_params(cfg: ModelConfig) -> int:
     """Trainable parameters, counted from the family's table, the vocabulary unpadded (GPT: positions and the
     tied embedding included; Llama: the embedding and the lm_head)."""
-    return P.count(param_table(cfg), cfg)
+    return decl.count(param_table(cfg), cfg)
 
 
 def param_shapes(cfg: ModelConfig, tensor: int) -> dict:
-    return P.shapes(param_table(cfg, tensor), cfg, tensor)
+    return decl.shapes(param_table(cfg, tensor), cfg, tensor)
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, tensor: int = 1) -> dict:
-    return P.init(param_table(cfg, tensor), key, cfg, tensor)
+    return decl.init(param_table(cfg, tensor), key, cfg, tensor)
 
 
 def decay_mask(cfg: ModelConfig) -> dict:
     """True where AdamW applies weight decay (kernels, token embedding); not biases, norms, positions."""
-    return P.derive(param_table(cfg), lambda p: p.decay)
+    return decl.derive(param_table(cfg), lambda p: p.decay)
 
 
 def cast_mask(cfg: ModelConfig) -> dict:
     """True where a parameter is copied to the compute dtype; norm parameters stay float32."""
-    return P.derive(param_table(cfg), lambda p: p.cast)
+    return decl.derive(param_table(cfg), lambda p: p.cast)
 
 
 def vocab_mask(cfg: ModelConfig) -> dict:
     """True where a parameter's rows are the padded vocabulary V (re-padded when the tensor size changes)."""
-    return P.derive(param_table(cfg), lambda p: p.dims[0] == "V")
+    return decl.derive(param_table(cfg), lambda p: p.dims[0] == "V")
 
 
 @lru_cache(maxsize=None)
@@ -95,7 +95,7 @@ def _paths(first_dim: str) -> frozenset[tuple[str, ...]]:
     """The paths (key names) of every family's parameters whose rows are `first_dim`."""
     paths = set()
     for name in FAMILIES:
-        leaves = jax.tree_util.tree_leaves_with_path(param_table(ModelConfig(family=name)), is_leaf=P.is_param)
+        leaves = jax.tree_util.tree_leaves_with_path(param_table(ModelConfig(family=name)), is_leaf=decl.is_param)
         paths |= {tuple(k.key for k in path) for path, p in leaves if p.dims[0] == first_dim}
     return frozenset(paths)
 

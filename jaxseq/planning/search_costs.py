@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
-from jaxseq.planning import search as S
+from jaxseq.planning import search
 from jaxseq.planning.measure import Compiler, RowSpec
 from jaxseq.planning.memory import (non_layer_activation_bytes, parameter_elements_per_device, state_bytes,
                                     state_bytes_by_part)
@@ -78,7 +78,7 @@ class SearchCosts:
             two.clear()
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
-              strategy: str = "all-gather") -> S.LayerCost:
+              strategy: str = "all-gather") -> search.LayerCost:
         """Per device at micro-batch b; `LayerCost.context` is the context size it was compiled at."""
         c = self.compiled_at(tensor, context)
         strategy = strategy if c > 1 else "all-gather"
@@ -86,18 +86,18 @@ class SearchCosts:
         if name not in self.measured or (b > 1 and self.measured[name]["working_bytes_b2"] is None):
             self.prepare([(tensor, sequence_parallel, remat, c, strategy)], (b,))
         m = self.measured[name]
-        return S.LayerCost(
+        return search.LayerCost(
             b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
             m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
             non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c)
 
-    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> S.StateCost:
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> search.StateCost:
         key = (stage, tensor, data, distributed_optimizer, pipe)
         if key not in self._states:
             parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe)
             state = state_bytes(stage, tensor, data, distributed_optimizer, pipe)
             parameters = parameter_elements_per_device(stage, tensor)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
-            self._states[key] = S.StateCost(state.total, parameters, state.params, parameters - outside_layers,
+            self._states[key] = search.StateCost(state.total, parameters, state.params, parameters - outside_layers,
                                             state.weight_copy, parts["layers"].weight_copy)
         return self._states[key]
