@@ -78,6 +78,11 @@ class Sharder:
         """Whether code here runs manual over `context`, on one context rank's tokens (`StageSharder`)."""
         return False
 
+    @property
+    def rows_manual(self) -> bool:
+        """Whether code here runs manual over `data`, on one data rank's rows of the batch (`StageSharder`)."""
+        return False
+
     def spec(self, *axes: str | None) -> P:
         return logical_to_spec(axes, self.rules)
 

@@ -19,6 +19,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models import ops as O
 from jaxseq.parallel import context as C
+from jaxseq.parallel.region import StageSharder
 from jaxseq.planning import hlo
 from jaxseq.sharding import context_chunks
 from jaxseq.training import aot
@@ -106,7 +107,7 @@ def test_a_data_ranks_hidden_dropout_is_the_global_masks_rows_past_2_32(devices)
     mesh = make_mesh(MESH, devices)
 
     def rank(x, positions):
-        return O.dropout(x, RATE, KEY, "mask", order=positions[0], seq_len=S) != 0
+        return O.dropout(x, RATE, KEY, "mask", order=positions[0], seq_len=S, shard=StageSharder(mesh)) != 0
 
     x = jnp.ones((2, n, h), jnp.float32)
     positions = jnp.asarray([S - n + np.arange(n), 2**16 + np.arange(n)])  # data rank 1: the last 4 tokens

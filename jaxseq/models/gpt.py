@@ -69,7 +69,7 @@ def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     order = shard.reorder(tokens.shape[1])
     positions = group["position"][: tokens.shape[1]] if order is None else jnp.take(group["position"], order, axis=0)
     x = shard(x + positions, "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, order)
+    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, order, shard=shard)
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -105,7 +105,8 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = add_bias(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), p["attn"]["out"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
-    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order), R.MID_LAYER_RESIDUAL)
+    dropped = dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
+    x = checkpoint_name(x + dropped, R.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
@@ -115,7 +116,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     hid = checkpoint_name(shard(hid, "batch", "seq", "mlp"), R.MLPWI)
     out = add_bias(matmul("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"], cfg), p["mlp"]["wo"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
 
 

@@ -73,7 +73,7 @@ def _kv_kernel(w, cfg: ModelConfig, shard: Sharder):
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input [b, s(/t), h]: the vocab-parallel lookup, then dropout."""
     x = shard(shard.embed(group["token"], tokens), "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, shard.reorder(tokens.shape[1]))
+    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, shard.reorder(tokens.shape[1]), shard=shard)
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -110,7 +110,8 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
                           R.OUT_PROJ)
-    x = checkpoint_name(x + dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order), R.MID_LAYER_RESIDUAL)
+    dropped = dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
+    x = checkpoint_name(x + dropped, R.MID_LAYER_RESIDUAL)
 
     # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
     y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
@@ -120,7 +121,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), R.MLPWI)
     out = checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["mlp"]["wo"]["kernel"], cfg), "batch", "seq_sp", None),
                           R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order)
+    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
 
 

@@ -168,26 +168,28 @@ def add_bias(x, bias):
     return _add_bias(x, bias.astype(x.dtype), bias.ndim)
 
 
-def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_len: int | None = None):
+def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_len: int | None = None,
+            shard: Sharder | None = None):
     """Inverted dropout whose backward keeps only the 1-byte mask (regenerable from `key`).
 
     The mask is `jax.random.bernoulli(key, 1 − rate, global shape)`, whatever the sharding: inside a region
-    manual over `data` (the pipeline executor) x holds one data rank's rows of the batch, and the rank draws
+    manual over `data` (the pipeline executor's, gradient accumulation's: `shard.rows_manual`) x holds one data
+    rank's rows of the batch, and the rank draws
     exactly those rows of the global mask (`bernoulli_rows`). Where the sequence is stored reordered (`order`:
     the global position of each entry along `seq_axes`, or a tuple of such, one per axis; context parallelism),
     each entry draws the mask's element at its global position (`bernoulli_at`), so the masks are those of the
     natural order. seq_len: the whole sequence's length along `seq_axes` (default: their stored length, times
-    the context ranks inside a region manual over `context`, where x holds one context rank's tokens)."""
+    the context ranks inside a region manual over `context`, where x holds one context rank's tokens). shard: the
+    caller's Sharder (None: no region, as on one device)."""
     if rate == 0.0 or key is None:
         return x
-    mesh = jax.sharding.get_abstract_mesh()
-    manual_data = not mesh.empty and "data" in mesh.manual_axes
+    manual_data = shard is not None and shard.rows_manual
     if order is not None:
         orders = order if isinstance(order, tuple) else (order,) * len(seq_axes)
         coords = {axis % x.ndim: o for axis, o in zip(seq_axes, orders)}
         if seq_len is None:
-            manual_context = not mesh.empty and "context" in mesh.manual_axes
-            seq_len = x.shape[seq_axes[0]] * (mesh.shape["context"] if manual_context else 1)
+            manual_context = shard is not None and shard.context_manual
+            seq_len = x.shape[seq_axes[0]] * (shard.context if manual_context else 1)
         global_shape = tuple(seq_len if axis in coords else n for axis, n in enumerate(x.shape))
         if manual_data:
             coords[0] = jnp.arange(x.shape[0]) + jax.lax.axis_index("data") * x.shape[0]
@@ -381,22 +383,23 @@ def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None)
     if kv == a:
         scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
         scores = shard(scores, "batch", "heads", "seq", None)
-        probs = _probs(scores, cfg, key, order)
+        probs = _probs(scores, cfg, key, order, shard)
         return jnp.einsum("baqk,bkad->bqad", probs, v)
     q = q.reshape(b, s, kv, a // kv, d)
     scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), R.ATTN_SCORES)
     scores = shard(scores, "batch", "heads", None, "seq", None)
-    probs = _probs(scores, cfg, key, order)
+    probs = _probs(scores, cfg, key, order, shard)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, a, d)
 
 
-def _probs(scores, cfg: ModelConfig, key, order):
+def _probs(scores, cfg: ModelConfig, key, order, shard: Sharder):
     probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim), order)
     if cfg.dropout == 0.0 or key is None:
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).
         return probs
-    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1])
+    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1],
+                      shard=shard)
     return checkpoint_name(dropped, R.ATTN_PROBS_DROPOUT)
 
 

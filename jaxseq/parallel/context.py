@@ -145,8 +145,7 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     key_data = jax.random.key_data(key) if rate else jnp.zeros((2,), jnp.uint32)
     # The first batch row this rank holds (inside a region manual over `data`): read out here, since an outer
     # axis's index inside the nested shard_map does not lower.
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    row0 = jax.lax.axis_index("data") * q.shape[0] if "data" in manual else 0
+    row0 = jax.lax.axis_index("data") * q.shape[0] if shard.rows_manual else 0
     key_data = jnp.concatenate([key_data, jnp.asarray(row0, jnp.uint32)[None]])
     static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s)
     if shard.context_manual:

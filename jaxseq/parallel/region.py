@@ -37,6 +37,10 @@ class StageSharder(Sharder):
     def context_manual(self) -> bool:
         return self.context > 1
 
+    @property
+    def rows_manual(self) -> bool:
+        return True
+
     def reorder(self, s: int):
         """The global positions of this context rank's s stored tokens, traced: rank r's chunks r and 2c−1−r of
         s/2 tokens each (`context_chunks`). Computed from its index, not read from a table: a table would be a
