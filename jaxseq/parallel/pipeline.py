@@ -9,7 +9,7 @@ The program (inside `jax.shard_map`, manual over `pipe` and `data`, `tensor` lef
 runs its rows of every micro-batch, dropout masks drawn as the rows of the global mask):
 - one `lax.scan` over the ticks of `schedule.Schedule.tables` (`TickProgram.tick`); at each tick every
   stage reads its `TickRow` (branch, micro-batch, chunk, buffer slots) and runs one `lax.switch` branch
-  (`Branch`): idle, forward (first chunk: embedding first; last chunk: final LayerNorm, logits, loss and
+  (`Branch`): idle, forward (first chunk: embedding first; last chunk: final norm, logits, loss and
   the loss gradient), backward (first chunk: the embedding gradient after);
 - after the switch two `ppermute`s move the forward output to stage s + 1 and the input gradient to
   stage s − 1 (cyclic: the last stage feeds stage 0's next chunk under the interleaved schedule);
@@ -18,7 +18,7 @@ runs its rows of every micro-batch, dropout masks drawn as the rows of the globa
 - weights are cast to `pipe`- and `data`-varying before the loop, so each stage and data rank accumulates
   its own gradients over the micro-batches; after the loop they are summed over `data` once (Megatron's
   one data-parallel reduction per step), and the embedding's two gradients (first stage's lookup, last
-  stage's logits) and the final LayerNorm's over `pipe` too (Megatron's embedding group):
+  stage's logits) and the final norm's over `pipe` too (Megatron's embedding group):
   `reduce_gradients`.
 
 Layers are stored in natural order, sharded over `pipe` in L/p blocks; stage s, chunk c runs layers
@@ -100,7 +100,9 @@ class Stage:
     index: jax.Array  # s: this stage's index on `pipe`
     key: jax.Array | None  # the step's dropout key; None: no dropout (evaluation)
     layers: dict  # this stage's chunks, [v, k, …] per leaf, varying over `pipe` and `data`
-    others: dict  # {"embed", "final_ln"}: on every stage, varying over `pipe` and `data`
+    # the embedding group (every part but "layers": the embedding, the final norm, an untied head): on every stage,
+    # varying over `pipe` and `data`
+    others: dict
     micro: dict  # {"inputs", "targets"}: [m, b, s/c] int32, this data rank's rows, this context rank's tokens
 
     @staticmethod
@@ -151,7 +153,7 @@ class Stage:
         return M.head_loss(self.others, y, self.micro["targets"][mb], self.cfg, self.shard) * self.loss_scale
 
     def loss_and_grads(self, y, mb):
-        """(loss share, dL/dy, d(embedding, final LN)) of the last chunk's output y: the loss right away, so
+        """(loss share, dL/dy, d(embedding, final norm)) of the last chunk's output y: the loss right away, so
         that the chunk's backward needs only dL/dy (an activation-sized slot), not the logits."""
         loss, (gh, gy) = jax.value_and_grad(partial(M.head_loss, cfg=self.cfg, shard=self.shard), argnums=(0, 1))(
             self.others, y, self.micro["targets"][mb])
@@ -225,7 +227,7 @@ class Buffers(NamedTuple):
     """The tick loop's carry, per stage and data rank (all varying over `pipe` and `data`)."""
 
     g: Any  # [depth g + 1, b, s, h]: received gradients and the loss gradients (+ the trash slot)
-    grads: dict  # {"layers": [v, k, …], "others": embed, final_ln}: float32 gradient accumulators
+    grads: dict  # {"layers": [v, k, …], "others": the embedding group}: float32 gradient accumulators
     loss: Any  # []: float32, this stage's share of the loss
     stash: list  # per stashed residual leaf: [depth stash, k, b, …]
     x: Any  # [depth x + 1, b, s, h]: received activations (+ the trash slot)
@@ -239,7 +241,7 @@ class BranchOut(NamedTuple):
     slot: list  # the stash slot a forward writes (zeros from the other branches: nothing is written then)
     g: Any  # [b, s, h]: the gradient slot: the loss gradient from the last chunk's forward, else passed through
     dw: dict  # [k, …] per leaf: the chunk's weight gradients (float32; zeros unless a backward)
-    d_others: dict  # embed, final_ln: their gradients (float32; zeros unless the first backward or last forward)
+    d_others: dict  # the embedding group's gradients (float32; zeros unless the first backward or last forward)
     loss: Any  # []: the micro-batch's loss share (zero unless the last forward)
 
 
@@ -440,7 +442,7 @@ def reduce_gradients(buffers: Buffers, grad_specs: dict, over: tuple[str, ...]):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
     accumulators: Megatron's one data-parallel reduction (over `over`: data, and context under context
     parallelism), and the embedding group's over `pipe` (the first stage's lookup and the last stage's logits
-    and final LN add to the same parameters); each a reduce-scatter onto the master shards where `grad_specs`
+    and final norm add to the same parameters); each a reduce-scatter onto the master shards where `grad_specs`
     (the master weights' PartitionSpecs) split the gradient over those axes, else an all-reduce."""
     with_pipe = ("pipe", *over)
     loss = jax.lax.psum(buffers.loss, with_pipe)
@@ -478,7 +480,7 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
 
 def _gradient_specs(grad_specs: dict, over: tuple[str, ...]) -> tuple[dict, dict]:
     """The shard_map's out_specs of the reduced gradients: the layers' in the stage layout [p, v, k, …] (a
-    parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final LN's; each split over
+    parameter's dimension i ≥ 1 is dimension i + 2 there), the embedding's and final norm's; each split over
     `pipe` and `over` (data, context) where it was reduce-scattered (`grad_specs`: the master weights' specs)."""
     layers = jax.tree.map(lambda spec: P("pipe", None, None, *only_axes(spec, over)[1:]), grad_specs["layers"],
                           is_leaf=lambda x: isinstance(x, P))
@@ -488,7 +490,7 @@ def _gradient_specs(grad_specs: dict, over: tuple[str, ...]) -> tuple[dict, dict
 
 
 def _stage_weights(params, layout: Layout):
-    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final LN, whole on
+    """(layers in the stage layout [p, v, k, …], split over `pipe` on p; the embedding and final norm, whole on
     every stage), cast to the compute dtype. Master weights split over `pipe` or `data` are gathered here, once
     (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
     "full rematerialization")."""
@@ -501,7 +503,7 @@ def _stage_weights(params, layout: Layout):
 
 
 def _stage_inputs(params, batch, layout: Layout, sched: S.Schedule):
-    """(layers in the stage layout, embedding and final LN, the micro-batches [m, B/m, s] split over
+    """(layers in the stage layout, embedding and final norm, the micro-batches [m, B/m, s] split over
     `data` on their rows), the executor's shard_map arguments with the in_specs of those three."""
     layers, others = _stage_weights(params, layout)
     shard = Sharder(layout.mesh, layout.parallel.sequence_parallel)
@@ -537,7 +539,7 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
-    the parameters'); a leaf whose spec names `data` or, for the embedding and final LN, `pipe` (the master
+    the parameters'); a leaf whose spec names `data` or, for the embedding and final norm, `pipe` (the master
     shards: `Layout.master_specs`) is reduce-scattered over those axes onto that dimension instead of
     all-reduced. `inspect`, if given, is called
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see

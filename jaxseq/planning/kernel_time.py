@@ -129,16 +129,16 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
 
 
 def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:
-    """HBM bytes of the embedding, final LayerNorm and cross-entropy kernels, per device: the embedding's
+    """HBM bytes of the embedding, final norm and cross-entropy kernels, per device: the embedding's
     position add and dropout over s·b·h (forward: read, write and the mask, 3e + r; backward: read dy and the
-    mask, write, 2e + r), the final LayerNorm (2e; 3e, /t under SP), and the vocab-parallel cross-entropy over
+    mask, write, 2e + r), the final norm (2e; 3e, /t under SP), and the vocab-parallel cross-entropy over
     the s·b·V/t logits (read them twice, write their gradient: 3e). Llama has no positions to add: its lookup
     reads a row and writes it (2e)."""
     e, tokens, r = cfg.itemsize, cfg.seq_len * b, 1 if cfg.dropout > 0 else 0
     lookup = 3 * e if M.traits(cfg).learned_positions else 2 * e
     embedding = tokens * cfg.hidden * (lookup + r + 2 * e + r)
-    final_ln = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
-    return embedding + final_ln + tokens * cfg.padded_vocab(t) / t * 3 * e
+    final_norm = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
+    return embedding + final_norm + tokens * cfg.padded_vocab(t) / t * 3 * e
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
@@ -152,7 +152,7 @@ def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, rem
 
 def head_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, hw: Hardware, compute_efficiency: float,
                  memory_efficiency: float) -> float:
-    """The embedding, final LayerNorm, logits and loss, forward and backward, on one device."""
+    """The embedding, final norm, logits and loss, forward and backward, on one device."""
     gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency) for g in head_gemms(cfg, b, t))
     elementwise = head_elementwise_bytes(cfg, b, t, sequence_parallel)
     return gemms + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9)

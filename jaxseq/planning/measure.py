@@ -135,7 +135,7 @@ class Compiler:
                 "collective_bytes_per_layer": self._collectives(text, c.tensor), "working_bytes": self.working_bytes(c)}
 
     def head_flops(self, c: RowSpec) -> float:
-        """The training computation's FLOPs without layers (L=0): embedding, final LayerNorm, logits, loss."""
+        """The training computation's FLOPs without layers (L=0): embedding, final norm, logits, loss."""
         return _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
 
     def working_bytes(self, c: RowSpec) -> int:

@@ -25,7 +25,7 @@ MIB, GIB = 2**20, 2**30
 
 @dataclass(frozen=True)
 class _Leaf:
-    part: str  # "layers", or "embedding group" (the embedding and the final LayerNorm)
+    part: str  # "layers", or "embedding group" (the embedding, the final norm, an untied head)
     elements: int  # on one device, split by tensor
     master_elements: int  # of its master weights and of each Adam moment on one device
     cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
@@ -40,7 +40,8 @@ class _Leaf:
         return self.elements * e if self.cast and cfg.dtype != "float32" else 0
 
 
-EMBEDDING_GROUP = "embedding group"  # the embedding and the final LayerNorm: every pipeline stage computes with them
+# the embedding, the final norm and an untied head: every pipeline stage computes with them
+EMBEDDING_GROUP = "embedding group"
 
 
 def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1) -> list[_Leaf]:

@@ -138,7 +138,7 @@ class Plan:
     def stage_state(self) -> dict:
         """With a pipeline: each device's state by part, as the rows count it (the plan's data × context size and
         distributed-optimizer choice). In jaxseq's one SPMD program every stage holds the same: its L/p layers,
-        and the embedding group (embedding and final LayerNorm) whole for compute, its master weights and
+        and the embedding group (embedding, final norm, an untied head) whole for compute, its master weights and
         moments split over `pipe`; Megatron-LM's first and last stages hold that group's state whole (its
         optimizer state unsplit), its middle stages none of it."""
         parts = self.state(by_part=True)

@@ -223,13 +223,14 @@ def format_stage_state(p: Plan) -> list[str]:
     stage_layers = -(-cfg.layers // p.pipeline)
     lines = [f"state per device on every pipeline stage (p={p.pipeline}; one SPMD program: each stage holds what "
              f"stage 0 holds), {unit}, as the totals above count it:",
-             f"  {'':<24}{f'{stage_layers} layers':>12}{'embedding + final LN':>22}{'Megatron first/last stage':>27}"]
+             f"  {'':<24}{f'{stage_layers} layers':>12}{'embedding group':>22}{'Megatron first/last stage':>27}"]
     for key, label in STATE_LABELS.items():
         lines.append(f"  {label.format(dtype=cfg.dtype):<24}{parts['layers'][key] / scale:>12.2f}"
                      f"{parts['embedding_group'][key] / scale:>22.2f}"
                      f"{parts['megatron_first_stage_embedding_group'][key] / scale:>27.2f}")
     saved = parts["megatron_first_stage_embedding_group"]["total"] - parts["embedding_group"]["total"]
-    lines.append(f"  the embedding and final LayerNorm are whole on every stage for compute (the first stage's lookup "
+    lines.append(f"  the embedding group (embedding, final norm, an untied head) is whole on every stage for compute (the "
+                 f"first stage's lookup "
                  f"and the last stage's logits need them inside the tick loop); their master weights and moments are "
                  f"split over pipe, so the first stage, which sets the peak, holds {saved / scale:.2f} {unit} less of "
                  f"them than Megatron-LM's (whose middle stages hold none)")

@@ -16,7 +16,7 @@ compiled step, pipelined or not, in tests/test_search.py), of the first stage (t
 stage of the SPMD program allocates the same buffers):
   state of L/p layers + embedding (fp32 master weights, fp32 gradients — the pipeline's accumulators —,
   Adam moments, the compute copy; with the distributed optimizer master weights and moments split d ways;
-  with a pipeline the embedding group's — embedding and final LayerNorm — split p ways too, its compute copy
+  with a pipeline the embedding group's (embedding, final norm, an untied head) split p ways too, its compute copy
   gathered whole, in float32 as well: `memory.state_bytes(pipe=p)`), from shapes
   + stored bytes per layer (compiled) × layers' worth in flight (the schedule's own count:
     `Schedule.in_flight_layers`, its stash of chunks of k = L/(p·v) layers; L layers without a pipeline)
@@ -124,7 +124,7 @@ class StateCost:
     total_bytes: float  # master weights + gradients + moments + compute copy
     parameters: int  # parameter elements on the device
     master_bytes: float  # fp32 master weights (split d ways with the distributed optimizer)
-    layer_parameters: int  # those of the stage's layers (the rest: embedding and final LayerNorm)
+    layer_parameters: int  # those of the stage's layers (the rest: the embedding group)
     weight_copy_bytes: float  # the compute copy a step makes (float32 without the distributed optimizer: of the
     #                           embedding group only, gathered from its `pipe` split under a pipeline, else none)
     layer_copy_bytes: float  # of that, the stage's layers' (none: float32 without the distributed optimizer)
@@ -357,7 +357,7 @@ class ExecutorBuffers:
     #                         backward's copy of the slot it reads: 1 or 2 chunks' residuals
     chunk_weight_bytes: float  # with v > 1 and k > 1, a backward's copy of its chunk's weights out of the [v, k, …]
     #                            stage weights (compute dtype); with v = 1 the chunk is the whole block (no copy)
-    others_gradient_bytes: float  # BranchOut.d_others: the f32 embedding/final LN gradients a branch returns (the
+    others_gradient_bytes: float  # BranchOut.d_others: the f32 embedding/final norm gradients a branch returns (the
     #                               first chunk's backward's; zeros from the others, made in the branch)
     chunk_gradient_bytes: float  # BranchOut.dw: the f32 weight gradients of the chunk a backward tick runs
     stage_copy_bytes: float  # the layers regrouped [v, k, …] (`to_stages`) where the state has no compute copy

@@ -94,7 +94,7 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     through the pipeline schedule with parallel.pipe > 1 (`parallel.pipeline.pipeline_loss_and_grad`, same keys).
     Left to XLA (differentiating the bf16 copy under jit), the reductions ran in bf16. Clipping and AdamW see the
     float32 gradients.
-    Under a pipeline the embedding's and final LayerNorm's master weights and moments are split over `pipe`
+    Under a pipeline the embedding's and final norm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
     layout = Layout(cfg, parallel, mesh)
