@@ -1,5 +1,7 @@
-"""The paper's formulas (Korthikanti et al. 2022): activation bytes per layer, FLOPs per iteration,
-and the one table of the paper's configurations. Arithmetic only: no JAX, no compiling.
+"""The papers' formulas (Korthikanti et al. 2022; Narayanan et al. 2021): activation bytes per layer, FLOPs per
+iteration, and the one table of the paper's configurations; and jaxseq's own per-tensor counts that extend them
+to the Llama family (through each family's `Traits`), context parallelism (`context_kv_bytes`, the ring's
+blocks) and flash attention's working memory. Arithmetic only: nothing is traced or compiled.
 
 Bytes per layer assume 16-bit activations and 1-byte dropout masks (the paper's Table 2); FLOPs are
 matmul FLOPs (2 per multiply-add).

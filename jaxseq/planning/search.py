@@ -1,11 +1,13 @@
 """`python -m jaxseq.plan --search`: choose the 3D configuration for a cluster before renting it.
 
-Enumerates every valid (t, p, v, d, micro-batch b, remat policy, SP, distributed optimizer) for G GPUs
-and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
+Enumerates every valid (t, p, v, c, d, micro-batch b, remat policy, SP, distributed optimizer, and at c > 1
+the context strategy) for G GPUs and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
 step, drops those over the memory budget, and ranks the rest by predicted time.
 
 Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads, and divides the
-K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times); t·p·d = G;
+K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times);
+t·p·c·d = G with c from `--context-sizes` (context parallelism: c divides the sequence into 2c chunks; the ring
+strategy is not priced under a pipeline);
 p·v divides the layers; d·b divides B, m = B/(d·b) micro-batches per step; with p > 1, m ≥ p, and the
 interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP needs t > 1, the
 distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
@@ -38,7 +40,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
       GPU's SMs, a roofline for the memory-bound ones); + TP/SP collectives = L/p · ring traffic of the
       layer's collectives (compiled HLO) / (link_efficiency · intra-node bandwidth); + pipeline p2p = 2·v
       sends of s·b·h/t activations (Megatron's scatter/gather over the t ranks) / (link_efficiency · p2p
-      bandwidth).
+      bandwidth); + at c > 1 the K/V all-gathers or ring sends of each layer (`formulas.context_kv_bytes`) /
+      (link_efficiency · the context group's bandwidth).
   pipeline = m · per micro-batch · (1 + bubble), bubble = idle/busy ticks of the schedule
       ((p − 1)/m, interleaved (p − 1)/(v·m)).
   data-parallel gradient reduction after the flush: fp32 gradients of the stage's parameters, ring
@@ -52,7 +55,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
   Constants: the compute efficiency (calibrated on one published row), the memory and link efficiencies
   (stated).
 
-Per-layer programs are compiled once per (t, SP, remat) and shape, at micro-batch 1 (and the float32
+Per-layer programs are compiled once per (t, SP, remat) and shape (at c > 1 per (t, SP, remat, c, strategy), on
+a c × t mesh where the simulated devices hold it, else the c = 1 layer scaled: `at_context`), at micro-batch 1 (and the float32
 step also at 2): stored bytes and activation collectives are proportional to b, the working memory
 affine in b (tests/test_search.py holds both to programs compiled at larger b). The measuring
 itself lives in `planning.search_costs` (`SearchCosts`); this module is arithmetic on what it returns,
