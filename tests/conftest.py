@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # One compilation cache for this session's pytest processes (not for the commands' own processes): a program
-# that another test or the other xdist worker already compiled (and that took a second or more to compile) is
+# that another test or the other xdist worker already compiled (and that took a quarter of a second or more to compile) is
 # loaded, not compiled again; the tiny preset's training runs, for one, share their train step. The first
 # process (the xdist controller) makes the directory, the workers inherit it, and the maker removes it.
 CACHE_VARIABLE = "JAXSEQ_TESTS_COMPILATION_CACHE"
@@ -29,6 +29,8 @@ if MADE_CACHE:
     os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxseq-tests-compilation-cache-")
 jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VARIABLE])
 jax.config.update("jax_compilation_cache_max_size", 2**33)  # a bound: JAX then locks the directory between processes
+# At -O0 most of the tests' programs compile in under JAX's default threshold of 1 s: cache those too.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
 
 
 def pytest_sessionfinish(session):

@@ -107,6 +107,7 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     assert gen.stdout.startswith(f"# step {step}\nab")
 
 
+@pytest.mark.slow  # 7 s; test_step_loop.py holds the loop's stop on a non-finite step in the fast tier
 def test_non_finite_loss_stops_with_the_step(tmp_path):
     out = run(*TINY, "--steps", "20", "--lr", "1e30", "--warmup-steps", "0", "--checkpoint-every", "1",
               "--run-dir", str(tmp_path), "sample_tokens=0", check=False)  # stopped: no end-of-run sample compiled
@@ -149,7 +150,7 @@ def test_a_failed_execution_is_one_line():
     (["dropout=much"], "dropout='much' is not a valid float"),
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
     (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
-    (["--seq-len", "100000"], "the compiled train step needs"),
+    pytest.param(["--seq-len", "100000"], "the compiled train step needs", marks=pytest.mark.slow),  # 6.5 s: compiles it
     (["--virtual-stages", "2"], "virtual_stages=2 needs a pipeline, and pipe=1"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
@@ -201,6 +202,7 @@ def test_empty_text_is_refused_when_tokenized_and_empty_token_files_when_trained
                                                   "jaxseq.data writes both splits of non-empty text)\n"), out.stderr
 
 
+@pytest.mark.slow  # 8 s: two commands; the token files' reading: tests/test_data.py in the fast tier
 def test_train_and_generate_on_token_files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
