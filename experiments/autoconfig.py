@@ -221,7 +221,7 @@ def main() -> int:
 
 def family_rank(res: S.Result, family: tuple[int, int]) -> int | None:
     """1-based rank of mesh family (t, p) when each family counts once, by its best configuration."""
-    seen = list(dict.fromkeys(e.candidate.family for e in res.ranked))
+    seen = list(dict.fromkeys(e.candidate.mesh_family for e in res.ranked))
     return seen.index(family) + 1 if family in seen else None
 
 

@@ -15,7 +15,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import search
+from jaxseq.planning import search, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
@@ -83,13 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
                         "memory a stated estimate (the table's layer column says which rows are which)")
-    g.add_argument("--compute-efficiency", type=float, default=search.COMPUTE_EFFICIENCY,
-                   help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {search.COMPUTE_EFFICIENCY}, "
+    g.add_argument("--compute-efficiency", type=float, default=search_space.COMPUTE_EFFICIENCY,
+                   help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {search_space.COMPUTE_EFFICIENCY}, "
                         "calibrated on Korthikanti et al. Table 5, 175B)")
-    g.add_argument("--memory-efficiency", type=float, default=search.MEMORY_EFFICIENCY,
-                   help=f"achieved fraction of memory bandwidth by elementwise kernels (default {search.MEMORY_EFFICIENCY})")
-    g.add_argument("--link-efficiency", type=float, default=search.LINK_EFFICIENCY,
-                   help=f"achieved fraction of link bandwidth (default {search.LINK_EFFICIENCY})")
+    g.add_argument("--memory-efficiency", type=float, default=search_space.MEMORY_EFFICIENCY,
+                   help=f"achieved fraction of memory bandwidth by elementwise kernels (default {search_space.MEMORY_EFFICIENCY})")
+    g.add_argument("--link-efficiency", type=float, default=search_space.LINK_EFFICIENCY,
+                   help=f"achieved fraction of link bandwidth (default {search_space.LINK_EFFICIENCY})")
     g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
     return p
 
@@ -117,15 +117,15 @@ def host_devices(n: int):
     return jax.devices("cpu")[: max(n, 1)]
 
 
-def search_devices(r: search.Request, scale_context: bool = False):
+def search_devices(r: search_space.Request, scale_context: bool = False):
     """The simulated devices `--search` compiles on: enough for every t·c it tries (at most
     MAX_SIMULATED_DEVICES; with `scale_context` only the largest t); in-process, where the backend already runs
     with fewer, the ones it has (at least the largest t): a c > 1 layer beyond them is scaled from c = 1
     (`search.at_context`)."""
-    tensor = max(search.tensor_sizes(r))
+    tensor = max(search_space.tensor_sizes(r))
     if scale_context:
         return host_devices(tensor)
-    wanted = min(max(t * c for t in search.tensor_sizes(r) for c in r.context_sizes), MAX_SIMULATED_DEVICES)
+    wanted = min(max(t * c for t in search_space.tensor_sizes(r) for c in r.context_sizes), MAX_SIMULATED_DEVICES)
     try:
         return host_devices(max(wanted, tensor))
     except ConfigError:
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     return cli.run(lambda: _search(args) if args.search else _plan(args))
 
 
-def search_request(args) -> search.Request:
+def search_request(args) -> search_space.Request:
     """The cluster and the search space from the command line (one-line ConfigErrors)."""
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("--search needs --gpus and --global-batch")
@@ -148,9 +148,9 @@ def search_request(args) -> search.Request:
                  "sm_count": args.sm_count, "gpus_per_node": args.gpus_per_node,
                  "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
-    time_model = search.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
+    time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
                              link_efficiency=args.link_efficiency)
-    return search.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
+    return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes))
 
@@ -159,7 +159,7 @@ def _search(args) -> int:
     cfg = resolve(args)
     validate(cfg, ParallelConfig(), "none")
     request = search_request(args)
-    search.validate_request(cfg, request)
+    search_space.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
     devices = search_devices(request, args.scale_context)

@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
-from jaxseq.config import CONTEXT_STRATEGIES, ConfigError, ModelConfig, replace
+from jaxseq.config import ConfigError, ModelConfig, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models import formulas as F
 from jaxseq.models import model as M
@@ -77,34 +77,9 @@ from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, peak_bytes
-from jaxseq.remat import POLICIES
-
-GIB = 2**30
-
-
-# ---------------------------------------------------------------------------------------------
-# The time model's constants (the cluster's: jaxseq/hardware.py)
-
-# Achieved fraction of peak of a GEMM's full wave of tiles (`planning.kernel_time`: the GEMMs' shapes decide
-# how many waves they take), calibrated on ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8,
-# v = 3, 64 GPUs, batch 64, SP + selective, 13.75 s per iteration); experiments/autoconfig.py recomputes it
-# and reports the error on every other row.
-COMPUTE_EFFICIENCY = 0.724
-# Achieved fraction of HBM bandwidth by memory-bound kernels (stated, not fitted: a read kernel on an A100
-# 80 GB SXM measured by Nsight Compute reaches 1.80 of 2.04 TB/s, 88%; NVIDIA developer forum, "Trouble to
-# reach peak bandwidth of A100", forums.developer.nvidia.com/t/339083).
-MEMORY_EFFICIENCY = 0.88
-# Achieved fraction of a link's bandwidth by NCCL rings (stated, not fitted: nccl-tests' bus bandwidth on
-# DGX A100 is about 230–240 GB/s of NVLink's 300).
-LINK_EFFICIENCY = 0.8
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    compute_efficiency: float = COMPUTE_EFFICIENCY
-    memory_efficiency: float = MEMORY_EFFICIENCY
-    link_efficiency: float = LINK_EFFICIENCY
-
+from jaxseq.planning import search_space as space
+from jaxseq.planning.search_space import (GIB, Candidate, FamilyReason, Request, TimeModel, enumerate_candidates,
+                                          families, family_reason)
 
 # ---------------------------------------------------------------------------------------------
 # What the compiled programs say (supplied by planning.search_costs.SearchCosts, or by hand in tests)
@@ -140,192 +115,6 @@ class Costs(Protocol):
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
               strategy: str = "all-gather") -> LayerCost: ...
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> StateCost: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# The request and the candidates
-
-
-@dataclass(frozen=True)
-class Request:
-    gpus: int
-    global_batch: int
-    hardware: Hardware
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    remats: tuple[str, ...] = ("none", "selective", "full")
-    time_model: TimeModel = TimeModel()
-    tensor_sizes: tuple[int, ...] | None = None  # None: every divisor of the GPUs per node
-    context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: `context_candidates`)
-
-    @property
-    def budget_bytes(self) -> float:
-        return self.hardware.memory_gib * GIB
-
-
-def validate_request(cfg: ModelConfig, r: Request) -> None:
-    hw = r.hardware
-    for name, value in (("gpus", r.gpus), ("global_batch", r.global_batch), ("gpus_per_node", hw.gpus_per_node)):
-        if not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    for name in ("peak_tflops", "memory_gib", "hbm_gb_per_s", "intra_node_gb_per_s", "inter_node_gbit_per_s"):
-        if not getattr(hw, name) > 0:
-            raise ConfigError(f"{name}={getattr(hw, name)!r} must be positive")
-    if not isinstance(hw.sm_count, int) or hw.sm_count <= 0:
-        raise ConfigError(f"sm_count={hw.sm_count!r} must be a positive integer")
-    if r.gpus % hw.gpus_per_node and hw.gpus_per_node % r.gpus:
-        raise ConfigError(f"gpus={r.gpus} is not a multiple of gpus_per_node={hw.gpus_per_node} "
-                          "(nor a part of one node)")
-    for b in r.micro_batches:
-        if not isinstance(b, int) or b <= 0:
-            raise ConfigError(f"micro-batch {b!r} must be a positive integer")
-    for remat in r.remats:
-        if remat not in POLICIES:
-            raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
-    for t in r.tensor_sizes or ():
-        if not isinstance(t, int) or t <= 0 or hw.gpus_per_node % t:
-            raise ConfigError(f"tensor size {t!r} must divide gpus_per_node={hw.gpus_per_node}")
-    for c in r.context_sizes:
-        if not isinstance(c, int) or c <= 0:
-            raise ConfigError(f"context size {c!r} must be a positive integer")
-    tm = r.time_model
-    for name in ("compute_efficiency", "memory_efficiency", "link_efficiency"):
-        if not 0 < getattr(tm, name) <= 1:
-            raise ConfigError(f"{name}={getattr(tm, name)!r} must be in (0, 1]")
-
-
-@dataclass(frozen=True, order=True)
-class Candidate:
-    tensor: int
-    pipe: int
-    virtual: int
-    data: int
-    micro_batch: int
-    remat: str
-    sequence_parallel: bool
-    distributed_optimizer: bool
-    microbatches: int  # m = B / (d·b)
-    context: int = 1  # c: G = t·p·d·c
-    context_strategy: str = "all-gather"
-
-    @property
-    def schedule(self) -> str:
-        return "interleaved" if self.virtual > 1 else "1f1b"
-
-    @property
-    def family(self) -> tuple[int, int]:
-        return self.tensor, self.pipe
-
-    def label(self) -> str:
-        return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} m={self.microbatches} "
-                f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}"
-                + (f" c={self.context} {self.context_strategy}" if self.context > 1 else ""))
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def tensor_sizes(r: Request) -> list[int]:
-    """t within a node: the divisors of the GPUs per node (or those the request names)."""
-    return sorted(r.tensor_sizes) if r.tensor_sizes else divisors(r.hardware.gpus_per_node)
-
-
-@dataclass(frozen=True)
-class FamilyReason:
-    """Why no candidate of a mesh family (t, p) is valid: the rule it breaks, and the sentence that says so.
-    rule: "tensor" (t against the heads, the MLP width or the K/V heads: `tensor_reason`), "gpus" (t·p against G),
-    "layers" (p against L), "batch" (d = G/(t·p) against the global batch), "microbatches" (m < p for every b)."""
-
-    rule: str
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def tensor_reason(cfg: ModelConfig, t: int) -> FamilyReason | None:
-    """Why t cannot split the model's layers (whatever p, c and d), or None."""
-    if cfg.heads % t or cfg.mlp_hidden % t:
-        return FamilyReason("tensor", f"t={t} does not divide heads={cfg.heads}" if cfg.heads % t
-                            else f"t={t} does not divide mlp={cfg.mlp_hidden}")
-    if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
-        return FamilyReason("tensor", f"t={t} neither divides kv_heads={cfg.num_kv_heads} nor is a multiple of it")
-    return None
-
-
-def family_reason(cfg: ModelConfig, r: Request, t: int, p: int) -> FamilyReason | None:
-    """Why no candidate of mesh family (t, p) is valid, or None if some are."""
-    if reason := tensor_reason(cfg, t):
-        return reason
-    if r.gpus % (t * p):
-        return FamilyReason("gpus", f"t·p={t * p} does not divide {r.gpus} GPUs")
-    if cfg.layers % p:
-        return FamilyReason("layers", f"p={p} does not divide layers={cfg.layers}")
-    d = r.gpus // (t * p)
-    if r.global_batch % d:
-        return FamilyReason("batch", f"d={d} does not divide the global batch {r.global_batch}")
-    if p > 1 and all(r.global_batch % (d * b) or r.global_batch // (d * b) < p for b in r.micro_batches):
-        return FamilyReason("microbatches", f"m = B/(d·b) < p={p} for every micro-batch {list(r.micro_batches)}")
-    return None
-
-
-def families(cfg: ModelConfig, r: Request) -> list[tuple[int, int]]:
-    """Every (t, p) with t dividing a node and p dividing G/t: the grid the search reports on."""
-    return [(t, p) for t in tensor_sizes(r) if r.gpus % t == 0 for p in divisors(r.gpus // t)]
-
-
-def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration (see the module docstring)."""
-    out = []
-    for t, p in families(cfg, r):
-        if family_reason(cfg, r, t, p):
-            continue
-        sps = (False, True) if t > 1 and cfg.seq_len % t == 0 else (False,)
-        out += mesh_candidates(cfg, r, t, 1, p, r.gpus // (t * p), sps)
-    return out + context_candidates(cfg, r)
-
-
-def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy; the
-    ring not under a pipeline (the train command runs it, but the search does not price it yet), nor with fused
-    attention (its stored bytes have no formula to scale the measured layer by where c·t exceeds the simulated
-    devices: `formulas.activation_bytes`)."""
-    out = []
-    for c in sorted(set(r.context_sizes) - {1}):
-        for t in tensor_sizes(r):
-            if r.gpus % (t * c) or tensor_reason(cfg, t):  # its data size is G/(t·c·p), checked per mesh below
-                continue
-            sps = [sp for sp in ((False, True) if t > 1 else (False,)) if cfg.seq_len % (2 * c * (t if sp else 1)) == 0]
-            for p in divisors(r.gpus // (t * c)):
-                if cfg.layers % p:
-                    continue
-                d = r.gpus // (t * c * p)
-                out += mesh_candidates(cfg, r, t, c, p, d, sps)
-    return out
-
-
-def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, sps) -> list[Candidate]:
-    """The candidates of one t × c × p × d mesh: every micro-batch, virtual stage count, strategy (c > 1),
-    policy, SP and optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved)."""
-    out = []
-    vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
-    strategies = [s for s in CONTEXT_STRATEGIES
-                  if s == "all-gather" or (c > 1 and p == 1 and cfg.attention == "explicit")]
-    for b in r.micro_batches:
-        if r.global_batch % (d * b):
-            continue
-        m = r.global_batch // (d * b)
-        if p > 1 and m < p:
-            continue
-        for v in vs:
-            if v > 1 and m % p:
-                continue
-            for strategy in strategies:
-                for remat in r.remats:
-                    for sp in sps:
-                        for dist in ((False, True) if d * c > 1 else (False,)):
-                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +369,7 @@ class Result:
 
 def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") -> Result:
     """Every valid configuration, evaluated; ConfigError (one line) when none fits."""
-    validate_request(cfg, r)
+    space.validate_request(cfg, r)
     candidates = enumerate_candidates(cfg, r)
     reasons = {f: family_reason(cfg, r, *f) for f in families(cfg, r)}
     if not candidates:
@@ -593,7 +382,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom") ->
     rejected = []
     for f, reason in reasons.items():
         if reason is None:
-            fam = [e for e in evaluated if e.candidate.family == f]
+            fam = [e for e in evaluated if e.candidate.mesh_family == f]
             if any(e.fits for e in fam):
                 continue
             least = min(fam, key=lambda e: e.memory.total_bytes)
