@@ -19,9 +19,9 @@ import pytest  # noqa: E402
 # then runs in the pytest process (JAX refuses to change it once the backend has started).
 jax.config.update("jax_num_cpu_devices", 8)
 
-# One compilation cache for this session's pytest processes (not for the commands' own processes): a program
-# that another test or the other xdist worker already compiled (and that took a quarter of a second or more to compile) is
-# loaded, not compiled again; the tiny preset's training runs, for one, share their train step. The first
+# One compilation cache for this session's pytest processes (and the commands a test starts with
+# `commands.env(cache=True)`): a program that another test or the other xdist worker already compiled (in a
+# quarter of a second or more) is loaded, not compiled again; the tiny preset's training runs, for one, share their train step. The first
 # process (the xdist controller) makes the directory, the workers inherit it, and the maker removes it.
 CACHE_VARIABLE = "JAXSEQ_TESTS_COMPILATION_CACHE"
 MADE_CACHE = CACHE_VARIABLE not in os.environ

@@ -50,7 +50,7 @@ LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
 # LayerNorm keeps its float32 mean and 1/std; GELU's input is f wide, bias + GELU move 2e forward and 3e back;
 # learned positions are added at the lookup; the papers' formulas are this family's.
 TRAITS = Traits(norm_stat_bytes=8, mlp_up_widths=1, mlp_elementwise=(2, 3), learned_positions=True, rotary=False,
-                papers_formulas=True, shape_label="")
+                papers_formulas=True, shape_fields=())
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

@@ -26,7 +26,8 @@ from jaxseq.sharding import Sharder
 # RMSNorm keeps its float32 1/rms; SwiGLU's input is gate and up (2f), it reads both and writes their product
 # (3e) and backward reads gate, up and dy and writes two gradients (5e); RoPE instead of learned positions.
 TRAITS = Traits(norm_stat_bytes=4, mlp_up_widths=2, mlp_elementwise=(3, 5), learned_positions=False, rotary=True,
-                papers_formulas=False, shape_label="kv_heads f")
+                papers_formulas=False,
+                shape_fields=(("kv_heads", "num_kv_heads"), ("f", "mlp_hidden")))
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

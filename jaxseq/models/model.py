@@ -37,8 +37,7 @@ def traits(cfg: ModelConfig) -> decl.Traits:
 
 def shape_label(cfg: ModelConfig) -> str:
     """The family's shape fields beyond GPT's (" kv_heads=8 f=14336" for a Llama), for a plan's header."""
-    names = {"kv_heads": cfg.num_kv_heads, "f": cfg.mlp_hidden}
-    return "".join(f" {name}={names[name]}" for name in traits(cfg).shape_label.split())
+    return "".join(f" {label}={getattr(cfg, name)}" for label, name in traits(cfg).shape_fields)
 
 
 # ---------------------------------------------------------------------------------------------

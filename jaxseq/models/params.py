@@ -41,7 +41,8 @@ class Traits:
     learned_positions: bool  # a position table added at the lookup (read, add, write: 3e per element; else 2e)
     rotary: bool  # RoPE on q and the K heads: read and write each, forward and backward
     papers_formulas: bool  # the papers' GPT formulas (Table 2, 72·B·s·L·h²·…) describe it
-    shape_label: str  # the shape fields a plan's header prints beyond h, a, L, s, V ("kv_heads f": ModelConfig names)
+    shape_fields: tuple[tuple[str, str], ...]  # what a plan's header prints beyond h, a, L, s, V: (label, the
+    # ModelConfig attribute it shows) each
 
 
 def kernel(dims, axes, init="normal") -> Param:

@@ -3,9 +3,10 @@ sharding the run's arrays take — the compute copy of the weights, the float32 
 gradients and Adam moments), the batch — derived once from the family's parameter table (`model.param_specs`:
 its logical axes through the mesh's rules, `mesh.logical_rules`).
 
-An edge (the train step's and loss's builders, the training loop, the planner, convert, generate) makes one
-`Layout` and hands it down; nothing below recomputes a spec from (cfg, parallel). A new way to split a weight
-(FSDP's axis) is a change here, not at every place a sharding is used.
+Every spec is derived here and nowhere else: the training loop makes one per run (`Session.layout`), and the
+entry points that take (cfg, parallel, mesh) — the step's and loss's builders, gradient accumulation, the
+pipeline, sampling, rundir, conversion, aot, the planner — make one from them and hand it to what they call. A
+new way to split a weight (FSDP's axis) is a change here, not at every place a sharding is used.
 """
 
 from __future__ import annotations
