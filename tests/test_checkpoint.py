@@ -191,6 +191,19 @@ def test_a_failed_array_read_is_one_warning_line_and_no_traceback(devices, tmp_p
     assert lines[0].endswith("; restored step 1 instead")
 
 
+def test_asyncio_unretrieved_reads_are_dropped_futures_and_tasks_alike(caplog):
+    """asyncio names an unawaited failed read "Future exception …" or, for a task, "Task exception …" (CI's run
+    logged the second under the warning line); both are dropped when a damaged read raised, anything else is kept."""
+    C._drop_abandoned_reads()
+    damaged = ValueError("OUT_OF_RANGE: Error reading byte range")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for kind in ("Future", "Task"):
+            logging.getLogger("asyncio").error(f"{kind} exception was never retrieved",
+                                               exc_info=(ValueError, damaged, None))
+        logging.getLogger("asyncio").error("Task exception was never retrieved", exc_info=(TypeError, TypeError(), None))
+    assert [r.exc_info[0] for r in caplog.records] == [TypeError]
+
+
 def test_incompatible_model_is_refused():
     C.check_compatible({"layers": 2, "dropout": 0.1}, {"layers": 2, "dropout": 0.0})  # dropout may change
     with pytest.raises(ConfigError, match=r"cannot resume: .*layers=2 \(saved\) vs 3"):

@@ -198,14 +198,16 @@ def _closed_loop(unraisable) -> bool:
 
 
 def _not_an_unretrieved_read(record: logging.LogRecord) -> bool:
-    return not (record.getMessage().startswith("Future exception was never retrieved") and record.exc_info is not None
-                and isinstance(record.exc_info[1], UNREADABLE))
+    """asyncio logs an unawaited failed future as "Future exception …", a failed task as "Task exception …"."""
+    unretrieved = record.getMessage().startswith(tuple(f"{kind} exception was never retrieved"
+                                                       for kind in ("Future", "Task")))
+    return not (unretrieved and record.exc_info is not None and isinstance(record.exc_info[1], UNREADABLE))
 
 
 def _drop_abandoned_reads() -> None:
     """After a failed read orbax closes its asyncio loop under the reads still in flight: each of their late
     completions raises RuntimeError('Event loop is closed') into sys.unraisablehook, and each failed one is
-    logged by asyncio as a "Future exception was never retrieved" — pages of tracebacks after the one line
+    logged by asyncio as a "Future (or Task) exception was never retrieved" — pages of tracebacks after the one line
     that says the step is unreadable. Those are dropped (installed once, before a read); anything else still
     reaches the hook that was there and the log."""
     previous = sys.unraisablehook
