@@ -9,7 +9,9 @@ GPT-3 XL (gpt3-1.3b) and a Llama of similar size (`models` below), per remat pol
 full): the median step time, tokens/s, model TFLOP/s per device and MFU against the device's dense bf16 peak
 (jaxseq/hardware.py), each policy's step time relative to `none` (the paper's Table 4, measured), and the
 peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'s prediction of the same
-configuration. Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
+configuration (its programs compiled on these GPUs) and beside `plan --target`'s (the whole step compiled for the
+GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline).
+Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
 in its optimized HLO); bf16 against float32 losses over the same steps (same init and data); and with two
 GPUs or more a pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set
 beside the schedule's (parallel/schedule.py).
@@ -167,6 +169,23 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
             for p, r in rows.items()}
 
 
+TARGETS = {"NVIDIA A100-SXM4-80GB": "a100", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
+
+
+def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, device_kind: str) -> dict:
+    """policy → `plan --target`'s peak bytes per device (the whole train step compiled for this GPU's target
+    description, as on a machine without one), or {} where the device has no target description."""
+    from jaxseq.config import ParallelConfig
+    from jaxseq.planning import gpu_target
+    from jaxseq.training import aot
+
+    target = TARGETS.get(device_kind)
+    if target is None:
+        return {}
+    parallel = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel)
+    return {p: aot.step_bytes(gpu_target.compile_step(cfg, parallel, p, micro_batch, 1, target)) for p in POLICIES}
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole check
 
@@ -222,11 +241,16 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
             if limit is None or plan["none"]["total_bytes"] <= limit:
                 break
         base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
+        try:
+            targeted, target_error = target_peaks(cfg, n, sp, micro_batch, devices[0].device_kind) if gpu else {}, None
+        except Exception as e:  # a finding, as the plan's
+            targeted, target_error = {}, f"{type(e).__name__}: {e}"
         result = {"config": dataclasses.asdict(cfg), "num_params": model_parameters(cfg), "micro_batch": micro_batch,
-                  "plan_error": plan_error, "policies": {}}
+                  "plan_error": plan_error, "target_error": target_error, "policies": {}}
         for policy in POLICIES:
             predicted = plan[policy]["total_bytes"] if plan else None
-            row = {"predicted_peak_bytes": predicted, "plan": plan and plan[policy]}
+            row = {"predicted_peak_bytes": predicted, "plan": plan and plan[policy],
+                   "target_peak_bytes": targeted.get(policy)}
             if limit is not None and predicted is not None and predicted > limit:
                 row["skipped"] = f"the plan predicts {predicted / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB per device"
             else:
@@ -237,6 +261,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
                     row.update(throughput(cfg, policy, micro_batch, 1, row["median_step_s"], n, peak))
                     measured = row["peak_bytes_in_use"]
                     row["measured_over_predicted_peak"] = measured / predicted if measured and predicted else None
+                    target = row["target_peak_bytes"]
+                    row["measured_over_target_peak"] = measured / target if measured and target else None
             result["policies"][policy] = row
         base = result["policies"]["none"].get("median_step_s")
         for row in result["policies"].values():
@@ -342,18 +368,21 @@ def table(result: dict) -> str:
         lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters, micro-batch {m['micro_batch']} × "
                   f"{m['config']['seq_len']} tokens)", "",
                   "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB (measured) "
-                  "| peak memory, MiB (plan) | measured / plan |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| peak memory, MiB (plan) | measured / plan | peak memory, MiB (plan --target) | measured / target |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for policy, r in m["policies"].items():
             if "median_step_s" not in r:
                 lines.append(f"| {policy} | {r.get('skipped') or r.get('error', '')} | | | | | | "
-                             f"{mib(r['predicted_peak_bytes'])} | |")
+                             f"{mib(r['predicted_peak_bytes'])} | | {mib(r.get('target_peak_bytes'))} | |")
                 continue
             lines.append(f"| {policy} | {r['median_step_s']:.4f} | {num(r['step_time_vs_none'], '.3f')} | "
                          f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device']:.4g} | {pct(r['mfu']) or 'n/a (no peak)'} | "
                          f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
-                         f"{num(r['measured_over_predicted_peak'], '.3f')} |")
+                         f"{num(r['measured_over_predicted_peak'], '.3f')} | {mib(r.get('target_peak_bytes'))} | "
+                         f"{num(r.get('measured_over_target_peak'), '.3f')} |")
         c, p = m["cudnn_attention"], m["parity"]
         lines += [f"\nthe plan failed: {m['plan_error']}"] if m["plan_error"] else []
+        lines += [f"\nplan --target failed: {m['target_error']}"] if m.get("target_error") else []
         lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
                                                      f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
                   f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data): "

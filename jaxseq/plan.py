@@ -15,7 +15,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import search, search_space
+from jaxseq.planning import gpu_target, search, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1,
                    help="context-parallel size c: every row compiled on c × t simulated devices (default 1)")
     p.add_argument("--context-strategy", default="all-gather", help="all-gather (default) or ring")
+    p.add_argument("--target", default=None,
+                   help=f"compile each row's layer and whole train step for this GPU ({', '.join(gpu_target.TARGETS)}) "
+                        "on this machine, no GPU needed: stored bytes and totals are XLA:GPU's (needs "
+                        "requirements-gpu-target.txt); default: XLA:CPU's on simulated devices")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, d, micro-batch, remat, SP and the distributed optimizer "
@@ -135,6 +139,8 @@ def search_devices(r: search_space.Request, scale_context: bool = False):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.target is not None:
+        gpu_target.cpu_only()  # before JAX's backends start: the CUDA plugin compiles for the target without a GPU
     return cli.run(lambda: _search(args) if args.search else _plan(args))
 
 
@@ -186,7 +192,8 @@ def _plan(args) -> int:
         p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe * args.context), args.preset,
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
-                 context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"))
+                 context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"),
+                 target=args.target)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

@@ -64,6 +64,16 @@ def test_one_jax_version_everywhere():
         {k: v for k, v in pins.items() if k not in ("jax", "jaxlib")}
 
 
+def test_the_gpu_target_plugin_is_at_each_pinned_jax_version():
+    """JAX's CUDA plugin must match jaxlib exactly: the pinned one for requirements-gpu-target.txt, the newest for
+    its -newest twin (.ci/run installs each after the suite it belongs to)."""
+    for runtime, target in (("requirements.txt", "requirements-gpu-target.txt"),
+                            ("requirements-newest.txt", "requirements-gpu-target-newest.txt")):
+        jax_version, plugin = _pins(runtime)["jax"], _pins(target)
+        assert plugin["jax-cuda12-plugin"] == plugin["jax-cuda12-pjrt"] == jax_version, target
+        assert f"pip install -r {target}" in _read(".ci/run")
+
+
 def _imported_modules(folder):
     """Top-level modules every .py under `folder` imports (import x / from x import …)."""
     found = set()

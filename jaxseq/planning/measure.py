@@ -104,10 +104,17 @@ class Compiler:
         if self.progress is not None:
             self.progress.compiling(self.describe(key))
         parallel, mesh = _mesh(tensor, sp, self.devices, self.context, self.strategy)
-        if kind == "step":  # float32: XLA:CPU's bf16 temporaries are not what a GPU allocates
-            return aot.compile_train_step(replace(self.cfg, layers=layers, dtype="float32"), parallel, remat, mesh, self.b)
+        if kind == "step":
+            return aot.compile_train_step(replace(self.cfg, layers=layers, dtype=self.step_dtype), parallel, remat,
+                                          mesh, self.b)
         fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
         return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
+
+    @property
+    def step_dtype(self) -> str:
+        """The working memory's train step compiles in the model's dtype for a GPU, in float32 for XLA:CPU, whose
+        bf16 temporaries (float32 copies around each bf16 op) are not what a GPU allocates."""
+        return "float32" if self.devices[0].platform == "cpu" else self.cfg.dtype
 
     def _compile(self, *key):
         if key not in self._cache:
@@ -141,7 +148,7 @@ class Compiler:
     def working_bytes(self, c: RowSpec) -> int:
         """The float32 train step's temporaries at L=2 minus its gradients and stored activations."""
         step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
-        cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype="float32")
+        cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype=self.step_dtype)
         stored = hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
         accounted = state_bytes(cfg, c.tensor).gradients + activation_bytes(
             stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))

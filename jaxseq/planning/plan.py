@@ -15,11 +15,13 @@ from jaxseq.models import formulas
 from jaxseq.models import model as M
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
+from jaxseq.planning import gpu_target
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
 from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, non_layer_activation_bytes,
                                     parameter_elements_per_device, peak_bytes, state_bytes, state_bytes_by_part)
 from jaxseq.remat import POLICIES
+from jaxseq.training import aot
 
 
 def configurations(tensor: int, policies=None) -> list[RowSpec]:
@@ -36,6 +38,14 @@ def configurations(tensor: int, policies=None) -> list[RowSpec]:
             rows += [RowSpec(f"tp+{policy}", policy, False, tensor, None),
                      RowSpec(f"tp+sp+{policy}", policy, True, tensor, None)]
     return rows
+
+
+CPU_SOURCE = "XLA:CPU, simulated devices (total = state + stored × layers in flight + a float32 step's working memory)"
+
+
+def target_source(target: str) -> str:
+    return (f"XLA:GPU {target}, compiled without a GPU (total = the whole donated train step's argument + output + "
+            f"temp − alias)")
 
 
 def pipeline_row(rows: list[RowSpec]) -> RowSpec:
@@ -64,6 +74,7 @@ class Row:
     activation_bytes_per_device: int
     working_bytes_per_device: int
     total_bytes_per_device: int
+    memory_source: str = CPU_SOURCE  # what stored and total were read from
 
 
 @dataclass(frozen=True)
@@ -202,7 +213,7 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
          microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
-         context_strategy: str = "all-gather", progress=None) -> Plan:
+         context_strategy: str = "all-gather", progress=None, target: str | None = None) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -217,9 +228,13 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     context = c: every row compiled on a c × t mesh (`context_strategy`: all-gather or ring), `devices` holding
     c·t; with it the formula column is `formulas.activation_bytes` at context c, and the K/V context
     parallelism holds for a moment and moves per layer (`formulas.context_kv_bytes`) is reported.
-    progress: a `planning.progress.Progress`, told of each program as it starts compiling."""
+    progress: a `planning.progress.Progress`, told of each program as it starts compiling.
+    target: a GPU (`gpu_target.TARGETS`): each row's stored bytes and total are then XLA:GPU's, from that row's
+    layer and its whole train step compiled for the GPU (`on_target`); FLOPs and collectives stay XLA:CPU's."""
     configs = configurations(tensor, policies)
     _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy)
+    if target is not None:
+        gpu_target.target_devices(target, 1)  # an unknown GPU or no CUDA plugin: one line before anything compiles
     n_micro = pipeline if microbatches is None else microbatches
     schedule, in_flight_layers, bubble, paper_bubble = _schedule_figures(cfg, pipeline, schedule, virtual_stages,
                                                                          n_micro)
@@ -244,6 +259,11 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                      plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline), context,
                      context_strategy)
             for c, m in measured.items()]
+    if target is not None:
+        step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
+                    virtual_stages=virtual_stages, context=context, strategy=context_strategy)
+        rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress)
+                for r, c in zip(rows, measured)]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
     return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
@@ -254,6 +274,30 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                 bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight, context=context,
                 context_strategy=context_strategy,
                 context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy))
+
+
+def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbatches: int, in_flight_layers: float,
+              context: int, target: str, step: dict, progress=None) -> Row:
+    """Row `row` with XLA:GPU's figures for `target`: one layer's stored bytes (its layer compiled for the GPU)
+    and the total, the whole train step's peak per device compiled for the GPU at the model's depth and dtype
+    on the full mesh (`gpu_target.step_parallel`); the working column is what that peak holds beyond state and
+    stored activations."""
+    layer = ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
+                           context_strategy=step["strategy"])
+    whole = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, **step)
+    if progress is not None:
+        progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
+                           f"target device(s)")
+    stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target)
+    total = aot.step_bytes(gpu_target.compile_step(cfg, whole, c.remat, micro_batch,
+                                                   microbatches if step["pipeline"] > 1 else 1, target))
+    activations = activation_bytes(stored, in_flight_layers,
+                                   non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
+    state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
+    return dataclasses.replace(
+        row, measured_bytes_per_layer=stored, ratio=stored / row.formula_bytes_per_layer if row.formula_bytes_per_layer
+        else None, activation_bytes_per_device=activations, working_bytes_per_device=total - state - activations,
+        total_bytes_per_device=total, memory_source=target_source(target))
 
 
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxseq.models import model as M
 from jaxseq.planning.memory import GIB, MIB
-from jaxseq.planning.plan import Plan, recommend
+from jaxseq.planning.plan import CPU_SOURCE, Plan, recommend
 
 
 def _fmt(x, spec, missing="-"):
@@ -163,9 +163,11 @@ def _format_whole_model(p: Plan) -> str:
         f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
         f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
         f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
-        f"the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
-        + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU)"
-           if cfg.dtype != "float32" else ""))
+        + (f"the rest of the whole train step's peak. Stored, activ., work. and total: {state.memory_source}"
+           if state.memory_source != CPU_SOURCE else
+           "the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
+           + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU: "
+              "plan --target h100 compiles the GPU's program)" if cfg.dtype != "float32" else "")))
 
 
 def format_in_flight(p: Plan) -> list[str]:

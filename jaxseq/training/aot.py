@@ -67,11 +67,14 @@ def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, 
     return state, batch, key
 
 
-def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
-    """The real train step (AdamW, donated state) of one micro-batch, compiled for `mesh`."""
+def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
+                       microbatches: int = 1):
+    """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
+    per data rank, compiled for `mesh`."""
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    inputs = abstract_step_inputs(cfg, parallel, optimizer, mesh, micro_batch)
-    return compile_for_analysis(T.make_train_step(cfg, parallel, remat, optimizer, mesh).lower(*inputs))
+    inputs = abstract_step_inputs(cfg, parallel, optimizer, mesh, micro_batch * microbatches * parallel.data)
+    step = T.make_train_step(cfg, parallel, remat, optimizer, mesh, micro_batches=microbatches)
+    return compile_for_analysis(step.lower(*inputs))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Compiling for a GPU on a machine without one: XLA:GPU's own program, buffers and collectives for an A100,
+H100 or H200, from the CPU-only machine a user plans on.
+
+JAX's CUDA plugin (requirements-gpu-target.txt) compiles for a described device without opening one: a
+topology of N target devices (`jax.experimental.topologies`) from XLA's description of the card
+(`gpu_specs/NAME.txtpb`, a `GpuTargetConfigProto`). A mesh over those devices takes the same shardings as a
+real one, so the train step lowers and compiles unchanged, NCCL collectives and cuDNN attention included,
+and `memory_analysis()` is XLA:GPU's accounting. Nothing can run on them.
+
+What a missing device costs: XLA cannot autotune, so every GEMM is a Triton fusion with default tiles (the
+buffers of such a fusion are those of the GEMM it replaces; cuBLAS forced instead moved a gpt3-1.3b step's total
+by up to about 600 MiB) and cuDNN's workspace is not sized (u8[0]; megabytes on the device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.planning import hlo
+from jaxseq.planning.measure import MEASURE_LAYERS
+from jaxseq.training import aot
+
+TARGETS = ("a100", "h100", "h200")  # gpu_specs/NAME.txtpb: A100 SXM4 80GB, H100 SXM 80GB HBM3, H200 SXM 141GB
+SPECS = Path(__file__).parent / "gpu_specs"
+INSTALL = "pip install -r requirements-gpu-target.txt"
+
+
+def cpu_only() -> None:
+    """Keep JAX's backends to the CPU, asked for before they start (a command's first lines): the CUDA plugin
+    still compiles for a topology, while starting its backend on a machine without a GPU fails (cuInit, error
+    303) and takes the plugin down with it. Where the backends already run (in-process, the tests), nothing."""
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass
+
+
+def target_config(target: str) -> str:
+    if target not in TARGETS:
+        raise ConfigError(f"target={target!r} is not a known GPU; valid: {', '.join(TARGETS)}")
+    return (SPECS / f"{target}.txtpb").read_text()
+
+
+def target_devices(target: str, count: int) -> list:
+    """`count` devices of GPU `target` on one host, to compile for (never to run on)."""
+    config = target_config(target)
+    if not isinstance(count, int) or count <= 0:
+        raise ConfigError(f"count={count!r} target devices: must be a positive integer")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}", target_config=config)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"target={target}: JAX cannot compile for CUDA here ({first[:160]}); the CUDA plugin "
+                          f"is needed: {INSTALL}") from None
+    return list(topology.devices)
+
+
+
+def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distributed_optimizer: bool = False,
+                  pipeline: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, context: int = 1,
+                  strategy: str = "all-gather") -> ParallelConfig:
+    """The mesh a row's whole step compiles on. Data ranks all hold the same bytes unless the distributed
+    optimizer splits the state over them: only then does the step compile on all d of them."""
+    return ParallelConfig(data=data if distributed_optimizer else 1, tensor=tensor, sequence_parallel=sequence_parallel,
+                          distributed_optimizer=distributed_optimizer and data > 1, pipe=pipeline, schedule=schedule,
+                          virtual_stages=virtual_stages, context=context, context_strategy=strategy)
+
+
+def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+                 target: str):
+    """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
+    `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`."""
+    mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
+    return aot.compile_train_step(on_platform(cfg, "gpu"), parallel, remat, mesh, micro_batch, microbatches)
+
+
+def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
+                           target: str) -> int:
+    """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline)."""
+    mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
+    small = replace(on_platform(cfg, "gpu"), layers=MEASURE_LAYERS)
+    compiled = aot.compile_loss_and_grad(small, parallel, remat, mesh, micro_batch)
+    return hlo.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)
