@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.parallel.layout import Layout  # noqa: E402
 from jaxseq.planning import hlo  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
@@ -80,9 +81,9 @@ def compiled_steps() -> dict[str, str]:
     texts = {}
     for name, distributed in CASES.items():
         parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=distributed)
-        mesh = make_mesh(parallel)
-        inputs = aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, parallel.data * MICRO_BATCHES)
-        step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, MICRO_BATCHES)
+        layout = Layout(cfg, parallel, make_mesh(parallel))
+        inputs = aot.abstract_step_inputs(layout, optimizer, parallel.data * MICRO_BATCHES)
+        step = T.make_train_step(layout, "selective", optimizer, MICRO_BATCHES)
         texts[name] = step.lower(*inputs).compile().as_text()
     return texts
 
@@ -119,12 +120,12 @@ def step_time(steps: int = 12) -> dict:
     """The tiny preset as it is (bfloat16, dropout 0.1), data=2 × tensor=4 + SP, selective, 4 micro-batches of
     8 sequences: seconds per train step after 3 warm-up steps."""
     cfg, parallel = preset("tiny"), ParallelConfig(data=2, tensor=4, sequence_parallel=True)
-    mesh, optimizer = make_mesh(parallel), T.make_optimizer(OptimizerConfig(), cfg)
-    state = T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh)
+    layout, optimizer = Layout(cfg, parallel, make_mesh(parallel)), T.make_optimizer(OptimizerConfig(), cfg)
+    state = T.init_state(jax.random.key(0), layout, optimizer)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (8 * MICRO_BATCHES, cfg.seq_len + 1), dtype=np.int32)
     batch, key = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, jax.random.key(1)
-    step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, MICRO_BATCHES)
+    step = T.make_train_step(layout, "selective", optimizer, MICRO_BATCHES)
     times = time_steps(lambda state: (step(state, batch, key)[0],), (state,), 3 + steps)[3:]
     return {"median_s": statistics.median(times), "min_s": min(times), "steps": times}
 
@@ -148,15 +149,16 @@ def variants(rounds: int = 6, calls: int = 4) -> dict:
     param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), M.param_specs(preset("tiny"), parallel))
 
     def programs(cfg):
-        scan = partial(DP.accumulate_loss_and_grad, cfg=cfg, parallel=parallel, remat="selective", mesh=mesh,
-                       microbatches=MICRO_BATCHES, grad_specs=M.param_specs(cfg, parallel))
+        layout = Layout(cfg, parallel, mesh)
+        scan = partial(DP.accumulate_loss_and_grad, layout=layout, remat="selective", microbatches=MICRO_BATCHES,
+                       grad_specs=layout.param_specs)
         return {"scan in shard_map": jax.jit(scan, in_shardings=(param_sh, {"inputs": tokens_sh, "targets": tokens_sh},
                                                                  replicated), out_shardings=(replicated, param_sh)),
-                "executor, p = 1": PL.make_loss_and_grad(cfg, parallel, "selective", mesh, MICRO_BATCHES)}
+                "executor, p = 1": PL.make_loss_and_grad(layout, "selective", MICRO_BATCHES)}
 
     out = {"temp_bytes_float32": {}, "seconds_bfloat16": {}}
     f32 = replace(preset("tiny"), dtype="float32")
-    params, batch = aot.abstract_inputs(f32, parallel, mesh, 8 * MICRO_BATCHES)
+    params, batch = aot.abstract_inputs(Layout(f32, parallel, mesh), 8 * MICRO_BATCHES)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
     for name, fn in programs(f32).items():
         out["temp_bytes_float32"][name] = fn.lower(params, batch, key).compile().memory_analysis().temp_size_in_bytes

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from jaxseq.config import ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import model as M  # noqa: E402
+from jaxseq.parallel.layout import Layout  # noqa: E402
 from jaxseq.planning import hlo as HLO  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
 
@@ -35,7 +36,7 @@ def measure(cfg, parallel: ParallelConfig, repeats: int, batch_size: int = 4) ->
     params = M.init_params(jax.random.key(1), cfg, tensor=parallel.tensor)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    fn = T.make_loss_and_grad(cfg, parallel, "selective", mesh)
+    fn = T.make_loss_and_grad(Layout(cfg, parallel, mesh), "selective")
     compiled = fn.lower(params, batch, jax.random.key(2)).compile()
     times = []
     for _ in range(repeats + 1):

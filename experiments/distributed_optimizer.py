@@ -69,11 +69,12 @@ def weight_shapes(cfg, parallel: ParallelConfig) -> set:
 
 def compile_abstract(cfg, parallel: ParallelConfig, micro_batches: int, batch: int):
     mesh = make_mesh(parallel)
-    shardings = T.state_shardings(Layout(cfg, parallel, mesh), OPT)
-    state = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, OPT, mesh))
+    layout = Layout(cfg, parallel, mesh)
+    shardings = T.state_shardings(layout, OPT)
+    state = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, OPT))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
-    step = T.make_train_step(cfg, parallel, "selective", OPT, mesh, micro_batches)
+    step = T.make_train_step(layout, "selective", OPT, micro_batches)
     return step.lower(state, {"inputs": tokens, "targets": tokens}, jax.random.key(1)).compile()
 
 
@@ -111,9 +112,9 @@ def batch(cfg, step: int, n: int = 16) -> dict:
 
 def losses(cfg, remat: str, distributed: bool, steps: int = 3) -> list[float]:
     parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=distributed)
-    mesh = make_mesh(parallel)
-    state = T.init_state(jax.random.key(0), cfg, parallel, OPT, mesh)
-    step = T.make_train_step(cfg, parallel, remat, OPT, mesh, micro_batches=2)
+    layout = Layout(cfg, parallel, make_mesh(parallel))
+    state = T.init_state(jax.random.key(0), layout, OPT)
+    step = T.make_train_step(layout, remat, OPT, micro_batches=2)
     out = []
     for i in range(steps):
         state, metrics = step(state, batch(cfg, i), jax.random.key(1))

@@ -71,6 +71,7 @@ def measure(spec: dict, devices) -> dict:
 
     from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
     from jaxseq.mesh import make_mesh
+    from jaxseq.parallel.layout import Layout
     from jaxseq.sharding import batch_sharding
     from jaxseq.training import train_step as T
 
@@ -78,14 +79,15 @@ def measure(spec: dict, devices) -> dict:
     parallel = ParallelConfig(**spec["parallel"])
     devices = list(devices)[: parallel.num_devices]
     mesh = make_mesh(parallel, devices)
+    layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(warmup_steps=1), cfg)
-    state = T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh)
+    state = T.init_state(jax.random.key(0), layout, optimizer)
     rows = spec["micro_batch"] * spec["microbatches"]
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1), dtype=np.int32)
     batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
     key = jax.random.key(1)
     start = time.perf_counter()
-    step = T.make_train_step(cfg, parallel, spec["remat"], optimizer, mesh, spec["microbatches"])
+    step = T.make_train_step(layout, spec["remat"], optimizer, spec["microbatches"])
     compiled = step.lower(state, batch, key).compile()
     compile_s = time.perf_counter() - start
     times, losses = [], []

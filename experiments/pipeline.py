@@ -42,6 +42,7 @@ def main() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
@@ -56,14 +57,15 @@ def main() -> int:
             parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=name,
                                       virtual_stages=v)
             mesh = make_mesh(parallel, devices)
+            layout = Layout(cfg, parallel, mesh)
             sched = ticks.schedule_of(parallel, m, cfg.layers)
-            params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+            params, batch = aot.abstract_inputs(layout, MICRO * m)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
             start = time.perf_counter()
-            compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, batch, key).compile()
+            compiled = PL.make_loss_and_grad(layout, remat, m).lower(params, batch, key).compile()
             compile_s = time.perf_counter() - start
             mem = compiled.memory_analysis()
-            stash, _ = PL.stash_layout(cfg, parallel, remat, mesh, m, MICRO)
+            stash, _ = PL.stash_layout(layout, remat, m, MICRO)
             # Per device: the stash leaves are global over `data` (batch axis 2 of [k, b, s, …]).
             slot = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash) // parallel.data
             rows.append({
@@ -90,10 +92,10 @@ def main() -> int:
                                                                             pipe=P, schedule=n,
                                                                               virtual_stages=v))
                               for n, v in SCHEDULES]]:
-        mesh = make_mesh(parallel, devices)
+        layout = Layout(cfg, parallel, make_mesh(parallel, devices))
         opt = optax.sgd(0.0)
-        state = T.init_state(jax.random.key(0), cfg, parallel, opt, mesh)
-        step = T.make_train_step(cfg, parallel, remat, opt, mesh, micro_batches=m, donate=False)
+        state = T.init_state(jax.random.key(0), layout, opt)
+        step = T.make_train_step(layout, remat, opt, micro_batches=m, donate=False)
         state2, out = step(state, batch, jax.random.key(1))  # compile
         jax.block_until_ready(out)
         times = []
@@ -216,6 +218,7 @@ def overhead() -> int:
     from jaxseq.training import aot
     from jaxseq.planning import hlo
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
@@ -241,12 +244,13 @@ def overhead() -> int:
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         for label, parallel, devs in configs:
             mesh = make_mesh(parallel, devs)
+            layout = Layout(cfg, parallel, mesh)
             row = {"config": label}
             if parallel.pipe > 1:
                 sched = ticks.schedule_of(parallel, m, cfg.layers)
-                params, abstract_batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+                params, abstract_batch = aot.abstract_inputs(layout, MICRO * m)
                 key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
-                compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, abstract_batch, key).compile()
+                compiled = PL.make_loss_and_grad(layout, remat, m).lower(params, abstract_batch, key).compile()
                 text = compiled.as_text()
                 anatomy = tick_loop_anatomy(text, sched.ticks)
                 branch = anatomy["branch_dot_flops"]
@@ -271,8 +275,8 @@ def overhead() -> int:
                 row["flop_overhead_pct"] = 100 * (row["executed_dot_flops"] / row["unpipelined_dot_flops"] - 1)
             # CPU time of the train step on the real batch (sgd(0): the optimizer is the same for every row).
             opt = optax.sgd(0.0)
-            state = T.init_state(jax.random.key(0), cfg, parallel, opt, mesh)
-            step = T.make_train_step(cfg, parallel, remat, opt, mesh, micro_batches=m, donate=False)
+            state = T.init_state(jax.random.key(0), layout, opt)
+            step = T.make_train_step(layout, remat, opt, micro_batches=m, donate=False)
             jax.block_until_ready(step(state, batch, jax.random.key(1))[1])  # compile + warm up
             cpu, wall = [], []
             for _ in range(5):
@@ -443,6 +447,7 @@ def refresh_anatomy() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
@@ -457,11 +462,12 @@ def refresh_anatomy() -> int:
             parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=name,
                                       virtual_stages=v)
             mesh = make_mesh(parallel, jax.devices())
+            layout = Layout(cfg, parallel, mesh)
             m = results["microbatches"]
             sched = ticks.schedule_of(parallel, m, cfg.layers)
-            params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+            params, batch = aot.abstract_inputs(layout, MICRO * m)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
-            text = PL.make_loss_and_grad(cfg, parallel, results["remat"], mesh, m).lower(params, batch, key).compile().as_text()
+            text = PL.make_loss_and_grad(layout, results["remat"], m).lower(params, batch, key).compile().as_text()
             anatomy = tick_loop_anatomy(text, sched.ticks)
             row.update({**anatomy, "branch_dot_flops": dict(zip(BRANCHES, anatomy["branch_dot_flops"]))})
             print(size, row["config"], anatomy["bytes_per_tick"], flush=True)
@@ -484,6 +490,7 @@ def paper_anatomy() -> int:
 
     from jaxseq.training import aot
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
@@ -492,10 +499,11 @@ def paper_anatomy() -> int:
     cfg = replace(preset("gpt3-175b"), layers=p * k_c, dtype="float32")  # see the units note
     parallel = ParallelConfig(data=1, tensor=t, sequence_parallel=True, pipe=p, schedule="1f1b")
     mesh = make_mesh(parallel, jax.devices()[:p * t])
+    layout = Layout(cfg, parallel, mesh)
     sched = ticks.schedule_of(parallel, m, cfg.layers)
-    params, batch = aot.abstract_inputs(cfg, parallel, mesh, m)
+    params, batch = aot.abstract_inputs(layout, m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
-    compiled = PL.make_loss_and_grad(cfg, parallel, "selective", mesh, m).lower(params, batch, key).compile()
+    compiled = PL.make_loss_and_grad(layout, "selective", m).lower(params, batch, key).compile()
     anatomy = tick_loop_anatomy(compiled.as_text(), sched.ticks)
     out = {"model": "gpt3-175b, float32, micro-batch 1, TP+SP+selective", "p": p, "t": t, "m": m, "schedule": "1f1b",
            "compiled_layers_per_chunk": k_c, "real_layers_per_chunk": k, "ticks": sched.ticks, **anatomy,
@@ -595,15 +603,17 @@ def stash(label: str) -> int:
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
     from jaxseq.parallel import pipeline as PL
+    from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.training import aot
 
     def measure(cfg, parallel, m, micro, remat):
         mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+        layout = Layout(cfg, parallel, mesh)
         sched = ticks.schedule_of(parallel, m, cfg.layers)
-        params, batch = aot.abstract_inputs(cfg, parallel, mesh, micro * m)
+        params, batch = aot.abstract_inputs(layout, micro * m)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
-        compiled = PL.make_loss_and_grad(cfg, parallel, remat, mesh, m).lower(params, batch, key).compile()
+        compiled = PL.make_loss_and_grad(layout, remat, m).lower(params, batch, key).compile()
         k = cfg.layers // (parallel.pipe * parallel.virtual_stages)
         return {**stash_traffic(compiled.as_text(), sched, k), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 

@@ -71,6 +71,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, ParallelConfig
     from jaxseq.mesh import make_mesh
+    from jaxseq.parallel.layout import Layout
     from jaxseq.remat import POLICIES
 
     # 5as/h = 5·8·128/64 = 80, as at GPT-3 175B; float32 because XLA:CPU computes bf16 in f32 anyway.
@@ -84,7 +85,7 @@ def time_policies(repeats: int, devices) -> dict[str, list[float]]:
     key = jax.random.key(2)
     fns = {}
     for policy in POLICIES:
-        fn = T.make_loss_and_grad(cfg, parallel, policy, mesh)
+        fn = T.make_loss_and_grad(Layout(cfg, parallel, mesh), policy)
         jax.block_until_ready(fn(params, batch, key))  # compile and warm up
         fns[policy] = fn
     times = {p: [] for p in POLICIES}

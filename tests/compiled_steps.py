@@ -25,18 +25,19 @@ class CompiledStep:
         self.cfg, self.parallel, self.optimizer, self.micro_batches = cfg, parallel, optimizer, micro_batches
         self.rows, self.key, self.saved_at = rows, key, saved_at
         self.mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-        self.shardings = T.state_shardings(Layout(cfg, parallel, self.mesh), optimizer)
-        self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, self.mesh))
+        self.layout = Layout(cfg, parallel, self.mesh)
+        self.shardings = T.state_shardings(self.layout, optimizer)
+        self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), self.layout, optimizer))
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.abstract, self.shardings)
-        step = T.make_train_step(cfg, parallel, "selective", optimizer, self.mesh, micro_batches)
+        step = T.make_train_step(self.layout, "selective", optimizer, micro_batches)
         self.compiled = step.lower(abstract, self.batch(0), key).compile()
 
     def batch(self, step: int) -> dict:
         return counting_batch(self.cfg, self.rows, step)
 
     def init(self):
-        return T.init_state(jax.random.key(0), self.cfg, self.parallel, self.optimizer, self.mesh)
+        return T.init_state(jax.random.key(0), self.layout, self.optimizer)
 
     def run(self, state, first: int, last: int, save_to=None) -> list[float]:
         """Steps first+1 … last (batch i for step i+1); saves a checkpoint after step `saved_at`."""

@@ -26,6 +26,7 @@ from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.models.cpu_matmul import bf16_matmul
+from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo as HLO
 from jaxseq.training import train_step as T
 
@@ -50,7 +51,7 @@ def test_bfloat16_step_matches_float32(parallel, devices):
     mesh = make_mesh(parallel, devices[: parallel.num_devices])
     out = {}
     for dtype in ("float32", "bfloat16"):
-        fn = T.make_loss_and_grad(replace(CFG, dtype=dtype), parallel, "selective", mesh)
+        fn = T.make_loss_and_grad(Layout(replace(CFG, dtype=dtype), parallel, mesh), "selective")
         loss, grads = fn(params, _batch(), jax.random.key(2))
         out[dtype] = float(loss), jax.device_get(grads)
     (loss32, grads32), (loss16, grads16) = out["float32"], out["bfloat16"]
@@ -77,10 +78,10 @@ def test_bfloat16_accumulated_step_matches_float32(devices):
     mesh = make_mesh(parallel, devices)
     updates = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = replace(CFG, dtype=dtype)
-        state = T.init_state(jax.random.key(1), cfg, parallel, optax.sgd(1.0), mesh)
+        layout = Layout(replace(CFG, dtype=dtype), parallel, mesh)
+        state = T.init_state(jax.random.key(1), layout, optax.sgd(1.0))
         before = jax.device_get(state.params)
-        step = T.make_train_step(cfg, parallel, "selective", optax.sgd(1.0), mesh, micro_batches=2)
+        step = T.make_train_step(layout, "selective", optax.sgd(1.0), micro_batches=2)
         state, metrics = step(state, _batch(), jax.random.key(2))
         updates[dtype] = float(metrics["loss"]), jax.tree.map(np.subtract, before, jax.device_get(state.params))
     (loss32, grads32), (loss16, grads16) = updates["float32"], updates["bfloat16"]
@@ -123,7 +124,7 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, devices[: parallel.num_devices])
     cfg = replace(CFG, dtype="bfloat16")
-    fn = T.make_loss_and_grad(cfg, parallel, "full", mesh)
+    fn = T.make_loss_and_grad(Layout(cfg, parallel, mesh), "full")
     params = M.init_params(jax.random.key(1), cfg, tensor=4)
     text = fn.lower(params, _batch(), jax.random.key(2)).compile().as_text()
     weight_dots = [d for d in HLO.dots(text) if not d.batched]
@@ -181,11 +182,11 @@ def bf16_steps(devices):
             cfg = replace(CFG, dtype="bfloat16", dropout=0.0)
             mesh = make_mesh(parallel, devices[: parallel.num_devices])
             assert ("context" in mesh.shape) == (parallel.context > 1)
+            layout = Layout(cfg, parallel, mesh)
             optimizer, dtypes = _received(T.make_optimizer(OptimizerConfig(), cfg))
-            step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches=micro_batches)
-            compiled, text = HLO.compile_partitioned(
-                step.lower(*aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, 16)))
-            state = T.init_state(jax.random.key(1), cfg, parallel, optimizer, mesh)
+            step = T.make_train_step(layout, "selective", optimizer, micro_batches=micro_batches)
+            compiled, text = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, 16)))
+            state = T.init_state(jax.random.key(1), layout, optimizer)
             state, _ = compiled(state, _batch(16), jax.random.key(2))
             steps[name] = parallel, mesh, text, dtypes, jax.device_get(state.opt_state[0])
         return steps[name]

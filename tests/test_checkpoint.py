@@ -26,13 +26,14 @@ OPT = T.make_optimizer(OptimizerConfig(), CFG)
 
 def _state(parallel, devices, seed=0):
     mesh = make_mesh(parallel, devices)
-    return mesh, T.init_state(jax.random.key(seed), CFG, parallel, OPT, mesh)
+    return mesh, T.init_state(jax.random.key(seed), Layout(CFG, parallel, mesh), OPT)
 
 
 def _target(parallel, devices):
     mesh = make_mesh(parallel, devices)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, OPT, mesh))
-    return abstract, T.state_shardings(Layout(CFG, parallel, mesh), OPT), mesh
+    layout = Layout(CFG, parallel, mesh)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, OPT))
+    return abstract, T.state_shardings(layout, OPT), mesh
 
 
 def _save(directory, step, state, meta=None):

@@ -40,8 +40,8 @@ def _batch(cfg, batch_size=8):
 def loss_and_grads(cfg, parallel: ParallelConfig, remat: str):
     validate(cfg, parallel, remat, parallel.num_devices)
     params = M.init_params(jax.random.key(1), cfg, tensor=8)
-    mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-    loss, grads = T.make_loss_and_grad(cfg, parallel, remat, mesh)(params, _batch(cfg), jax.random.key(2))
+    layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[: parallel.num_devices]))
+    loss, grads = T.make_loss_and_grad(layout, remat)(params, _batch(cfg), jax.random.key(2))
     return float(loss), jax.device_get(grads)
 
 
@@ -92,13 +92,13 @@ def accumulated(cfg, parallel: ParallelConfig, remat: str, microbatches: int = 2
     validate(cfg, parallel, remat, parallel.num_devices, batch_size=8, micro_batch_size=8 // microbatches)
     params = M.init_params(jax.random.key(1), cfg, tensor=8)
     mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
+    layout = Layout(cfg, parallel, mesh)
     if parallel.pipe > 1:
-        fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, microbatches)
+        fn = PL.make_loss_and_grad(layout, remat, microbatches)
     else:
-        param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), M.param_specs(cfg, parallel))
-        fn = jax.jit(partial(DP.accumulate_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                             microbatches=microbatches, grad_specs=M.param_specs(cfg, parallel)),
-                     out_shardings=(None, param_sh))
+        fn = jax.jit(partial(DP.accumulate_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches,
+                             grad_specs=layout.param_specs),
+                     out_shardings=(None, layout.param_shardings))
     with jax.set_mesh(mesh):
         loss, grads = fn(params, _batch(cfg), jax.random.key(2))
     return float(loss), jax.device_get(grads)
@@ -144,7 +144,7 @@ def test_a_pipeline_stashes_one_context_ranks_tokens():
     def slot_bytes(context: int):
         parallel = ParallelConfig(pipe=2, context=context, tensor=2, sequence_parallel=True)
         mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-        stash, _ = PL.stash_layout(GPT, parallel, "selective", mesh, 2, 2)
+        stash, _ = PL.stash_layout(Layout(GPT, parallel, mesh), "selective", 2, 2)
         assert all(a.shape[2] == GPT.seq_len // context for a in stash), [a.shape for a in stash]  # [k, b, s/c, …]
         return sum(a.size * a.dtype.itemsize for a in stash)
     assert slot_bytes(2) * 2 == slot_bytes(1)
@@ -275,13 +275,14 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     parallel = ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True, context_strategy="ring",
                               distributed_optimizer=True)
     mesh = make_mesh(parallel, jax.devices())
+    layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
+    shardings = T.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    _, batch = aot.abstract_inputs(cfg, parallel, mesh, 8)
+    _, batch = aot.abstract_inputs(layout, 8)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    text = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, 2).lower(state, batch, key).compile().as_text()
+    text = T.make_train_step(layout, "selective", optimizer, 2).lower(state, batch, key).compile().as_text()
 
     coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
     spans = lambda g, axis: len({coords[i][axis] for i in g}) > 1
@@ -291,7 +292,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     data_context = _groups(mesh, "data", "context")
     after = [r for r in reductions if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
     sizes = {"data": 2, "context": 2, "tensor": 2}
-    specs = jax.tree.leaves(Layout(cfg, parallel).master_specs, is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(layout.master_specs, is_leaf=lambda x: isinstance(x, P))
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
     split = [_shards(shape, spec, sizes) for shape, spec in zip(shapes, specs)
              if any(entry_axes(e) == ("data", "context") for e in spec)]

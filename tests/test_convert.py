@@ -118,12 +118,13 @@ def test_init_state_on_a_tensor_sp_mesh(converted, devices):
     from jaxseq.models import model as M
     from jaxseq.training import train_step as T
     from jaxseq.config import ModelConfig, OptimizerConfig
+    from jaxseq.parallel.layout import Layout
 
     model = rundir.init_model(converted, ModelConfig(dropout=0.0, dtype="float32"), seq_len=16)
     assert (model.vocab_size, model.hidden, model.seq_len) == (VOCAB, 64, 16)
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
-    mesh = make_mesh(parallel, devices)
-    state = rundir.init_state(converted, model, parallel, T.make_optimizer(OptimizerConfig(), model), mesh)
+    layout = Layout(model, parallel, make_mesh(parallel, devices))
+    state = rundir.init_state(converted, layout, T.make_optimizer(OptimizerConfig(), model))
     _, saved = conversion.load(converted)
     assert state.params["embed"]["token"].shape == (model.padded_vocab(4), 64)
     assert state.params["embed"]["token"].sharding.spec == M.param_specs(model, parallel)["embed"]["token"]

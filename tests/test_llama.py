@@ -17,6 +17,7 @@ from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel.layout import Layout
 from jaxseq.remat import POLICIES
 from jaxseq.sharding import Sharder
 from jaxseq.training import aot
@@ -45,8 +46,8 @@ def _params(cfg=CFG):
 
 def loss_and_grads(parallel: ParallelConfig, remat: str, dropout: float):
     cfg = replace(CFG, dropout=dropout)
-    mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-    loss, grads = T.make_loss_and_grad(cfg, parallel, remat, mesh)(_params(), _batch(cfg), jax.random.key(2))
+    layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[: parallel.num_devices]))
+    loss, grads = T.make_loss_and_grad(layout, remat)(_params(), _batch(cfg), jax.random.key(2))
     return float(loss), jax.device_get(grads)
 
 
@@ -145,13 +146,13 @@ def test_pipeline_equals_unpipelined(name, dropout, devices):
     schedule, p, v, m, data, tensor, sp = PIPE_CASES[name]
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp, pipe=p, schedule=schedule,
                               virtual_stages=v)
-    mesh = make_mesh(parallel, devices[:parallel.num_devices])
+    layout = Layout(cfg, parallel, make_mesh(parallel, devices[:parallel.num_devices]))
     params = M.init_params(jax.random.key(0), cfg)
-    abstract, _ = aot.abstract_inputs(cfg, parallel, mesh, MICRO * m)
+    abstract, _ = aot.abstract_inputs(layout, MICRO * m)
     batch, key = _batch(cfg, MICRO * m), jax.random.key(7)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), params, abstract)
-    loss, grads = PL.make_loss_and_grad(cfg, parallel, "selective", mesh, m)(placed, batch, key)
-    one = T.make_loss_and_grad(cfg, ParallelConfig(), "selective", make_mesh(ParallelConfig(), devices[:1]))
+    loss, grads = PL.make_loss_and_grad(layout, "selective", m)(placed, batch, key)
+    one = T.make_loss_and_grad(Layout(cfg, ParallelConfig(), make_mesh(ParallelConfig(), devices[:1])), "selective")
     assert_same((float(loss), jax.device_get(grads)), mean_of_micro_batches(one, params, batch, key, m))
 
 
@@ -171,15 +172,15 @@ def test_train_step_gradient_equals_single_device(name, dropout, devices):
     over `data`, gradients reduce-scattered onto them), or the mean of the micro-batches' (key fold_in(key, i))."""
     cfg = replace(CFG, dropout=dropout)
     parallel, micro_batches = STEP_CASES[name]
-    mesh = make_mesh(parallel, devices[:parallel.num_devices])
+    layout = Layout(cfg, parallel, make_mesh(parallel, devices[:parallel.num_devices]))
     optimizer = optax.trace(0.0)
     params, batch = _params(), _batch(cfg)
-    state = T.state_from_params(params, cfg, parallel, optimizer, mesh)
+    state = T.state_from_params(params, layout, optimizer)
     if parallel.distributed_optimizer:
         assert "data" in jax.tree.leaves(tuple(state.opt_state.trace["layers"]["attn"]["kv"]["kernel"].sharding.spec))
-    step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, micro_batches, donate=False)
+    step = T.make_train_step(layout, "selective", optimizer, micro_batches, donate=False)
     state, metrics = step(state, batch, jax.random.key(1))
-    one = T.make_loss_and_grad(cfg, ParallelConfig(), "none", make_mesh(ParallelConfig(), devices[:1]))
+    one = T.make_loss_and_grad(Layout(cfg, ParallelConfig(), make_mesh(ParallelConfig(), devices[:1])), "none")
     key = jax.random.fold_in(jax.random.key(1), 0)  # step 0's key
     expected = one(params, batch, key) if micro_batches == 1 else \
         mean_of_micro_batches(one, params, batch, key, micro_batches)

@@ -7,6 +7,7 @@ import pytest
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
 from jaxseq.remat import POLICIES
 from jaxseq.sharding import Sharder
 from jaxseq.training import train_step as T
@@ -30,7 +31,7 @@ def loss_and_grads(parallel: ParallelConfig, remat: str):
     # One parameter set for all meshes: padded for the largest tensor size (padding rows are masked).
     params = M.init_params(jax.random.key(1), CFG, tensor=8)
     mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-    fn = T.make_loss_and_grad(CFG, parallel, remat, mesh)
+    fn = T.make_loss_and_grad(Layout(CFG, parallel, mesh), remat)
     loss, grads = fn(params, _batch(), jax.random.key(2))
     return float(loss), jax.device_get(grads)
 
@@ -75,6 +76,6 @@ def test_fused_attention_matches_explicit_without_dropout():
     batch = _batch()
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, jax.devices())
-    explicit = T.make_loss_and_grad(cfg, parallel, "selective", mesh)(params, batch, None)
-    fused = T.make_loss_and_grad(replace(cfg, attention="fused"), parallel, "selective", mesh)(params, batch, None)
+    explicit = T.make_loss_and_grad(Layout(cfg, parallel, mesh), "selective")(params, batch, None)
+    fused = T.make_loss_and_grad(Layout(replace(cfg, attention="fused"), parallel, mesh), "selective")(params, batch, None)
     assert_same((float(fused[0]), jax.device_get(fused[1])), (float(explicit[0]), jax.device_get(explicit[1])))

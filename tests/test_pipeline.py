@@ -57,7 +57,7 @@ def reference(devices):
     def run(params, batch, key, m, dtype="float32"):
         if (m, dtype) not in cache:
             if dtype not in fns:
-                fns[dtype] = T.make_loss_and_grad(replace(CFG, dtype=dtype), parallel, REMAT, mesh)
+                fns[dtype] = T.make_loss_and_grad(Layout(replace(CFG, dtype=dtype), parallel, mesh), REMAT)
             losses, grads = [], []
             for i in range(m):
                 mb = {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}
@@ -94,10 +94,10 @@ def pipelined(devices):
         if (case, remat, dtype) not in programs:
             parallel = _parallel(case)
             mesh = make_mesh(parallel, devices[:parallel.num_devices])
-            cfg = replace(CFG, dtype=dtype)
-            params, batch = aot.abstract_inputs(cfg, parallel, mesh, MICRO * case[3])
+            layout = Layout(replace(CFG, dtype=dtype), parallel, mesh)
+            params, batch = aot.abstract_inputs(layout, MICRO * case[3])
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-            fn = PL.make_loss_and_grad(cfg, parallel, remat, mesh, case[3])
+            fn = PL.make_loss_and_grad(layout, remat, case[3])
             programs[case, remat, dtype] = (fn.lower(params, batch, key).compile(), params)
         return programs[case, remat, dtype]
 
@@ -239,18 +239,19 @@ def test_distributed_optimizer_reduce_scatters_the_gradients_once(devices):
                               schedule="1f1b")
     m = 4
     mesh = make_mesh(parallel, devices)
+    layout = Layout(CFG, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), CFG)
-    shardings = T.state_shardings(Layout(CFG, parallel, mesh), optimizer)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
+    shardings = T.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
+    _, batch = aot.abstract_inputs(layout, MICRO * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    text = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile().as_text()
+    text = T.make_train_step(layout, REMAT, optimizer, m).lower(state, batch, key).compile().as_text()
     in_loop, after = _over_data(text, 2, 2, 2)
     assert not [r.op_name for r in in_loop]
     scattered = [r for r in after if r.kind == "reduce-scatter"]
     whole = [r for r in after if r.kind == "all-reduce"]
-    master = Layout(CFG, parallel).master_specs
+    master = layout.master_specs
     split = lambda has_data: lambda t: jax.tree.map(lambda leaf, spec: leaf if ("data" in spec) == has_data else None,
                                                     t, master, is_leaf=lambda x: isinstance(x, tuple))
     assert sum(r.elements for r in scattered) * 2 == _elements_per_device(split(True), parallel)
@@ -265,12 +266,12 @@ def test_stash_keeps_no_weights_or_keys(devices):
     chunk's vjp also lists as residuals are taken from the live arrays at backward (this leans on the
     layout of jax.vjp's residuals, hence the test)."""
     parallel = ParallelConfig(pipe=2)
-    mesh = make_mesh(parallel, devices[:2])
+    layout = Layout(CFG, parallel, make_mesh(parallel, devices[:2]))
     k = CFG.layers // 2
-    stash, reused = PL.stash_layout(CFG, parallel, "full", mesh, 4, MICRO)
+    stash, reused = PL.stash_layout(layout, "full", 4, MICRO)
     # Full recompute: each layer keeps only its input.
     assert [(a.shape, a.dtype) for a in stash] == [((k, MICRO, CFG.seq_len, CFG.hidden), np.float32)]
-    stash, reused = PL.stash_layout(CFG, parallel, REMAT, mesh, 4, MICRO)
+    stash, reused = PL.stash_layout(layout, REMAT, 4, MICRO)
     weight_shapes = {(k, *a.shape[1:]) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
     assert all(a.shape[:3] == (k, MICRO, CFG.seq_len) for a in stash)
     assert {a.shape for a in reused} <= weight_shapes | {(k,)}  # weights and the k layer keys
@@ -375,7 +376,8 @@ HEAP_PACKING = 2048  # bytes: GPipe's growth was 256 B under the bound at 14ed96
 
 
 def _stash_slot_bytes(devices) -> int:
-    stash, _ = PL.stash_layout(CFG, ParallelConfig(pipe=2), REMAT, make_mesh(ParallelConfig(pipe=2), devices[:2]), 4, MICRO)
+    parallel = ParallelConfig(pipe=2)
+    stash, _ = PL.stash_layout(Layout(CFG, parallel, make_mesh(parallel, devices[:2])), REMAT, 4, MICRO)
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash)
 
 
@@ -410,10 +412,11 @@ def evaluation(devices):
         if case not in programs:
             parallel = _parallel(case)
             mesh = make_mesh(parallel, devices[:parallel.num_devices])
-            params, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * case[3])
+            layout = Layout(CFG, parallel, mesh)
+            params, batch = aot.abstract_inputs(layout, MICRO * case[3])
             params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
-                                  params, Layout(CFG, parallel).master_specs)  # the train state's: its master weights
-            program = loop.make_eval_fn(CFG, parallel, mesh, case[3]).lower(params, batch).compile()
+                                  params, layout.master_specs)  # the train state's: its master weights
+            program = loop.make_eval_fn(layout, case[3]).lower(params, batch).compile()
             programs[case] = (program, params)
         return programs[case]
 
@@ -481,13 +484,14 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
                               distributed_optimizer=distributed)
     p, d, t, m = parallel.pipe, parallel.data, parallel.tensor, 4
     mesh = make_mesh(parallel, devices)
+    layout = Layout(CFG, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), CFG)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh))
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-                         T.state_shardings(Layout(CFG, parallel, mesh), optimizer))
-    _, batch = aot.abstract_inputs(CFG, parallel, mesh, MICRO * m)
+                         T.state_shardings(layout, optimizer))
+    _, batch = aot.abstract_inputs(layout, MICRO * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    compiled = T.make_train_step(CFG, parallel, REMAT, optimizer, mesh, m).lower(state, batch, key).compile()
+    compiled = T.make_train_step(layout, REMAT, optimizer, m).lower(state, batch, key).compile()
     shardings = compiled.input_shardings[0][0]  # the TrainState's
     placed = lambda tree, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
     group = lambda tree: {"embed": tree["embed"], "final_ln": tree["final_ln"]}
@@ -516,5 +520,5 @@ def test_the_executor_s_invariants_are_errors_not_asserts():
     specs = {"layers": {"mlp": {"wi": {"kernel": P(None, None, "tensor")}}}}
     with pytest.raises(ValueError, match=r"grad_specs: layers\['mlp'\]\['wi'\]\['kernel'\] is P\(None, "
                                          r"None, 'tensor'\); every layer's gradient is split over pipe"):
-        PL.pipeline_loss_and_grad(None, None, None, cfg=preset("tiny"), parallel=ParallelConfig(pipe=2, data=4),
-                                  remat="none", mesh=None, microbatches=2, grad_specs=specs)
+        PL.pipeline_loss_and_grad(None, None, None, layout=Layout(preset("tiny"), ParallelConfig(pipe=2, data=4)),
+                                  remat="none", microbatches=2, grad_specs=specs)

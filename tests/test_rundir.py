@@ -44,7 +44,7 @@ def saved_run(tmp_path_factory, devices):
     parallel = ParallelConfig(pipe=2, data=2, tensor=2, distributed_optimizer=True)
     mesh = make_mesh(parallel, devices)
     optimizer = T.make_optimizer(OptimizerConfig(), CFG)
-    state = T.init_state(jax.random.key(0), CFG, parallel, optimizer, mesh)
+    state = T.init_state(jax.random.key(0), Layout(CFG, parallel, mesh), optimizer)
     state = T.TrainState(jnp.int32(3), state.params, state.opt_state)
     run = RunConfig(model=CFG, parallel=parallel, optimizer=OptimizerConfig(), train=TrainConfig(run_dir=run_dir))
     rundir.write_config(run_dir, run)
@@ -109,8 +109,9 @@ def test_init_from_reads_the_params_straight_into_the_train_steps_shards(saved_r
         asked.append(args), restore(self, step, args=args, **kw))[1])
     parallel = ParallelConfig(pipe=4, data=2, tensor=1, distributed_optimizer=True)
     mesh, optimizer = make_mesh(parallel, devices), T.make_optimizer(OptimizerConfig(), CFG)
-    state = rundir.init_state(run_dir, replace(CFG, dropout=0.0), parallel, optimizer, mesh)
-    wanted = T.state_shardings(Layout(CFG, parallel, mesh), optimizer)
+    layout = Layout(replace(CFG, dropout=0.0), parallel, mesh)
+    state = rundir.init_state(run_dir, layout, optimizer)
+    wanted = T.state_shardings(layout, optimizer)
     read = [jax.tree.leaves(a["state"].item) for a in asked if "state" in a]
     assert len(read) == 1 and len(read[0]) == len(jax.tree.leaves(saved))  # the params, nothing else
     for target, sharding in zip(read[0], jax.tree.leaves(wanted.params)):

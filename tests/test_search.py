@@ -18,6 +18,7 @@ from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import train_flops
+from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning import search as S
@@ -341,10 +342,10 @@ def predicted_and_compiled(cfg: ModelConfig, c: S.Candidate, costs: SearchCosts)
     parallel = ParallelConfig(data=c.data, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
                               distributed_optimizer=c.distributed_optimizer, pipe=c.pipe, schedule=c.schedule,
                               virtual_stages=c.virtual)
-    mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+    layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[:parallel.num_devices]))
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    inputs = aot.abstract_step_inputs(cfg, parallel, optimizer, mesh, c.data * c.micro_batch * c.microbatches)
-    step = T.make_train_step(cfg, parallel, c.remat, optimizer, mesh, c.microbatches)
+    inputs = aot.abstract_step_inputs(layout, optimizer, c.data * c.micro_batch * c.microbatches)
+    step = T.make_train_step(layout, c.remat, optimizer, c.microbatches)
     compiled = aot.step_bytes(step.lower(*inputs).compile())
     print(f"{c.label()}: predicted {predicted:.0f} B, compiled {compiled} B, ratio {predicted / compiled:.4f}")
     return predicted, compiled

@@ -14,6 +14,7 @@ from jax._src.array import ArrayImpl
 
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.parallel.layout import Layout
 from jaxseq.training.data import load_corpus
 from jaxseq.training import loop
 from jaxseq.training import train_step as T
@@ -200,13 +201,13 @@ def test_evaluation_runs_the_train_steps_micro_batches(devices):
     the same loss as the whole batch at once, with the temporaries of one micro-batch (the whole batch's
     logits alone are 4·B·s·V/t bytes)."""
     cfg = replace(preset("tiny"), dtype="float32", dropout=0.0)
-    mesh = make_mesh(TP_SP, devices)
-    params = T.init_state(jax.random.key(0), cfg, TP_SP, T.make_optimizer(OptimizerConfig(), cfg), mesh).params
+    layout = Layout(cfg, TP_SP, make_mesh(TP_SP, devices))
+    params = T.init_state(jax.random.key(0), layout, T.make_optimizer(OptimizerConfig(), cfg)).params
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, cfg.seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     temp, loss = {}, {}
     for m in (1, 4):
-        program = loop.make_eval_fn(cfg, TP_SP, mesh, m).lower(params, batch).compile()
+        program = loop.make_eval_fn(layout, m).lower(params, batch).compile()
         temp[m], loss[m] = program.memory_analysis().temp_size_in_bytes, float(program(params, batch))
     assert abs(loss[4] - loss[1]) <= 1e-6 * loss[1]
     logits = 4 * 16 * cfg.seq_len * cfg.padded_vocab(TP_SP.tensor) // TP_SP.tensor // TP_SP.data

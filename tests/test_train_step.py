@@ -23,10 +23,10 @@ def _batch(cfg, n=8, seed=0):
 
 
 def _setup(cfg, micro_batches=1, optimizer=None):
-    mesh = make_mesh(PARALLEL)
+    layout = Layout(cfg, PARALLEL, make_mesh(PARALLEL))
     optimizer = optimizer or T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), cfg)
-    state = T.init_state(jax.random.key(0), cfg, PARALLEL, optimizer, mesh)
-    step = T.make_train_step(cfg, PARALLEL, "selective", optimizer, mesh, micro_batches=micro_batches)
+    state = T.init_state(jax.random.key(0), layout, optimizer)
+    step = T.make_train_step(layout, "selective", optimizer, micro_batches=micro_batches)
     return state, step
 
 
@@ -76,7 +76,7 @@ def test_gradient_accumulation_with_dropout_is_the_mean_of_the_micro_batches():
     batch = _batch(cfg, n=16)
     state, step = _setup(cfg, micro_batches, optax.sgd(1.0))  # the update is then the gradient
     before = jax.device_get(state.params)
-    loss_and_grad = T.make_loss_and_grad(cfg, PARALLEL, "selective", make_mesh(PARALLEL))
+    loss_and_grad = T.make_loss_and_grad(Layout(cfg, PARALLEL, make_mesh(PARALLEL)), "selective")
     key = jax.random.fold_in(jax.random.key(1), 0)  # the step's key at step 0
     rows = len(batch["inputs"]) // micro_batches
     parts = [loss_and_grad(state.params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()},
@@ -105,13 +105,14 @@ def accumulating_hlo(devices):
         if (name, distributed) not in texts:
             parallel = replace(ACCUMULATING[name], distributed_optimizer=distributed)
             mesh = make_mesh(parallel, devices)
+            layout = Layout(cfg, parallel, mesh)
             optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-            shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
-            abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
+            shardings = T.state_shardings(layout, optimizer)
+            abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
             state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-            _, batch = aot.abstract_inputs(cfg, parallel, mesh, parallel.data * MICRO_BATCHES)
+            _, batch = aot.abstract_inputs(layout, parallel.data * MICRO_BATCHES)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-            step = T.make_train_step(cfg, parallel, "selective", optimizer, mesh, MICRO_BATCHES)
+            step = T.make_train_step(layout, "selective", optimizer, MICRO_BATCHES)
             texts[name, distributed] = step.lower(state, batch, key).compile().as_text()
         return texts[name, distributed]
 

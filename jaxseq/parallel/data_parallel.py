@@ -64,8 +64,7 @@ def reduce_over(g, spec: P, over: tuple[str, ...]):
                          axis_names={"tensor"})(g)
 
 
-def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
-                             microbatches: int, grad_specs):
+def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), micro-batch i with dropout key fold_in(key, i) (one micro-batch: `key` itself, no scan), without
     a pipeline. The train step's gradients take this path with one micro-batch too: left to XLA, the reduction of
@@ -80,6 +79,7 @@ def accumulate_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: 
     pipeline's is: with `pipe` left automatic, the vocab-parallel lookup's nested shard_map over `tensor` is not
     manual over every axis, and XLA:CPU aborted compiling a bfloat16 step (that psum's reduction was exported
     ending in a copy, which all-reduce promotion cannot clone)."""
+    cfg, parallel, mesh = layout.model, layout.parallel, layout.mesh
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
     if parallel.data * parallel.context == 1:
@@ -131,12 +131,11 @@ def _summed(loss_and_grad, weights, micro, key, accumulator: Callable):
     return loss, grads
 
 
-def accumulated_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
+def accumulated_loss(params, batch, *, layout: Layout, micro_batches: int):
     """The mean of `model.loss_fn` (no dropout) over the micro-batches of `batch`, one at a time (lax.map),
     on the compute copy of the weights made once (gathered over data, as the train step's): the evaluation's
     forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
-    shard = context.sharder(mesh, parallel)
-    weights = jax.tree.map(jax.lax.with_sharding_constraint, M.cast_params(params, cfg),
-                           Layout(cfg, parallel, mesh).param_shardings)
+    cfg, shard = layout.model, context.sharder(layout.mesh, layout.parallel)
+    weights = jax.tree.map(jax.lax.with_sharding_constraint, M.cast_params(params, cfg), layout.param_shardings)
     micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
     return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))

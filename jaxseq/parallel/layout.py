@@ -3,10 +3,12 @@ sharding the run's arrays take — the compute copy of the weights, the float32 
 gradients and Adam moments), the batch — derived once from the family's parameter table (`model.param_specs`:
 its logical axes through the mesh's rules, `mesh.logical_rules`).
 
-Every spec is derived here and nowhere else: the training loop makes one per run (`Session.layout`), and the
-entry points that take (cfg, parallel, mesh) — the step's and loss's builders, gradient accumulation, the
-pipeline, sampling, rundir, conversion, aot, the planner — make one from them and hand it to what they call. A
-new way to split a weight (FSDP's axis) is a change here, not at every place a sharding is used.
+Every spec is derived here and nowhere else. A Layout is made once at the edge, where the model, the parallel
+configuration and the mesh first meet — the training loop's `Session.layout`, the planner (`aot.compile_*`,
+`in_flight`), sampling, conversion and `rundir.restore`, the tests and experiments — and the entry points take
+it whole: the train step's and loss's builders and the state's initialisation (`train_step`), gradient
+accumulation, the pipeline, the evaluation, aot's abstract inputs, `rundir.init_state`. A new way to split a
+weight (FSDP's axis) is a change here, not at every place a sharding is used.
 """
 
 from __future__ import annotations

@@ -511,15 +511,15 @@ def _stage_inputs(params, batch, layout: Layout, sched: S.Schedule):
     return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
 
 
-def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, mesh, microbatches: int):
+def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
     """The mean loss over `microbatches` micro-batches of `batch`, forward only and without dropout: the
     evaluation loss of a pipelined run, equal to `model.loss_fn` of the whole batch, each stage holding only
     its layers (the unpipelined loss of pipe-split weights gathers every layer onto every device). Runs a
     forward-only schedule (`Schedule.forward_only`: mv + p − 1 ticks) with `ForwardProgram`. Under jit with
     the mesh's shardings."""
-    cfg = replace(cfg, dropout=0.0)
+    parallel, mesh = layout.parallel, layout.mesh
+    cfg = replace(layout.model, dropout=0.0)
     sched = schedule_of(parallel, microbatches, cfg.layers, forward_only=True)
-    layout = Layout(cfg, parallel, mesh)
     args, in_specs = _stage_inputs(params, batch, layout, sched)
 
     def program(layers, others, micro, rows):
@@ -534,8 +534,8 @@ def pipeline_loss(params, batch, *, cfg: ModelConfig, parallel: ParallelConfig, 
     return fn(*args, jnp.asarray(tick_rows(sched)))
 
 
-def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
-                           microbatches: int, grad_specs=None, inspect=None):
+def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs=None,
+                           inspect=None):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
@@ -544,8 +544,8 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     all-reduced. `inspect`, if given, is called
     at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
     `stash_layout`)."""
+    cfg, parallel, mesh = layout.model, layout.parallel, layout.mesh
     sched = schedule_of(parallel, microbatches, cfg.layers)
-    layout = Layout(cfg, parallel, mesh)
     grad_specs = layout.param_specs if grad_specs is None else grad_specs
     for path, spec in jax.tree_util.tree_leaves_with_path(grad_specs["layers"], is_leaf=lambda x: isinstance(x, P)):
         if not spec or entry_axes(spec[0]) != ("pipe",):
@@ -563,11 +563,9 @@ def pipeline_loss_and_grad(params, batch, key, *, cfg: ModelConfig, parallel: Pa
     return loss, {"layers": from_stages(layer_grads), **other_grads}
 
 
-def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int):
+def make_loss_and_grad(layout: Layout, remat: str, microbatches: int):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    layout = Layout(cfg, parallel, mesh)
-    fn = partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                 microbatches=microbatches)
+    fn = partial(pipeline_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches)
     return jax.jit(
         fn,
         in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
@@ -575,16 +573,15 @@ def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
     )
 
 
-def stash_layout(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, microbatches: int,
-                 micro_batch_size: int):
+def stash_layout(layout: Layout, remat: str, microbatches: int, micro_batch_size: int):
     """(avals of one stash slot, avals of the residuals taken from the weights and keys instead): what
     one micro-batch chunk keeps between its forward and its backward, per stage and data rank (global over
     tensor)."""
-    seen = {}
-    params = jax.eval_shape(lambda: M.init_params(jax.random.key(0), cfg, parallel.tensor))
+    seen, cfg = {}, layout.model
+    params = jax.eval_shape(lambda: M.init_params(jax.random.key(0), cfg, layout.parallel.tensor))
     tokens = jax.ShapeDtypeStruct((micro_batch_size * microbatches, cfg.seq_len), jnp.int32)
-    with jax.set_mesh(mesh):
-        jax.eval_shape(partial(pipeline_loss_and_grad, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                               microbatches=microbatches, inspect=lambda a, b: seen.update(stash=a, reused=b)),
+    with jax.set_mesh(layout.mesh):
+        jax.eval_shape(partial(pipeline_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches,
+                               inspect=lambda a, b: seen.update(stash=a, reused=b)),
                        params, {"inputs": tokens, "targets": tokens}, jax.random.key(0))
     return seen["stash"], seen["reused"]

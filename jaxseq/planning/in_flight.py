@@ -10,6 +10,7 @@ import jax
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo
 from jaxseq.planning.measure import RowSpec
 from jaxseq.training import aot
@@ -66,13 +67,13 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     if len(devices) < n:
         raise ConfigError(f"the pipelined step at pipeline={p} × context={context} × tensor={c.tensor} compiles on "
                           f"{n} simulated devices; {len(devices)} available")
-    mesh = make_mesh(parallel, devices[:n])
+    layout = Layout(small, parallel, make_mesh(parallel, devices[:n]))
     sched = PL.schedule_of(parallel, m, small.layers)
-    params, batch = aot.abstract_inputs(small, parallel, mesh, micro_batch * m)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    compiled = aot.compile_for_analysis(PL.make_loss_and_grad(small, parallel, c.remat, mesh, m).lower(params, batch, key))
+    params, batch = aot.abstract_inputs(layout, micro_batch * m)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
+    compiled = aot.compile_for_analysis(PL.make_loss_and_grad(layout, c.remat, m).lower(params, batch, key))
     carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
-    slot_avals, _ = PL.stash_layout(small, parallel, c.remat, mesh, m, micro_batch)
+    slot_avals, _ = PL.stash_layout(layout, c.remat, m, micro_batch)
 
     depth = sched.depths["stash"]
 

@@ -30,40 +30,41 @@ def compile_for_analysis(lowered):
     return lowered.compile(compiler_options=ANALYSIS_OPTIONS)
 
 
-def abstract_inputs(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batch: int):
+def abstract_inputs(layout: Layout, micro_batch: int):
     """Sharded ShapeDtypeStructs for params and one batch: compile without allocating anything."""
-    layout = Layout(cfg, parallel, mesh)
     params = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding),
                           layout.param_shapes, layout.param_shardings, is_leaf=lambda x: isinstance(x, tuple))
-    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.seq_len), jnp.int32, sharding=layout.batch["inputs"])
+    tokens = jax.ShapeDtypeStruct((micro_batch, layout.model.seq_len), jnp.int32, sharding=layout.batch["inputs"])
     return params, {"inputs": tokens, "targets": tokens}
 
 
 def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
     """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
     accounted separately and it does not touch activations)."""
-    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    layout = Layout(cfg, parallel, mesh)
+    params, batch = abstract_inputs(layout, micro_batch)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return compile_for_analysis(T.make_loss_and_grad(cfg, parallel, remat, mesh).lower(params, batch, key))
+    return compile_for_analysis(T.make_loss_and_grad(layout, remat).lower(params, batch, key))
 
 
 def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
     """The loss alone (forward pass), compiled for `mesh`."""
-    params, batch = abstract_inputs(cfg, parallel, mesh, micro_batch)
+    layout = Layout(cfg, parallel, mesh)
+    params, batch = abstract_inputs(layout, micro_batch)
     shard = context.sharder(mesh, parallel)
     fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
     return compile_for_analysis(fn.lower(params, batch, key))
 
 
-def abstract_step_inputs(cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh, rows: int):
+def abstract_step_inputs(layout: Layout, optimizer, rows: int):
     """(state, batch of `rows` sequences, key) of the train step as sharded ShapeDtypeStructs, the state in
     its own shardings (`T.state_shardings`): lower and compile the step without allocating anything."""
-    shardings = T.state_shardings(Layout(cfg, parallel, mesh), optimizer)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), cfg, parallel, optimizer, mesh))
+    shardings = T.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-    _, batch = abstract_inputs(cfg, parallel, mesh, rows)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    _, batch = abstract_inputs(layout, rows)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
     return state, batch, key
 
 
@@ -71,9 +72,10 @@ def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
                        microbatches: int = 1):
     """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
     per data rank, compiled for `mesh`."""
+    layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    inputs = abstract_step_inputs(cfg, parallel, optimizer, mesh, micro_batch * microbatches * parallel.data)
-    step = T.make_train_step(cfg, parallel, remat, optimizer, mesh, micro_batches=microbatches)
+    inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.data)
+    step = T.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
     return compile_for_analysis(step.lower(*inputs))
 
 

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig
 from jaxseq.mesh import available_devices, make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel import distributed as D
@@ -42,17 +42,16 @@ class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss); the message is one line."""
 
 
-def make_eval_fn(cfg: ModelConfig, parallel: ParallelConfig, mesh, micro_batches: int):
+def make_eval_fn(layout: Layout, micro_batches: int):
     """jit(params, batch) → the mean loss (no dropout) of the state's params as they are stored (master
     weights, split over data by the distributed optimizer), over the batch split into `micro_batches` as the
     train step splits it: its activations are one micro-batch's. With a pipeline, forward only through the
     stages (`pipeline.pipeline_loss`), each holding only its layers; without, the model's loss of each
     micro-batch in turn on the compute copy the train step makes."""
-    layout = Layout(cfg, parallel, mesh)
-    if parallel.pipe > 1:
-        loss = partial(pipeline_loss, cfg=cfg, parallel=parallel, mesh=mesh, microbatches=micro_batches)
+    if layout.parallel.pipe > 1:
+        loss = partial(pipeline_loss, layout=layout, microbatches=micro_batches)
     else:
-        loss = partial(accumulated_loss, cfg=cfg, parallel=parallel, mesh=mesh, micro_batches=micro_batches)
+        loss = partial(accumulated_loss, layout=layout, micro_batches=micro_batches)
     return jax.jit(loss, in_shardings=(layout.master_shardings, layout.batch), out_shardings=layout.replicated)
 
 
@@ -182,8 +181,8 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
     return Session(
         run=run, devices=devices, mesh=mesh, layout=layout, optimizer=optimizer, micro_batches=micro,
-        step_fn=T.make_train_step(run.model, run.parallel, settings.remat, optimizer, mesh, micro_batches=micro),
-        eval_fn=make_eval_fn(run.model, run.parallel, mesh, micro), sampler=None, key=jax.random.key(settings.seed + 1),
+        step_fn=T.make_train_step(layout, settings.remat, optimizer, micro_batches=micro),
+        eval_fn=make_eval_fn(layout, micro), sampler=None, key=jax.random.key(settings.seed + 1),
         rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
         val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
@@ -193,22 +192,21 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
 def initial_state(session: Session) -> tuple[T.TrainState, int]:
     """The state to start from and its data position: the newest checkpoint (--resume), else the
     weights of --init-from or a fresh initialisation at position 0."""
-    run, settings, optimizer, mesh = session.run, session.run.train, session.optimizer, session.mesh
+    settings, layout, optimizer = session.run.train, session.layout, session.optimizer
     if settings.resume:
         return _resumed_state(session)
     if session.checkpoints.all_steps():
         raise ConfigError(f"run_dir={settings.run_dir!r} already holds checkpoints; pass --resume or another --run-dir")
     if settings.init_from:
-        return rundir.init_state(settings.init_from, run.model, run.parallel, optimizer, mesh), 0
-    return T.init_state(jax.random.key(settings.seed), run.model, run.parallel, optimizer, mesh), 0
+        return rundir.init_state(settings.init_from, layout, optimizer), 0
+    return T.init_state(jax.random.key(settings.seed), layout, optimizer), 0
 
 
 def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
-    run, optimizer, mesh = session.run, session.optimizer, session.mesh
-    shardings = T.state_shardings(session.layout, optimizer)
-    abstract = jax.eval_shape(
-        lambda: T.init_state(jax.random.key(run.train.seed), run.model, run.parallel, optimizer, mesh))
-    restored = C.restore(session.checkpoints, abstract, shardings, mesh,
+    run, layout, optimizer = session.run, session.layout, session.optimizer
+    shardings = T.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(run.train.seed), layout, optimizer))
+    restored = C.restore(session.checkpoints, abstract, shardings, session.mesh,
                          check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]),
                          set_aside=True)
     if restored is None:

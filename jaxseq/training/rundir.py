@@ -193,15 +193,15 @@ def init_vocab(path: str, corpus_vocab: int) -> int:
     return saved
 
 
-def init_state(path: str, model: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> T.TrainState:
+def init_state(path: str, layout: Layout, optimizer) -> T.TrainState:
     """A fresh TrainState (step 0, new optimizer moments) whose params are the weights saved in `path`, read
-    straight onto `mesh` in the train step's shardings (no whole copy anywhere)."""
-    saved = saved_model(path)
+    straight onto the layout's mesh in the train step's shardings (no whole copy anywhere)."""
+    model, saved = layout.model, saved_model(path)
     diffs = [f"{k}={getattr(saved, k)!r} (saved) vs {getattr(model, k)!r}" for k in ARCHITECTURE_FIELDS
              if k != "seq_len" and getattr(saved, k) != getattr(model, k)]
     if model.seq_len > saved.seq_len:
         diffs.append(f"seq_len={saved.seq_len} (saved) < {model.seq_len}")
     if diffs:
         raise ConfigError(f"--init-from {path}: the model differs: " + ", ".join(diffs))
-    params = restore(path, parallel, mesh, seq_len=model.seq_len).params
-    return T.state_from_params(params, model, parallel, optimizer, mesh)
+    params = restore(path, layout.parallel, layout.mesh, seq_len=model.seq_len).params
+    return T.state_from_params(params, layout, optimizer)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig
+from jaxseq.config import ModelConfig, OptimizerConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
 from jaxseq.parallel import data_parallel as DP
@@ -61,20 +61,19 @@ def new_state(params, optimizer) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def init_state(key, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
+def init_state(key, layout: Layout, optimizer) -> TrainState:
     """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
-    init = lambda key: new_state(M.init_params(key, cfg, parallel.tensor), optimizer)
-    return jax.jit(init, out_shardings=state_shardings(Layout(cfg, parallel, mesh), optimizer))(key)
+    init = lambda key: new_state(M.init_params(key, layout.model, layout.parallel.tensor), optimizer)
+    return jax.jit(init, out_shardings=state_shardings(layout, optimizer))(key)
 
 
-def state_from_params(params, cfg: ModelConfig, parallel: ParallelConfig, optimizer, mesh) -> TrainState:
-    """A step-0 state around given parameters (already on `mesh`), with moments in their shards."""
+def state_from_params(params, layout: Layout, optimizer) -> TrainState:
+    """A step-0 state around given parameters (already on the layout's mesh), with moments in their shards."""
     fresh = lambda p: new_state(p, optimizer)
-    return jax.jit(fresh, out_shardings=state_shardings(Layout(cfg, parallel, mesh), optimizer))(params)
+    return jax.jit(fresh, out_shardings=state_shardings(layout, optimizer))(params)
 
 
-def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, optimizer, mesh,
-                    micro_batches: int = 1, donate: bool = True):
+def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 1, donate: bool = True):
     """jit(step)(state, batch, key) → (state, metrics); batch = {"inputs", "targets"}: [B, s] int32.
 
     With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
@@ -97,18 +96,17 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     Under a pipeline the embedding's and final norm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     """
-    layout = Layout(cfg, parallel, mesh)
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
     # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
-    loss_and_grad = pipeline_loss_and_grad if parallel.pipe > 1 else DP.accumulate_loss_and_grad
+    loss_and_grad = pipeline_loss_and_grad if layout.parallel.pipe > 1 else DP.accumulate_loss_and_grad
 
     def step(state: TrainState, batch, key):
         key = jax.random.fold_in(key, state.step)
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
         # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
-        weights = constrain(M.cast_params(state.params, cfg), layout.param_shardings)
-        loss, grads = loss_and_grad(weights, batch, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
-                                    microbatches=micro_batches, grad_specs=layout.master_specs)
+        weights = constrain(M.cast_params(state.params, layout.model), layout.param_shardings)
+        loss, grads = loss_and_grad(weights, batch, key, layout=layout, remat=remat, microbatches=micro_batches,
+                                    grad_specs=layout.master_specs)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
         grads = constrain(grads, layout.master_shardings)
         grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
@@ -126,12 +124,11 @@ def make_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, opti
     )
 
 
-def make_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
+def make_loss_and_grad(layout: Layout, remat: str):
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
-    shard = context.sharder(mesh, parallel)
-    layout = Layout(cfg, parallel, mesh)
-    fn = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, shard=shard, remat=remat))
+    shard = context.sharder(layout.mesh, layout.parallel)
+    fn = jax.value_and_grad(partial(M.loss_fn, cfg=layout.model, shard=shard, remat=remat))
     return jax.jit(
         lambda params, batch, key: fn(params, batch, key=key),
         in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
