@@ -3,7 +3,11 @@ peak memory as measured, as `plan --target h100` predicts it (XLA:GPU's program,
 the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives without --target), with each error.
 
     pip install -r requirements-gpu-target.txt
-    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md} (about 3 minutes)
+    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md} (about 4 minutes)
+
+Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
+iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
+measured step time.
 
 Peaks measured: `memory_stats()["peak_bytes_in_use"]` of each configuration alone in its process (experiments/gpu.py).
 """
@@ -61,6 +65,63 @@ def compare(target: str = "h100") -> list[dict]:
     return rows
 
 
+def remat_on_gpu(target: str = "h100") -> list[dict]:
+    """Per model and policy, what the train step compiled for the GPU does (its dot FLOPs: every weight GEMM, the
+    attention core being cuDNN's; per backward layer iteration; the cuDNN attention calls in each layer loop), what
+    it stores per layer (XLA:GPU's layer program), the time model's step time and the measured one."""
+    import re
+
+    import jax
+
+    from jaxseq.config import ParallelConfig
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import search as S
+    from jaxseq.planning.search_costs import SearchCosts
+
+    rows = []
+    for name, (cfg, micro_batch, _) in measured_runs().items():
+        runs = json.loads(next(MEASURED.glob(f"h100_{name}_mb*.json")).read_text())["models"][name]["policies"]
+        state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
+        for policy in POLICIES:
+            text = gpu_target.compile_step(cfg, ParallelConfig(), policy, micro_batch, 1, target).as_text()
+            comps = hlo.parse_hlo(text)
+            loops = {ins.attr("body"): ins.trip_count() for instrs in comps.values() for ins in instrs
+                     if ins.opcode == "while" and ins.trip_count() == cfg.layers}
+            forward, backward = sorted(loops, key=lambda body: hlo.dot_flops(comps, body))  # the backward does more
+            calls = lambda body: sorted(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"',
+                                                   "\n".join(i.rest for i in comps[body])))
+            c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
+            model = S.step_time(cfg, c, S.LayerCost(0, {}, 0, 0), state, HARDWARE[target], S.TimeModel())
+            rows.append({
+                "model": name, "remat": policy,
+                "dot_tflop": hlo.dot_flops(comps, re.search(r"ENTRY %?([\w.\-]+)", text).group(1)) / 1e12,
+                "forward_layer_dot_tflop": hlo.dot_flops(comps, forward) / 1e12,
+                "backward_layer_dot_tflop": hlo.dot_flops(comps, backward) / 1e12,
+                "forward_loop_cudnn": calls(forward), "backward_loop_cudnn": calls(backward),
+                "stored_bytes_per_layer": gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch,
+                                                                          target),
+                "model_step_s": model.total_s, "model_optimizer_s": model.optimizer_s,
+                "measured_step_s": runs[policy]["median_step_s"]})
+    return rows
+
+
+def remat_table(rows: list[dict]) -> str:
+    lines = ["## The remat policies in the GPU's program", "",
+             "Dot FLOPs: every weight GEMM of the whole step (the attention core is cuDNN's custom call, not a dot), "
+             "from the step compiled for the H100 (`hlo.dot_flops`: a loop body × its trip count). Stored: XLA:GPU's "
+             "layer program. Model: `plan --search`'s time model (compute + the optimizer step).", "",
+             "| model | remat | dot TFLOP | vs none | backward layer TFLOP | cuDNN in backward loop | stored MiB/layer "
+             "| model s | measured s | error |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        none = next(x for x in rows if x["model"] == r["model"] and x["remat"] == "none")
+        lines.append(f"| {r['model']} | {r['remat']} | {r['dot_tflop']:.2f} | {100 * (r['dot_tflop'] / none['dot_tflop'] - 1):+.1f}% "
+                     f"| {r['backward_layer_dot_tflop']:.3f} | {', '.join(r['backward_loop_cudnn'])} | "
+                     f"{r['stored_bytes_per_layer'] / MIB:,.1f} | {r['model_step_s']:.4f} | {r['measured_step_s']:.4f} | "
+                     f"{100 * (r['model_step_s'] / r['measured_step_s'] - 1):+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def table(rows: list[dict], target: str, jax_version: str) -> str:
     lines = [f"# The plan against the H100's measured peaks (`python experiments/gpu_target.py`)", "",
              f"Measured: one H100 80GB HBM3, JAX 0.11.2, bf16, cuDNN attention, micro-batch 4 × 2048 tokens "
@@ -84,10 +145,11 @@ def main() -> int:
     gpu_target.cpu_only()
     import jax
 
-    rows = compare()
-    out = {"jax_version": jax.__version__, "target": "h100", "units": "bytes per device", "rows": rows}
+    rows, remat = compare(), remat_on_gpu()
+    out = {"jax_version": jax.__version__, "target": "h100", "units": "bytes per device, TFLOP per step, seconds",
+           "rows": rows, "remat": remat}
     (RESULTS / "gpu_target_vs_measured.json").write_text(json.dumps(out, indent=1) + "\n")
-    text = table(rows, "h100", jax.__version__)
+    text = table(rows, "h100", jax.__version__) + "\n" + remat_table(remat)
     (RESULTS / "gpu_target_vs_measured.md").write_text(text)
     print(text)
     return 0

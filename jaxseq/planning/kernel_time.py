@@ -69,10 +69,23 @@ def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
             "mlp_up": Gemm("mlp_up", tokens, up // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
 
 
+ATTENTION_CORE = ("scores", "context")  # QKᵀ and scores × V: inside a fused (flash) attention kernel
+
+
+def replayed(cfg: ModelConfig, remat: str) -> tuple[str, ...]:
+    """The forward GEMMs `remat` replays. With fused attention the scores never leave the kernel, which recomputes
+    them in its own backward whatever the policy: a policy replays the attention core only with the whole forward
+    (its QKV matmul: `full`), and `selective` replays nothing (the H100 measured it at `none`'s time and memory)."""
+    replays = POLICIES[remat].replays
+    if cfg.attention == "fused" and "qkv" not in replays:
+        return tuple(name for name in replays if name not in ATTENTION_CORE)
+    return replays
+
+
 def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
     """Every GEMM of one layer's training step: forward, backward, and the forward ones the policy replays."""
     forward = forward_gemms(cfg, b, t)
-    replays = [forward[name] for name in POLICIES[remat].replays]
+    replays = [forward[name] for name in replayed(cfg, remat)]
     return [*forward.values(), *(g for fwd in forward.values() for g in fwd.backward()), *replays]
 
 

@@ -50,8 +50,12 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
   Nothing overlaps (as in Megatron-LM 2021–22): TP collectives sit between the matmuls that need them,
   p2p blocks the 1F1B step, the gradient reduction follows the pipeline flush.
   Links: a group inside one node uses the intra-node bandwidth, otherwise the inter-node one (ranks
-  ordered tensor fastest, then data, then pipe, as Megatron-LM). Ignored: the optimizer update, the
-  tied-embedding gradient reduction between the first and last stage, kernel launch and host overheads.
+  ordered tensor fastest, then data, then pipe, as Megatron-LM).
+  optimizer step after the reduction: AdamW and the global-norm clip read and write 32 bytes per fp32 master
+      element the device updates, and the next compute copy 4 + e bytes per parameter, at the elementwise
+      kernels' fraction of HBM bandwidth (`optimizer_seconds`).
+  Ignored: the tied-embedding gradient reduction between the first and last stage, kernel launch and host
+  overheads.
   Constants: the compute efficiency (calibrated on one published row), the memory and link efficiencies
   (stated).
 
@@ -256,10 +260,11 @@ class Time:
     dp_s: float
     bubble: float
     context_s: float = 0.0  # K/V traffic of context parallelism (its bubble share is in bubble_s)
+    optimizer_s: float = 0.0  # the AdamW update after the gradient reduction (`optimizer_seconds`)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s
+        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s + self.optimizer_s
 
 
 def links(c: Candidate, hw: Hardware) -> dict[str, float]:
@@ -284,6 +289,20 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel)
             + K.head_seconds(cfg, b, t, sp, *efficiencies)) / c.context
 
 
+# HBM bytes of the optimizer step per fp32 master element a device updates: AdamW reads the weight, its gradient and
+# both moments (16) and writes weight and moments (12); the global-norm clip reads the gradient once more (4).
+UPDATE_BYTES_PER_ELEMENT = 32
+
+
+def optimizer_seconds(state: StateCost, itemsize: int, hw: Hardware, tm: TimeModel) -> float:
+    """The optimizer step, memory-bound: `UPDATE_BYTES_PER_ELEMENT` per master element the device updates (1/d of them
+    with the distributed optimizer) and, per parameter it computes with, the next compute copy (read the fp32
+    weight, write `itemsize`), at the elementwise kernels' fraction of HBM bandwidth. With one GPU and one
+    micro-batch of gpt3-1.3b on an H100 it is about a tenth of the step."""
+    moved = UPDATE_BYTES_PER_ELEMENT * state.master_bytes / 4 + (4 + itemsize) * state.parameters
+    return moved / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9)
+
+
 def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
               tm: TimeModel) -> Time:
     layers = cfg.layers // c.pipe
@@ -305,7 +324,7 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     else:
         dp_bytes = ring_traffic("all-reduce", 4 * n, reduce)
     return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context) * bubble, dp_bytes / bw["data"],
-                bubble, m * context)
+                bubble, m * context, optimizer_seconds(state, itemsize, hw, tm))
 
 
 @dataclass(frozen=True)
@@ -332,7 +351,7 @@ class Evaluated:
                                "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
-                           "context_kv": t.context_s},
+                           "context_kv": t.context_s, "optimizer_update": t.optimizer_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context}
 
@@ -419,7 +438,7 @@ def format_result(res: Result, top: int = 10) -> str:
         "",
         f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
         f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
-        f"{'CP s':>8}  CP strategy, layer",
+        f"{'CP s':>8}{'opt s':>8}  CP strategy, layer",
     ]
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
@@ -427,14 +446,14 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.context:>2} {c.data:>4} {c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
-            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
+            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}{t.optimizer_s:>8.3f}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if M.traits(cfg).papers_formulas
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
                   "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (the ring "
                   "not under a pipeline: the train command runs it, the search does not price it yet), CP s = its "
-                  "K/V traffic "
+                  "K/V traffic, opt s = the optimizer step (HBM traffic) "
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
