@@ -21,7 +21,7 @@ GIB = 2**30
 # how many waves they take), calibrated on ONE row: Korthikanti et al. 2022 Table 5, 175B (t = 8, p = 8,
 # v = 3, 64 GPUs, batch 64, SP + selective, 13.75 s per iteration); experiments/autoconfig.py recomputes it
 # and reports the error on every other row.
-COMPUTE_EFFICIENCY = 0.724
+COMPUTE_EFFICIENCY = 0.728
 # Achieved fraction of HBM bandwidth by memory-bound kernels (stated, not fitted: a read kernel on an A100
 # 80 GB SXM measured by Nsight Compute reaches 1.80 of 2.04 TB/s, 88%; NVIDIA developer forum, "Trouble to
 # reach peak bandwidth of A100", forums.developer.nvidia.com/t/339083).
