@@ -13,7 +13,7 @@ import sys
 import jax
 
 from jaxseq import cli
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
 from jaxseq.planning import gpu_target, search, search_space
 from jaxseq.planning.memory import GIB
@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel size c: every row compiled on c × t simulated devices (default 1)")
     p.add_argument("--context-strategy", default="all-gather", help="all-gather (default) or ring")
     p.add_argument("--target", default=None,
-                   help=f"compile each row's layer and whole train step for this GPU ({', '.join(gpu_target.TARGETS)}) "
-                        "on this machine, no GPU needed: stored bytes and totals are XLA:GPU's (needs "
-                        "requirements-gpu-target.txt); default: XLA:CPU's on simulated devices")
+                   help=f"compile for this GPU ({', '.join(gpu_target.TARGETS)}) on this machine, no GPU needed "
+                        "(requirements-gpu-target.txt): each row's layer and whole train step (the plan's stored "
+                        "bytes and totals), or each layer of --search; default: XLA:CPU on simulated devices")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, d, micro-batch, remat, SP and the distributed optimizer "
@@ -169,11 +169,14 @@ def _search(args) -> int:
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
     devices = search_devices(request, args.scale_context)
+    where = "simulated CPU devices"
+    if args.target is not None:  # as many target GPUs as the simulated devices: the same layers compile
+        cfg, devices, where = on_platform(cfg, "gpu"), gpu_target.target_devices(args.target, len(devices)), args.target
     progress = Progress("search")  # on stderr: stdout holds the table or the JSON alone
-    progress.note(f"{args.preset}: compiling each layer's programs on up to {len(devices)} simulated CPU devices "
+    progress.note(f"{args.preset}: compiling each layer's programs on up to {len(devices)} {where} "
                   f"(c·t beyond them scaled from c = 1), two at a time")
     costs = SearchCosts(cfg, devices, progress=progress)
-    result = search.search(cfg, request, costs, args.preset)
+    result = search.search(cfg, request, costs, args.preset, target=args.target)
     print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
     return 0
 

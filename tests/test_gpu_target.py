@@ -81,6 +81,26 @@ def test_a_plan_for_a_target_reads_each_rows_whole_step_compiled_for_it(devices)
     assert row.flops_per_layer == cpu_row.flops_per_layer
 
 
+@pytest.mark.slow  # two searches: their layers compiled for the GPU and by XLA:CPU
+def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys):
+    """`plan --search --target h100`: each layer compiled for the H100 (its memory XLA:GPU's: SP's collectives
+    NCCL's, attention cuDNN's), labelled so, and no XLA:CPU caveat about fused attention's scores."""
+    from jaxseq import plan
+
+    argv = ["--search", "--preset", "tiny", "--gpus", "8", "--global-batch", "8", "--hardware", "h100",
+            "--tensor-sizes", "2", "--context-sizes", "1", "--micro-batch-sizes", "1", "--remat-policies", "selective",
+            "--attention", "fused", "--json"]
+    assert plan.main(argv + ["--target", "h100"]) == 0
+    on_gpu = json.loads(capsys.readouterr().out)
+    assert plan.main(argv) == 0
+    on_cpu = json.loads(capsys.readouterr().out)
+    assert on_gpu["memory_source"].startswith("layers compiled for the h100 (XLA:GPU")
+    assert on_gpu["fused_attention_caveat"] is None and on_cpu["fused_attention_caveat"] is not None
+    gpu, cpu = on_gpu["ranked"][0], on_cpu["ranked"][0]
+    assert gpu["memory_gib"]["state"] == cpu["memory_gib"]["state"]  # from shapes, as the search counts it
+    assert gpu["memory_gib"]["working"] != cpu["memory_gib"]["working"]  # the programs' own
+
+
 def test_an_unknown_target_or_a_missing_plugin_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^target='v100' is not a known GPU; valid: a100, h100, h200$"):
         G.target_devices("v100", 1)

@@ -88,3 +88,18 @@ def test_replica_groups_in_every_form_and_the_group_size_they_give(attribute, gr
             f"  ROOT %g = f32[8,8]{{1,0}} all-gather(%p), channel_id=1, {attribute}, dimensions={{0}}\n}}\n")
     size = len(groups[0]) if groups else 1
     assert [g.dims for g in HLO.all_gathers(text, size)] == [(8, 8)]
+
+
+def test_an_asynchronous_gpu_collective_is_read_by_its_results():
+    """XLA:GPU prints an all-gather-start or reduce-scatter-start with the tuple (operands, results) as its shape
+    (several operands where its combiner merged collectives); the collective's buffers are the results only."""
+    lines = [
+        "%ag = (bf16[32,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1}}",
+        "%rs = ((bf16[1,64,64]{2,0,1}), bf16[1,32,64]{2,0,1}) reduce-scatter-start(%y), replica_groups={{0,1}}",
+        "%ag.3 = ((bf16[32,64]{1,0}, bf16[32,64]{1,0}), (bf16[64,64]{1,0}, bf16[64,64]{1,0})) all-gather-start(%a, %b)",
+        "%ar = f32[64]{0} all-reduce-start(%z), replica_groups={{0,1}}",
+    ]
+    text = "HloModule m\n\nENTRY %main (x: bf16[32,64]) -> bf16[64,64] {\n" + "\n".join("  " + l for l in lines) + "\n}\n"
+    (instrs,) = HLO.parse_hlo(text).values()
+    assert [i.results() for i in instrs] == [
+        [("bf16", (64, 64))], [("bf16", (1, 32, 64))], [("bf16", (64, 64)), ("bf16", (64, 64))], [("f32", (64,))]]

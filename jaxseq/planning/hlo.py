@@ -35,6 +35,13 @@ class Instr:
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
         return _tuple_elements(self.shape)
 
+    def results(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The arrays an instruction produces. XLA:GPU's asynchronous all-gather-start and reduce-scatter-start
+        carry (operands, results) as their tuple shape: their results are its last element."""
+        if self.opcode in ("all-gather-start", "reduce-scatter-start") and self.shape.startswith("("):
+            return _tuple_elements(_top_level(self.shape[1:-1])[-1])
+        return self.arrays()
+
     def operands(self) -> list[str]:
         depth, cur = 0, ""
         for ch in self.rest:
@@ -89,6 +96,19 @@ def _computation_name(header: str) -> str:
 def entry_name(text: str) -> str:
     """The name (parse_hlo's key) of the program's ENTRY computation, where it starts running."""
     return _computation_name(next(line for line in text.splitlines() if line.startswith("ENTRY")))
+
+
+def _top_level(items: str) -> list[str]:
+    """The comma-separated items of a tuple's inside, split at depth 0 only."""
+    out, depth, cur = [], 0, ""
+    for ch in items:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out, cur = out + [cur.strip()], ""
+        else:
+            cur += ch
+    return out + [cur.strip()]
 
 
 def _tuple_elements(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -256,7 +276,7 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
             if base not in COLLECTIVES:
                 continue
             size = _group_size(ins.rest)
-            for index, (dt, dims) in enumerate(ins.arrays()):
+            for index, (dt, dims) in enumerate(ins.results()):
                 kind = base
                 if base == "all-reduce":
                     # A tuple all-reduce is read through its get-tuple-elements.

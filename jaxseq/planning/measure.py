@@ -50,9 +50,10 @@ class Measured:
 
 
 def _flops(compiled) -> float:
+    """XLA's FLOP count of a compiled program; NaN for one compiled for GPU target devices, which has none."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"])
+    return float(cost["flops"]) if cost else float("nan")
 
 
 def _mesh(tensor: int, sequence_parallel: bool, devices, context: int = 1, strategy: str = "all-gather"):
