@@ -30,7 +30,7 @@ import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT, default_remat, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
 from jaxseq.mesh import available_devices, parse_mesh
@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
       help="shard the fp32 master weights and Adam moments over data (ZeRO-1): 12/d bytes per parameter "
            "instead of 12")
-    a("--remat", help=f"remat policy: {', '.join(POLICIES)} (default {TrainConfig().remat})")
+    a("--remat", help=f"remat policy: {', '.join(POLICIES)} (default {TrainConfig().remat}; on GPUs with "
+                      f"--attention fused {GPU_FUSED_REMAT}, measured there to hold less and run faster)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
     a("--steps", type=int, help="optimizer steps")
@@ -422,7 +423,10 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
         vocab = rundir.init_vocab(train.init_from, corpus.vocab_size)
     else:
         vocab = corpus.vocab_size
-    model = on_platform(replace(model, vocab_size=vocab), available_devices()[0].platform)
+    platform = available_devices()[0].platform
+    model = on_platform(replace(model, vocab_size=vocab), platform)
+    if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
+        train = replace(train, remat=default_remat(platform, model.attention))
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,
                     train=replace(train, tokenizer=corpus.tokenizer),
                     distributed=distributed)
