@@ -12,11 +12,13 @@ peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'
 configuration (its programs compiled on these GPUs) and beside `plan --target`'s (the whole step compiled for the
 GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline).
 Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
-in its optimized HLO); bf16 against float32 losses over the same steps (same init and data); and with two
+in its optimized HLO); bf16 against float32 losses over the same steps on the default corpus (real text; same init
+and data; float32 takes XLA's attention, cuDNN's has none in float32); and with two
 GPUs or more a pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set
 beside the schedule's (parallel/schedule.py).
 
-Each configuration is compiled once and runs a few steps. On a GPU each runs in its own child process, so
+Each configuration is compiled once and runs a few steps. With --out (or on a GPU) each model's results are written
+as they come, marked "partial" until the run ends: a session cut off still leaves what it measured. On a GPU each runs in its own child process, so
 that the peak memory it reports is its own (the backend's peak counter never resets); the parent only plans.
 
 On a machine without a GPU the same code runs a tiny dry version (tiny presets, 2 simulated CPU devices,
@@ -83,7 +85,13 @@ def measure(spec: dict, devices) -> dict:
     optimizer = T.make_optimizer(OptimizerConfig(warmup_steps=1), cfg)
     state = T.init_state(jax.random.key(0), layout, optimizer)
     rows = spec["micro_batch"] * spec["microbatches"]
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1), dtype=np.int32)
+    if spec.get("data") == "corpus":  # real text: the default corpus's first tokens (bytes), rows of s + 1
+        from jaxseq.training.data import load_corpus
+
+        text = load_corpus(None).train
+        tokens = np.resize(text, rows * (cfg.seq_len + 1)).reshape(rows, cfg.seq_len + 1).astype(np.int32)
+    else:
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1), dtype=np.int32)
     batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
     key = jax.random.key(1)
     start = time.perf_counter()
@@ -193,7 +201,7 @@ def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, de
 
 
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
-          peak_tflops_per_device: float | None = None) -> dict:
+          peak_tflops_per_device: float | None = None, save=None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
     from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
@@ -270,8 +278,13 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         for row in result["policies"].values():
             row["step_time_vs_none"] = row["median_step_s"] / base if base and "median_step_s" in row else None
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
-        result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
+        result["parity"] = {"ok": None, "note": "not run yet"}
         out["models"][name] = result
+        if save is not None:  # what is measured so far, on disk: a run cut off here still leaves it
+            save(out)
+        result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
+        if save is not None:
+            save(out)
     ran = [k for k, m in out["models"].items() if "skipped" not in m]
     if not ran:
         out["pipeline"] = {"skipped": "no model runs on this mesh"}
@@ -295,19 +308,22 @@ def cudnn_verdict(gpu: bool, rows: dict) -> dict:
 
 
 def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices, isolate: bool) -> dict:
-    """The bf16 run of `full` (least memory) against the same run in float32: same init, data and steps."""
-    bf16 = rows["full"].get("losses")
-    if not bf16:
-        return {"ok": None, "note": "the bf16 run of `full` did not run"}
-    spec = {**base_spec, "model": dataclasses.asdict(dataclasses.replace(cfg, dtype="float32")),
-            "parallel": parallel, "remat": "full"}
-    print("  float32 parity run …", flush=True)
-    f32 = run_spec(spec, devices, isolate)
-    if "losses" not in f32:
-        return {"ok": None, "note": f32.get("error", "the float32 run failed")}
-    rel = [abs(a - b) / abs(b) for a, b in zip(bf16, f32["losses"])]
-    return {"ok": max(rel) <= PARITY_TOLERANCE, "tolerance": PARITY_TOLERANCE, "losses_bf16": bf16,
-            "losses_f32": f32["losses"], "max_relative_difference": max(rel), "remat": "full",
+    """`full` (least memory) in bf16 against float32 on real text (the default corpus: uniform random tokens teach
+    nothing, so their losses barely move): same init, data and steps. float32 with fused attention runs XLA's
+    kernel (cuDNN's takes no float32: `config.on_platform`)."""
+    from jaxseq.config import on_platform
+
+    spec = {**base_spec, "parallel": parallel, "remat": "full", "data": "corpus"}
+    print("  bf16 / float32 parity runs on the default corpus …", flush=True)
+    bf16 = run_spec({**spec, "model": dataclasses.asdict(cfg)}, devices, isolate)
+    platform = devices[0].platform
+    f32 = run_spec({**spec, "model": dataclasses.asdict(on_platform(dataclasses.replace(cfg, dtype="float32"),
+                                                                    platform))}, devices, isolate)
+    if "losses" not in bf16 or "losses" not in f32:
+        return {"ok": None, "note": (bf16.get("error") or f32.get("error") or "a parity run failed")}
+    rel = [abs(a - b) / abs(b) for a, b in zip(bf16["losses"], f32["losses"])]
+    return {"ok": max(rel) <= PARITY_TOLERANCE, "tolerance": PARITY_TOLERANCE, "losses_bf16": bf16["losses"],
+            "losses_f32": f32["losses"], "max_relative_difference": max(rel), "remat": "full", "data": "default corpus",
             "f32_median_step_s": f32["median_step_s"]}
 
 
@@ -387,7 +403,7 @@ def table(result: dict) -> str:
         lines += [f"\nplan --target failed: {m['target_error']}"] if m.get("target_error") else []
         lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
                                                      f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
-                  f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data): "
+                  f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data, {p.get('data', '')}): "
                   + (f"max relative difference {p['max_relative_difference']:.2e}, tolerance {p['tolerance']}: "
                      + ("within" if p["ok"] else "OUTSIDE") if p.get("ok") is not None else p["note"]), ""]
     pl = result["pipeline"]
@@ -438,12 +454,14 @@ def run(argv: list[str] | None = None) -> dict:
     gpu, devices = local_devices()
     if not gpu and len(devices) < 2:
         raise SystemExit("the dry run needs 2 simulated CPU devices (jax_num_cpu_devices ≥ 2)")
+    out = Path(args.out) if args.out else (RESULTS if gpu else None)
+    save = None if out is None else (lambda partial: write({**partial, "pipeline": partial.get(
+        "pipeline", {"skipped": "not run yet"}), "partial": True}, out))
     result = check(gpu, devices, steps=args.steps or (10 if gpu else 2), warmup=2 if gpu else 1,
                    micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
                    isolate=gpu if args.isolate is None else args.isolate, names=args.models,
-                   peak_tflops_per_device=args.peak_tflops)
+                   peak_tflops_per_device=args.peak_tflops, save=save)
     print(table(result))
-    out = Path(args.out) if args.out else (RESULTS if gpu else None)
     if out is not None:
         for path in write(result, out):
             print(f"wrote {path}")
