@@ -10,7 +10,8 @@ full): the median step time, tokens/s, model TFLOP/s per device and MFU against 
 (jaxseq/hardware.py), each policy's step time relative to `none` (the paper's Table 4, measured), and the
 peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'s prediction of the same
 configuration (its programs compiled on these GPUs) and beside `plan --target`'s (the whole step compiled for the
-GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline).
+GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline); and for
+`none` and `full`, the largest micro-batch `plan --target` says fits, run and measured (recompute buys batch).
 Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
 in its optimized HLO); bf16 against float32 losses over the same steps on the default corpus (real text; same init
 and data; float32 takes XLA's attention, cuDNN's has none in float32); and with two
@@ -196,6 +197,57 @@ def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, de
     return {p: aot.step_bytes(gpu_target.compile_step(cfg, parallel, p, micro_batch, 1, target)) for p in POLICIES}
 
 
+LARGEST_MICRO_BATCH_POLICIES = ("none", "full")  # the two ends of the trade: what recompute buys in batch
+MAX_MICRO_BATCH = 64
+
+
+def largest_micro_batch(cfg, tensor: int, sequence_parallel: bool, policy: str, limit: int | None,
+                        device_kind: str, start: int) -> tuple[int, int] | None:
+    """(the largest micro-batch, doubling from `start`, whose train step compiled for this GPU's target description
+    fits `limit` bytes per device; its planned bytes), or None where there is no target or no limit."""
+    from jaxseq.config import ParallelConfig
+    from jaxseq.planning import gpu_target
+    from jaxseq.training import aot
+
+    target = TARGETS.get(device_kind)
+    if target is None or limit is None:
+        return None
+    parallel, best, b = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel), None, start
+    while b <= MAX_MICRO_BATCH:
+        planned = aot.step_bytes(gpu_target.compile_step(cfg, parallel, policy, b, 1, target))
+        if planned > limit:
+            break
+        best, b = (b, planned), 2 * b
+    return best
+
+
+def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, parallel: dict, isolate: bool,
+                 peak: float | None) -> dict:
+    """Per end of the trade (`LARGEST_MICRO_BATCH_POLICIES`): the largest micro-batch `plan --target` says fits, run
+    and measured (step time, tokens/s, peak memory): the paper's point, recompute buys batch."""
+    from jaxseq.training.metrics import throughput
+
+    out = {}
+    for policy in LARGEST_MICRO_BATCH_POLICIES:
+        try:
+            found = largest_micro_batch(cfg, n, sp, policy, limit, devices[0].device_kind, base_spec["micro_batch"])
+        except Exception as e:  # a finding
+            out[policy] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        if found is None:
+            out[policy] = {"skipped": "no GPU target description or memory limit for this device"}
+            continue
+        b, planned = found
+        print(f"  {policy} at its largest micro-batch, {b} …", flush=True)
+        row = {"micro_batch": b, "target_peak_bytes": planned,
+               **run_spec({**base_spec, "micro_batch": b, "model": dataclasses.asdict(cfg), "parallel": parallel,
+                           "remat": policy}, devices, isolate)}
+        if "median_step_s" in row:
+            row.update(throughput(cfg, policy, b, 1, row["median_step_s"], n, peak))
+        out[policy] = row
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole check
 
@@ -278,6 +330,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         for row in result["policies"].values():
             row["step_time_vs_none"] = row["median_step_s"] / base if base and "median_step_s" in row else None
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
+        result["largest_micro_batch"] = batch_bought(cfg, n, sp, limit, devices, base_spec, parallel, isolate, peak)
         result["parity"] = {"ok": None, "note": "not run yet"}
         out["models"][name] = result
         if save is not None:  # what is measured so far, on disk: a run cut off here still leaves it
@@ -398,6 +451,12 @@ def table(result: dict) -> str:
                          f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
                          f"{num(r['measured_over_predicted_peak'], '.3f')} | {mib(r.get('target_peak_bytes'))} | "
                          f"{num(r.get('measured_over_target_peak'), '.3f')} |")
+        for policy, r in m.get("largest_micro_batch", {}).items():
+            lines.append(f"\n{policy} at its largest micro-batch: " + (
+                r.get("skipped") or r.get("error") or
+                f"{r['micro_batch']} (plan --target: {mib(r['target_peak_bytes'])} MiB), {r['median_step_s']:.4f} s, "
+                f"{r['tokens_per_sec']:.0f} tokens/s, MFU {pct(r['mfu']) or 'n/a'}, peak "
+                f"{mib(r['peak_bytes_in_use']) or 'n/a'} MiB measured"))
         c, p = m["cudnn_attention"], m["parity"]
         lines += [f"\nthe plan failed: {m['plan_error']}"] if m["plan_error"] else []
         lines += [f"\nplan --target failed: {m['target_error']}"] if m.get("target_error") else []

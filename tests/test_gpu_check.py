@@ -64,6 +64,8 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert rows["full"]["plan"]["activation_bytes"] < rows["none"]["plan"]["activation_bytes"]
     assert rows["full"]["plan"]["state_bytes"] == rows["none"]["plan"]["state_bytes"]
     assert model["cudnn_attention"]["used"] is None and "not applicable on CPU" in model["cudnn_attention"]["note"]
+    assert {p: r.get("skipped", "").startswith("no GPU target") for p, r in model["largest_micro_batch"].items()} == {
+        "none": True, "full": True}  # a CPU has no target description
     parity = model["parity"]
     # on the default corpus (real text), not the timing runs' uniform random tokens
     assert parity["data"] == "default corpus" and parity["losses_bf16"] != rows["full"]["losses"]

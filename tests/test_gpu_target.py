@@ -101,6 +101,22 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     assert gpu["memory_gib"]["working"] != cpu["memory_gib"]["working"]  # the programs' own
 
 
+def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():
+    """experiments/gpu.py's `largest_micro_batch`: doubling the micro-batch while the step compiled for the H100 fits
+    the device's limit; a device with no target description gets none."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", MEASURED.parents[1] / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    cfg = replace(preset("tiny"), attention="fused")
+    planned = {b: aot.step_bytes(G.compile_step(cfg, ParallelConfig(), "full", b, 1, "h100")) for b in (2, 4)}
+    limit = (planned[2] + planned[4]) // 2
+    assert planned[2] < limit < planned[4]
+    assert gpu.largest_micro_batch(cfg, 1, False, "full", limit, "NVIDIA H100 80GB HBM3", 2) == (2, planned[2])
+    assert gpu.largest_micro_batch(cfg, 1, False, "full", limit, "NVIDIA L4", 2) is None
+
+
 def test_an_unknown_target_or_a_missing_plugin_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^target='v100' is not a known GPU; valid: a100, h100, h200$"):
         G.target_devices("v100", 1)
