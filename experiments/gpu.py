@@ -385,15 +385,16 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
     executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
     the measured bubble is (step − busy ticks·τ) / (busy ticks·τ), the schedule's own idle/busy plus whatever the
     step does outside the ticks (the optimizer update), to set beside `Schedule.bubble`."""
-    from jaxseq.config import on_platform, replace
+    from jaxseq.config import ParallelConfig, on_platform, replace
 
     n = len(devices)
     if n < 2 or n % 2:
         return {"skipped": f"needs an even number of devices ≥ 2; {n} here"}
     name, cfg = next(iter(cfgs.items()))
-    cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), devices[0].platform)
     tensor = n // 2
     parallel = {"pipe": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "schedule": "1f1b"}
+    cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), devices[0].platform,
+                      ParallelConfig(**parallel))  # XLA's attention under a pipeline (config.cudnn_compiles)
     runs = []
     for m in (2, 4):
         sched = Schedule.make("1f1b", 2, m, 1, cfg.layers)

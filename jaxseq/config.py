@@ -17,14 +17,25 @@ CONTEXT_STRATEGIES = ("all-gather", "ring")  # parallel/context.py
 FUSED_KERNELS = ("xla", "cudnn")  # jax.nn.dot_product_attention's implementations
 
 
-def on_platform(model: "ModelConfig", platform: str) -> "ModelConfig":
+def on_platform(model: "ModelConfig", platform: str, parallel: "ParallelConfig | None" = None) -> "ModelConfig":
     """`model` with the kernels for devices of `platform` ("cpu", "gpu", "tpu"), chosen once by the commands that
     run a model (train, generate): XLA:CPU's bf16 matmul form on CPU (models/cpu_matmul.py), the portable einsum
-    elsewhere; for `attention=fused`, cuDNN's flash attention on GPU in bf16 (jax.nn.dot_product_attention
-    chooses XLA's, which materialises the scores, unless asked for cuDNN), XLA's elsewhere."""
-    cudnn = platform == "gpu" and model.dtype == "bfloat16"
+    elsewhere; for `attention=fused`, cuDNN's flash attention on GPU in bf16 where it compiles for `parallel`
+    (`cudnn_compiles`; jax.nn.dot_product_attention chooses XLA's, which materialises the scores, unless asked for
+    cuDNN), XLA's elsewhere."""
+    cudnn = platform == "gpu" and model.dtype == "bfloat16" and (parallel is None or cudnn_compiles(parallel))
     return dataclasses.replace(model, matmul="cpu-bf16" if platform == "cpu" else "einsum",
                                fused_kernel="cudnn" if cudnn else "xla")
+
+
+def cudnn_compiles(parallel: "ParallelConfig") -> bool:
+    """Whether cuDNN's attention compiles in this layout. Its custom partitioning fails (an AssertionError inside
+    XLA's SPMD partitioner, JAX 0.10.2 and 0.12) in the partly manual regions jaxseq opens over `data`, `pipe` and
+    the all-gather `context` strategy; tensor parallelism (+ SP) and accumulation compile. Found by compiling for an
+    H100 without one (tests/test_gpu_target.py): such runs take XLA's attention, and `train` says so."""
+    return parallel.data == 1 and parallel.pipe == 1 and (parallel.context == 1 or parallel.context_strategy == "ring")
+
+
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes per element of each compute dtype
 

@@ -30,7 +30,7 @@ import jax
 import yaml
 
 from jaxseq import cli
-from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT, default_remat, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT, cudnn_compiles, default_remat, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
 from jaxseq.mesh import available_devices, parse_mesh
@@ -424,7 +424,11 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     else:
         vocab = corpus.vocab_size
     platform = available_devices()[0].platform
-    model = on_platform(replace(model, vocab_size=vocab), platform)
+    model = on_platform(replace(model, vocab_size=vocab), platform, parallel)
+    if (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and not cudnn_compiles(parallel)
+            and D.is_main_process()):
+        print("attention: XLA's fused attention (scores materialised), not cuDNN's: its partitioning does not compile "
+              "with data, pipe or all-gather context parallelism yet (config.cudnn_compiles)", flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
         train = replace(train, remat=default_remat(platform, model.attention))
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,

@@ -168,10 +168,39 @@ def test_a_gpu_run_with_fused_attention_defaults_to_lean_unless_a_policy_is_aske
 
     devices = [GpuLike(d) for d in jax.devices()]
     monkeypatch.setattr(train, "available_devices", lambda: devices)
-    base = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    base = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+            "--mesh", "tensor=8"]
     run, _ = train.resolve(train.build_parser().parse_args(base))
     assert (run.train.remat, run.model.fused_kernel) == ("lean", "cudnn")
     run, _ = train.resolve(train.build_parser().parse_args(base + ["--remat", "selective"]))
     assert run.train.remat == "selective"
     run, _ = train.resolve(train.build_parser().parse_args(base[:2] + base[4:]))  # explicit attention
     assert run.train.remat == "selective"
+
+
+def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):
+    """cuDNN's attention fails to partition inside jaxseq's data, pipeline and all-gather context regions
+    (tests/test_gpu_target.py compiles both sides for an H100): those layouts take XLA's, and `train` says so in one
+    line; tensor parallelism, accumulation and the ring keep cuDNN's."""
+    from jaxseq import train
+    from jaxseq.config import cudnn_compiles, on_platform
+
+    bf16 = replace(preset("tiny"), attention="fused", dtype="bfloat16")
+    for parallel, cudnn in ((ParallelConfig(tensor=8, sequence_parallel=True), True), (ParallelConfig(data=2), False),
+                            (ParallelConfig(pipe=2), False), (ParallelConfig(context=2), False),
+                            (ParallelConfig(context=2, context_strategy="ring"), True)):
+        assert cudnn_compiles(parallel) == cudnn
+        assert on_platform(bf16, "gpu", parallel).fused_kernel == ("cudnn" if cudnn else "xla"), parallel
+
+    class GpuLike:
+        def __init__(self, device):
+            self.device = device
+
+        def __getattr__(self, name):
+            return "gpu" if name == "platform" else getattr(self.device, name)
+
+    monkeypatch.setattr(train, "available_devices", lambda: [GpuLike(d) for d in jax.devices()])
+    argv = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    run, _ = train.resolve(train.build_parser().parse_args(argv))  # a GPU's default mesh: data = every device
+    assert run.parallel.data == 8 and run.model.fused_kernel == "xla"
+    assert capsys.readouterr().out.startswith("attention: XLA's fused attention (scores materialised), not cuDNN's")

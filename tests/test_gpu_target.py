@@ -66,6 +66,22 @@ def test_tensor_8_with_sp_on_eight_h100s_compiles_its_nccl_collectives():
     assert compiled.memory_analysis() is not None
 
 
+def test_data_and_pipeline_layouts_compile_with_xlas_attention_where_cudnns_does_not():
+    """cuDNN's attention does not partition inside jaxseq's data-parallel region (nor the pipeline's, nor the
+    all-gather context's): `config.cudnn_compiles` gives those XLA's attention, which compiles for the H100."""
+    from jaxseq.config import on_platform
+    from jaxseq.mesh import make_mesh
+
+    cfg = replace(preset("tiny"), attention="fused")
+    for parallel, m in ((ParallelConfig(data=2), 1), (ParallelConfig(pipe=2, tensor=2, sequence_parallel=True), 2)):
+        text = G.compile_step(cfg, parallel, "selective", 2, m, "h100").as_text()
+        assert CUDNN_ATTENTION not in text, parallel
+    forced = replace(on_platform(cfg, "gpu"), fused_kernel="cudnn")  # what a run asked cuDNN for would compile
+    mesh = make_mesh(ParallelConfig(data=2), G.target_devices("h100", 2))
+    with pytest.raises(Exception, match="custom_partitioner"):  # widen cudnn_compiles when this compiles
+        aot.compile_train_step(forced, ParallelConfig(data=2), "selective", mesh, 2)
+
+
 @pytest.mark.slow  # a plan: 6 CPU programs and 4 GPU ones
 def test_a_plan_for_a_target_reads_each_rows_whole_step_compiled_for_it(devices):
     """`plan --target h100`: each row's stored bytes and total are XLA:GPU's, labelled so; the total is the row's

@@ -77,13 +77,14 @@ def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_b
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
     `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
-    return aot.compile_train_step(on_platform(cfg, "gpu"), parallel, remat, mesh, micro_batch, microbatches)
+    return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches)
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
-                           target: str) -> int:
-    """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline)."""
+                           target: str, run: ParallelConfig | None = None) -> int:
+    """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline), with the
+    kernels of the run's layout `run` (default `parallel`: `config.cudnn_compiles`)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
-    small = replace(on_platform(cfg, "gpu"), layers=MEASURE_LAYERS)
+    small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS)
     compiled = aot.compile_loss_and_grad(small, parallel, remat, mesh, micro_batch)
     return hlo.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)

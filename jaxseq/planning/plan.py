@@ -288,7 +288,7 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
     if progress is not None:
         progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
                            f"target device(s)")
-    stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target)
+    stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
     total = aot.step_bytes(gpu_target.compile_step(cfg, whole, c.remat, micro_batch,
                                                    microbatches if step["pipeline"] > 1 else 1, target))
     activations = activation_bytes(stored, in_flight_layers,
