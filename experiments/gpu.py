@@ -180,9 +180,6 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
             for p, r in rows.items()}
 
 
-TARGETS = {"NVIDIA A100-SXM4-80GB": "a100", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
-
-
 def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, device_kind: str) -> dict:
     """policy → `plan --target`'s peak bytes per device (the whole train step compiled for this GPU's target
     description, as on a machine without one), or {} where the device has no target description."""
@@ -190,7 +187,7 @@ def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, de
     from jaxseq.planning import gpu_target
     from jaxseq.training import aot
 
-    target = TARGETS.get(device_kind)
+    target = gpu_target.target_of(device_kind)
     if target is None:
         return {}
     parallel = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel)
@@ -209,7 +206,7 @@ def largest_micro_batch(cfg, tensor: int, sequence_parallel: bool, policy: str, 
     from jaxseq.planning import gpu_target
     from jaxseq.training import aot
 
-    target = TARGETS.get(device_kind)
+    target = gpu_target.target_of(device_kind)
     if target is None or limit is None:
         return None
     parallel, best, b = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel), None, start

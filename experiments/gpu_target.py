@@ -117,7 +117,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             model = S.step_time(cfg, c, S.LayerCost(0, {}, 0, 0), state, HARDWARE[target], S.TimeModel())
             rows.append({
                 "model": name, "remat": policy,
-                "dot_tflop": hlo.dot_flops(comps, re.search(r"ENTRY %?([\w.\-]+)", text).group(1)) / 1e12,
+                "dot_tflop": hlo.dot_flops(comps, hlo.entry_name(text)) / 1e12,
                 "forward_layer_dot_tflop": hlo.dot_flops(comps, forward) / 1e12,
                 "backward_layer_dot_tflop": hlo.dot_flops(comps, backward) / 1e12,
                 "forward_loop_cudnn": calls(forward), "backward_loop_cudnn": calls(backward),

@@ -150,6 +150,16 @@ def test_fused_attention_asks_for_the_configured_kernel(monkeypatch):
     assert asked == ["cudnn"]
 
 
+class GpuLike:
+    """A CPU device reported as a GPU: what `train.resolve` reads of the devices to choose kernels is their platform."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __getattr__(self, name):
+        return "gpu" if name == "platform" else getattr(self.device, name)
+
+
 def test_a_gpu_run_with_fused_attention_defaults_to_lean_unless_a_policy_is_asked_for(monkeypatch, tmp_path):
     """`lean` on GPUs with fused attention (what an H100 measured: `selective` = `none` there, `lean` below both in
     memory and time), the paper's `selective` elsewhere; a policy asked for (flag, YAML, key=value) is kept."""
@@ -159,15 +169,7 @@ def test_a_gpu_run_with_fused_attention_defaults_to_lean_unless_a_policy_is_aske
     assert default_remat("gpu", "fused") == "lean"
     assert default_remat("gpu", "explicit") == default_remat("cpu", "fused") == "selective"
 
-    class GpuLike:  # the CPU device, reported as a GPU: what `resolve` reads of the devices is their platform
-        def __init__(self, device):
-            self.device = device
-
-        def __getattr__(self, name):
-            return "gpu" if name == "platform" else getattr(self.device, name)
-
-    devices = [GpuLike(d) for d in jax.devices()]
-    monkeypatch.setattr(train, "available_devices", lambda: devices)
+    monkeypatch.setattr(train, "available_devices", lambda: [GpuLike(d) for d in jax.devices()])
     base = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run"),
             "--mesh", "tensor=8"]
     run, _ = train.resolve(train.build_parser().parse_args(base))
@@ -191,13 +193,6 @@ def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):
                             (ParallelConfig(context=2, context_strategy="ring"), True)):
         assert cudnn_compiles(parallel) == cudnn
         assert on_platform(bf16, "gpu", parallel).fused_kernel == ("cudnn" if cudnn else "xla"), parallel
-
-    class GpuLike:
-        def __init__(self, device):
-            self.device = device
-
-        def __getattr__(self, name):
-            return "gpu" if name == "platform" else getattr(self.device, name)
 
     monkeypatch.setattr(train, "available_devices", lambda: [GpuLike(d) for d in jax.devices()])
     argv = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run")]

@@ -45,6 +45,11 @@ def target_config(target: str) -> str:
     return (SPECS / f"{target}.txtpb").read_text()
 
 
+def target_of(device_kind: str) -> str | None:
+    """The target whose description is of the GPU JAX names `device_kind` (its `device_description_str`), if any."""
+    return next((t for t in TARGETS if f'device_description_str: "{device_kind}"' in target_config(t)), None)
+
+
 def target_devices(target: str, count: int) -> list:
     """`count` devices of GPU `target` on one host, to compile for (never to run on)."""
     config = target_config(target)
