@@ -30,10 +30,11 @@ def on_platform(model: "ModelConfig", platform: str, parallel: "ParallelConfig |
 
 def cudnn_compiles(parallel: "ParallelConfig") -> bool:
     """Whether cuDNN's attention compiles in this layout. Its custom partitioning fails (an AssertionError inside
-    XLA's SPMD partitioner, JAX 0.10.2 and 0.12) in the partly manual regions jaxseq opens over `data`, `pipe` and
-    the all-gather `context` strategy; tensor parallelism (+ SP) and accumulation compile. Found by compiling for an
+    XLA's SPMD partitioner, JAX 0.10.2 and 0.12) in the partly manual regions jaxseq opens over `data`, `fsdp`,
+    `pipe` and the all-gather `context` strategy; tensor parallelism (+ SP) and accumulation compile. Found by compiling for an
     H100 without one (tests/test_gpu_target.py): such runs take XLA's attention, and `train` says so."""
-    return parallel.data == 1 and parallel.pipe == 1 and (parallel.context == 1 or parallel.context_strategy == "ring")
+    return (parallel.data == 1 and parallel.fsdp == 1 and parallel.pipe == 1
+            and (parallel.context == 1 or parallel.context_strategy == "ring"))
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -108,7 +109,7 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Mesh shape: pipe × data × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
+    """Mesh shape: pipe × data × fsdp × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
     layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see
     parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
     `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).
@@ -116,6 +117,10 @@ class ParallelConfig:
     distributed_optimizer: the fp32 master weights and both Adam moments are sharded over `data` (data ×
     context under context parallelism: ZeRO-1, Megatron-LM's --use-distributed-optimizer over its data ×
     context group); see parallel/layout.Layout.master_specs.
+
+    fsdp: ranks that split the batch's rows as data ranks do and also every weight, its gradient and its
+    optimizer state (FSDP, ZeRO-3): each weight's hidden dimension is split over `fsdp` and gathered layer by
+    layer as it is used (parallel/fsdp.py). data × fsdp is HSDP: shards within an fsdp group, replicas across.
     """
 
     data: int = 1
@@ -127,13 +132,20 @@ class ParallelConfig:
     virtual_stages: int = 1
     context: int = 1
     context_strategy: str = "all-gather"
+    fsdp: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.pipe * self.data * self.context * self.tensor
+        return self.pipe * self.data * self.fsdp * self.context * self.tensor
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that each hold other rows of the batch: data × fsdp."""
+        return self.data * self.fsdp
 
     def mesh_text(self) -> str:
         return ((f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × "
+                + (f"fsdp={self.fsdp} × " if self.fsdp > 1 else "")
                 + (f"context={self.context} × " if self.context > 1 else "") + f"tensor={self.tensor}")
 
 
@@ -361,7 +373,7 @@ def validate_family(model: ModelConfig) -> None:
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
-    for name in ("pipe", "data", "context", "tensor"):
+    for name in ("pipe", "data", "fsdp", "context", "tensor"):
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -380,6 +392,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
     if parallel.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
     validate_context(model, parallel)
+    validate_fsdp(model, parallel)
     if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
         resolve_schedule(parallel.schedule, parallel.virtual_stages)
         if parallel.pipe == 1:  # accepted and ignored, a run would not be what was asked for
@@ -391,7 +404,8 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
                               f"{parallel.pipe}×{parallel.virtual_stages}")
     if num_devices is not None and parallel.num_devices != num_devices:
-        names = tuple(n for n in ("pipe", "data", "context", "tensor") if n in ("data", "tensor") or getattr(parallel, n) > 1)
+        names = tuple(n for n in ("pipe", "data", "fsdp", "context", "tensor")
+                      if n in ("data", "tensor") or getattr(parallel, n) > 1)
         raise ConfigError(
             f"{'×'.join(names)} = {'×'.join(str(getattr(parallel, n)) for n in names)} = {parallel.num_devices} "
             f"does not equal the device count {num_devices}"
@@ -411,6 +425,21 @@ def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
         what = f"2·context·tensor = {split} (2c load-balanced chunks, each split over tensor by SP)" \
             if parallel.sequence_parallel else f"2·context = {split} (2c load-balanced chunks)"
         raise ConfigError(f"seq_len={model.seq_len} is not divisible by {what}")
+
+
+def validate_fsdp(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """FSDP splits every weight's hidden dimension h over `fsdp`; the distributed optimizer splits the state
+    further over `data` (× `context`) only, so with fsdp it needs data or context ranks to split over."""
+    f = parallel.fsdp
+    if f == 1:
+        return
+    if model.hidden % f:
+        raise ConfigError(f"fsdp={f} does not divide hidden={model.hidden}: FSDP splits each weight's hidden "
+                          f"dimension over fsdp (e.g. the token embedding [V, {model.hidden}])")
+    if parallel.distributed_optimizer and parallel.data * parallel.context == 1:
+        raise ConfigError(f"the distributed optimizer with fsdp={f} and data=1 means nothing: fsdp already splits "
+                          "the master weights and Adam moments; the distributed optimizer splits them further over "
+                          "data (HSDP's replicas): drop it, or add data ranks")
 
 
 def validate_optimizer(opt: OptimizerConfig) -> None:
@@ -435,13 +464,15 @@ def validate_optimizer(opt: OptimizerConfig) -> None:
 def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: int | None = None) -> None:
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
-    if batch_size % parallel.data:
-        raise ConfigError(f"data={parallel.data} does not divide batch_size={batch_size}")
+    ranks = parallel.batch_ranks
+    what = f"data×fsdp = {parallel.data}×{parallel.fsdp}" if parallel.fsdp > 1 else f"data={parallel.data}"
+    if batch_size % ranks:
+        raise ConfigError(f"{what} does not divide batch_size={batch_size}")
     if micro_batch_size is not None:
         if micro_batch_size <= 0 or batch_size % micro_batch_size:
             raise ConfigError(f"micro_batch_size={micro_batch_size} does not divide batch_size={batch_size}")
-        if micro_batch_size % parallel.data:
-            raise ConfigError(f"data={parallel.data} does not divide micro_batch_size={micro_batch_size}")
+        if micro_batch_size % ranks:
+            raise ConfigError(f"{what} does not divide micro_batch_size={micro_batch_size}")
     if parallel.pipe > 1:
         m = batch_size // micro_batch_size if micro_batch_size else 1
         validate_pipeline(parallel.pipe, m, parallel.virtual_stages, parallel.schedule)

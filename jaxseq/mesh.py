@@ -14,7 +14,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ParallelConfig
 
-MESH_AXES = ("pipe", "data", "context", "tensor")
+MESH_AXES = ("pipe", "data", "fsdp", "context", "tensor")
+FSDP_AXIS = "fsdp"  # the weights' `embed` (hidden) dimension splits over it (`models.model.param_specs`)
 
 
 def available_devices() -> list:
@@ -33,22 +34,22 @@ def use_host_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def parse_mesh(text: str, num_devices: int) -> tuple[int, int, int, int]:
-    """'pipe=2,data=2,tensor=2' or 'context=4,tensor=2' (pipe and context default to 1; data or tensor left
-    out takes the remaining devices) → (pipe, data, context, tensor)."""
+def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
+    """'pipe=2,data=2,tensor=2', 'context=4,tensor=2' or 'data=2,fsdp=4' (pipe, fsdp and context default to 1;
+    data or tensor left out takes the remaining devices) → {axis: size} for every axis of MESH_AXES."""
     axes = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4, pipe=2,data=2,tensor=2 "
-                              "or context=4,tensor=2")
+            raise ConfigError(f"--mesh {text!r} is not valid; expected e.g. data=2,tensor=4, pipe=2,data=2,tensor=2, "
+                              "context=4,tensor=2 or fsdp=8 (axes: " + ", ".join(MESH_AXES) + ")")
         axes[name.strip()] = int(value)
-    pipe, context = axes.get("pipe", 1), axes.get("context", 1)
+    fixed = axes.get("pipe", 1) * axes.get("fsdp", 1) * axes.get("context", 1)
     if "data" not in axes:
-        axes["data"] = max(num_devices // (pipe * context * axes.get("tensor", 1)), 1)
+        axes["data"] = max(num_devices // (fixed * axes.get("tensor", 1)), 1)
     if "tensor" not in axes:
-        axes["tensor"] = max(num_devices // (pipe * context * axes["data"]), 1)
-    return pipe, axes["data"], context, axes["tensor"]
+        axes["tensor"] = max(num_devices // (fixed * axes["data"]), 1)
+    return {name: axes.get(name, 1) for name in MESH_AXES}
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
@@ -57,40 +58,53 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
     Tensor ranks are the fastest-varying axis: consecutive devices (one host's GPUs) form a tensor
     group, data parallelism spans hosts, pipeline stages are the slowest axis, as the Megatron-LM
     papers recommend (PTD-P: t within a node, then d, then p). Context ranks sit between data and tensor
-    (Megatron-LM's order, tp-cp-dp-pp from fastest): their K/V traffic every layer is the heavier.
+    (Megatron-LM's order, tp-cp-dp-pp from fastest): their K/V traffic every layer is the heavier. FSDP ranks
+    sit between data and context: each layer gathers its weights over them, so they come before the replicas
+    (HSDP: shard within a node, replicate across nodes; MaxText's data, fsdp, …, tensor order).
     """
     devices = jax.devices() if devices is None else list(devices)
     if parallel.num_devices != len(devices):
-        raise ConfigError(
-            f"pipe×data×context×tensor = {parallel.pipe}×{parallel.data}×{parallel.context}×{parallel.tensor} = "
-            f"{parallel.num_devices} "
-            f"does not equal the device count {len(devices)}"
-        )
+        raise ConfigError(f"{parallel.mesh_text()} = {parallel.num_devices} devices does not equal the device count "
+                          f"{len(devices)}")
     # Without context parallelism the mesh has no `context` axis at all: XLA:CPU (jax 0.10.2) fails to compile
     # a bf16 step with gradient accumulation on a mesh holding a size-1 `context` axis ("Invalid binary
     # instruction opcode copy"), and nothing names the axis then (`logical_rules`, the regions of `parallel.data_parallel.region_axes`).
-    sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
-    names = tuple(name for name in MESH_AXES if name != "context" or parallel.context > 1)
+    # The same for a size-1 `fsdp`: a mesh holds it only where it splits something.
+    sizes = axis_sizes(parallel)
+    names = tuple(name for name in MESH_AXES if name not in ("fsdp", "context") or sizes[name] > 1)
     grid = np.asarray(devices, dtype=object).reshape([sizes[name] for name in names])
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def axis_sizes(parallel: ParallelConfig) -> dict[str, int]:
+    """{mesh axis: size} of every axis of MESH_AXES, 1 where the mesh has none."""
+    return {name: getattr(parallel, name) for name in MESH_AXES}
+
+
 def mesh_parallel(mesh: Mesh, sequence_parallel: bool = False) -> ParallelConfig:
-    """The ParallelConfig a pipe × data × context × tensor mesh describes."""
-    return ParallelConfig(pipe=mesh.shape["pipe"], data=mesh.shape["data"], context=mesh.shape.get("context", 1),
-                          tensor=mesh.shape["tensor"], sequence_parallel=sequence_parallel)
+    """The ParallelConfig a pipe × data × fsdp × context × tensor mesh describes."""
+    return ParallelConfig(**{name: mesh.shape.get(name, 1) for name in MESH_AXES},
+                          sequence_parallel=sequence_parallel)
 
 
-def logical_rules(sequence_parallel: bool, pipeline: bool = False, context: bool = False) -> dict:
+def batch_axes(fsdp: bool) -> str | tuple[str, str]:
+    """The mesh axes a batch's rows split over: `data`, and `fsdp` (whose ranks are data ranks to the
+    activations) inside each data rank's rows."""
+    return ("data", "fsdp") if fsdp else "data"
+
+
+def logical_rules(sequence_parallel: bool, pipeline: bool = False, context: bool = False, fsdp: bool = False) -> dict:
     """Logical axis → mesh axis (or axes). Axes not listed are replicated. With a pipeline the stacked layers
     split over `pipe` in natural order (stage s holds the s-th block of L/p layers). With context parallelism
-    the sequence splits over `context` everywhere, and under SP each context rank's part further over `tensor`."""
+    the sequence splits over `context` everywhere, and under SP each context rank's part further over `tensor`.
+    With FSDP the batch's rows split over data × fsdp; the weights' `embed` axis (their hidden dimension) maps
+    to `fsdp` in their stored specs alone (`models.model.param_specs`): the layers compute with them gathered."""
     seq_sp = "tensor" if sequence_parallel else None
     if context:
         seq_sp = ("context", "tensor") if sequence_parallel else "context"
     return {
         "layers": "pipe" if pipeline else None,
-        "batch": "data",
+        "batch": batch_axes(fsdp),
         "heads": "tensor",
         "kv_heads": "tensor",  # where kv_heads divides by t; a family replicates them otherwise
         "mlp": "tensor",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxseq.mesh import logical_rules, logical_to_spec
+from jaxseq.mesh import batch_axes, logical_rules, logical_to_spec
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Sharder:
 
     @property
     def rules(self) -> dict[str, str | None]:
-        return logical_rules(self.sequence_parallel, context=self.context > 1)
+        return logical_rules(self.sequence_parallel, context=self.context > 1, fsdp=self.fsdp > 1)
 
     @property
     def tensor(self) -> int:
@@ -48,6 +48,31 @@ class Sharder:
     def context(self) -> int:
         """Ranks of the `context` axis (1 without a mesh)."""
         return self.mesh.shape.get("context", 1) if self.mesh is not None else 1
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks of the `fsdp` axis (1 without a mesh or without FSDP)."""
+        return self.mesh.shape.get("fsdp", 1) if self.mesh is not None else 1
+
+    def first_row(self, rows: int):
+        """Inside a region manual over the batch's rows (`rows_manual`): the global index of this rank's first
+        row when each holds `rows` (data-major, then fsdp, as `batch_sharding` splits them)."""
+        return jax.lax.axis_index(batch_axes(self.fsdp > 1)) * rows
+
+    @property
+    def casts_at_gather(self) -> bool:
+        """Whether `gather_weights` casts the weights to the compute dtype itself (they arrive float32)."""
+        return False
+
+    def gather_weights(self, params, *, axes, cast, dtype):
+        """FSDP: `params` (a layer's, the embedding's; their logical `axes`) whole over `fsdp`, as a layer
+        computes with them; without FSDP `params` themselves. Here the partitioner gathers them (a sharding
+        constraint that names no `fsdp`: evaluation, sampling); the training regions write the gather and its
+        float32 reduce-scatter (`parallel.region.StageSharder`). `cast`, `dtype`: where the weights are cast
+        when `casts_at_gather`."""
+        if self.fsdp == 1:
+            return params
+        return jax.tree.map(lambda w, a: self(w, *a), params, axes, is_leaf=lambda a: isinstance(a, tuple))
 
     @property
     def map_mesh(self):
@@ -151,6 +176,11 @@ def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """Every mesh axis a PartitionSpec names, in order."""
+    return tuple(a for entry in spec for a in entry_axes(entry))
+
+
 def only_axes(spec: P, axes: tuple[str, ...]) -> P:
     """`spec` naming only the mesh axes in `axes` (an entry of several keeps their order)."""
     def keep(entry):
@@ -160,11 +190,11 @@ def only_axes(spec: P, axes: tuple[str, ...]) -> P:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """The global batch [B, s] as placed, in natural order: rows split over `data`, replicated over `pipe`,
-    `context` and `tensor`. Under context parallelism `models.model.loss_fn` reorders the tokens
-    (`context_order`) and keeps each context rank's; placed whole on every context rank (token ids: 4 bytes a
-    token), the reorder is a local gather that moves nothing between devices."""
-    return NamedSharding(mesh, P("data", None))
+    """The global batch [B, s] as placed, in natural order: rows split over `data` (data × fsdp under FSDP),
+    replicated over `pipe`, `context` and `tensor`. Under context parallelism `models.model.loss_fn` reorders
+    the tokens (`context_order`) and keeps each context rank's; placed whole on every context rank (token ids: 4
+    bytes a token), the reorder is a local gather that moves nothing between devices."""
+    return NamedSharding(mesh, P(batch_axes("fsdp" in mesh.shape), None))
 
 
 def context_chunks(c: int) -> tuple[tuple[int, int], ...]:

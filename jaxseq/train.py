@@ -33,7 +33,7 @@ from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT, cudnn_compiles, default_remat, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
-from jaxseq.mesh import available_devices, parse_mesh
+from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
 from jaxseq.parallel import distributed as D
 from jaxseq.remat import POLICIES
 from jaxseq.training import loop, rundir
@@ -48,7 +48,7 @@ DEFAULT_PRESET = "stdlib-bytes"
 SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
 # The mesh and the pipeline schedule are set by --mesh / --sequence-parallel / --schedule /
 # --virtual-stages once the devices are known, not as config fields.
-MESH_FIELDS = {"pipe", "data", "context", "tensor", "sequence_parallel", "schedule", "virtual_stages"}
+MESH_FIELDS = {*MESH_AXES, "sequence_parallel", "schedule", "virtual_stages"}
 
 
 def _coerce(name: str, value, annotation: str):
@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
     a("--config", help="YAML file with sections model/optimizer/train (or flat field names)")
-    a("--mesh", help="e.g. data=2,tensor=4, pipe=2,data=2,tensor=2 or context=2,tensor=2,data=2 (default: "
-                     "data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
+    a("--mesh", help="e.g. data=2,tensor=4, pipe=2,data=2,tensor=2, context=2,tensor=2,data=2, or fsdp=8 / "
+                     "data=2,fsdp=4 (FSDP: weights, gradients and optimizer state split over fsdp; with data, HSDP) "
+                     "(default: data=2,tensor=4 on simulated CPU devices, data=N on GPUs)")
     a("--context-strategy", help="with context > 1 in --mesh: all-gather (K/V gathered, the default) or ring "
                                  "(K/V blocks passed rank to rank)")
     # Defaults of None: a flag not given keeps a resumed run's saved value (`resumed_configs`).
@@ -287,7 +288,7 @@ def resume_changes(saved: dict, run: RunConfig) -> list[str]:
     if saved["parallel"].mesh_text() != run.parallel.mesh_text():
         changes.append(f"mesh {saved['parallel'].mesh_text()} → {run.parallel.mesh_text()}")
     for section in SECTIONS:
-        skip = NOT_RESTORED.get(section, set()) | ({"pipe", "data", "context", "tensor"} if section == "parallel" else set())
+        skip = NOT_RESTORED.get(section, set()) | (set(MESH_AXES) if section == "parallel" else set())
         for f in dataclasses.fields(SECTIONS[section]):
             before, after = getattr(saved[section], f.name), getattr(getattr(run, section), f.name)
             if f.name not in skip and before != after:
@@ -305,7 +306,7 @@ def check_architecture(saved: ModelConfig, model: ModelConfig) -> None:
 
 
 def _saved_mesh(parallel: ParallelConfig) -> str:
-    return f"pipe={parallel.pipe},data={parallel.data},context={parallel.context},tensor={parallel.tensor}"
+    return ",".join(f"{name}={size}" for name, size in axis_sizes(parallel).items())
 
 
 def _init_from(configs: dict, path: str, seq_len) -> dict:
@@ -354,12 +355,11 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
-    pipe, data, context, tensor = parse_mesh(mesh_text, len(devices))
+    axes = parse_mesh(mesh_text, len(devices))
     if sequence_parallel is None:  # a resume keeps the saved one (meaningless at tensor = 1)
-        sequence_parallel = tensor > 1 and (configured.sequence_parallel or not resumed)
+        sequence_parallel = axes["tensor"] > 1 and (configured.sequence_parallel or not resumed)
     schedule, virtual_stages = pipeline
-    return replace(configured, pipe=pipe, data=data, context=context, tensor=tensor,
-                   sequence_parallel=sequence_parallel,
+    return replace(configured, **axes, sequence_parallel=sequence_parallel,
                    schedule=configured.schedule if schedule is None else schedule,
                    virtual_stages=configured.virtual_stages if virtual_stages is None else virtual_stages)
 

@@ -145,6 +145,7 @@ PATHS = {
     "pipe2-context2-tensor2": (ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True), 2),
     "1f1b-pipe2-data2-tensor2-distopt": (ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True,
                                                         distributed_optimizer=True), 2),
+    "data2-fsdp2-tensor2-m2": (ParallelConfig(data=2, fsdp=2, tensor=2, sequence_parallel=True), 2),  # HSDP
     "tensor4-m2": (ParallelConfig(data=1, tensor=4, sequence_parallel=True), 2),  # nothing to reduce over
 }
 SLOW_PATHS = {"ring-data2-context2-tensor2-distopt", "1f1b-pipe2-data2-tensor2-distopt"}
@@ -220,12 +221,15 @@ def test_bf16_gradients_are_reduced_and_applied_in_float32(bf16_steps, name):
     parallel, mesh, text, dtypes, received = bf16_steps(name)
     coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
     spans = lambda groups, axis: any(len({coords[i].get(axis, 0) for i in g}) > 1 for g in groups)
-    over = [r for r in HLO.reductions(text) if r.groups and (spans(r.groups, "data") or spans(r.groups, "context"))]
+    batch = lambda groups: spans(groups, "data") or spans(groups, "fsdp")  # ranks of other rows
+    over = [r for r in HLO.reductions(text) if r.groups and (batch(r.groups) or spans(r.groups, "context"))]
     gradient_axes = "data" if parallel.data > 1 else "context"
     reductions = [r for r in over if spans(r.groups, gradient_axes)]
     assert reductions  # the gradients' reductions are there to be read
     assert [(r.kind, r.shapes, r.dtypes, r.op_name) for r in over if set(r.dtypes) != {"f32"}
-            and (spans(r.groups, "data") or "reduce_scatter" not in r.op_name)] == []
+            and (batch(r.groups) or "reduce_scatter" not in r.op_name)] == []
+    if parallel.fsdp > 1:  # the layers' reduce-scatters over fsdp, in the backward loop
+        assert [r for r in over if r.in_loop and spans(r.groups, "fsdp")]
     assert dtypes and set(dtypes) == {"float32"}
     cast = jax.tree.leaves(M.cast_mask(replace(CFG, dtype="bfloat16")))
     for (path, g), is_cast in zip(jax.tree_util.tree_leaves_with_path(received), cast):

@@ -377,9 +377,10 @@ def test_a_run_saved_at_context_2_resumes_at_context_1(context_runs, tmp_path):
 
 
 def test_parse_mesh_with_context():
-    assert parse_mesh("context=4,tensor=2", 8) == (1, 1, 4, 2)
-    assert parse_mesh("context=2,tensor=2", 8) == (1, 2, 2, 2)
-    assert parse_mesh("data=2,tensor=4", 8) == (1, 2, 1, 4)
+    sizes = lambda text: tuple(parse_mesh(text, 8)[a] for a in ("pipe", "data", "context", "tensor"))
+    assert sizes("context=4,tensor=2") == (1, 1, 4, 2)
+    assert sizes("context=2,tensor=2") == (1, 2, 2, 2)
+    assert sizes("data=2,tensor=4") == (1, 2, 1, 4)
 
 
 @pytest.mark.parametrize("model,parallel,message", [

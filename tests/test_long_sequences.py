@@ -82,7 +82,7 @@ def test_ring_masks_are_the_global_masks_entries_past_2_32(devices):
     k_first = jnp.asarray([[chunks[0] * chunk + 3 for chunks in context_chunks(c)]])
 
     def rank(q, k, q_first, k_first):
-        blk = C._Blocks(q, k, context_chunks(c), 1.0, RATE, S, 2, True, jax.random.key_data(KEY))
+        blk = C._Blocks(q, k, context_chunks(c), 1.0, RATE, S, 2, ("data",), jax.random.key_data(KEY))
         kept = blk.kept(q_first[0, 0] + jnp.arange(n), k_first[0, 0] + jnp.arange(n))
         return kept[:, :, :, None] > 0  # [b, kv, g, 1 (context), n, n]
 

@@ -25,20 +25,20 @@ from jaxseq.sharding import Sharder
 # row-parallel, the token embedding is vocab-parallel. The QKV kernel is [h, 3, a, d] so that
 # splitting heads keeps each rank's Q, K and V together.
 PARAMS = {
-    "embed": {"token": kernel(("V", "h"), ("vocab", None)),
-              "position": Param(("s", "h"), (None, None), "normal", decay=False, cast=True)},
+    "embed": {"token": kernel(("V", "h"), ("vocab", "embed")),
+              "position": Param(("s", "h"), (None, "embed"), "normal", decay=False, cast=True)},
     "layers": {
         "ln1": {"scale": norm_scale(layers=True), "bias": norm_bias(layers=True)},
         "attn": {
-            "qkv": {"kernel": kernel(("L", "h", "3", "a", "d"), ("layers", None, None, "heads", None)),
+            "qkv": {"kernel": kernel(("L", "h", "3", "a", "d"), ("layers", "embed", None, "heads", None)),
                     "bias": bias(("L", "3", "a", "d"), ("layers", None, "heads", None))},
-            "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, None), "residual"),
+            "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, "embed"), "residual"),
                     "bias": bias(("L", "h"), ("layers", None))},
         },
         "ln2": {"scale": norm_scale(layers=True), "bias": norm_bias(layers=True)},
         "mlp": {
-            "wi": {"kernel": kernel(("L", "h", "f"), ("layers", None, "mlp")), "bias": bias(("L", "f"), ("layers", "mlp"))},
-            "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", None), "residual"),
+            "wi": {"kernel": kernel(("L", "h", "f"), ("layers", "embed", "mlp")), "bias": bias(("L", "f"), ("layers", "mlp"))},
+            "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", "embed"), "residual"),
                    "bias": bias(("L", "h"), ("layers", None))},
         },
     },
@@ -74,6 +74,9 @@ def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
 
 def final_norm(params, x, cfg: ModelConfig):
     return layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["bias"], cfg.ln_eps)
+
+
+LOGITS_WEIGHT = ("embed", "token")  # (group, name) of the weight the logits multiply by: the tied embedding
 
 
 def logits(params, x, cfg: ModelConfig, shard: Sharder):

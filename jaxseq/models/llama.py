@@ -35,22 +35,22 @@ def table(cfg: ModelConfig, tensor: int) -> dict:
     [h, 2, f]. The K/V heads split over `tensor` (logical axis kv_heads) only where t divides them."""
     kv_axis = "kv_heads" if cfg.num_kv_heads % tensor == 0 else None
     return {
-        "embed": {"token": kernel(("V", "h"), ("vocab", None))},
+        "embed": {"token": kernel(("V", "h"), ("vocab", "embed"))},
         "layers": {
             "attn_norm": {"scale": norm_scale(layers=True)},
             "attn": {
-                "q": {"kernel": kernel(("L", "h", "a", "d"), ("layers", None, "heads", None))},
-                "kv": {"kernel": kernel(("L", "h", "2", "k", "d"), ("layers", None, None, kv_axis, None))},
-                "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, None), "residual")},
+                "q": {"kernel": kernel(("L", "h", "a", "d"), ("layers", "embed", "heads", None))},
+                "kv": {"kernel": kernel(("L", "h", "2", "k", "d"), ("layers", "embed", None, kv_axis, None))},
+                "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, "embed"), "residual")},
             },
             "mlp_norm": {"scale": norm_scale(layers=True)},
             "mlp": {
-                "wi": {"kernel": kernel(("L", "h", "2", "f"), ("layers", None, None, "mlp"))},
-                "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", None), "residual")},
+                "wi": {"kernel": kernel(("L", "h", "2", "f"), ("layers", "embed", None, "mlp"))},
+                "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", "embed"), "residual")},
             },
         },
         "final_norm": {"scale": norm_scale(layers=False)},
-        "lm_head": {"kernel": kernel(("V", "h"), ("vocab", None))},
+        "lm_head": {"kernel": kernel(("V", "h"), ("vocab", "embed"))},
     }
 
 
@@ -79,6 +79,9 @@ def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
 
 def final_norm(params, x, cfg: ModelConfig):
     return rms_norm(x, params["final_norm"]["scale"], cfg.ln_eps)
+
+
+LOGITS_WEIGHT = ("lm_head", "kernel")  # (group, name) of the weight the logits multiply by
 
 
 def logits(params, x, cfg: ModelConfig, shard: Sharder):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.mesh import logical_rules, logical_to_spec
+from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq import remat as R
 from jaxseq.models import gpt, llama
 from jaxseq.models import params as decl
@@ -54,9 +54,11 @@ def param_axes(cfg: ModelConfig, tensor: int = 1) -> dict:
 
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
-    """PartitionSpecs of the weights the layers compute with (`mesh.logical_rules` of `param_axes`): split
-    over `tensor` (and the stacked layers over `pipe`), replicated over `data`."""
-    rules = logical_rules(parallel.sequence_parallel, parallel.pipe > 1)
+    """PartitionSpecs of the weights as the step holds them (`mesh.logical_rules` of `param_axes`): split over
+    `tensor` (and the stacked layers over `pipe`), replicated over `data`; under FSDP each weight's hidden
+    dimension (logical axis `embed`) split over `fsdp`, gathered as a layer uses it (`Sharder.gather_weights`)."""
+    rules = {**logical_rules(parallel.sequence_parallel, parallel.pipe > 1),
+             "embed": FSDP_AXIS if parallel.fsdp > 1 else None}
     return decl.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
 
 
@@ -114,9 +116,13 @@ def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
     return family(cfg).layer_axes(cfg, tensor)
 
 
-def cast_params(params, cfg: ModelConfig):
+def cast_params(params, cfg: ModelConfig, shard: Sharder | None = None):
     """Compute-dtype copy of the weights, made once per step *outside* the scan (a cast inside a
-    layer would be stored for backward as if it were an activation)."""
+    layer would be stored for backward as if it were an activation). Where `shard` gathers the weights over
+    `fsdp` itself (`Sharder.casts_at_gather`) they stay float32 here: each is cast as it is gathered, so its
+    gradient is reduce-scattered in float32 into its float32 master shard."""
+    if shard is not None and shard.casts_at_gather:
+        return params
     dtype = jnp.dtype(cfg.dtype)
     return jax.tree.map(lambda p, cast: p.astype(dtype) if cast else p, params, cast_mask(cfg))
 
@@ -127,7 +133,10 @@ def cast_params(params, cfg: ModelConfig):
 
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input, from the embedding group params["embed"]."""
+    group = shard.gather_weights(group, axes=param_axes(cfg, shard.tensor)["embed"], cast=cast_mask(cfg)["embed"],
+                                 dtype=cfg.dtype)
     return family(cfg).embed(group, tokens, key, cfg, shard)
+
 
 
 def block(x, p, key, cfg: ModelConfig, shard: Sharder):
@@ -139,9 +148,16 @@ def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
     dropout). The whole stack (`decoder`) and a pipeline chunk are this.
 
     Scan keeps compile time flat in depth, and it is what makes remat work on XLA:CPU (unrolled
-    layers let CSE undo the checkpoint). Residuals become stacked [k, …] buffers of the loop."""
-    body = jax.checkpoint(partial(block, cfg=cfg, shard=shard), policy=R.remat_policy(remat).policy,
-                          prevent_cse=False)
+    layers let CSE undo the checkpoint). Residuals become stacked [k, …] buffers of the loop.
+
+    Under FSDP each layer's weights are gathered over `fsdp` inside the checkpointed body, just before use: no
+    policy names the gathered weights, so backward gathers them again rather than keeping every layer's."""
+    axes, cast = layer_axes(cfg, shard.tensor), cast_mask(cfg)["layers"]
+
+    def layer(x, p, key):
+        return block(x, shard.gather_weights(p, axes=axes, cast=cast, dtype=cfg.dtype), key, cfg, shard)
+
+    body = jax.checkpoint(layer, policy=R.remat_policy(remat).policy, prevent_cse=False)
     x, _ = jax.lax.scan(lambda x, inputs: (body(x, *inputs), None), x, (stacked, keys))
     return x
 
@@ -157,7 +173,7 @@ def final_norm(params, x, cfg: ModelConfig):
 
 def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
     """tokens [b, s] → final-norm output [b, s, h] (sequence-sharded under SP). key=None: no dropout."""
-    params = cast_params(params, cfg)
+    params = cast_params(params, cfg, shard)
     k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
     x = embed(params["embed"], tokens, k_embed, cfg, shard)
     x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
@@ -165,8 +181,13 @@ def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, 
 
 
 def logits_fn(params, x, cfg: ModelConfig, shard: Sharder):
-    """Logits [b, s, V] (float32) sharded over vocab; padded vocabulary entries are -inf."""
-    return family(cfg).logits(params, x, cfg, shard)
+    """Logits [b, s, V] (float32) sharded over vocab; padded vocabulary entries are -inf. The family's logits
+    weight (`LOGITS_WEIGHT`: its group and name) as they use it: gathered over `fsdp` under FSDP. (The final
+    norm's scales need no gather: no weight of that size is split over `fsdp`.)"""
+    group, name = family(cfg).LOGITS_WEIGHT
+    gather = partial(shard.gather_weights, axes=param_axes(cfg, shard.tensor)[group][name],
+                     cast=cast_mask(cfg)[group][name], dtype=cfg.dtype)
+    return family(cfg).logits({**params, group: {**params[group], name: gather(params[group][name])}}, x, cfg, shard)
 
 
 def head_loss(params, x, targets, cfg: ModelConfig, shard: Sharder):

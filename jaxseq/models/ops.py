@@ -192,10 +192,10 @@ def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_
             seq_len = x.shape[seq_axes[0]] * (shard.context if manual_context else 1)
         global_shape = tuple(seq_len if axis in coords else n for axis, n in enumerate(x.shape))
         if manual_data:
-            coords[0] = jnp.arange(x.shape[0]) + jax.lax.axis_index("data") * x.shape[0]
+            coords[0] = jnp.arange(x.shape[0]) + shard.first_row(x.shape[0])
         keep = bernoulli_at(key, 1.0 - rate, x.shape, coords, global_shape)
     elif manual_data:
-        keep = bernoulli_rows(key, 1.0 - rate, x.shape, jax.lax.axis_index("data") * x.shape[0])
+        keep = bernoulli_rows(key, 1.0 - rate, x.shape, shard.first_row(x.shape[0]))
     else:
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     keep = checkpoint_name(keep, mask_name)

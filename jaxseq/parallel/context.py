@@ -145,18 +145,18 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     key_data = jax.random.key_data(key) if rate else jnp.zeros((2,), jnp.uint32)
     # The first batch row this rank holds (inside a region manual over `data`): read out here, since an outer
     # axis's index inside the nested shard_map does not lower.
-    row0 = jax.lax.axis_index("data") * q.shape[0] if shard.rows_manual else 0
+    row0 = shard.first_row(q.shape[0]) if shard.rows_manual else 0
     key_data = jnp.concatenate([key_data, jnp.asarray(row0, jnp.uint32)[None]])
     static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s)
     if shard.context_manual:
         # Already one context rank's tokens: the ring runs here, its heads left to the partitioner (global over
         # `tensor`). A nested shard_map over `tensor` failed to lower in this region (a value it closed over
         # was given a `context` sharding).
-        forward = partial(_ring_forward, **static, tensor=1, data=False)
-        backward = partial(_ring_backward, **static, tensor=1, data=False)
+        forward = partial(_ring_forward, **static, tensor=1, data=())
+        backward = partial(_ring_backward, **static, tensor=1, data=())
     else:
         seq, lse_spec = shard.spec("batch", "seq", "heads", None), shard.spec("batch", "heads", None, "seq")
-        static.update(tensor=shard.tensor, data="data" in _axes(seq))
+        static.update(tensor=shard.tensor, data=tuple(a for a in ("data", "fsdp") if a in _axes(seq)))
         nested = partial(jax.shard_map, mesh=shard.map_mesh, axis_names=_axes(seq))
         forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P()), out_specs=(seq, lse_spec))
         backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P()),
@@ -209,8 +209,8 @@ class _Blocks:
         self.g = self.a // self.kv
         self.chunks, self.scale, self.rate, self.s, self.tensor = chunks, scale, rate, s, tensor
         self.key = jax.random.wrap_key_data(key_data[:2]) if rate else None
-        # the first batch row here: this map's own data rank's, or the enclosing manual region's
-        self.row0 = jax.lax.axis_index("data").astype(jnp.uint32) * self.b if data else key_data[2]
+        # the first batch row here: this map's own data (× fsdp) rank's, or the enclosing manual region's
+        self.row0 = jax.lax.axis_index(data).astype(jnp.uint32) * self.b if data else key_data[2]
         self.rank = jax.lax.axis_index("context")
 
     def halves(self, x, heads):  # [b, 2n, heads…, d] → [b, 2, n, heads…, d]

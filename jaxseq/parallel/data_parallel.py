@@ -24,14 +24,18 @@ from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
 from jaxseq.parallel.layout import Layout, gradient_axes
-from jaxseq.sharding import Sharder, entry_axes, only_axes
+from jaxseq.mesh import batch_axes
+from jaxseq.parallel.fsdp import FSDP
+from jaxseq.sharding import Sharder, entry_axes, only_axes, spec_axes
 
 
 def region_axes(parallel: ParallelConfig) -> frozenset[str]:
     """The axes the pipeline's and gradient accumulation's regions are manual over: `pipe`, `data`, and
     `context` under context parallelism (each rank then runs its own tokens; the mesh has no `context` axis
-    otherwise). `tensor` stays with XLA's partitioner."""
-    return frozenset({"pipe", "data"} | ({"context"} if parallel.context > 1 else set()))
+    otherwise), and `fsdp` under FSDP (each rank its rows, and its shard of every weight: `parallel.fsdp`).
+    `tensor` stays with XLA's partitioner."""
+    return frozenset({"pipe", "data"} | ({"fsdp"} if parallel.fsdp > 1 else set())
+                     | ({"context"} if parallel.context > 1 else set()))
 
 
 def varying(x, axes=None):
@@ -64,6 +68,18 @@ def reduce_over(g, spec: P, over: tuple[str, ...]):
                          axis_names={"tensor"})(g)
 
 
+def fsdp_split(layout: Layout) -> dict:
+    """The weights' specs naming `fsdp` alone: how each enters a region manual over it (its shard)."""
+    return jax.tree.map(lambda spec: only_axes(spec, (FSDP,)), layout.param_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def left_to_reduce(layout: Layout, over: tuple[str, ...]) -> dict:
+    """Per weight, the axes of `over` its gradient is still summed over after the region's loop: a weight split
+    over `fsdp` arrives reduce-scattered over it (`parallel.fsdp.gather`'s backward), the rest are not."""
+    return jax.tree.map(lambda spec: tuple(a for a in over if a not in spec_axes(spec)), fsdp_split(layout),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), micro-batch i with dropout key fold_in(key, i) (one micro-batch: `key` itself, no scan), without
@@ -82,22 +98,24 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
     cfg, parallel, mesh = layout.model, layout.parallel, layout.mesh
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
-    if parallel.data * parallel.context == 1:
+    over = gradient_axes(parallel)
+    if parallel.data * parallel.fsdp * parallel.context == 1:
         return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh)
     loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
                                                shard=context.sharder(mesh, parallel, stage=True)))
-    over = gradient_axes(parallel)
-    # the mean over micro-batches, data ranks and context ranks (each rank's loss: the mean over its tokens)
-    scale = 1.0 / (microbatches * parallel.data * parallel.context)
+    # the mean over micro-batches, data, fsdp and context ranks (each rank's loss: the mean over its tokens)
+    scale = 1.0 / (microbatches * parallel.data * parallel.fsdp * parallel.context)
+    weight_specs, still_over = fsdp_split(layout), left_to_reduce(layout, over)
 
     def rank(params, micro, key_data):
         key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, over), params)
         loss, grads = _summed(loss_and_grad, weights, micro, key, lambda z: varying(z, over))
         return (jax.lax.psum(loss, over) * scale,
-                jax.tree.map(lambda g, spec: reduce_over(g * scale, spec, over), grads, grad_specs))
+                jax.tree.map(lambda g, spec, axes: reduce_over(g * scale, spec, axes), grads, grad_specs, still_over))
 
     out_specs = jax.tree.map(lambda spec: only_axes(spec, over), grad_specs, is_leaf=lambda x: isinstance(x, P))
-    return jax.shard_map(rank, mesh=mesh, axis_names=set(region_axes(parallel)), in_specs=(P(), P(None, "data"), P()),
+    return jax.shard_map(rank, mesh=mesh, axis_names=set(region_axes(parallel)),
+                         in_specs=(weight_specs, P(None, batch_axes(parallel.fsdp > 1)), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
 
 

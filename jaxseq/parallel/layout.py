@@ -21,13 +21,22 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.mesh import axis_sizes
 from jaxseq.models import model as M
 from jaxseq.sharding import batch_sharding, entry_axes
 
 
 def gradient_axes(parallel: ParallelConfig) -> tuple[str, ...]:
-    """The axes a replicated weight's gradient is summed over: `data`, and `context` (its ranks hold other
-    tokens of the same sequences: to the weights they are data ranks, as in Megatron-LM)."""
+    """The axes a replicated weight's gradient is summed over: `data`, `fsdp` (its ranks hold other rows of the
+    batch) and `context` (its ranks hold other tokens of the same sequences: to the weights they are data
+    ranks, as in Megatron-LM), each where the mesh has it."""
+    return ("data",) + (("fsdp",) if parallel.fsdp > 1 else ()) + (("context",) if parallel.context > 1 else ())
+
+
+def optimizer_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The axes the distributed optimizer splits the state over: `data`, and `context` under context
+    parallelism. Not `fsdp`: FSDP splits the state itself (`models.model.param_specs`), the distributed
+    optimizer splits it further over the replicas."""
     return ("data", "context") if parallel.context > 1 else ("data",)
 
 
@@ -72,8 +81,9 @@ class Layout:
 
     @cached_property
     def param_specs(self) -> dict:
-        """The weights the layers compute with: split over `tensor` (the stacked layers over `pipe`),
-        replicated over `data` and `context`."""
+        """The weights as the step holds them: split over `tensor` (the stacked layers over `pipe`), replicated
+        over `data` and `context`; under FSDP each weight's hidden dimension split over `fsdp` (the layers
+        gather it as they use it)."""
         return M.param_specs(self.model, self.parallel)
 
     @cached_property
@@ -92,10 +102,12 @@ class Layout:
         its gradients reduce over; joined to `pipe` on one dimension where no other is free): each of those
         ranks keeps and updates 1/(d·c) of the master weights and moments. A leaf with no dimension that the
         size divides (e.g. a [layers, mlp/t] bias when neither is a multiple of d) stays replicated over that
-        axis: `jaxseq.plan` counts it at full size."""
+        axis: `jaxseq.plan` counts it at full size. Under FSDP `param_specs` already split every weight's hidden
+        dimension over `fsdp`: the master weights, gradients and moments are split so too (biases and norm
+        scales, which have none, are replicated over `fsdp`)."""
         parallel = self.parallel
-        sizes = {"pipe": parallel.pipe, "data": parallel.data, "context": parallel.context, "tensor": parallel.tensor}
-        over = self.gradient_axes
+        sizes = axis_sizes(parallel)
+        over = optimizer_axes(parallel)
         optimizer_axis = over if len(over) > 1 else over[0]
 
         def master(part: str, shape, spec):
@@ -126,7 +138,7 @@ class Layout:
 
     @cached_property
     def batch(self) -> dict:
-        """A batch's {"inputs", "targets"} shardings (`sharding.batch_sharding`: rows over `data`)."""
+        """A batch's {"inputs", "targets"} shardings (`sharding.batch_sharding`: rows over `data`, × `fsdp`)."""
         return {"inputs": batch_sharding(self.mesh), "targets": batch_sharding(self.mesh)}
 
     @cached_property

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace
+from jaxseq.mesh import batch_axes
 from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import context as CP
@@ -438,19 +439,20 @@ def _to_next(p: int) -> list[tuple[int, int]]:
 # After the loop: the step's one data-parallel reduction
 
 
-def reduce_gradients(buffers: Buffers, grad_specs: dict, over: tuple[str, ...]):
+def reduce_gradients(buffers: Buffers, grad_specs: dict, over: dict):
     """(loss, layer gradients [1, v, k, …], embedding and final-LN gradients) of the step from a stage's
     accumulators: Megatron's one data-parallel reduction (over `over`: data, and context under context
     parallelism), and the embedding group's over `pipe` (the first stage's lookup and the last stage's logits
     and final norm add to the same parameters); each a reduce-scatter onto the master shards where `grad_specs`
-    (the master weights' PartitionSpecs) split the gradient over those axes, else an all-reduce."""
-    with_pipe = ("pipe", *over)
-    loss = jax.lax.psum(buffers.loss, with_pipe)
-    others = jax.tree.map(lambda g, spec: DP.reduce_over(g, spec, with_pipe), buffers.grads["others"],
-                          _others(grad_specs))
+    (the master weights' PartitionSpecs) split the gradient over those axes, else an all-reduce. `over`: per
+    weight, the axes its gradient is still summed over (`data_parallel.left_to_reduce`: not `fsdp` where the
+    layers reduce-scattered it already)."""
+    loss = jax.lax.psum(buffers.loss, ("pipe", *over["loss"]))
+    others = jax.tree.map(lambda g, spec, axes: DP.reduce_over(g, spec, ("pipe", *axes)), buffers.grads["others"],
+                          _others(grad_specs), _others(over["weights"]))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, spec: DP.reduce_over(g, P(None, None, *spec[1:]), over)[None], buffers.grads["layers"],
-        grad_specs["layers"])
+        lambda g, spec, axes: DP.reduce_over(g, P(None, None, *spec[1:]), axes)[None], buffers.grads["layers"],
+        grad_specs["layers"], over["weights"]["layers"])
     return loss, layers, others
 
 
@@ -464,7 +466,7 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: S.Schedule, loss_ranks: int,
-                  remat: str, shard: StageSharder, grad_specs: dict, over: tuple[str, ...], inspect, ring: bool):
+                  remat: str, shard: StageSharder, grad_specs: dict, over: dict, inspect, ring: bool):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; ring: `TickProgram.ring`; the rest as `Stage.enter` and
     `reduce_gradients`."""
@@ -495,7 +497,8 @@ def _stage_weights(params, layout: Layout):
     (left to propagation, the position table's went from its `pipe` split to the sequence-parallel one by a
     "full rematerialization")."""
     parallel, specs = layout.parallel, layout.param_specs
-    cast = M.cast_params(params, layout.model)
+    # Under FSDP the weights stay float32 and split over `fsdp`: each chunk's layers cast and gather theirs.
+    cast = params if parallel.fsdp > 1 else M.cast_params(params, layout.model)
     constrain = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
     layers = jax.tree.map(lambda a, spec: constrain(a, P("pipe", None, None, *spec[1:])),
                           to_stages(cast["layers"], parallel.pipe, parallel.virtual_stages), specs["layers"])
@@ -508,7 +511,10 @@ def _stage_inputs(params, batch, layout: Layout, sched: S.Schedule):
     layers, others = _stage_weights(params, layout)
     shard = Sharder(layout.mesh, layout.parallel.sequence_parallel)
     micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
-    return (layers, others, micro), (jax.tree.map(lambda _: P("pipe"), layers), P(), P(None, "data"))
+    split = DP.fsdp_split(layout)  # FSDP: each rank enters with its shard of every weight
+    layer_specs = jax.tree.map(lambda spec: P("pipe", None, None, *spec[1:]), split["layers"],
+                               is_leaf=lambda x: isinstance(x, P))
+    return (layers, others, micro), (layer_specs, _others(split), P(None, batch_axes(layout.parallel.fsdp > 1)))
 
 
 def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
@@ -524,7 +530,7 @@ def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
 
     def program(layers, others, micro, rows):
         stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, remat="none",
-                            loss_ranks=parallel.data * parallel.context, shard=CP.sharder(mesh, parallel, stage=True))
+                            loss_ranks=parallel.batch_ranks * parallel.context, shard=CP.sharder(mesh, parallel, stage=True))
         forward = ForwardProgram(stage, _ring(parallel))
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
         return jax.lax.psum(buffers.loss, ("pipe", *layout.gradient_axes))
@@ -552,12 +558,12 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
             raise ValueError(f"grad_specs: layers{jax.tree_util.keystr(path)} is {spec}; every layer's gradient is "
                              "split over pipe on its first dimension (the stage's layers)")
     args, in_specs = _stage_inputs(params, batch, layout, sched)
-    over = layout.gradient_axes
-    program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=parallel.data * parallel.context, remat=remat,
+    over = {"loss": layout.gradient_axes, "weights": DP.left_to_reduce(layout, layout.gradient_axes)}
+    program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=parallel.batch_ranks * parallel.context, remat=remat,
                       shard=CP.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect,
                       ring=_ring(parallel))
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(DP.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
-                       out_specs=(P(), *_gradient_specs(grad_specs, over)))
+                       out_specs=(P(), *_gradient_specs(grad_specs, layout.gradient_axes)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     # float32, as accumulated and reduced: not cast back to the dtype of `params` (the step's bf16 compute copy)
     return loss, {"layers": from_stages(layer_grads), **other_grads}

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxseq.mesh import logical_rules
-from jaxseq.sharding import Sharder, rank_rows, stored_positions, vocab_parallel_lookup
+from jaxseq.parallel import fsdp
+from jaxseq.sharding import Sharder, only_axes, rank_rows, stored_positions, vocab_parallel_lookup
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,24 @@ class StageSharder(Sharder):
     @property
     def context_manual(self) -> bool:
         return self.context > 1
+
+    @property
+    def casts_at_gather(self) -> bool:
+        return self.fsdp > 1
+
+    def gather_weights(self, params, *, axes, cast, dtype):
+        """FSDP in the region (manual over `fsdp`): each weight cast to `dtype` where `cast` says so and
+        gathered over `fsdp` on its `embed` dimension, its gradient reduce-scattered in float32 (`fsdp.gather`);
+        a leaf with no `embed` dimension (biases, norm scales) is cast alone, its gradient left this rank's."""
+        if self.fsdp == 1:
+            return params
+
+        def one(w, leaf_axes, leaf_cast):
+            dim = leaf_axes.index("embed") if "embed" in leaf_axes else None
+            return fsdp.gather(w, dim=dim, dtype=dtype if leaf_cast else None,
+                               tensor_spec=only_axes(self.spec(*leaf_axes), ("tensor",)))
+
+        return jax.tree.map(one, params, axes, cast, is_leaf=lambda a: isinstance(a, tuple))
 
     @property
     def rows_manual(self) -> bool:

@@ -71,10 +71,10 @@ def abstract_step_inputs(layout: Layout, optimizer, rows: int):
 def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
                        microbatches: int = 1):
     """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
-    per data rank, compiled for `mesh`."""
+    per data (× fsdp) rank, compiled for `mesh`."""
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
-    inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.data)
+    inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.batch_ranks)
     step = T.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
     return compile_for_analysis(step.lower(*inputs))
 

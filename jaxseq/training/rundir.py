@@ -141,11 +141,11 @@ def resolve_mesh(cfg: ModelConfig, mesh_text: str | None, devices) -> tuple[Para
     if mesh_text is None:
         parallel = sampling_parallel(cfg, ParallelConfig(tensor=len(devices)))
     else:
-        pipe, data, context, tensor = parse_mesh(mesh_text, len(devices))
-        if context > 1:
+        axes = parse_mesh(mesh_text, len(devices))
+        if axes["context"] > 1:
             raise ConfigError(f"--mesh {mesh_text!r}: context parallelism is for training; generate and convert run "
                               "on a mesh without context (the weights do not depend on it)")
-        parallel = ParallelConfig(pipe=pipe, data=data, tensor=tensor)
+        parallel = ParallelConfig(**axes)
     validate_parallel(cfg, parallel, len(devices))
     return parallel, make_mesh(parallel, devices)
 

@@ -95,20 +95,13 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     float32 gradients.
     Under a pipeline the embedding's and final norm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
+    Under FSDP every weight stays split over `fsdp` in the step: each layer gathers its weights as it uses them and
+    reduce-scatters their float32 gradients at once (`parallel.fsdp`); the rest is reduced over data as above.
     """
-    constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-    # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
-    loss_and_grad = pipeline_loss_and_grad if layout.parallel.pipe > 1 else DP.accumulate_loss_and_grad
+    gradients = step_gradients(layout, remat, micro_batches)
 
     def step(state: TrainState, batch, key):
-        key = jax.random.fold_in(key, state.step)
-        # The weights enter the step in their compute layout (gathered over `data` here, once, under the
-        # distributed optimizer): a gather inside a pipeline tick's branch would deadlock.
-        weights = constrain(M.cast_params(state.params, layout.model), layout.param_shardings)
-        loss, grads = loss_and_grad(weights, batch, key, layout=layout, remat=remat, microbatches=micro_batches,
-                                    grad_specs=layout.master_specs)
-        # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
-        grads = constrain(grads, layout.master_shardings)
+        loss, grads = gradients(state.params, batch, jax.random.fold_in(key, state.step))
         grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -122,6 +115,26 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
         out_shardings=(shardings, {"loss": layout.replicated, "grad_norm": layout.replicated}),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
+    """(float32 master params, batch, key) → (loss, float32 gradients in the master weights' shards): what the
+    step hands to clipping and AdamW (`make_train_step`), to be called under jit."""
+    constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+    # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
+    loss_and_grad = pipeline_loss_and_grad if layout.parallel.pipe > 1 else DP.accumulate_loss_and_grad
+
+    def gradients(params, batch, key):
+        # The weights enter the step in their compute layout (gathered over `data` here, once, under the
+        # distributed optimizer): a gather inside a pipeline tick's branch would deadlock. Under FSDP they enter
+        # float32, split over `fsdp`: each layer casts its shard and gathers it (`parallel.fsdp.gather`).
+        weights = params if layout.parallel.fsdp > 1 else M.cast_params(params, layout.model)
+        loss, grads = loss_and_grad(constrain(weights, layout.param_shardings), batch, key, layout=layout,
+                                    remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs)
+        # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
+        return loss, constrain(grads, layout.master_shardings)
+
+    return gradients
 
 
 def make_loss_and_grad(layout: Layout, remat: str):

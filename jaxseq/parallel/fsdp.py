@@ -1,0 +1,56 @@
+"""FSDP (ZeRO-3) inside the training regions: a weight split over `fsdp` is gathered as a layer uses it, and its
+gradient reduce-scattered back onto the shard at once.
+
+`models.model.param_specs` splits every weight's hidden dimension (logical axis `embed`) over `fsdp`; the master
+weights, their gradients and Adam moments follow (`parallel.layout.Layout.master_specs`). In a region manual over
+`fsdp` (`parallel.region.StageSharder`: gradient accumulation's, the pipeline's) each rank holds its rows of the
+batch and its shard of every weight; `gather` is the one place the weight moves. Written as collectives, not left
+to the partitioner: under a sharding constraint XLA reduces a weight's gradient where the matmul makes it, in the
+compute dtype (bf16); here each rank's gradient is cast to float32 first and the ranks reduce-scatter float32
+(Megatron's and PyTorch FSDP's default), and the weight is cast to the compute dtype on its shard, before the
+gather (half the bytes of gathering the float32 master). Inside the layer's `jax.checkpoint`, no remat policy names
+the gathered weight, so backward gathers it again (one all-gather per weight per pass, as MaxText and FSDP do).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+FSDP = "fsdp"
+
+
+def gather(w, *, dim: int | None, dtype, tensor_spec: P):
+    """w (this fsdp rank's shard along `dim`; whole where `dim` is None) cast to `dtype` (None: kept) and gathered
+    over `fsdp`. Backward: the gradient cast to float32, reduce-scattered over `fsdp` onto this rank's shard (left
+    this rank's own where `dim` is None: it is reduced with the data ranks' after the step's loop), in w's dtype.
+    `tensor_spec`: w's split over `tensor` (the collectives run manual over it too: left to the partitioner, XLA
+    gathers a tensor-split array whole around a collective over a manual axis)."""
+    if dim is None and (dtype is None or jnp.dtype(dtype) == w.dtype):
+        return w
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    master_dtype = w.dtype
+
+    def forward(x):
+        x = cast(x)
+        return x if dim is None else jax.lax.all_gather(x, FSDP, axis=dim, tiled=True)
+
+    def backward(g):
+        g = g.astype(jnp.float32)
+        g = g if dim is None else jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+        return g.astype(master_dtype)
+
+    if any(tensor_spec):
+        nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec,
+                         out_specs=tensor_spec, axis_names={"tensor"})
+        forward, backward = nested(forward), nested(backward)
+
+    @jax.custom_vjp
+    def gathered(x):
+        return forward(x)
+
+    gathered.defvjp(lambda x: (forward(x), None), lambda _, g: (backward(g),))
+    return gathered(w)
