@@ -134,20 +134,24 @@ class StageSharder(Sharder):
             return nested(partial(vocab_parallel_lookup, sequence_parallel=sp), in_specs=(t_spec, id_spec),
                           out_specs=x_spec)(table, tokens)
 
-        def backward(table, tokens, g):
-            def local(table, tokens, g):
+        rows = table.shape[0] // self.tensor  # a tensor rank's rows of the table
+
+        def backward(tokens, g):
+            def local(tokens, g):
                 if sp:
                     g = jax.lax.all_gather(g, "tensor", axis=1, tiled=True)
-                ids, mine = rank_rows(table.shape[0], tokens)
+                ids, mine = rank_rows(rows, tokens)
                 g = (g * mine[..., None].astype(g.dtype)).reshape(-1, g.shape[-1])
-                return jnp.zeros_like(table).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
+                return jnp.zeros((rows, g.shape[-1]), g.dtype).at[jnp.where(mine, ids, 0).reshape(-1)].add(g)
 
-            return nested(local, in_specs=(t_spec, id_spec, x_spec), out_specs=t_spec)(table, tokens, g)
+            return nested(local, in_specs=(id_spec, x_spec), out_specs=t_spec)(tokens, g)
 
+        # The backward needs the table's shape alone: keeping the table as a residual would keep it alive from the
+        # lookup to the end of backward (under FSDP, the whole gathered table).
         @jax.custom_vjp
         def lookup(table, tokens):
             return forward(table, tokens)
 
-        lookup.defvjp(lambda table, tokens: (forward(table, tokens), (table, tokens)),
-                      lambda res, g: (backward(*res, g), None))
+        lookup.defvjp(lambda table, tokens: (forward(table, tokens), tokens),
+                      lambda tokens, g: (backward(tokens, g).astype(table.dtype), None))
         return lookup(table, tokens)

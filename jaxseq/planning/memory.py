@@ -30,11 +30,20 @@ class _Leaf:
     master_elements: int  # of its master weights and of each Adam moment on one device
     cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
     sharded: bool  # over data or pipe (master_specs): the step gathers a full copy of it
+    fsdp: int = 1  # the fsdp ranks it is split over (FSDP: each layer gathers it as it goes; its gradient is a shard)
+
+    @property
+    def gradient_elements(self) -> int:
+        """Its float32 gradient on one device: whole (reduced once a step), or under FSDP its shard."""
+        return self.elements // self.fsdp
 
     def copy_bytes(self, cfg: ModelConfig) -> int:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
-        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf."""
+        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf; none of a leaf split
+        over fsdp (each layer casts and gathers its own as it runs: `fsdp_gathered_bytes`)."""
         e = cfg.itemsize
+        if self.fsdp > 1:
+            return 0
         if self.sharded:
             return self.elements * (e if self.cast else 4)
         return self.elements * e if self.cast and cfg.dtype != "float32" else 0
@@ -44,13 +53,15 @@ class _Leaf:
 EMBEDDING_GROUP = "embedding group"
 
 
-def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1) -> list[_Leaf]:
+def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1,
+            fsdp: int = 1) -> list[_Leaf]:
     """Every parameter's per-device elements under the train step's own specs (`Layout.master_specs`). With
     pipe > 1, `cfg` is one stage's (its layers), and the embedding group's master weights and moments are
-    split over `pipe` as the pipelined step's are."""
+    split over `pipe` as the pipelined step's are. With fsdp > 1, every leaf with a hidden dimension is split
+    over `fsdp` (master weights, moments and gradient)."""
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False, pipe=pipe,
-                              distributed_optimizer=distributed_optimizer)
-    sizes = {"tensor": tensor, "data": data, "pipe": pipe}
+                              distributed_optimizer=distributed_optimizer, fsdp=fsdp)
+    sizes = {"tensor": tensor, "data": data, "pipe": pipe, "fsdp": fsdp}
     out = []
     layout = Layout(cfg, parallel)
     for part, specs in layout.master_specs.items():
@@ -62,8 +73,9 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
             axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)
                     if not (part == "layers" and i == 0 and a == "pipe")]
             n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
-            split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe")]))
-            out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast, split > 1))
+            split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe", "fsdp")]))
+            out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast,
+                             any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1))
     return out
 
 
@@ -95,26 +107,40 @@ class State:
 
 
 def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
-                pipe: int = 1) -> State:
+                pipe: int = 1, fsdp: int = 1) -> State:
     """Per-device state bytes; the distributed optimizer divides master weights and moments by
     `data` for every parameter with a dimension `data` divides (the others are counted whole). With
     pipe = p > 1, `cfg` holds one stage's layers (the first stage's: L/p), and the embedding group's
     master weights and moments are divided by p too, as the pipelined step splits them over `pipe`
-    (`state_bytes_by_part` tells the two apart)."""
-    return _state(_leaves(cfg, tensor, data, distributed_optimizer, pipe), cfg)
+    (`state_bytes_by_part` tells the two apart). FSDP (fsdp = F > 1) divides every weight's master, moments and
+    gradient by F and makes no compute copy of it (16 bytes a parameter over F; biases and norm scales whole)."""
+    return _state(_leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp), cfg)
 
 
 def state_bytes_by_part(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
-                        pipe: int = 1) -> dict[str, State]:
+                        pipe: int = 1, fsdp: int = 1) -> dict[str, State]:
     """`state_bytes` of the layers and of the embedding group (`EMBEDDING_GROUP`), which sum to it."""
-    leaves = _leaves(cfg, tensor, data, distributed_optimizer, pipe)
+    leaves = _leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp)
     return {part: _state([l for l in leaves if l.part == part], cfg) for part in ("layers", EMBEDDING_GROUP)}
 
 
+def fsdp_gathered_bytes(cfg: ModelConfig, tensor: int, fsdp: int) -> int:
+    """FSDP's working memory per device beyond the state: the largest gathered weights alive at once — one layer's
+    weights in the compute dtype with their float32 gradient before its reduce-scatter (backward), or one
+    embedding-group weight's (the token table at the lookup, the logits' weight at the head), whichever is larger
+    (`cfg` whole; 0 without FSDP)."""
+    if fsdp == 1:
+        return 0
+    leaves = [l for l in _leaves(cfg, tensor, 1, False, 1, fsdp) if l.fsdp > 1]
+    layer = sum(l.elements for l in leaves if l.part == "layers") // cfg.layers
+    embedding = max((l.elements for l in leaves if l.part == EMBEDDING_GROUP), default=0)
+    return (cfg.itemsize + 4) * max(layer, embedding)
+
+
 def _state(leaves: list[_Leaf], cfg: ModelConfig) -> State:
-    total = sum(l.elements for l in leaves)
+    gradients = sum(l.gradient_elements for l in leaves)
     master = sum(l.master_elements for l in leaves)
-    return State(4 * master, 4 * total, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
+    return State(4 * master, 4 * gradients, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
 
 
 def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool, context: int = 1) -> int:
