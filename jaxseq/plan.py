@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 1")
     p.add_argument("--data", type=int, default=1,
                    help="data-parallel size d: splits the master weights and moments with --distributed-optimizer")
+    p.add_argument("--fsdp", type=int, default=1,
+                   help="FSDP size F: every weight's master, moments and gradient split over F (each layer gathers "
+                        "its weights: the rows' working memory holds them); with --data, HSDP (default 1)")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
                         "(the state table shows both)")
@@ -196,7 +199,7 @@ def _plan(args) -> int:
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
                  context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"),
-                 target=args.target)
+                 target=args.target, fsdp=args.fsdp)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

@@ -18,6 +18,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo as HLO
+from jaxseq.planning.memory import state_bytes
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
 
@@ -138,7 +139,8 @@ def test_state_bytes_per_device_are_twelve_bytes_a_parameter_over_fsdp(bf16_prog
     """The compiled step's arguments: the float32 master weights and both Adam moments (12 bytes a parameter)
     split over fsdp (and tensor where split so), plus the parts FSDP leaves whole on every fsdp rank — the
     biases and norm scales, which have no hidden dimension to split — plus the batch, key and step counter.
-    The gradients (4 bytes a parameter over fsdp) are the step's temporaries."""
+    The gradients (4 bytes a parameter over fsdp) are the step's temporaries. `plan --fsdp` counts the same
+    (`memory.state_bytes`)."""
     parallel, _, _, _, memory = bf16_program
     shapes = M.param_shapes(GPT, parallel.tensor)
     specs = Layout(GPT, parallel).master_specs
@@ -154,6 +156,8 @@ def test_state_bytes_per_device_are_twelve_bytes_a_parameter_over_fsdp(bf16_prog
     batch = 2 * 4 * ROWS // parallel.fsdp * GPT.seq_len  # int32 inputs and targets, rows over fsdp
     extra = memory.argument_size_in_bytes - 12 * (split + whole) - batch
     assert 0 <= extra <= 64, (memory.argument_size_in_bytes, split, whole)  # the key and the step counter
+    planned = state_bytes(GPT, parallel.tensor, fsdp=parallel.fsdp)  # `plan --fsdp`'s count
+    assert (planned.params + planned.optimizer, planned.gradients) == (12 * (split + whole), 4 * (split + whole))
 
 
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), GPT)

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxseq import plan as plan_command
-from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
@@ -421,6 +421,31 @@ def test_state_tables_split_the_optimizer_over_data_and_context_as_the_rows(monk
     whole = memory.state_bytes(replace(cfg, layers=cfg.layers // 2), t, 4, True, 2)
     assert stage["layers"]["total"] + stage["embedding_group"]["total"] == whole.total == piped.optimizer_state()[
         "with_distributed_optimizer"]["bytes_per_device"]["total"]
+
+
+def test_plan_fsdp_splits_every_weights_state_and_holds_the_gathered_weights(monkeypatch):
+    """`plan --fsdp 4`: each row's state is `memory.state_bytes` at fsdp=4 (master, moments and gradient over 4, no
+    weight copy; tests/test_fsdp.py holds it to the compiled step's arguments), its working memory the layer's plus
+    FSDP's gathered weights, named in the JSON and the table."""
+    monkeypatch.setattr(P, "Compiler", ArithmeticOnly)
+    cfg, t = CONTEXT_CFG, CONTEXT_T
+    plain = P.plan(cfg, t, 1, jax.devices(), "tiny", policies=[])
+    p = P.plan(cfg, t, 1, jax.devices(), "tiny", policies=[], fsdp=4)
+    row, before = p.row("tp+sp+selective"), plain.row("tp+sp+selective")
+    state = memory.state_bytes(cfg, t, fsdp=4)
+    assert (row.params_bytes_per_device, row.gradient_bytes_per_device, row.optimizer_bytes_per_device,
+            row.weight_copy_bytes_per_device) == (state.params, state.gradients, state.optimizer, 0)
+    assert state.params < before.params_bytes_per_device / 3  # all but the biases and norm scales split 4 ways
+    gathered = memory.fsdp_gathered_bytes(cfg, t, 4)
+    assert row.fsdp_gathered_bytes_per_device == gathered > 0
+    assert row.working_bytes_per_device == before.working_bytes_per_device + gathered
+    assert row.activation_bytes_per_device == before.activation_bytes_per_device
+    out = p.to_json()
+    assert out["fsdp"] == 4 and out["rows"][-1]["params_bytes_per_device"] == p.rows[-1].params_bytes_per_device
+    text = report.format_table(p)
+    assert "training state per device (t=2, d=1, fsdp=4," in text and "FSDP's gathered weights" in text
+    with pytest.raises(ConfigError, match="fsdp=3 does not divide hidden=64"):
+        P.plan(cfg, t, 1, jax.devices(), "tiny", policies=[], fsdp=3)
 
 
 def test_the_plan_says_what_it_compiles_on_stderr(monkeypatch):

@@ -69,12 +69,13 @@ def target_devices(target: str, count: int) -> list:
 
 def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distributed_optimizer: bool = False,
                   pipeline: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, context: int = 1,
-                  strategy: str = "all-gather") -> ParallelConfig:
+                  strategy: str = "all-gather", fsdp: int = 1) -> ParallelConfig:
     """The mesh a row's whole step compiles on. Data ranks all hold the same bytes unless the distributed
-    optimizer splits the state over them: only then does the step compile on all d of them."""
+    optimizer splits the state over them: only then does the step compile on all d of them. FSDP ranks each hold
+    their shard: the step compiles on all F."""
     return ParallelConfig(data=data if distributed_optimizer else 1, tensor=tensor, sequence_parallel=sequence_parallel,
                           distributed_optimizer=distributed_optimizer and data > 1, pipe=pipeline, schedule=schedule,
-                          virtual_stages=virtual_stages, context=context, context_strategy=strategy)
+                          virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp)
 
 
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,

@@ -31,6 +31,7 @@ class _Leaf:
     cast: bool  # copied to the compute dtype (all but LayerNorm parameters)
     sharded: bool  # over data or pipe (master_specs): the step gathers a full copy of it
     fsdp: int = 1  # the fsdp ranks it is split over (FSDP: each layer gathers it as it goes; its gradient is a shard)
+    fsdp_run: bool = False  # the run has fsdp ranks: the weights enter the step float32, each layer casts its own
 
     @property
     def gradient_elements(self) -> int:
@@ -39,11 +40,13 @@ class _Leaf:
 
     def copy_bytes(self, cfg: ModelConfig) -> int:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
-        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf; none of a leaf split
-        over fsdp (each layer casts and gathers its own as it runs: `fsdp_gathered_bytes`)."""
+        parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf. Under FSDP none
+        (each layer casts and gathers its weights as it runs: `fsdp_gathered_bytes`) but where the distributed
+        optimizer or a pipeline splits the master further: that is gathered over data or pipe, float32, its fsdp
+        shard."""
         e = cfg.itemsize
-        if self.fsdp > 1:
-            return 0
+        if self.fsdp_run:
+            return 4 * self.elements // self.fsdp if self.sharded else 0
         if self.sharded:
             return self.elements * (e if self.cast else 4)
         return self.elements * e if self.cast and cfg.dtype != "float32" else 0
@@ -75,7 +78,7 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
             n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
             split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe", "fsdp")]))
             out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast,
-                             any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1))
+                             any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1, fsdp > 1))
     return out
 
 

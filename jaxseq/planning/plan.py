@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate, validate_fsdp
 from jaxseq.models import formulas
 from jaxseq.models import model as M
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
@@ -18,8 +18,9 @@ from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import gpu_target
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
-from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, non_layer_activation_bytes,
-                                    parameter_elements_per_device, peak_bytes, state_bytes, state_bytes_by_part)
+from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, fsdp_gathered_bytes,
+                                    non_layer_activation_bytes, parameter_elements_per_device, peak_bytes,
+                                    state_bytes, state_bytes_by_part)
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
 
@@ -75,6 +76,7 @@ class Row:
     working_bytes_per_device: int
     total_bytes_per_device: int
     memory_source: str = CPU_SOURCE  # what stored and total were read from
+    fsdp_gathered_bytes_per_device: int = 0  # of the working memory: FSDP's gathered weights (`memory.fsdp_gathered_bytes`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Plan:
     context: int = 1  # every row compiled on a context × t mesh (the sequence split c ways, attention included)
     context_strategy: str = "all-gather"
     context_kv: dict | None = None  # formulas.context_kv_bytes: transient K/V and K/V traffic per layer per device
+    fsdp: int = 1  # FSDP: every weight's state split over this many ranks (each layer gathers its weights)
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -109,7 +112,8 @@ class Plan:
         cfg = self.config
         return {
             "model": self.model, "tensor": self.tensor, "seq_len": cfg.seq_len, "micro_batch": self.micro_batch,
-            "pipeline": self.pipeline, "data": self.data, "distributed_optimizer": self.distributed_optimizer,
+            "pipeline": self.pipeline, "data": self.data, "fsdp": self.fsdp,
+            "distributed_optimizer": self.distributed_optimizer,
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "microbatches": self.microbatches, "in_flight_layers": self.in_flight_layers,
             "bubble": self.bubble, "paper_bubble": self.paper_bubble,
@@ -134,7 +138,7 @@ class Plan:
         configuration (tensor, distributed optimizer: the plan's unless given)."""
         return plan_state(self.config, self.tensor if tensor is None else tensor, self.data, self.context,
                           self.distributed_optimizer if distributed_optimizer is None else distributed_optimizer,
-                          self.pipeline, by_part)
+                          self.pipeline, by_part, fsdp=self.fsdp)
 
     def optimizer_state(self) -> dict:
         """Per-device state bytes and bytes per parameter without and with the distributed optimizer (with it,
@@ -154,23 +158,23 @@ class Plan:
         optimizer state unsplit), its middle stages none of it."""
         parts = self.state(by_part=True)
         megatron = plan_state(self.config, self.tensor, self.data, self.context, self.distributed_optimizer,
-                              self.pipeline, by_part=True, embedding_over_pipe=False)[EMBEDDING_GROUP]
+                              self.pipeline, by_part=True, embedding_over_pipe=False, fsdp=self.fsdp)[EMBEDDING_GROUP]
         return {"layers": _parts(parts["layers"]), "embedding_group": _parts(parts[EMBEDDING_GROUP]),
                 "megatron_first_stage_embedding_group": _parts(megatron)}
 
 
 def plan_state(cfg: ModelConfig, tensor: int, data: int, context: int, distributed_optimizer: bool,
-               pipeline: int = 1, by_part: bool = False, embedding_over_pipe: bool = True):
+               pipeline: int = 1, by_part: bool = False, embedding_over_pipe: bool = True, fsdp: int = 1):
     """Per-device state bytes of the first of `pipeline` stages (its L/p layers): `memory.state_bytes`, or by
     part (`state_bytes_by_part`). The distributed optimizer splits the fp32 master weights and Adam moments over
     data × context (a context rank holds the same weights as its data rank: `Layout.master_specs` shards them over
     both), so every figure of a plan, its rows as its state tables, counts d·c here and nowhere else.
     `embedding_over_pipe=False`: the embedding group's optimizer state unsplit over `pipe` (Megatron-LM's first
-    stage)."""
+    stage). fsdp = F: every weight's master, moments and gradient split over F too, no compute copy (FSDP)."""
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     pipe = pipeline if embedding_over_pipe else 1
     count = state_bytes_by_part if by_part else state_bytes
-    return count(stage, tensor, data * context, distributed_optimizer, pipe)
+    return count(stage, tensor, data * context, distributed_optimizer, pipe, fsdp)
 
 
 def _parts(state: State) -> dict:
@@ -213,7 +217,7 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
          microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
-         context_strategy: str = "all-gather", progress=None, target: str | None = None) -> Plan:
+         context_strategy: str = "all-gather", progress=None, target: str | None = None, fsdp: int = 1) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -230,9 +234,12 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     parallelism holds for a moment and moves per layer (`formulas.context_kv_bytes`) is reported.
     progress: a `planning.progress.Progress`, told of each program as it starts compiling.
     target: a GPU (`gpu_target.TARGETS`): each row's stored bytes and total are then XLA:GPU's, from that row's
-    layer and its whole train step compiled for the GPU (`on_target`); FLOPs and collectives stay XLA:CPU's."""
+    layer and its whole train step compiled for the GPU (`on_target`); FLOPs and collectives stay XLA:CPU's.
+    fsdp = F: the state of every weight split over F ranks (FSDP; with data, HSDP) and each row's working memory
+    holding the gathered weights (`memory.fsdp_gathered_bytes`); the layers compile as before (an fsdp rank runs b
+    sequences like a data rank: its stored activations are the same)."""
     configs = configurations(tensor, policies)
-    _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy)
+    _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy, fsdp, distributed_optimizer)
     if target is not None:
         gpu_target.target_devices(target, 1)  # an unknown GPU or no CUDA plugin: one line before anything compiles
     n_micro = pipeline if microbatches is None else microbatches
@@ -256,12 +263,12 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     stage = replace(cfg, layers=-(-cfg.layers // pipeline))
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
-                     plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline), context,
-                     context_strategy)
+                     plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline, fsdp=fsdp), context,
+                     context_strategy, fsdp_gathered_bytes(cfg, c.tensor, fsdp))
             for c, m in measured.items()]
     if target is not None:
         step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
-                    virtual_stages=virtual_stages, context=context, strategy=context_strategy)
+                    virtual_stages=virtual_stages, context=context, strategy=context_strategy, fsdp=fsdp)
         rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress)
                 for r, c in zip(rows, measured)]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
@@ -273,7 +280,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                 virtual_stages=virtual_stages, microbatches=n_micro, in_flight_layers=float(in_flight_layers),
                 bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight, context=context,
                 context_strategy=context_strategy,
-                context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy))
+                context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy), fsdp=fsdp)
 
 
 def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbatches: int, in_flight_layers: float,
@@ -301,8 +308,12 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
 
 
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,
-                     context: int = 1, strategy: str = "all-gather") -> None:
+                     context: int = 1, strategy: str = "all-gather", fsdp: int = 1,
+                     distributed_optimizer: bool = False) -> None:
     """One-line ConfigErrors before anything is compiled."""
+    if not isinstance(fsdp, int) or fsdp <= 0:
+        raise ConfigError(f"fsdp={fsdp!r} must be a positive integer")
+    validate_fsdp(cfg, ParallelConfig(data=data, fsdp=fsdp, context=context, distributed_optimizer=distributed_optimizer))
     if context > 1 and pipeline > 1:  # validate_context's refusal, for the plan's whole-model pipeline figures
         validate(cfg, ParallelConfig(pipe=pipeline, context=context, context_strategy=strategy), "none")
     for c in configs:
@@ -335,9 +346,11 @@ def _check_devices(devices, tensor: int, pipeline: int) -> None:
 
 
 def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_flight_layers: int,
-             baseline_flops: float, state: State, context: int = 1, strategy: str = "all-gather") -> Row:
+             baseline_flops: float, state: State, context: int = 1, strategy: str = "all-gather",
+             fsdp_gathered: int = 0) -> Row:
     """Row c as the table prints it: its compiled layer beside the paper's formula and the no-recompute
-    baseline, and its bytes per device with `in_flight_layers` layers' worth of activations."""
+    baseline, and its bytes per device with `in_flight_layers` layers' worth of activations; under FSDP the
+    working memory holds the gathered weights too (`fsdp_gathered`)."""
     b = micro_batch
     formula = formula_bytes_per_layer(cfg, c, b, context, strategy)
     activations = activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
@@ -349,8 +362,9 @@ def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_fli
         flops_per_layer=m.flops_per_layer, recompute_overhead_pct=100 * (m.flops_per_layer / baseline_flops - 1),
         collective_bytes_per_layer=sum(m.collective_bytes_per_layer.values()),
         collectives=m.collective_bytes_per_layer,
-        activation_bytes_per_device=activations, working_bytes_per_device=m.working_bytes,
-        **_state_columns(state, activations, m.working_bytes))
+        activation_bytes_per_device=activations, working_bytes_per_device=m.working_bytes + fsdp_gathered,
+        fsdp_gathered_bytes_per_device=fsdp_gathered,
+        **_state_columns(state, activations, m.working_bytes + fsdp_gathered))
 
 
 def _state_columns(state: State, activations: int, working: int) -> dict:

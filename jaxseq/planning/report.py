@@ -157,7 +157,7 @@ def _format_whole_model(p: Plan) -> str:
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
                                         f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule}, compiled)")
     return (
-        f"whole model per device (t={t}, d={p.data}{stage}"
+        f"whole model per device (t={t}, d={p.data}{f', fsdp={p.fsdp}' if p.fsdp > 1 else ''}{stage}"
         f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
         f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
         f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
@@ -166,6 +166,9 @@ def _format_whole_model(p: Plan) -> str:
         + (f"the rest of the whole train step's peak. Stored, activ., work. and total: {state.memory_source}"
            if state.memory_source != CPU_SOURCE else
            "the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
+           + (f" + FSDP's gathered weights, {state.fsdp_gathered_bytes_per_device / GIB:.2f} GiB (one layer's, or "
+              "the largest embedding table's, in the compute dtype with its float32 gradient: from shapes)"
+              if p.fsdp > 1 else "")
            + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU: "
               "plan --target h100 compiles the GPU's program)" if cfg.dtype != "float32" else "")))
 
@@ -204,7 +207,8 @@ def format_optimizer_state(p: Plan) -> list[str]:
     unit, scale = _unit(without["bytes_per_device"]["total"], BYTES_MODEL)
     used = "with" if p.distributed_optimizer else "without"
     over = "data" if p.context == 1 else f"data × context = {p.data * p.context}"
-    lines = [f"training state per device (t={p.tensor}, d={p.data}{f', c={p.context}' if p.context > 1 else ''}, "
+    lines = [f"training state per device (t={p.tensor}, d={p.data}{f', c={p.context}' if p.context > 1 else ''}"
+             f"{f', fsdp={p.fsdp}' if p.fsdp > 1 else ''}, "
              f"{p.parameters_per_device / 1e6:,.1f}M parameters "
              f"per device; the totals above use: {used}):",
              f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
@@ -214,6 +218,9 @@ def format_optimizer_state(p: Plan) -> list[str]:
                      f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
     lines.append(f"  with: master weights and moments split over {over} (--distributed-optimizer); the weight copy is "
                  f"gathered over {over} once per step; gradients are full during backward, then reduce-scattered")
+    if p.fsdp > 1:
+        lines.append(f"  both: every weight's master, moments and gradient split over fsdp={p.fsdp} (FSDP); no weight "
+                     "copy is kept: each layer casts and gathers its weights as it runs (biases and norm scales whole)")
     return lines
 
 
