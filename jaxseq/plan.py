@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes and totals), or each layer of --search; default: XLA:CPU on simulated devices")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    g = p.add_argument_group("--search", "choose t, p, v, d, micro-batch, remat, SP and the distributed optimizer "
+    g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search.py states the memory and time model)")
     g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
     g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-sizes", default="1,2,4,8",
                    help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); the ring without a "
                         "pipeline (default 1,2,4,8)")
+    g.add_argument("--fsdp-sizes", default="1",
+                   help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
+                        "(default 1: no FSDP; e.g. 1,2,4,8)")
+    g.add_argument("--fsdp-overlap", action="store_true",
+                   help="charge FSDP's gathers and reduce-scatters only beyond the compute of the micro-batch they can "
+                        "hide behind (MaxText's pipelined gathers; default: not overlapped, as nothing is)")
     g.add_argument("--scale-context", action="store_true",
                    help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
@@ -158,10 +164,11 @@ def search_request(args) -> search_space.Request:
                  "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
     time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
-                             link_efficiency=args.link_efficiency)
+                             link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap)
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
-                     search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes))
+                     search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
+                     search.parse_list(args.fsdp_sizes))
 
 
 def _search(args) -> int:

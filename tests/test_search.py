@@ -48,11 +48,15 @@ class HandCosts:
         collectives = ({"all-gather": 3e6 * b, "reduce-scatter": 2e6 * b} if sp else {"all-reduce": 2e6 * b}) if t > 1 else {}
         return S.LayerCost(REMAT_STORED[remat] * 1e6 * b / t, collectives, 5e5 * b + 1e6, 2e6 * b / t)
 
-    def state(self, stage, t, d, dist, p):
+    def state(self, stage, t, d, dist, p, f=1):
         layers = stage.layers * 10_000_000 // t  # parameters of the stage's layers, + 1M of embedding
         n = layers + 1_000_000
-        master = 4 * (layers + 1_000_000 // p) // (d if dist else 1)  # the embedding's split over pipe too
-        return S.StateCost(master + 4 * n + 2 * master + 2 * n, n, master, layers, 2 * n, 2 * layers)
+        master = 4 * (layers + 1_000_000 // p) // (d if dist else 1) // f  # the embedding's split over pipe too
+        if f == 1:
+            return S.StateCost(master + 4 * n + 2 * master + 2 * n, n, master, layers, 2 * n, 2 * layers)
+        # FSDP: every parameter's gradient split over f, no compute copy, one layer's bf16 weights + f32 gradient
+        gradients, gathered = 4 * n // f, 6 * 10_000_000 // t
+        return S.StateCost(master + gradients + 2 * master, n, master, layers, 0, 0, gradients, gathered)
 
 
 def request(**kw):
@@ -319,6 +323,58 @@ def test_memory_terms_are_the_hand_computation():
     flat = S.memory(CFG, S.Candidate(2, 1, 1, 8, 2, "selective", True, True, 2), layer, split)
     assert flat.accumulator_bytes == 4 * split.parameters
     assert flat.executor.total_bytes == 0
+
+
+def test_fsdp_candidates_split_the_data_ranks():
+    """With --fsdp-sizes 1,2,4: every candidate's t·p·c·d·f = G, its batch rows d·f·b·m = B, f divides the hidden
+    size; each (t, p, c) mesh's data ranks appear split every way the sizes allow, the distributed optimizer only
+    where d·c > 1."""
+    r = request(fsdp_sizes=(1, 2, 4))
+    found = S.enumerate_candidates(CFG, r)
+    assert {c.fsdp for c in found} == {1, 2, 4}
+    for c in found:
+        assert c.tensor * c.pipe * c.context * c.data * c.fsdp == r.gpus
+        assert c.data * c.fsdp * c.micro_batch * c.microbatches == r.global_batch
+        assert not c.distributed_optimizer or c.data * c.context > 1
+    plain = {replace(c, fsdp=1) for c in S.enumerate_candidates(CFG, request()) if c.data % 4 == 0}
+    assert {replace(c, data=c.data * 4, fsdp=1) for c in found if c.fsdp == 4 and not c.distributed_optimizer} <= plain
+    assert S.enumerate_candidates(replace(CFG, hidden=66, heads=6), r) and not [
+        c for c in S.enumerate_candidates(replace(CFG, hidden=66, heads=6), r) if c.fsdp == 4]  # 4 ∤ 66
+
+
+def test_fsdp_time_and_memory_are_the_hand_computation():
+    """t=1 p=1 d=4 f=4, b=1, m=2, full: FSDP's gathers and reduce-scatters per micro-batch over the f ranks (t·f = 4
+    fits a node: NVLink), the data ranks' reduction of the gradient shards between nodes, no weight copy, one
+    layer's gathered weights and gradient in the memory, the accumulator of shards."""
+    c = S.Candidate(1, 1, 1, 4, 1, "full", False, False, 2, fsdp=4)
+    costs, tm = HandCosts(), S.TimeModel(compute_efficiency=0.5, memory_efficiency=0.8, link_efficiency=0.8)
+    layer, state = costs.layer(1, False, "full", 1), costs.state(CFG, 1, 4, False, 1, 4)
+    t = S.step_time(CFG, c, layer, state, NODE, tm)
+    per_layer, embedding = 10_000_000, 1_000_000  # parameters of a layer at t = 1, of the embedding group
+    gathers = 3 / 4 * 2 * (2 * 4 * per_layer + embedding)  # bf16, forward and backward; the embedding once
+    scatters = 3 / 4 * 4 * (4 * per_layer + embedding)  # float32 gradients
+    assert t.fsdp_s == pytest.approx(2 * (gathers + scatters) / 160e9)
+    # the data ranks (t·f·d = 16 > 4: between nodes) all-reduce the fp32 gradient shards, 2(d − 1)/d
+    assert t.dp_s == pytest.approx(2 * 3 / 4 * 4 * 41_000_000 / 4 / 10e9)
+    # no compute copy under FSDP: the optimizer step moves the master shards' 32 bytes per element alone
+    assert t.optimizer_s == pytest.approx(32 * 41_000_000 / 4 / 800e9)
+    assert t.total_s == pytest.approx(t.compute_s + t.tp_s + t.dp_s + t.optimizer_s + t.fsdp_s)
+    # An fsdp group across nodes: its ranks in a node (4 here) each drive an InfiniBand link, up to NVLink's
+    assert S.links(replace(c, fsdp=8, data=2), NODE)["fsdp"] == 4 * 12.5
+    assert S.links(replace(c, tensor=4, fsdp=4, data=1), NODE)["fsdp"] == 12.5
+    # --fsdp-overlap: only what each micro-batch's compute cannot hide
+    hidden = S.step_time(CFG, c, layer, state, NODE, replace(tm, fsdp_overlap=True))
+    assert hidden.fsdp_s == pytest.approx(2 * max(0.0, (gathers + scatters) / 160e9 - t.compute_s / 2))
+    assert 0 < hidden.fsdp_s < t.fsdp_s and hidden.compute_s == t.compute_s
+    mem = S.memory(CFG, c, layer, state)
+    assert mem.fsdp_gathered_bytes == 6 * per_layer and mem.accumulator_bytes == 4 * 41_000_000 / 4
+    assert mem.total_bytes == state.total_bytes + mem.activation_bytes + mem.working_bytes + 6 * per_layer + (
+        4 * 41_000_000 / 4)
+    res = S.search(CFG, request(fsdp_sizes=(1, 4)), HandCosts(), "hand")
+    text = S.format_result(res, top=40)
+    assert " f " in text.splitlines()[5] and "FSDP s" in text and "f = FSDP ranks" in text
+    assert any(e.candidate.fsdp == 4 for e in res.ranked) and S.to_json(res)["fsdp_sizes"] == [1, 4]
+    assert "FSDP s" not in S.format_result(S.search(CFG, request(), HandCosts(), "hand"))
 
 
 def test_no_fit_and_nothing_valid_are_one_line():

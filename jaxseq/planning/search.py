@@ -4,6 +4,11 @@ Enumerates every valid (t, p, v, c, d, micro-batch b, remat policy, SP, distribu
 the context strategy) for G GPUs and a global batch B, predicts each one's memory per device (the first pipeline stage) and time per
 step, drops those over the memory budget, and ranks the rest by predicted time.
 
+FSDP (`--fsdp-sizes`, default 1): a mesh's G/(t·p·c) data-parallel ranks split d × f, f FSDP ranks (f dividing
+the hidden size); the batch's rows over d·f, m = B/(d·f·b); the state of every weight split over f (with the
+distributed optimizer further over d·c), one layer's gathered weights and float32 gradient in the working memory,
+and per micro-batch each layer's weights gathered twice and gradients reduce-scattered once over f (`fsdp_bytes`).
+
 Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads, and divides the
 K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times);
 t·p·c·d = G with c from `--context-sizes` (context parallelism: c divides the sequence into 2c chunks; the ring
@@ -111,6 +116,12 @@ class StateCost:
     weight_copy_bytes: float  # the compute copy a step makes (float32 without the distributed optimizer: of the
     #                           embedding group only, gathered from its `pipe` split under a pipeline, else none)
     layer_copy_bytes: float  # of that, the stage's layers' (none: float32 without the distributed optimizer)
+    gradient_bytes: float | None = None  # fp32 gradients on the device (None: 4 bytes a parameter; under FSDP shards)
+    fsdp_gathered_bytes: float = 0.0  # FSDP: the gathered weights alive at once (`memory.fsdp_gathered_bytes`)
+
+    @property
+    def gradients(self) -> float:
+        return 4.0 * self.parameters if self.gradient_bytes is None else self.gradient_bytes
 
 
 class Costs(Protocol):
@@ -118,7 +129,8 @@ class Costs(Protocol):
     def prepare(self, keys: list[tuple[int, bool, str, int, str]], micro_batches: tuple[int, ...]) -> None: ...
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
               strategy: str = "all-gather") -> LayerCost: ...
-    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> StateCost: ...
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
+              fsdp: int = 1) -> StateCost: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,10 +215,11 @@ class Memory:
     accumulator_bytes: float  # the fp32 accumulator of gradient accumulation without a pipeline
     in_flight_layers: float
     executor: ExecutorBuffers  # the pipeline executor's own buffers (none without a pipeline)
+    fsdp_gathered_bytes: float = 0.0  # FSDP: one layer's (or embedding table's) gathered weights and gradient
 
     @property
     def total_bytes(self) -> float:
-        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes,
+        return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes + self.fsdp_gathered_bytes,
                           self.accumulator_bytes) + self.executor.total_bytes
 
 
@@ -235,10 +248,12 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
     layer = at_context(cfg, c, layer)
     in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
-    # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data
-    accumulator = 4.0 * state.parameters if c.pipe == 1 and c.microbatches > 1 else 0.0
+    # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data (under
+    # FSDP each micro-batch's gradients are reduce-scattered over fsdp at once: the sum is of the shards)
+    accumulator = state.gradients if c.pipe == 1 and c.microbatches > 1 else 0.0
     executor = executor_buffers(cfg, c, layer, state) if c.pipe > 1 else NO_EXECUTOR
-    return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor)
+    return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor,
+                  state.fsdp_gathered_bytes)
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -261,21 +276,28 @@ class Time:
     bubble: float
     context_s: float = 0.0  # K/V traffic of context parallelism (its bubble share is in bubble_s)
     optimizer_s: float = 0.0  # the AdamW update after the gradient reduction (`optimizer_seconds`)
+    fsdp_s: float = 0.0  # FSDP's weight gathers and gradient reduce-scatters (`fsdp_bytes`; bubble share in bubble_s)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s + self.optimizer_s
+        return (self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s + self.optimizer_s
+                + self.fsdp_s)
 
 
 def links(c: Candidate, hw: Hardware) -> dict[str, float]:
     """Bandwidth (GB/s) each group's collectives see: inside a node if the group's ranks fit in one
-    (tensor fastest, then context, data, pipe: the mesh's order); "data" is data × context, the gradients'."""
+    (tensor fastest, then context, fsdp, data, pipe: the mesh's order); "data" is data × context, the gradients'.
+    An fsdp group that spans nodes with g of its ranks in each node sees g InfiniBand links (NCCL runs a channel
+    over each NIC), up to NVLink's bandwidth: MaxText's FSDP=64 step on 8 nodes of 8 H100s moves its weights
+    within the measured step only so (experiments/results/fsdp.md); the other groups keep one link per GPU."""
     intra, inter = hw.intra_node_gb_per_s, hw.inter_node_gb_per_s
     n, tc = hw.gpus_per_node, c.tensor * c.context
+    per_node = max(1, min(c.fsdp, n // tc))  # the fsdp group's ranks in one node
     return {"tensor": intra if c.tensor <= n else inter,
             "context": intra if tc <= n else inter,
-            "data": intra if tc * c.data <= n else inter,
-            "pipe": intra if tc * c.data * c.pipe <= n else inter}
+            "fsdp": intra if tc * c.fsdp <= n else min(intra, per_node * inter),
+            "data": intra if tc * c.fsdp * c.data <= n else inter,
+            "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
 def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
@@ -294,13 +316,28 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel)
 UPDATE_BYTES_PER_ELEMENT = 32
 
 
-def optimizer_seconds(state: StateCost, itemsize: int, hw: Hardware, tm: TimeModel) -> float:
+def optimizer_seconds(state: StateCost, itemsize: int, hw: Hardware, tm: TimeModel, fsdp: int = 1) -> float:
     """The optimizer step, memory-bound: `UPDATE_BYTES_PER_ELEMENT` per master element the device updates (1/d of them
     with the distributed optimizer) and, per parameter it computes with, the next compute copy (read the fp32
     weight, write `itemsize`), at the elementwise kernels' fraction of HBM bandwidth. With one GPU and one
-    micro-batch of gpt3-1.3b on an H100 it is about a tenth of the step."""
-    moved = UPDATE_BYTES_PER_ELEMENT * state.master_bytes / 4 + (4 + itemsize) * state.parameters
+    micro-batch of gpt3-1.3b on an H100 it is about a tenth of the step. Under FSDP (fsdp > 1) there is no copy:
+    each layer casts its shard as it gathers it."""
+    moved = UPDATE_BYTES_PER_ELEMENT * state.master_bytes / 4 + (4 + itemsize) * state.parameters * (fsdp == 1)
     return moved / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9)
+
+
+def fsdp_bytes(cfg: ModelConfig, c: Candidate, state: StateCost) -> float:
+    """Bytes a device sends per micro-batch for FSDP (ring collectives over the f ranks): each of the stage's layers
+    gathers its weights in the compute dtype in forward and again in backward and reduce-scatters their float32
+    gradient; the embedding group is gathered and its gradient reduce-scattered once (its uses: the lookup, the
+    logits)."""
+    if c.fsdp == 1:
+        return 0.0
+    e, layers = cfg.itemsize, cfg.layers // c.pipe
+    per_layer = state.layer_parameters / layers
+    embedding = state.parameters - state.layer_parameters
+    gathers = ring_traffic("all-gather", e * (2 * layers * per_layer + embedding), c.fsdp)
+    return gathers + ring_traffic("reduce-scatter", 4.0 * (layers * per_layer + embedding), c.fsdp)
 
 
 def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
@@ -317,14 +354,18 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
     _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
     m = c.microbatches
-    n = state.parameters
+    fsdp = fsdp_bytes(cfg, c, state) / bw["fsdp"]
+    if tm.fsdp_overlap:  # hidden behind the micro-batch's compute where it fits
+        fsdp = max(0.0, fsdp - compute)
+    grads = state.gradients  # under FSDP the shards: each rank reduces its own over data × context
     reduce = c.data * c.context  # gradients reduce over data × context (context ranks are data ranks to weights)
-    if c.distributed_optimizer:
-        dp_bytes = ring_traffic("reduce-scatter", 4 * n, reduce) + ring_traffic("all-gather", itemsize * n, reduce)
+    if c.distributed_optimizer:  # the compute copy gathered back: under FSDP its float32 fsdp shard
+        copy = itemsize * state.parameters if c.fsdp == 1 else grads
+        dp_bytes = ring_traffic("reduce-scatter", grads, reduce) + ring_traffic("all-gather", copy, reduce)
     else:
-        dp_bytes = ring_traffic("all-reduce", 4 * n, reduce)
-    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context) * bubble, dp_bytes / bw["data"],
-                bubble, m * context, optimizer_seconds(state, itemsize, hw, tm))
+        dp_bytes = ring_traffic("all-reduce", grads, reduce)
+    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context + fsdp) * bubble, dp_bytes / bw["data"],
+                bubble, m * context, optimizer_seconds(state, itemsize, hw, tm, c.fsdp), m * fsdp)
 
 
 @dataclass(frozen=True)
@@ -347,11 +388,13 @@ class Evaluated:
         return {**asdict(c), "schedule": c.schedule,
                 "memory_gib": {"total": mem.total_bytes / GIB, "state": mem.state_bytes / GIB,
                                "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
+                               "fsdp_gathered": mem.fsdp_gathered_bytes / GIB,
                                "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
                                "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
-                           "context_kv": t.context_s, "optimizer_update": t.optimizer_s},
+                           "context_kv": t.context_s, "optimizer_update": t.optimizer_s,
+                           "fsdp_gather_scatter": t.fsdp_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context}
 
@@ -360,7 +403,7 @@ def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evalua
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
     # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context, c.distributed_optimizer,
-                        c.pipe)
+                        c.pipe, c.fsdp)
     mem = memory(cfg, c, layer, state)
     t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
     tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
@@ -423,8 +466,18 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
 # Output
 
 
+FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's state split over f); FSDP s = each "
+             "layer's weights gathered in forward and again in backward and their float32 gradients reduce-scattered, "
+             "per micro-batch, over the f ranks' links (NVLink where t·c·f fits a node, else one InfiniBand link per "
+             "rank of the group in a node), not "
+             "overlapped with compute (with --fsdp-overlap: only what the micro-batch's compute cannot hide); its "
+             "memory: the state over f plus one layer's gathered weights and gradient (memory.fsdp_gathered_bytes)")
+
+
 def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
+    fsdp = any(f > 1 for f in r.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
+    f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
@@ -432,22 +485,27 @@ def format_result(res: Result, top: int = 10) -> str:
         f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
         f"time model: each GEMM in waves of {K.TILE[0]}×{K.TILE[1]} tiles at {tm.compute_efficiency:g} of peak or at "
         f"HBM speed if memory-bound, elementwise kernels at {tm.memory_efficiency:g} of HBM bandwidth, links at "
-        f"{tm.link_efficiency:g} of bandwidth, nothing overlapped",
+        f"{tm.link_efficiency:g} of bandwidth, "
+        + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
+           "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped"),
         f"memory: {MEMORY_ACCOUNTING}; {memory_source(res)}",
         f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} layers (t, SP, remat; c and "
         f"strategy where compiled at c > 1) measured from compiled programs",
         "",
-        f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4} {'b':>2} {'m':>5} {'remat':<10}{'SP':<4}{'DO':<4}"
+        f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
+        f"{'remat':<10}{'SP':<4}{'DO':<4}"
         f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
-        f"{'CP s':>8}{'opt s':>8}  CP strategy, layer",
+        f"{'CP s':>8}{fsdp_head}{'opt s':>8}  CP strategy, layer",
     ]
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
         lines.append(
-            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.context:>2} {c.data:>4} {c.micro_batch:>2} {c.microbatches:>5} "
+            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
+            f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
-            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}{t.optimizer_s:>8.3f}"
+            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
+            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if M.traits(cfg).papers_formulas
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
@@ -458,6 +516,8 @@ def format_result(res: Result, top: int = 10) -> str:
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
+    if fsdp:
+        lines += [FSDP_NOTE]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:
@@ -505,7 +565,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
-        "context_sizes": list(r.context_sizes),
+        "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",

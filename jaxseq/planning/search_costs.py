@@ -7,8 +7,8 @@ from dataclasses import asdict
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
 from jaxseq.planning import search
 from jaxseq.planning.measure import Compiler, RowSpec
-from jaxseq.planning.memory import (non_layer_activation_bytes, parameter_elements_per_device, state_bytes,
-                                    state_bytes_by_part)
+from jaxseq.planning.memory import (fsdp_gathered_bytes, non_layer_activation_bytes, parameter_elements_per_device,
+                                    state_bytes, state_bytes_by_part)
 
 
 class SearchCosts:
@@ -91,13 +91,15 @@ class SearchCosts:
             m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
             non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c)
 
-    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int) -> search.StateCost:
-        key = (stage, tensor, data, distributed_optimizer, pipe)
+    def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
+              fsdp: int = 1) -> search.StateCost:
+        key = (stage, tensor, data, distributed_optimizer, pipe, fsdp)
         if key not in self._states:
-            parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe)
-            state = state_bytes(stage, tensor, data, distributed_optimizer, pipe)
+            parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe, fsdp)
+            state = state_bytes(stage, tensor, data, distributed_optimizer, pipe, fsdp)
             parameters = parameter_elements_per_device(stage, tensor)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
             self._states[key] = search.StateCost(state.total, parameters, state.params, parameters - outside_layers,
-                                            state.weight_copy, parts["layers"].weight_copy)
+                                                 state.weight_copy, parts["layers"].weight_copy, state.gradients,
+                                                 fsdp_gathered_bytes(stage, tensor, fsdp))
         return self._states[key]
