@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--coordinator", help="multi-process: HOST:PORT of process 0 (auto under SLURM / Open MPI)")
     a("--num-processes", type=int, help="multi-process: number of processes")
     a("--process-id", type=int, help="multi-process: this process's index")
+    a("--heartbeat-timeout", type=int, default=DistributedConfig().heartbeat_timeout_s,
+      help="multi-process: seconds without a peer's heartbeat after which every process stops (default "
+           f"{DistributedConfig().heartbeat_timeout_s}; bounded time, no hang, when a host dies)")
     a("overrides", nargs="*", help="key=value overrides of config fields")
     return p
 
@@ -411,7 +414,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     validate_train(train)
     validate_optimizer(optimizer)
     distributed = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
-                                    process_id=args.process_id)
+                                    process_id=args.process_id, heartbeat_timeout_s=args.heartbeat_timeout)
     parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
                                 (args.schedule, args.virtual_stages), resumed=saved is not None)
     corpus = load_corpus(train.data, train.tokenizer)
