@@ -186,13 +186,14 @@ def test_round_trip_of_an_older_layout(hf_model, tmp_path):
 
 @pytest.mark.slow
 def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
-    """`train --init-from` on data=2 × tensor=4 + SP with lr=0, then to-hf: the weights come back exactly."""
+    """`train --init-from` on fsdp=4 × tensor=2 + SP (FSDP: the weights placed and saved in their fsdp shards) with
+    lr=0, then to-hf: the weights come back exactly."""
     from commands import command
     from jaxseq import train
 
     (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
     run = str(tmp_path / "run")
-    proc = command(train.main, "--init-from", converted, "--data", str(tmp_path / "text.txt"), "--mesh", "data=2,tensor=4",
+    proc = command(train.main, "--init-from", converted, "--data", str(tmp_path / "text.txt"), "--mesh", "fsdp=4,tensor=2",
                    "--sequence-parallel", "--host-devices", "8", "--steps", "1", "--batch-size", "4", "--lr", "0",
                    "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -66,6 +66,29 @@ def test_tensor_8_with_sp_on_eight_h100s_compiles_its_nccl_collectives():
     assert compiled.memory_analysis() is not None
 
 
+def test_fsdp_compiles_for_eight_h100s_gathering_bf16_and_reducing_float32():
+    """FSDP's step (fsdp=4 × tensor=2 + SP, bf16) in XLA:GPU's program, where nothing promotes a bf16 collective:
+    every all-gather over the fsdp groups moves the compute dtype (each shard cast before its gather: half the
+    float32 master's bytes), and every reduction over them float32 (the layers' gradient reduce-scatters among
+    them, in the layer loop)."""
+    import numpy as np
+
+    from jaxseq.mesh import make_mesh
+    from jaxseq.planning import hlo as HLO
+
+    parallel = ParallelConfig(fsdp=4, tensor=2, sequence_parallel=True)
+    cfg = replace(preset("tiny"), dtype="bfloat16", dropout=0.0)
+    text = G.compile_step(cfg, parallel, "selective", 2, 1, "h100").as_text()
+    mesh = make_mesh(parallel, G.target_devices("h100", 8))
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    fsdp = {tuple(sorted(g)) for g in np.moveaxis(ids, mesh.axis_names.index("fsdp"), -1).reshape(-1, 4).tolist()}
+    gathers = HLO.all_gathers(text, 4)
+    assert gathers and {g.dtype for g in gathers} == {"bf16"} and any(g.in_loop for g in gathers)
+    over_fsdp = [r for r in HLO.reductions(text) if r.groups and {tuple(sorted(g)) for g in r.groups} == fsdp]
+    assert any(r.kind == "reduce-scatter" and r.in_loop for r in over_fsdp)
+    assert {d for r in over_fsdp for d in r.dtypes} == {"f32"}, over_fsdp
+
+
 def test_data_and_pipeline_layouts_compile_with_xlas_attention_where_cudnns_does_not():
     """cuDNN's attention does not partition inside jaxseq's data-parallel region (nor the pipeline's, nor the
     all-gather context's): `config.cudnn_compiles` gives those XLA's attention, which compiles for the H100."""
