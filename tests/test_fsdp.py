@@ -160,6 +160,19 @@ def test_state_bytes_per_device_are_twelve_bytes_a_parameter_over_fsdp(bf16_prog
     assert (planned.params + planned.optimizer, planned.gradients) == (12 * (split + whole), 4 * (split + whole))
 
 
+@pytest.mark.parametrize("remat", ["dots", "dots_no_batch"])
+def test_no_policy_keeps_a_gathered_weight(devices, remat):
+    """A layer's stored bytes in the compiled train step at fsdp=8 equal data=8's (each rank b rows either way):
+    the gathered weights are not among what a policy keeps. The dot policies are the ones that could (they save
+    matmul outputs by JAX's dot rules); the others keep named tensors only, which a gathered weight is not (and
+    `test_each_layer_gathers_its_weights_inside_the_loop…` reads `selective`'s backward gathering again)."""
+    stored = []
+    for parallel in (ParallelConfig(data=8), ParallelConfig(fsdp=8)):
+        compiled = aot.compile_train_step(GPT, parallel, remat, make_mesh(parallel), 1)
+        stored.append(HLO.stored_bytes_per_layer(compiled.as_text(), GPT.layers))
+    assert stored[0] == stored[1] > 0, stored
+
+
 OPT = T.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0, decay_steps=100), GPT)
 STEPS, SAVED_AT = 4, 2
 
