@@ -53,7 +53,7 @@ def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A pipe × data × context × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
+    """A pipe × data × fsdp × context × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
 
     Tensor ranks are the fastest-varying axis: consecutive devices (one host's GPUs) form a tensor
     group, data parallelism spans hosts, pipeline stages are the slowest axis, as the Megatron-LM
