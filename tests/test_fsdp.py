@@ -49,7 +49,10 @@ def gradients(cfg, parallel: ParallelConfig, micro_batches: int):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+FAST = ("fsdp=8 m=2", "fsdp=4,tensor=2+sp llama")  # the fast tier's; the rest compile a region each (slow)
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])
 def test_loss_and_every_gradient_equal_one_device(devices, name):
     cfg, parallel, micro_batches = LAYOUTS[name]
     loss, grads = gradients(cfg, parallel, micro_batches)
@@ -160,6 +163,7 @@ def test_state_bytes_per_device_are_twelve_bytes_a_parameter_over_fsdp(bf16_prog
     assert (planned.params + planned.optimizer, planned.gradients) == (12 * (split + whole), 4 * (split + whole))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["dots", "dots_no_batch"])
 def test_no_policy_keeps_a_gathered_weight(devices, remat):
     """A layer's stored bytes in the compiled train step at fsdp=8 equal data=8's (each rank b rows either way):
