@@ -45,15 +45,14 @@ ALLOWED = {
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
     "parallel.ticks": {"config", "parallel.schedule"},
-    "parallel.data_parallel": {"config", "mesh", "models.model", "parallel.context", "parallel.fsdp", "parallel.layout",
-                               "sharding"},
+    "parallel.data_parallel": {"config", "mesh", "models.model", "parallel.context", "parallel.layout", "sharding"},
     "parallel.context": {"config", "models.ops", "parallel.region", "remat", "sharding"},
     "parallel.pipeline": {"config", "mesh", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
                           "parallel.region", "parallel.schedule", "parallel.ticks", "remat", "sharding"},
     "parallel.distributed": {"config"},
     "parallel.layout": {"config", "mesh", "models.model", "sharding"},
     "parallel.region": {"mesh", "parallel.fsdp", "sharding"},
-    "parallel.fsdp": set(),
+    "parallel.fsdp": {"mesh"},
     # training: the step, the loop and what it reads and writes
     "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
                             "parallel.pipeline"},

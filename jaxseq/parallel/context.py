@@ -35,7 +35,7 @@ from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq import remat as R
 from jaxseq.models import ops as O
 from jaxseq.parallel.region import StageSharder
-from jaxseq.sharding import Sharder, context_chunks, entry_axes
+from jaxseq.sharding import Sharder, context_chunks, entry_axes, spec_axes
 
 FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
 
@@ -113,7 +113,7 @@ def _vary(x, axes):
 def _axes(spec: P) -> set[str]:
     """The mesh axes a spec splits over: a shard_map manual over exactly these sees each device's block (left
     Auto, XLA was seen replicating the block over them first)."""
-    return {a for entry in spec for a in entry_axes(entry)}
+    return set(spec_axes(spec))
 
 
 # ---------------------------------------------------------------------------------------------

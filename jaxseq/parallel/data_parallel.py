@@ -24,8 +24,7 @@ from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model as M
 from jaxseq.parallel import context
 from jaxseq.parallel.layout import Layout, gradient_axes
-from jaxseq.mesh import batch_axes
-from jaxseq.parallel.fsdp import FSDP
+from jaxseq.mesh import FSDP_AXIS, batch_axes
 from jaxseq.sharding import Sharder, entry_axes, only_axes, spec_axes
 
 
@@ -70,7 +69,7 @@ def reduce_over(g, spec: P, over: tuple[str, ...]):
 
 def fsdp_split(layout: Layout) -> dict:
     """The weights' specs naming `fsdp` alone: how each enters a region manual over it (its shard)."""
-    return jax.tree.map(lambda spec: only_axes(spec, (FSDP,)), layout.param_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda spec: only_axes(spec, (FSDP_AXIS,)), layout.param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def left_to_reduce(layout: Layout, over: tuple[str, ...]) -> dict:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-FSDP = "fsdp"
+from jaxseq.mesh import FSDP_AXIS as FSDP
 
 
 def gather(w, *, dim: int | None, dtype, tensor_spec: P):
