@@ -110,7 +110,7 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh shape: pipe × data × fsdp × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
-    layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved; see
+    layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved, zb-h1; see
     parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
     `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).
 
@@ -278,7 +278,7 @@ def replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # pipeline schedules (jaxseq/parallel/schedule.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline schedules (jaxseq/parallel/schedule.py)
 
 
 def resolve_schedule(name: str, virtual_stages: int) -> str:
@@ -291,6 +291,9 @@ def resolve_schedule(name: str, virtual_stages: int) -> str:
         raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule, not gpipe")
     if name == "interleaved" and virtual_stages == 1:
         raise ConfigError("schedule=interleaved needs virtual_stages ≥ 2 (with 1 it is 1f1b)")
+    if name == "zb-h1" and virtual_stages > 1:
+        raise ConfigError(f"virtual_stages={virtual_stages}: zb-h1 runs one chunk per stage (1f1b with "
+                          "virtual_stages > 1 is the interleaved schedule)")
     return "interleaved" if name == "1f1b" and virtual_stages > 1 else name
 
 
@@ -399,6 +402,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
             raise ConfigError(f"schedule={parallel.schedule!r} with virtual_stages={parallel.virtual_stages} needs a "
                               "pipeline, and pipe=1: set pipe > 1 in the mesh, or leave the schedule (1f1b) and "
                               "virtual_stages (1) at their defaults")
+        validate_zero_bubble(model, parallel)
         stages = parallel.pipe * parallel.virtual_stages
         if model.layers % stages:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
@@ -425,6 +429,20 @@ def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
         what = f"2·context·tensor = {split} (2c load-balanced chunks, each split over tensor by SP)" \
             if parallel.sequence_parallel else f"2·context = {split} (2c load-balanced chunks)"
         raise ConfigError(f"seq_len={model.seq_len} is not divisible by {what}")
+
+
+def validate_zero_bubble(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """zb-h1 defers each weight matmul's gradient to its W op (models/deferred.py): the weight must reach the
+    matmul as it is stored, which FSDP's gather and Llama's K/V heads repeated over t > kv_heads ranks change."""
+    if parallel.schedule != "zb-h1":
+        return
+    if parallel.fsdp > 1:
+        raise ConfigError(f"schedule=zb-h1 with fsdp={parallel.fsdp} is not supported: its W ops would need FSDP's "
+                          "gather and reduce-scatter again; use 1f1b or interleaved with fsdp, or zb-h1 without it")
+    if parallel.tensor > model.num_kv_heads:
+        raise ConfigError(f"schedule=zb-h1 with tensor={parallel.tensor} > kv_heads={model.num_kv_heads} is not "
+                          "supported (the K/V kernel is repeated over tensor ranks before its matmul): use tensor ≤ "
+                          f"{model.num_kv_heads}, or 1f1b")
 
 
 def validate_fsdp(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.mesh import batch_axes, logical_rules, logical_to_spec
+from jaxseq.models import deferred
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,12 @@ class Sharder:
         sharding constraint: then XLA stores the *gathered* input for backward, and its backward
         all-reduces before scattering. Here the stored tensor is the sequence-sharded input, backward
         all-gathers it again and reduce-scatters the gradient, exactly as Megatron-LM does.
+
+        `Deferred` params (zb-h1's split backward): the whole linear, gather included, is the op whose weight
+        gradient waits for the pipeline's W op (`models.deferred`).
         """
+        if deferred.has_deferred(params):
+            return deferred.apply(lambda x, p: self.column_parallel(fn, x, p, param_axes, out_axes), x, params)
         if self.mesh is None:
             return fn(x, params)
         if not self.sequence_parallel:

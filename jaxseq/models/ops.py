@@ -17,6 +17,7 @@ from jax.extend.random import threefry2x32_p
 
 from jaxseq.config import ModelConfig
 from jaxseq import remat as R
+from jaxseq.models import deferred
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.sharding import Sharder
 
@@ -29,8 +30,9 @@ MATMULS = {"einsum": jnp.einsum, "cpu-bf16": bf16_matmul}
 
 
 def matmul(spec: str, x, w, cfg: ModelConfig):
-    """jnp.einsum(spec, x, w) for activations x times a weight w, in the form cfg.matmul names."""
-    return MATMULS[cfg.matmul](spec, x, w)
+    """jnp.einsum(spec, x, w) for activations x times a weight w, in the form cfg.matmul names; a `Deferred` w
+    (zb-h1's split backward) leaves its gradient to the pipeline's W op."""
+    return deferred.apply(partial(MATMULS[cfg.matmul], spec), x, w)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import batch_axes
+from jaxseq.models import deferred as D
 from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import context as CP
@@ -105,6 +106,7 @@ class Stage:
     # varying over `pipe` and `data`
     others: dict
     micro: dict  # {"inputs", "targets"}: [m, b, s/c] int32, this data rank's rows, this context rank's tokens
+    taps: D.Taps | None = None  # zb-h1: the chunk's deferred weight ops (`discover_taps`); None: B computes them
 
     @staticmethod
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: S.Schedule, loss_ranks: int, remat: str,
@@ -116,7 +118,17 @@ class Stage:
         micro = {name: jax.vmap(shard.split_sequence)(t) for name, t in micro.items()}
         return Stage(cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
                      index=jax.lax.axis_index("pipe"), key=key, layers=jax.tree.map(lambda a: DP.varying(a[0]), layers),
-                     others=jax.tree.map(DP.varying, others), micro=micro)
+                     others=jax.tree.map(DP.varying, others), micro=micro,
+                     taps=D.Taps() if sched.split_backward else None)
+
+    def discover_taps(self) -> None:
+        """zb-h1: trace chunk 0 once to find its deferred weight ops (`models.deferred.Taps.discover`)."""
+        w, keys, _ = self.chunk_inputs(0, 0)
+        self.taps.discover(self._run_layers(keys), w, _zeros(self.activation.shape, self.activation.dtype))
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return self.cfg.layers // (self.sched.p * self.sched.v)
 
     @property
     def activation(self) -> jax.ShapeDtypeStruct:
@@ -136,9 +148,19 @@ class Stage:
         k_embed, layer_keys = micro_keys(self.key, mb, self.cfg)
         return w, layer_keys[ids], k_embed
 
+    def _run_layers(self, keys) -> Callable:
+        return lambda x, w: M.layers(x, w, keys, self.cfg, self.shard, self.remat)
+
     def chunk_vjp(self, x, w, keys):
-        """(y, vjp) of one chunk's k layers: x, y [b, s, h]."""
-        return jax.vjp(lambda x, w: M.layers(x, w, keys, self.cfg, self.shard, self.remat), x, w)
+        """(y, vjp) of one chunk's k layers: x, y [b, s, h]. The vjp maps dy to (dx, dw); under zb-h1 to (dx, the
+        gradients of every parameter but the kernels, each deferred op's (x, dy) [k, …]: the W stash), the
+        kernels being `Deferred` constants whose gradients W computes."""
+        run = self._run_layers(keys)
+        if self.taps is None:
+            return jax.vjp(run, x, w)
+        kernels, others = D.split_kernels(w)
+        return jax.vjp(lambda x, others, probes: run(x, self.taps.wrap(D.merge_kernels(kernels, others), probes)),
+                       x, others, jax.tree.map(DP.varying, self.taps.probes(self.layers_per_chunk)))
 
     def embed(self, embed_params, mb, k_embed):
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
@@ -232,6 +254,7 @@ class Buffers(NamedTuple):
     loss: Any  # []: float32, this stage's share of the loss
     stash: list  # per stashed residual leaf: [depth stash, k, b, …]
     x: Any  # [depth x + 1, b, s, h]: received activations (+ the trash slot)
+    w_stash: list  # zb-h1: per W stash leaf (`Taps.stash_avals`), [depth w, k, …]; empty otherwise
 
 
 class BranchOut(NamedTuple):
@@ -240,6 +263,7 @@ class BranchOut(NamedTuple):
     send_x: Any  # [b, s, h]: the forward output for stage s + 1 (zeros when there is none)
     send_g: Any  # [b, s, h]: the input gradient for stage s − 1 (zeros when there is none)
     slot: list  # the stash slot a forward writes (zeros from the other branches: nothing is written then)
+    w_slot: list  # the W stash slot a split backward's B writes (zeros from the other branches)
     g: Any  # [b, s, h]: the gradient slot: the loss gradient from the last chunk's forward, else passed through
     dw: dict  # [k, …] per leaf: the chunk's weight gradients (float32; zeros unless a backward)
     d_others: dict  # the embedding group's gradients (float32; zeros unless the first backward or last forward)
@@ -262,7 +286,7 @@ class TickProgram:
         act = self.stage.activation
         no_act = _zeros(act.shape, act.dtype)
         return BranchOut(send_x=no_act, send_g=no_act, slot=[_zeros(a.shape, a.dtype) for a in self.layout.stashed],
-                         g=g, dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), self.stage.layers),
+                         w_slot=[_zeros(a.shape, a.dtype) for a in self.w_stash_avals], g=g, dw=jax.tree.map(lambda a: _zeros(a.shape[1:], jnp.float32), self.stage.layers),
                          d_others=jax.tree.map(lambda a: _zeros(a.shape, jnp.float32), self.stage.others),
                          loss=_zeros((), jnp.float32))
 
@@ -276,15 +300,23 @@ class TickProgram:
             loss=_zeros((), jnp.float32),
             stash=[_zeros((depth["stash"], *a.shape), a.dtype) for a in self.layout.stashed],
             x=_zeros((depth["x"] + 1, *act.shape), act.dtype),
+            w_stash=[_zeros((depth["w"], *a.shape), a.dtype) for a in self.w_stash_avals],
         )
 
-    # The branches: (table_row, x, g, stash) → BranchOut. table_row is the tick's row (int32 [len(FIELDS)]),
-    # x and g [b, s, h] its activation and gradient slots, stash the stash buffers (read by a backward only).
+    @property
+    def w_stash_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """One W stash slot's leaves (zb-h1: each deferred op's x and dy for the chunk's k layers); none otherwise."""
+        taps = self.stage.taps
+        return [] if taps is None else jax.tree.leaves(taps.stash_avals(self.stage.layers_per_chunk))
 
-    def idle(self, table_row, x, g, stash) -> BranchOut:
+    # The branches: (table_row, x, g, stash, w_stash) → BranchOut. table_row is the tick's row (int32
+    # [len(FIELDS)]), x and g [b, s, h] its activation and gradient slots, stash the stash buffers (read by a
+    # backward only), w_stash the W stash buffers (read by a W only).
+
+    def idle(self, table_row, x, g, stash, w_stash) -> BranchOut:
         return self.nothing(g)
 
-    def forward(self, table_row, x, g, stash, *, first: bool, last: bool) -> BranchOut:
+    def forward(self, table_row, x, g, stash, w_stash, *, first: bool, last: bool) -> BranchOut:
         """The chunk's forward under jax.vjp, its residuals to the stash slot; first: embed before; last:
         the loss and its gradient after (into the gradient slot this chunk's backward reads)."""
         stage, row = self.stage, TickRow.of(table_row)
@@ -298,17 +330,34 @@ class TickProgram:
         loss, gy, d_others = stage.loss_and_grads(y, row.mb)
         return self.nothing(gy.astype(stage.activation.dtype))._replace(slot=slot, d_others=d_others, loss=loss)
 
-    def backward(self, table_row, x, g, stash, *, first: bool) -> BranchOut:
-        """The vjp stashed in this op's slot applied to the gradient slot; first: the embedding's vjp after."""
+    def backward(self, table_row, x, g, stash, w_stash, *, first: bool) -> BranchOut:
+        """The vjp stashed in this op's slot applied to the gradient slot; first: the embedding's vjp after.
+        Under zb-h1 this is B: the kernels' gradients are left to W, their inputs go to the W stash slot."""
         stage, row = self.stage, TickRow.of(table_row)
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
-        dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
+        nothing = self.nothing(g)
+        if stage.taps is None:
+            dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
+            out = nothing._replace(dw=_float32(dw))
+        else:
+            dx, d_others, w_slot = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
+            kernels, _ = D.split_kernels(nothing.dw)
+            out = nothing._replace(dw=D.merge_kernels(kernels, _float32(d_others)), w_slot=jax.tree.leaves(w_slot))
         if not first:
-            return self.nothing(g)._replace(send_g=dx.astype(stage.activation.dtype), dw=_float32(dw))
+            return out._replace(send_g=dx.astype(stage.activation.dtype))
         _, e_vjp = jax.vjp(lambda e: stage.embed(e, row.mb, k_embed), stage.others["embed"])
         (de,) = e_vjp(dx)
+        return out._replace(d_others=dict(nothing.d_others, embed=_float32(de)))
+
+    def weight(self, table_row, x, g, stash, w_stash) -> BranchOut:
+        """zb-h1's W: the chunk's kernel gradients from the W stash slot its B wrote (`Taps.weight_gradients`)."""
+        stage, row = self.stage, TickRow.of(table_row)
+        w, _, _ = stage.chunk_inputs(row.mb, row.chunk)
+        avals = stage.taps.stash_avals(stage.layers_per_chunk)
+        slot = jax.tree.unflatten(jax.tree.structure(avals), [buf[row.w_slot] for buf in w_stash])
+        grads = stage.taps.weight_gradients(w, slot)
         nothing = self.nothing(g)
-        return nothing._replace(dw=_float32(dw), d_others=dict(nothing.d_others, embed=_float32(de)))
+        return nothing._replace(dw=D.map_kernels(lambda path, _: grads[path].astype(jnp.float32), nothing.dw))
 
     def branches(self) -> list[Callable]:
         """The switch's branches, indexed by `Branch`."""
@@ -319,8 +368,9 @@ class TickProgram:
             Branch.FORWARD_LAST: partial(self.forward, first=False, last=True),
             Branch.BACKWARD: partial(self.backward, first=False),
             Branch.BACKWARD_FIRST: partial(self.backward, first=True),
+            Branch.WEIGHT: self.weight,
         }
-        return [by_branch[b] for b in Branch]
+        return [by_branch[b] for b in Branch if b != Branch.WEIGHT or self.stage.taps is not None]
 
     def tick(self, carry: Buffers, table_row) -> tuple[Buffers, None]:
         """One tick of this stage: table_row (int32 [len(FIELDS)]) is its `TickRow`. The branches return only
@@ -333,7 +383,7 @@ class TickProgram:
         fields from the whole row (one int32 [8] operand; fields sliced outside became scalar operands, and
         XLA's program 64 bytes larger)."""
         row = TickRow.of(table_row)
-        operands = (table_row, carry.x[row.x_slot], carry.g[row.g_slot], carry.stash)
+        operands = (table_row, carry.x[row.x_slot], carry.g[row.g_slot], carry.stash, carry.w_stash)
         branches = self.branches()
         if self.ring:
             branches = CP.same_context_permutes(branches, operands, lambda o, z: o._replace(loss=o.loss + z))
@@ -347,6 +397,7 @@ class TickProgram:
             loss=carry.loss + out.loss,
             stash=self.stash(carry.stash, table_row, out),
             x=carry.x.at[row.recv_x].set(got_x),
+            w_stash=self.write_w_stash(carry.w_stash, table_row, out),
         ), None
 
     @staticmethod
@@ -358,17 +409,36 @@ class TickProgram:
         return jax.lax.cond(forward, write, lambda bufs: bufs, buffers)
 
     @staticmethod
-    def accumulate(grads: dict, table_row, out: BranchOut) -> dict:
+    def write_w_stash(buffers: list, table_row, out: BranchOut) -> list:
+        """zb-h1: the W stash buffers with a B's (x, dy) written into its slot; untouched on the other ticks."""
+        if not buffers:
+            return buffers
+        row = TickRow.of(table_row)
+        backward = (row.branch == Branch.BACKWARD) | (row.branch == Branch.BACKWARD_FIRST)
+        write = lambda bufs: [buf.at[row.w_slot].set(r) for buf, r in zip(bufs, out.w_slot)]
+        return jax.lax.cond(backward, write, lambda bufs: bufs, buffers)
+
+    def accumulate(self, grads: dict, table_row, out: BranchOut) -> dict:
         """The float32 accumulators plus the branch's gradients. Only the ticks whose branch has gradients
         touch them (a read-add-write of the chunk's weight gradients on every tick, idle and forward ones
-        included, was the executor's largest per-tick traffic: experiments/results/pipeline_overhead.md)."""
-        branch = TickRow.of(table_row).branch
-        add_dw = lambda acc: jax.tree.map(lambda a, u: a.at[TickRow.of(table_row).chunk].add(u), acc, out.dw)
-        add_d_others = lambda acc: jax.tree.map(jnp.add, acc, out.d_others)
+        included, was the executor's largest per-tick traffic: experiments/results/pipeline_overhead.md); under
+        zb-h1 a B adds all but the kernels' and a W the kernels'."""
+        row = TickRow.of(table_row)
+        backward = (row.branch == Branch.BACKWARD) | (row.branch == Branch.BACKWARD_FIRST)
+
+        def add(acc, which):  # which(path) → whether this branch adds that leaf
+            return D.map_leaves(lambda path, a, u: a.at[row.chunk].add(u) if which(path) else a, acc, out.dw)
+
         keep = lambda acc: acc
-        return {"layers": jax.lax.cond((branch == Branch.BACKWARD) | (branch == Branch.BACKWARD_FIRST),
-                                       add_dw, keep, grads["layers"]),
-                "others": jax.lax.cond((branch == Branch.FORWARD_LAST) | (branch == Branch.BACKWARD_FIRST),
+        if self.stage.taps is None:
+            layers = jax.lax.cond(backward, lambda acc: add(acc, lambda path: True), keep, grads["layers"])
+        else:
+            layers = jax.lax.cond(backward, lambda acc: add(acc, lambda path: not D.is_kernel(path)), keep,
+                                  grads["layers"])
+            layers = jax.lax.cond(row.branch == Branch.WEIGHT, lambda acc: add(acc, D.is_kernel), keep, layers)
+        add_d_others = lambda acc: jax.tree.map(jnp.add, acc, out.d_others)
+        return {"layers": layers,
+                "others": jax.lax.cond((row.branch == Branch.FORWARD_LAST) | (row.branch == Branch.BACKWARD_FIRST),
                                        add_d_others, keep, grads["others"])}
 
 
@@ -472,10 +542,12 @@ def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sc
     `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat,
                         shard=shard)
+    if stage.taps is not None:
+        stage.discover_taps()
     layout = ResidualLayout.of(stage)
-    if inspect is not None:
-        inspect(list(layout.stashed), list(layout.reused))
     program = TickProgram(stage, layout, ring)
+    if inspect is not None:
+        inspect(list(layout.stashed), list(layout.reused), program.w_stash_avals)
     buffers, _ = jax.lax.scan(program.tick, program.buffers(), rows[:, stage.index])
     return reduce_gradients(buffers, grad_specs, over)
 
@@ -548,8 +620,8 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
     the parameters'); a leaf whose spec names `data` or, for the embedding and final norm, `pipe` (the master
     shards: `Layout.master_specs`) is reduce-scattered over those axes onto that dimension instead of
     all-reduced. `inspect`, if given, is called
-    at trace time with the avals of one stash slot and of every residual leaf the stash leaves out (see
-    `stash_layout`)."""
+    at trace time with the avals of one stash slot, of every residual leaf the stash leaves out and of one W
+    stash slot (zb-h1; empty otherwise; see `stash_layout`)."""
     cfg, parallel, mesh = layout.model, layout.parallel, layout.mesh
     sched = schedule_of(parallel, microbatches, cfg.layers)
     grad_specs = layout.param_specs if grad_specs is None else grad_specs
@@ -583,11 +655,23 @@ def stash_layout(layout: Layout, remat: str, microbatches: int, micro_batch_size
     """(avals of one stash slot, avals of the residuals taken from the weights and keys instead): what
     one micro-batch chunk keeps between its forward and its backward, per stage and data rank (global over
     tensor)."""
+    seen = _inspect(layout, remat, microbatches, micro_batch_size)
+    return seen["stash"], seen["reused"]
+
+
+def w_stash_layout(layout: Layout, remat: str, microbatches: int, micro_batch_size: int):
+    """The avals of one W stash slot (zb-h1: what a micro-batch chunk keeps from its B to its W, each deferred
+    weight matmul's input and output gradient for the chunk's layers, per stage and data rank, global over
+    tensor); empty for the schedules whose backward is not split."""
+    return _inspect(layout, remat, microbatches, micro_batch_size)["w_stash"]
+
+
+def _inspect(layout: Layout, remat: str, microbatches: int, micro_batch_size: int) -> dict:
     seen, cfg = {}, layout.model
     params = jax.eval_shape(lambda: M.init_params(jax.random.key(0), cfg, layout.parallel.tensor))
     tokens = jax.ShapeDtypeStruct((micro_batch_size * microbatches, cfg.seq_len), jnp.int32)
     with jax.set_mesh(layout.mesh):
         jax.eval_shape(partial(pipeline_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches,
-                               inspect=lambda a, b: seen.update(stash=a, reused=b)),
+                               inspect=lambda a, b, w: seen.update(stash=a, reused=b, w_stash=w)),
                        params, {"inputs": tokens, "targets": tokens}, jax.random.key(0))
-    return seen["stash"], seen["reused"]
+    return seen

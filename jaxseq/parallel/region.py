@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxseq.mesh import logical_rules
+from jaxseq.models import deferred
 from jaxseq.parallel import fsdp
 from jaxseq.sharding import Sharder, only_axes, rank_rows, stored_positions, vocab_parallel_lookup
 
@@ -91,6 +92,8 @@ class StageSharder(Sharder):
         return jax.sharding.get_abstract_mesh()
 
     def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
+        if deferred.has_deferred(params):
+            return deferred.apply(lambda x, p: self.column_parallel(fn, x, p, param_axes, out_axes), x, params)
         if self.mesh is None or not self.sequence_parallel:
             return super().column_parallel(fn, x, params, param_axes, out_axes)
         mesh = jax.sharding.get_abstract_mesh()

@@ -1,16 +1,24 @@
 """Pipeline schedules as data: each stage's op order, the lock-step tick table, buffer depths, the bubble.
 
-p stages, v chunks (virtual stages) per stage, m micro-batches. An op is F(mb, chunk) or B(mb, chunk).
+p stages, v chunks (virtual stages) per stage, m micro-batches. An op is F(mb, chunk) or B(mb, chunk); under
+zb-h1 the backward is split into B (the input gradient, which the previous stage waits for) and W (the weight
+gradients, which nobody waits for), and an op may also be W(mb, chunk).
 Stage s, chunk c holds layers (c·p + s)·k … (c·p + s)·k + k − 1 with k = L/(p·v) (Megatron's interleaved
 assignment; with v = 1 stage s holds the s-th block of L/p layers).
 
 - `stage_order`: the op order per stage. GPipe: all forwards, then all backwards. 1F1B: p − s − 1
   warm-up forwards, then alternate F and B, then the cool-down backwards (Narayanan et al. 2021, §2.2).
-  Interleaved 1F1B: Megatron-LM's `forward_backward_pipelining_with_interleaving` op order.
+  Interleaved 1F1B: Megatron-LM's `forward_backward_pipelining_with_interleaving` op order. ZB-H1 (Qi et al.,
+  Zero Bubble Pipeline Parallelism, 2024): 1F1B's order with each B followed by its W, except that stage s
+  defers its first s W's to the end, where 1F1B's cool-down would idle; stage s then holds at most p − s
+  micro-batches' activations, as 1F1B, plus at most s + 1 deferred W's inputs (`deferred`).
 - `tick_table`: the lock-step timeline the executor runs, one op (or idle) per stage per tick. Each stage
   runs its next op as soon as what it depends on ran at an earlier tick (an activation or gradient
   computed at tick t is sent between ticks t and t + 1). For 1F1B and interleaved that takes
-  2mv + 2(p − 1) ticks, so the idle share equals the paper's bubble (p − 1)/m, (p − 1)/(v·m).
+  2mv + 2(p − 1) ticks, so the idle share equals the paper's bubble (p − 1)/m, (p − 1)/(v·m); ZB-H1 takes
+  3m + p − 1 ticks, a bubble of (p − 1)/(3m) at F = B = W. `lockstep_time` weighs the ticks by what each op
+  costs: a tick takes its slowest stage's op, so 1F1B's ticks, where some stage runs a whole backward,
+  cost B + W, while ZB-H1's cost one of F, B, W.
 - Buffer slots: the executor keeps each F's residuals in a stash slot until its B, and each received
   activation / gradient in a receive slot until it is consumed; slots are assigned here, lowest free first,
   so the buffers' depths are the schedule's true in-flight counts.
@@ -32,12 +40,14 @@ from jaxseq.config import validate_pipeline
 
 # Op kinds: the tick table's `kind` field. (The executor's lax.switch branches are not these: it splits
 # FORWARD and BACKWARD by the first and last chunk, `pipeline.Branch`.)
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+
+SPLIT_BACKWARD = ("zb-h1",)  # the schedules whose backward is B and W ops
 
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W" (a weight gradient, split from its B: zb-h1)
     mb: int
     chunk: int
 
@@ -55,6 +65,8 @@ def stage_order(schedule: str, p: int, m: int, v: int, s: int) -> list[Op]:
         for i in range(m - warmup):
             ops += [Op("F", warmup + i, 0), Op("B", i, 0)]
         return ops + [Op("B", i, 0) for i in range(m - warmup, m)]
+    if schedule == "zb-h1":
+        return _zb_h1_order(p, m, s)
     # Megatron-LM's interleaved order: virtual micro-batch k runs chunk (k mod pv) // p of micro-batch
     # (k // pv)·p + k mod p going forward; backward visits the chunks in reverse.
     total = m * v
@@ -72,13 +84,30 @@ def stage_order(schedule: str, p: int, m: int, v: int, s: int) -> list[Op]:
     return ops + [backward(k) for k in range(total - warmup, total)]
 
 
+def _zb_h1_order(p: int, m: int, s: int) -> list[Op]:
+    """ZB-H1: 1F1B's F and B order, each B followed by its W, but stage s's first s W's wait until after its
+    last B (the last stages' B's then reach stage 0 one tick apart, and the W's fill 1F1B's cool-down)."""
+    warmup = min(p - s - 1, m)
+    ops, weights = [Op("F", i, 0) for i in range(warmup)], iter(range(m))
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i, 0), Op("B", i, 0)]
+        if i >= s:
+            ops.append(Op("W", next(weights), 0))
+    for i in range(m - warmup, m):
+        ops += [Op("B", i, 0), Op("W", next(weights), 0)]
+    return ops + [Op("W", i, 0) for i in weights]
+
+
 def lockstep_ticks(p: int, m: int, v: int) -> int:
     """Ticks of a lock-step 1F1B / interleaved / GPipe run: 2mv busy ticks per stage + 2(p − 1) fill and drain."""
     return 2 * m * v + 2 * (p - 1)
 
 
 def paper_bubble(schedule: str, p: int, m: int, v: int) -> float:
-    """Narayanan et al.: bubble time relative to the ideal time, (p − 1)/m; (p − 1)/(v·m) interleaved."""
+    """Narayanan et al.: bubble time relative to the ideal time, (p − 1)/m; (p − 1)/(v·m) interleaved. Qi et al.:
+    (p − 1)/(3m) for ZB-H1 at F = B = W."""
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m)
     return (p - 1) / (v * m) if schedule == "interleaved" else (p - 1) / m
 
 
@@ -86,7 +115,7 @@ def paper_bubble(schedule: str, p: int, m: int, v: int) -> float:
 class Schedule:
     """A pipeline schedule resolved into the tick table the executor runs."""
 
-    name: str  # gpipe | 1f1b | interleaved
+    name: str  # gpipe | 1f1b | interleaved | zb-h1
     pipe: int
     microbatches: int
     virtual_stages: int = 1
@@ -110,6 +139,11 @@ class Schedule:
     def v(self) -> int:
         return self.virtual_stages
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward runs as B and W ops (zb-h1; forward only: no backward at all)."""
+        return self.name in SPLIT_BACKWARD and not self.forward_only
+
     def order(self, s: int) -> list[Op]:
         ops = stage_order(self.name, self.p, self.m, self.v, s)
         return [op for op in ops if op.kind == "F"] if self.forward_only else ops
@@ -125,6 +159,8 @@ class Schedule:
     def _dependency(self, s: int, op: Op):
         """(stage, op) that must have run at an earlier tick, or None."""
         p, v = self.p, self.v
+        if op.kind == "W":
+            return s, Op("B", op.mb, op.chunk)  # the weight gradient needs its own B's output gradients
         if op.kind == "F":
             if s > 0:
                 return s - 1, Op("F", op.mb, op.chunk)
@@ -167,9 +203,9 @@ class Schedule:
 
     @property
     def busy_ticks(self) -> int:
-        """Ops per stage: a forward and a backward of each micro-batch through each of its v chunks (forward
-        only: the forwards)."""
-        return (1 if self.forward_only else 2) * self.m * self.v
+        """Ops per stage: a forward and a backward (zb-h1: a B and a W) of each micro-batch through each of its
+        v chunks (forward only: the forwards)."""
+        return (1 if self.forward_only else 3 if self.split_backward else 2) * self.m * self.v
 
     @property
     def idle_ticks(self) -> int:
@@ -196,6 +232,27 @@ class Schedule:
             most = max(most, held)
         return most
 
+    def deferred(self, s: int) -> int:
+        """Most deferred weight gradients stage s holds at once (B's whose W has not run: each keeps its weight
+        matmuls' inputs and output gradients, the W stash); 0 unless the backward is split."""
+        held = most = 0
+        for op in self.order(s) if self.split_backward else ():
+            held += {"B": 1, "W": -1}.get(op.kind, 0)
+            most = max(most, held)
+        return most
+
+    def lockstep_time(self, forward: float, backward: float, weight: float) -> float:
+        """The step's time when each op takes its cost and every tick waits for its slowest stage (the
+        executor's ppermutes after each tick): Σ over ticks of the largest op cost. `backward` is the input
+        gradient's cost and `weight` the weight gradients'; an unsplit schedule's B costs both."""
+        cost = {"F": forward, "B": backward if self.split_backward else backward + weight, "W": weight}
+        return sum(max((cost[op.kind] for op in row if op is not None), default=0.0) for row in self.timeline)
+
+    def lockstep_bubble(self, forward: float, backward: float, weight: float) -> float:
+        """`lockstep_time` over the ideal m·v·(F + B + W) per stage, minus one: the bubble in time, not ticks."""
+        ideal = self.m * self.v * (forward + (0.0 if self.forward_only else backward + weight))
+        return self.lockstep_time(forward, backward, weight) / ideal - 1
+
     def in_flight_layers(self, layers: int) -> int:
         """Layers' worth of activations stage 0 keeps at once: its chunks in flight × L/(p·v) layers per
         chunk (the first stage's memory in the plan and the search)."""
@@ -210,6 +267,7 @@ class Schedule:
 
         kind: IDLE / FORWARD / BACKWARD; mb, chunk: the op's micro-batch and chunk;
         stash: the residual slot an F writes and its B reads;
+        w_slot: the deferred-gradient slot a B writes and its W reads (zb-h1);
         first / last: the op runs the model's first chunk (embedding) / last chunk (loss);
         x_slot: the receive slot an F reads its input from (−1: the embedding);
         g_slot: the receive slot a B reads its output gradient from (for the last chunk: the loss gradient
@@ -221,12 +279,13 @@ class Schedule:
     @cached_property
     def _slots(self):
         p, T = self.p, self.ticks
-        fields = ("kind", "mb", "chunk", "stash", "first", "last", "x_slot", "g_slot", "recv_x", "recv_g")
+        fields = ("kind", "mb", "chunk", "stash", "w_slot", "first", "last", "x_slot", "g_slot", "recv_x", "recv_g")
         tab = {f: np.full((T, p), -1, np.int32) for f in fields}
         tab["kind"][:] = IDLE
         stash = [_Slots() for _ in range(p)]
         xbuf = [_Slots() for _ in range(p)]
         gbuf = [_Slots() for _ in range(p)]
+        wbuf = [_Slots() for _ in range(p)]
         for t, row in enumerate(self.timeline):
             for s, op in enumerate(row):
                 if op is None:
@@ -244,10 +303,15 @@ class Schedule:
                         tab["x_slot"][t, s] = xbuf[s].release(key)
                     if last and not self.forward_only:  # the loss gradient waits in a gradient slot for this chunk's B
                         tab["g_slot"][t, s] = gbuf[s].take(key)
-                else:
+                elif op.kind == "B":
                     tab["kind"][t, s] = BACKWARD
                     tab["stash"][t, s] = stash[s].release(key)
                     tab["g_slot"][t, s] = gbuf[s].release(key)
+                    if self.split_backward:
+                        tab["w_slot"][t, s] = wbuf[s].take(key)
+                else:
+                    tab["kind"][t, s] = WEIGHT
+                    tab["w_slot"][t, s] = wbuf[s].release(key)
             # Sends happen after the tick's ops: forward outputs to the next stage (the last stage's
             # non-final chunks wrap to stage 0, next chunk), input gradients to the previous one.
             for s, op in enumerate(row):
@@ -260,13 +324,14 @@ class Schedule:
                     to, chunk = ((s - 1, op.chunk) if s > 0 else (p - 1, op.chunk - 1))
                     tab["recv_g"][t, to] = gbuf[to].take((op.mb, chunk))
         depths = {"stash": max(b.depth for b in stash), "x": max(b.depth for b in xbuf),
-                  "g": max(b.depth for b in gbuf)}
+                  "g": max(b.depth for b in gbuf), "w": max(b.depth for b in wbuf)}
         return tab, depths
 
     @property
     def depths(self) -> dict[str, int]:
         """Slots per stage the executor allocates (the maximum over stages): stash, x (received
-        activations) and g (received gradients and the last chunk's loss gradient)."""
+        activations), g (received gradients and the last chunk's loss gradient) and w (deferred weight
+        gradients' inputs, zb-h1)."""
         return self._slots[1]
 
     # -----------------------------------------------------------------------------------------
@@ -280,15 +345,20 @@ class Schedule:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        formula = "(p−1)/(v·m)" if self.name == "interleaved" else "(p−1)/m"
-        return (f"{self.name}: p={self.p} stages, v={self.v} chunk(s) per stage, m={self.m} micro-batches\n"
-                f"ticks {self.ticks} (lock-step 2mv + 2(p−1) = {lockstep_ticks(self.p, self.m, self.v)}), "
-                f"busy {self.busy_ticks} and idle {self.idle_ticks} per stage\n"
-                f"bubble idle/busy = {self.bubble:.4f} vs the paper's {formula} = {self.paper_bubble:.4f}\n"
-                f"in flight (chunk inputs held) per stage: "
-                + ", ".join(str(self.in_flight(s)) for s in range(self.p))
-                + f"; buffer slots: stash {self.depths['stash']}, received activations {self.depths['x']}, "
-                  f"gradients {self.depths['g']}")
+        formula, ticks = {"interleaved": ("(p−1)/(v·m)", "2mv + 2(p−1)"), "zb-h1": ("(p−1)/(3m)", "3m + p − 1")}.get(
+            self.name, ("(p−1)/m", "2mv + 2(p−1)"))
+        expected = 3 * self.m + self.p - 1 if self.split_backward else lockstep_ticks(self.p, self.m, self.v)
+        lines = [f"{self.name}: p={self.p} stages, v={self.v} chunk(s) per stage, m={self.m} micro-batches",
+                 f"ticks {self.ticks} (lock-step {ticks} = {expected}), busy {self.busy_ticks} and idle "
+                 f"{self.idle_ticks} per stage",
+                 f"bubble idle/busy = {self.bubble:.4f} vs the paper's {formula} = {self.paper_bubble:.4f}",
+                 "in flight (chunk inputs held) per stage: " + ", ".join(str(self.in_flight(s)) for s in range(self.p))
+                 + f"; buffer slots: stash {self.depths['stash']}, received activations {self.depths['x']}, "
+                   f"gradients {self.depths['g']}"]
+        if self.split_backward:
+            lines.append("deferred weight gradients held per stage: "
+                         + ", ".join(str(self.deferred(s)) for s in range(self.p)) + f"; W stash slots {self.depths['w']}")
+        return "\n".join(lines)
 
 
 class _Slots:

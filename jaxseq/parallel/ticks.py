@@ -14,7 +14,7 @@ from jaxseq.parallel import schedule as S
 
 class Branch(IntEnum):
     """The executor's `lax.switch` branches, by number: the schedule's op kinds (`schedule.IDLE`,
-    `FORWARD`, `BACKWARD`) split by what else the op runs. The model's first chunk embeds before its
+    `FORWARD`, `BACKWARD`, `WEIGHT`) split by what else the op runs. The model's first chunk embeds before its
     forward and runs the embedding's vjp after its backward; the last chunk's forward ends in the loss."""
 
     IDLE = 0
@@ -23,6 +23,7 @@ class Branch(IntEnum):
     FORWARD_LAST = 3
     BACKWARD = 4
     BACKWARD_FIRST = 5
+    WEIGHT = 6  # zb-h1's W: a chunk's deferred weight gradients
 
 
 class TickRow(NamedTuple):
@@ -34,6 +35,7 @@ class TickRow(NamedTuple):
     mb: Any  # the op's micro-batch (0 when idle)
     chunk: Any  # the op's chunk on this stage, 0 … v − 1 (0 when idle)
     stash: Any  # the residual slot a forward writes and its backward reads
+    w_slot: Any  # the W stash slot a split backward's B writes and its W reads (zb-h1)
     x_slot: Any  # the activation slot a forward reads its input from
     g_slot: Any  # the gradient slot a backward reads (the last chunk's forward writes its loss gradient there)
     recv_x: Any  # where the activation arriving after this tick is written (depth x: the trash slot)
@@ -57,9 +59,9 @@ def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
     """[ticks, p]: the `Branch` of each stage at each tick, from the schedule's kind, first and last."""
     kind, first, last = tables["kind"], tables["first"] == 1, tables["last"] == 1
     forward, backward = kind == S.FORWARD, kind == S.BACKWARD
-    return np.select([kind == S.IDLE, forward & first, forward & last, forward, backward & first],
-                     [Branch.IDLE, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD, Branch.BACKWARD_FIRST],
-                     Branch.BACKWARD)
+    return np.select([kind == S.IDLE, kind == S.WEIGHT, forward & first, forward & last, forward, backward & first],
+                     [Branch.IDLE, Branch.WEIGHT, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD,
+                      Branch.BACKWARD_FIRST], Branch.BACKWARD)
 
 
 def tick_rows(sched: S.Schedule) -> np.ndarray:
@@ -68,7 +70,7 @@ def tick_rows(sched: S.Schedule) -> np.ndarray:
     tab, depth = sched.tables, sched.depths
     row = TickRow(
         branch=branches_of(tab), mb=np.maximum(tab["mb"], 0), chunk=np.maximum(tab["chunk"], 0),
-        stash=np.maximum(tab["stash"], 0), x_slot=np.maximum(tab["x_slot"], 0), g_slot=np.maximum(tab["g_slot"], 0),
+        stash=np.maximum(tab["stash"], 0), w_slot=np.maximum(tab["w_slot"], 0), x_slot=np.maximum(tab["x_slot"], 0), g_slot=np.maximum(tab["g_slot"], 0),
         recv_x=np.where(tab["recv_x"] < 0, depth["x"], tab["recv_x"]),
         recv_g=np.where(tab["recv_g"] < 0, depth["g"], tab["recv_g"]),
     )
