@@ -35,6 +35,11 @@ class InFlight:
     receive_bytes: int  # received activation and gradient buffers (compiled; independent of k)
     formula: str  # the paper's in-flight layers, symbolic
     formula_layers: float
+    # zb-h1: the W stash (each B's weight-matmul inputs and output gradients, kept until its W), compiled like the
+    # stash: its slots, every slot's bytes at k_c layers, scaled to k; 0 for the schedules whose backward is whole
+    w_slots: int = 0
+    compiled_w_stash_bytes: int = 0
+    w_stash_bytes: int = 0
 
     @property
     def layers(self) -> int:
@@ -51,8 +56,23 @@ class InFlight:
 
 def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -> tuple[str, float]:
     """The paper's layers' worth of activations on the first stage (§4.2.3 and Narayanan et al.)."""
-    return {"1f1b": ("L", float(layers)), "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
+    return {"1f1b": ("L", float(layers)), "zb-h1": ("L", float(layers)), "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
             "gpipe": ("L·m/p", layers * m / p)}[schedule]
+
+
+def _in_order(carry: list, avals: list, matches) -> tuple[list, list]:
+    """(the carry's arrays that match `avals` one by one in order, the carry after the last of them): the tick
+    loop's carry keeps the order of `pipeline.Buffers`, the stash before the W stash, whose arrays can have the
+    same leading dimensions."""
+    found, i = [], 0
+    for a in avals:
+        while i < len(carry) and not matches(*carry[i], a):
+            i += 1
+        if i == len(carry):
+            break
+        found.append(carry[i])
+        i += 1
+    return found, carry[i:]
 
 
 def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, schedule: str, p: int, v: int,
@@ -78,13 +98,26 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     depth = sched.depths["stash"]
 
     def is_stash_of(dt, dims, aval):  # [depth, k_c, b, …] per device; the aval is one global slot [k_c, b, …]
+        if aval.shape[:2] != (k_c, micro_batch):  # a constant the layers close over (Llama's RoPE tables): whole
+            return dims == (depth, *aval.shape) and hlo.array_bytes(dt, ()) == aval.dtype.itemsize
         return (len(dims) == aval.ndim + 1 and dims[:3] == (depth, k_c, micro_batch) and hlo.array_bytes(dt, ()) ==
                 aval.dtype.itemsize and all(g % d == 0 for g, d in zip(aval.shape, dims[1:])))
 
-    stash = [(dt, dims) for dt, dims in carry if any(is_stash_of(dt, dims, a) for a in slot_avals)]
+    stash, rest = _in_order(carry, slot_avals, is_stash_of)
     if len(stash) != len(slot_avals):
         raise RuntimeError(f"the compiled tick loop's stash ({stash}) does not match one slot's residuals "
                            f"({[(a.dtype, a.shape) for a in slot_avals]}) × {sched.depths['stash']} slots")
+    w_slot_avals = PL.w_stash_layout(layout, c.remat, m, micro_batch)
+
+    def is_w_stash_of(dt, dims, aval):  # [depth w, k_c, …] per device; the aval is one global slot [k_c, …]
+        return (len(dims) == aval.ndim + 1 and dims[:2] == (sched.depths["w"], k_c) and hlo.array_bytes(dt, ()) ==
+                aval.dtype.itemsize and all(g % d == 0 for g, d in zip(aval.shape, dims[1:])))
+
+    w_stash, _ = _in_order(rest, w_slot_avals, is_w_stash_of)
+    if len(w_stash) != len(w_slot_avals):
+        raise RuntimeError(f"the compiled tick loop's W stash ({w_stash}) does not match one slot's "
+                           f"({[(a.dtype, a.shape) for a in w_slot_avals]}) × {sched.depths['w']} slots")
+    compiled_w = sum(hlo.array_bytes(dt, dims) for dt, dims in w_stash)
     depths = {sched.depths["x"] + 1, sched.depths["g"] + 1}
     receive = [(dt, dims) for dt, dims in carry if len(dims) == 4 and dims[0] in depths
                and dims[1] == micro_batch and dims[3] == cfg.hidden]
@@ -95,4 +128,5 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
               f"devices, {k_c} layers per chunk), stash read from its tick loop; scaled ×{k}/{k_c} to {k} layers "
               "per chunk")
     return InFlight(source, c.name, sched.depths["stash"], k_c, k, compiled_bytes, compiled_bytes * k // k_c,
-                    sum(hlo.array_bytes(dt, dims) for dt, dims in receive), formula, formula_layers)
+                    sum(hlo.array_bytes(dt, dims) for dt, dims in receive), formula, formula_layers,
+                    sched.depths["w"], compiled_w, compiled_w * k // k_c)

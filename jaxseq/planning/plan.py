@@ -77,6 +77,9 @@ class Row:
     total_bytes_per_device: int
     memory_source: str = CPU_SOURCE  # what stored and total were read from
     fsdp_gathered_bytes_per_device: int = 0  # of the working memory: FSDP's gathered weights (`memory.fsdp_gathered_bytes`)
+    # of the activations: zb-h1's W stash, the deferred weight gradients' inputs the first stage's slots hold
+    # (`formulas.deferred_stash_bytes` × slots × layers per chunk; tests hold the formula to the compiled carry)
+    deferred_stash_bytes_per_device: float = 0
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     n_micro = pipeline if microbatches is None else microbatches
     schedule, in_flight_layers, bubble, paper_bubble = _schedule_figures(cfg, pipeline, schedule, virtual_stages,
                                                                          n_micro)
+    deferred_layers = _deferred_layers(cfg, pipeline, schedule, virtual_stages, n_micro)
     _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
     compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy, progress=progress)
     keys = [k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor)
@@ -264,7 +268,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     baseline = {(c.tensor, c.sequence_parallel): m.flops_per_layer for c, m in measured.items() if c.remat == "none"}
     rows = [make_row(cfg, c, m, micro_batch, in_flight_layers, baseline[(c.tensor, c.sequence_parallel)],
                      plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline, fsdp=fsdp), context,
-                     context_strategy, fsdp_gathered_bytes(cfg, c.tensor, fsdp))
+                     context_strategy, fsdp_gathered_bytes(cfg, c.tensor, fsdp), deferred_layers)
             for c, m in measured.items()]
     if target is not None:
         step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
@@ -298,8 +302,8 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
     stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
     total = aot.step_bytes(gpu_target.compile_step(cfg, whole, c.remat, micro_batch,
                                                    microbatches if step["pipeline"] > 1 else 1, target))
-    activations = activation_bytes(stored, in_flight_layers,
-                                   non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
+    activations = row.deferred_stash_bytes_per_device + activation_bytes(
+        stored, in_flight_layers, non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
     state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
     return dataclasses.replace(
         row, measured_bytes_per_layer=stored, ratio=stored / row.formula_bytes_per_layer if row.formula_bytes_per_layer
@@ -337,6 +341,14 @@ def _schedule_figures(cfg: ModelConfig, pipeline: int, schedule: str, virtual_st
     return sched.name, sched.in_flight_layers(cfg.layers), sched.bubble, sched.paper_bubble
 
 
+def _deferred_layers(cfg: ModelConfig, pipeline: int, schedule: str, virtual_stages: int, microbatches: int) -> int:
+    """Layers' worth of W stash every stage allocates under zb-h1 (its slots × L/p layers); 0 otherwise."""
+    if pipeline == 1 or schedule != "zb-h1":
+        return 0
+    sched = Schedule.make(schedule, pipeline, microbatches, virtual_stages, cfg.layers)
+    return sched.depths["w"] * (cfg.layers // (pipeline * virtual_stages))
+
+
 def _check_devices(devices, tensor: int, pipeline: int) -> None:
     if len(devices) < tensor:
         raise ConfigError(f"tensor={tensor} needs {tensor} devices; {len(devices)} available")
@@ -347,14 +359,16 @@ def _check_devices(devices, tensor: int, pipeline: int) -> None:
 
 def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_flight_layers: int,
              baseline_flops: float, state: State, context: int = 1, strategy: str = "all-gather",
-             fsdp_gathered: int = 0) -> Row:
+             fsdp_gathered: int = 0, deferred_layers: int = 0) -> Row:
     """Row c as the table prints it: its compiled layer beside the paper's formula and the no-recompute
     baseline, and its bytes per device with `in_flight_layers` layers' worth of activations; under FSDP the
-    working memory holds the gathered weights too (`fsdp_gathered`)."""
+    working memory holds the gathered weights too (`fsdp_gathered`); under zb-h1 the activations hold
+    `deferred_layers` layers' W stash too."""
     b = micro_batch
     formula = formula_bytes_per_layer(cfg, c, b, context, strategy)
-    activations = activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
-                                   non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
+    deferred = deferred_layers * formulas.deferred_stash_bytes(cfg, b, c.tensor, c.sequence_parallel)
+    activations = deferred + activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
+                                              non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
     return Row(
         config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
         measured_bytes_per_layer=m.stored_bytes_per_layer, formula_bytes_per_layer=formula,
@@ -363,7 +377,7 @@ def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_fli
         collective_bytes_per_layer=sum(m.collective_bytes_per_layer.values()),
         collectives=m.collective_bytes_per_layer,
         activation_bytes_per_device=activations, working_bytes_per_device=m.working_bytes + fsdp_gathered,
-        fsdp_gathered_bytes_per_device=fsdp_gathered,
+        fsdp_gathered_bytes_per_device=fsdp_gathered, deferred_stash_bytes_per_device=deferred,
         **_state_columns(state, activations, m.working_bytes + fsdp_gathered))
 
 

@@ -180,7 +180,15 @@ def format_in_flight(p: Plan) -> list[str]:
     unit, u = _unit(f.compiled_stash_bytes, BYTES_MODEL)
     big, bu = _unit(f.stash_bytes, BYTES_MODEL)
     layer, lu = _unit(row.measured_bytes_per_layer, BYTES_LAYER)
-    formula = "(p−1)/(v·m)" if p.schedule == "interleaved" else "(p−1)/m"
+    formula = {"interleaved": "(p−1)/(v·m)", "zb-h1": "(p−1)/(3m)"}.get(p.schedule, "(p−1)/m")
+    deferred = []
+    if f.w_slots:
+        w, wu = _unit(f.compiled_w_stash_bytes, BYTES_MODEL)
+        deferred = [f"  W stash   compiled {f.w_slots} slots × {f.compiled_layers_per_chunk} layers = "
+                    f"{f.compiled_w_stash_bytes / wu:.2f} {w} (each B's weight-matmul inputs and output gradients, "
+                    f"kept until its W); scaled to {f.layers_per_chunk} layers per chunk: "
+                    f"{f.w_stash_bytes / bu:.2f} {big}, in the activ. column "
+                    f"({row.deferred_stash_bytes_per_device / bu:.2f} {big} for {f.config}: the formula)"]
     return [
         f"pipeline {p.schedule}: p={pp} v={v} m={m}, first stage's in-flight activations ({f.config}):",
         f"  compiled  {f.slots} stash slots × {f.compiled_layers_per_chunk} layers = "
@@ -190,6 +198,7 @@ def format_in_flight(p: Plan) -> list[str]:
         f"  scaled    to {f.layers_per_chunk} layers per chunk: {f.slots} × {f.layers_per_chunk} = {f.layers} layers' "
         f"worth = {f.stash_bytes / bu:.2f} {big} (the activ. column: each row's stored/layer × {f.layers})",
         f"  formula   the paper's {f.formula} = {f.formula_layers:g} layers",
+        *deferred,
         f"  source    {f.source}",
         f"  bubble    {p.bubble:.4f} (idle/busy ticks of the lock-step tick table) vs {formula} = {p.paper_bubble:.4f}",
     ]
