@@ -166,6 +166,64 @@ def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, refer
                                                                                 jax.tree.leaves(f32_grads)))
 
 
+# ZB-H1: the backward split into B (input gradients) and W (the kernels' gradients, deferred); p=2 with
+# tensor=2 + SP, and p=4 with data=2.
+ZB_CASES = [("zb-h1", 2, 1, 4, 1, 2, True), ("zb-h1", 4, 1, 8, 2, 1, False)]
+
+
+@pytest.mark.parametrize("case,remat", [(ZB_CASES[0], REMAT), *(pytest.param(ZB_CASES[0], r, marks=pytest.mark.slow)
+                                                                  for r in ("none", "full", "dots")),
+                                        pytest.param(ZB_CASES[1], REMAT, marks=pytest.mark.slow)],
+                         ids=["t2sp-selective", "t2sp-none", "t2sp-full", "t2sp-dots", "p4-d2"])
+def test_zero_bubble_equals_unpipelined(case, remat, pipelined, params, reference):
+    """Loss and every gradient (the kernels', from W, included) equal the one-device reference, dropout on."""
+    loss, grads, batch, key = _run(pipelined, case, params, remat)
+    _assert_close(loss, grads, *reference(params, batch, key, case[3]))
+
+
+def _switch_branch_flops(compiled, ticks: int) -> list[float]:
+    """Dot FLOPs of each branch of the tick loop's lax.switch (XLA's compiled program, per device)."""
+    comps = hlo.parse_hlo(compiled.as_text())
+    body = hlo.while_loop(comps, ticks).attr("body")
+    switch, = [ins for ins in comps[body] if ins.opcode == "conditional" and len(ins.branches()) > 2]
+    return [hlo.dot_flops(comps, b) for b in switch.branches()]
+
+
+@pytest.mark.slow
+def test_zero_bubble_b_and_w_do_the_unsplit_backward_once(pipelined):
+    """XLA's dot FLOPs per branch: B + W = 1F1B's backward, forward equal, for every backward branch (the first
+    chunk's, which also runs the embedding's, and the others): no forward replayed beyond the policy's."""
+    zb, one = ZB_CASES[0], REMAT_CASE
+    assert zb[1:] == one[1:]
+    flops_zb = _switch_branch_flops(pipelined(zb)[0], PL.schedule_of(_parallel(zb), zb[3], CFG.layers).ticks)
+    flops_one = _switch_branch_flops(pipelined(one)[0], PL.schedule_of(_parallel(one), one[3], CFG.layers).ticks)
+    B = ticks.Branch
+    assert len(flops_zb) == len(flops_one) + 1 == len(B)
+    for branch in (B.FORWARD, B.FORWARD_FIRST, B.FORWARD_LAST):
+        assert flops_zb[branch] == flops_one[branch] > 0
+    for branch in (B.BACKWARD, B.BACKWARD_FIRST):
+        assert flops_zb[branch] + flops_zb[B.WEIGHT] == flops_one[branch]
+        assert 0 < flops_zb[B.WEIGHT] < flops_zb[branch]  # W has the kernels' products; B the rest (attention's)
+
+
+@pytest.mark.slow
+def test_zero_bubble_llama_equals_1f1b():
+    """Llama (Q and K/V one column-parallel op of two kernels, SwiGLU) on pipe=2 × data=2 × tensor=2 + SP, lean
+    policy: zb-h1's loss and gradients equal 1F1B's (which the Llama pipeline tests hold to one device)."""
+    cfg = replace(preset("tiny-llama"), hidden=32, heads=4, seq_len=16, layers=4, dtype="float32", dropout=0.1)
+    m, results = 4, {}
+    for schedule in ("1f1b", "zb-h1"):
+        parallel = ParallelConfig(data=2, tensor=2, sequence_parallel=True, pipe=2, schedule=schedule)
+        layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[:8]))
+        tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (MICRO * 2 * m, cfg.seq_len + 1), np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        with jax.set_mesh(layout.mesh):
+            placed = jax.device_put(M.init_params(jax.random.key(0), cfg), layout.param_shardings)
+            results[schedule] = jax.device_get(PL.make_loss_and_grad(layout, "lean", m)(placed, batch, jax.random.key(3)))
+    (ref_loss, ref_grads), (loss, grads) = results["1f1b"], results["zb-h1"]
+    _assert_close(loss, grads, float(ref_loss), ref_grads)
+
+
 def test_bernoulli_rows_are_rows_of_the_global_mask():
     """A data rank's dropout mask inside the executor (manual over `data`) equals its rows of
     jax.random.bernoulli of the global shape: the pipeline's masks are the unpipelined model's."""

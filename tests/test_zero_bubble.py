@@ -1,0 +1,160 @@
+"""ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism, 2024): its schedule as data, its split backward's
+stash, and its one-line refusals. The executor's losses, gradients and FLOPs: tests/test_pipeline.py."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxseq import remat as R
+from jaxseq import schedule as schedule_command
+from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
+from jaxseq.mesh import make_mesh
+from jaxseq.models import formulas
+from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel import schedule as S
+from jaxseq.parallel.layout import Layout
+from jaxseq.planning.in_flight import compiled_in_flight
+from jaxseq.planning.measure import RowSpec
+
+SHAPES = [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_every_op_once_and_dependencies_respected(p, m):
+    sched = S.Schedule.make("zb-h1", p, m)
+    when = {}
+    for t, row in enumerate(sched.timeline):
+        for s, op in enumerate(row):
+            if op is not None:
+                assert (s, op) not in when
+                when[(s, op)] = t
+    assert set(when) == {(s, S.Op(k, i, 0)) for s in range(p) for i in range(m) for k in "FBW"}
+    for (s, op), t in when.items():
+        if op.kind == "F" and s > 0:
+            assert when[(s - 1, op)] < t
+        if op.kind == "B":
+            assert when[(s, S.Op("F", op.mb, 0))] < t
+            if s < p - 1:
+                assert when[(s + 1, op)] < t  # the input gradient of the next stage, not its W
+        if op.kind == "W":
+            assert when[(s, S.Op("B", op.mb, 0))] < t
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_bubble_is_a_third_of_1f1b_at_unit_costs(p, m):
+    """Qi et al.: (p − 1)/(3m) at F = B = W, from the tick table: 3m + p − 1 ticks of which p − 1 idle."""
+    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
+    assert zb.ticks == 3 * m + p - 1 and zb.idle_ticks == p - 1 and zb.busy_ticks == 3 * m
+    assert zb.bubble == pytest.approx((p - 1) / (3 * m)) == zb.paper_bubble
+    assert zb.bubble == pytest.approx(one.bubble / 3)
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_in_flight_equals_1f1b_and_the_w_stash_is_named(p, m):
+    """Activations held between an F and its B: 1F1B's p − s on stage s. Deferred W's: s + 1, at most p; the
+    executor's one SPMD program gives every stage p W stash slots."""
+    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
+    assert [zb.in_flight(s) for s in range(p)] == [one.in_flight(s) for s in range(p)] == [p - s for s in range(p)]
+    assert zb.depths["stash"] == one.depths["stash"] == p
+    assert [zb.deferred(s) for s in range(p)] == [min(s + 1, m) for s in range(p)]
+    assert zb.depths["w"] == max(zb.deferred(s) for s in range(p)) and one.depths["w"] == 0
+    assert all(one.deferred(s) == 0 for s in range(p))
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_lockstep_time_weighs_each_tick_by_its_slowest_op(p, m):
+    """At F = B = W = 1 (1F1B's whole backward costs 2): 1F1B's first p ticks run forwards only and every later
+    tick some stage's backward, 4m + 3p − 4 units (docs/DESIGN.md: (2m + 2(p − 1)) ticks at t_b ≈ 2t_f); ZB-H1's
+    ticks cost 1 each, 3m + p − 1."""
+    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
+    assert one.lockstep_time(1, 1, 1) == 4 * m + 3 * p - 4
+    assert zb.lockstep_time(1, 1, 1) == 3 * m + p - 1
+    assert zb.lockstep_bubble(1, 1, 1) == pytest.approx(zb.bubble)
+    assert one.lockstep_bubble(1, 1, 1) == pytest.approx((4 * m + 3 * p - 4) / (3 * m) - 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 7)])
+def test_slot_tables_pair_each_w_with_its_b(p, m):
+    sched = S.Schedule.make("zb-h1", p, m)
+    tab, written = sched.tables, {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            key = (s, int(tab["mb"][t, s]))
+            if tab["kind"][t, s] == S.BACKWARD:
+                assert 0 <= tab["w_slot"][t, s] < sched.depths["w"]
+                assert tab["w_slot"][t, s] not in {v for k, v in written.items() if k[0] == s}  # a free slot
+                written[key] = tab["w_slot"][t, s]
+            elif tab["kind"][t, s] == S.WEIGHT:
+                assert tab["w_slot"][t, s] == written.pop(key)
+            else:
+                assert tab["w_slot"][t, s] == -1
+    assert not written
+
+
+def test_forward_only_runs_the_forwards():
+    sched = S.Schedule.make("zb-h1", 4, 8, forward_only=True)
+    assert not sched.split_backward and sched.ticks == 8 + 3 and sched.depths["w"] == 0
+
+
+def test_cli_prints_the_timeline_the_bubble_and_the_w_stash(capsys):
+    assert schedule_command.main(["--pipe", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "ticks 27 (lock-step 3m + p − 1 = 27)" in out
+    assert "bubble idle/busy = 0.1250 vs the paper's (p−1)/(3m) = 0.1250" in out
+    assert "deferred weight gradients held per stage: 1, 2, 3, 4; W stash slots 4" in out
+    assert "stage 0:  F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1" in out
+
+
+@pytest.mark.parametrize("parallel,model,message", [
+    (dict(pipe=2, schedule="zb-h1", virtual_stages=2), "tiny", "virtual_stages=2: zb-h1 runs one chunk per stage"),
+    (dict(pipe=2, data=2, fsdp=2, schedule="zb-h1"), "tiny", "schedule=zb-h1 with fsdp=2 is not supported"),
+    (dict(pipe=2, tensor=4, schedule="zb-h1"), "tiny-llama", "tensor=4 > kv_heads=2 is not supported"),
+])
+def test_what_zb_h1_cannot_run_is_one_line(parallel, model, message):
+    cfg = replace(preset(model), layers=4, heads=4) if model == "tiny-llama" else replace(preset(model), layers=4)
+    if model == "tiny-llama":
+        assert cfg.num_kv_heads == 2
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, ParallelConfig(**parallel), "selective")
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The split backward's stash
+
+STASH_CFG = {family: replace(preset(family), hidden=32, heads=4, seq_len=16, layers=8, dtype="bfloat16")
+             for family in ("tiny", "tiny-llama")}
+
+
+def _layout(cfg, schedule, devices, tensor=2, sp=True):
+    parallel = ParallelConfig(tensor=tensor, sequence_parallel=sp, pipe=2, schedule=schedule)
+    return Layout(cfg, parallel, make_mesh(parallel, devices[:parallel.num_devices]))
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
+def test_an_f_stashes_what_it_stashes_under_1f1b_for_every_policy(family, devices):
+    """Deferring the weight gradients changes nothing a forward keeps for its B (the same residual leaves, each
+    the same shape), under every registered policy; the W stash is the same whatever the policy (the matmuls'
+    inputs and output gradients, each [k, …]), and empty under 1F1B."""
+    cfg = STASH_CFG[family]
+    zb, one = _layout(cfg, "zb-h1", devices), _layout(cfg, "1f1b", devices)
+    w_stashes = set()
+    for policy in R.POLICIES:
+        shapes = lambda layout: [(a.dtype, a.shape) for a in PL.stash_layout(layout, policy, 4, 2)[0]]
+        assert shapes(zb) == shapes(one), policy
+        w_stashes.add(tuple((a.dtype, a.shape) for a in PL.w_stash_layout(zb, policy, 4, 2)))
+        assert PL.w_stash_layout(one, policy, 4, 2) == []
+    assert len(w_stashes) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tensor,sp", [("tiny", 2, True), ("tiny-llama", 2, False), ("tiny", 1, False)])
+def test_the_w_stash_formula_is_the_compiled_carry(family, tensor, sp, devices):
+    """`formulas.deferred_stash_bytes`, which the plan adds to each row, against the W stash buffers of the
+    compiled pipelined step's tick loop (per device, with and without SP; Llama's Q and K/V share one input)."""
+    cfg = replace(STASH_CFG[family], hidden=64, seq_len=32)
+    f = compiled_in_flight(cfg, RowSpec("row", "selective", sp, tensor, None), 2, devices, "zb-h1", 2, 1, 4)
+    assert f.w_slots == 2
+    per_layer = f.compiled_w_stash_bytes / (f.w_slots * f.compiled_layers_per_chunk)
+    assert per_layer == formulas.deferred_stash_bytes(cfg, 2, tensor, sp)
+    assert f.w_stash_bytes == f.compiled_w_stash_bytes * f.layers_per_chunk // f.compiled_layers_per_chunk
