@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp-sizes", default="1",
                    help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
                         "(default 1: no FSDP; e.g. 1,2,4,8)")
+    g.add_argument("--schedules", default="1f1b",
+                   help="pipeline schedules to try: 1f1b (with interleaved, v > 1) and zb-h1 (zero bubble: the backward "
+                        "split into B and W); default 1f1b")
     g.add_argument("--fsdp-overlap", action="store_true",
                    help="charge FSDP's gathers and reduce-scatters only beyond the compute of the micro-batch they can "
                         "hide behind (MaxText's pipelined gathers; default: not overlapped, as nothing is)")
@@ -168,7 +171,7 @@ def search_request(args) -> search_space.Request:
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
-                     search.parse_list(args.fsdp_sizes))
+                     search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str))
 
 
 def _search(args) -> int:

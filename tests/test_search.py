@@ -283,7 +283,7 @@ def test_memory_terms_are_the_hand_computation():
     # interleaved p=2, v=2, m=4: stage 0 holds p·v + p − 1 = 5 chunks of L/(p·v) = 1 layer; the executor's
     # buffers are 5 stash slots, 2 received activations and 2 gradients (+ a trash slot each)
     c = S.Candidate(2, 2, 2, 4, 2, "selective", True, False, 4)
-    assert Schedule.make("interleaved", 2, 4, 2).depths == {"stash": 5, "x": 2, "g": 2}
+    assert Schedule.make("interleaved", 2, 4, 2).depths == {"stash": 5, "x": 2, "g": 2, "w": 0}
     layer, state = costs.layer(2, True, "selective", 2), costs.state(replace(CFG, layers=2), 2, 4, False, 2)
     mem = S.memory(CFG, c, layer, state)
     assert mem.in_flight_layers == 5
@@ -377,6 +377,48 @@ def test_fsdp_time_and_memory_are_the_hand_computation():
     assert "FSDP s" not in S.format_result(S.search(CFG, request(), HandCosts(), "hand"))
 
 
+def test_zero_bubble_candidates_where_the_executor_runs_them():
+    """--schedules 1f1b,zb-h1: each 1F1B candidate (v = 1, p > 1, c = 1, f = 1) once more as ZB-H1, nothing else
+    changes; the default enumerates none."""
+    assert not any(c.zero_bubble for c in S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2))))
+    found = S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2), schedules=("1f1b", "zb-h1")))
+    zb = [c for c in found if c.zero_bubble]
+    assert {replace(c, zero_bubble=False) for c in zb} == {
+        c for c in found if not c.zero_bubble and c.pipe > 1 and c.virtual == 1 and c.context == 1 and c.fsdp == 1}
+    assert zb and all(c.schedule == "zb-h1" for c in zb)
+    assert set(found) - set(zb) == set(S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2))))
+    with pytest.raises(ConfigError, match="schedule 'gpipe' is not searched; valid: 1f1b, zb-h1"):
+        S.space.validate_request(CFG, request(schedules=("gpipe",)))
+
+
+def test_zero_bubble_time_and_memory_are_the_hand_computation():
+    """t=2 p=2 d=4, b=2, m=4, selective+SP: the bubble is Qi et al.'s (p − 1)(F + B − W)/(m(F + B + W)) at the
+    layer's split kernel times, which add up to the layer's; the memory holds the W stash (p = 2 slots of L/p = 2
+    layers, `formulas.deferred_stash_bytes` each) and the executor's W slot output; all else is 1F1B's."""
+    one = S.Candidate(2, 2, 1, 4, 2, "selective", True, False, 4)
+    zb = replace(one, zero_bubble=True)
+    costs, tm = HandCosts(), S.TimeModel(compute_efficiency=0.5, memory_efficiency=0.8, link_efficiency=0.8)
+    layer, state = costs.layer(2, True, "selective", 2), costs.state(replace(CFG, layers=2), 2, 4, False, 2)
+    f, b, w = K.split_layer_seconds(CFG, 2, 2, True, "selective", NODE, 0.5, 0.8)
+    assert f + b + w == pytest.approx(K.layer_seconds(CFG, 2, 2, True, "selective", NODE, 0.5, 0.8))
+    gemm = lambda g: K.gemm_seconds(g, NODE, 2, 0.5, 0.8)
+    fwd = K.forward_gemms(CFG, 2, 2)
+    assert w == pytest.approx(sum(gemm(fwd[n].backward()[1]) for n in ("qkv", "out", "mlp_up", "mlp_down")))
+    t_one, t_zb = S.step_time(CFG, one, layer, state, NODE, tm), S.step_time(CFG, zb, layer, state, NODE, tm)
+    assert t_one.bubble == pytest.approx(1 / 4)  # (p − 1)/m
+    assert t_zb.bubble == pytest.approx((f + b - w) / (4 * (f + b + w))) and 0 < t_zb.bubble < t_one.bubble
+    assert t_zb.bubble_s == pytest.approx(t_one.bubble_s * t_zb.bubble / t_one.bubble)
+    assert t_zb.total_s - t_zb.bubble_s == pytest.approx(t_one.total_s - t_one.bubble_s)
+    m_one, m_zb = S.memory(CFG, one, layer, state), S.memory(CFG, zb, layer, state)
+    per_layer = F.deferred_stash_bytes(CFG, 2, 2, True)
+    assert m_zb.deferred_stash_bytes == 2 * 2 * per_layer and m_one.deferred_stash_bytes == 0
+    assert m_zb.executor.w_slot_bytes == 2 * per_layer and m_one.executor.w_slot_bytes == 0
+    assert m_zb.total_bytes == pytest.approx(m_one.total_bytes + 6 * per_layer)
+    res = S.search(CFG, request(schedules=("1f1b", "zb-h1")), HandCosts(), "hand")
+    assert "v = zb: ZB-H1" in S.format_result(res, top=400) and S.to_json(res)["schedules"] == ["1f1b", "zb-h1"]
+    assert any(re.match(r"\s*\d+\s+\d+\s+\d+\s+zb ", line) for line in S.format_result(res, top=400).splitlines())
+
+
 def test_no_fit_and_nothing_valid_are_one_line():
     with pytest.raises(ConfigError, match=r"^no configuration of hand fits in 0.001 GiB per GPU on 16 GPUs: "
                                           r"the least memory is [0-9.]+ GiB \(t=") as e:
@@ -461,13 +503,16 @@ PIPELINED = replace(F32, layers=8)  # p·v ≤ 8 divides the layers
 PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data ranks
     *(S.Candidate(2, 2, v, 2, 1, "selective", True, dist, 4) for v in (1, 2) for dist in (False, True)),
     *(S.Candidate(1, 4, v, 2, 1, "selective", False, dist, 4) for v in (1, 2) for dist in (False, True)),
+    # ZB-H1: its W stash and W slot on top (within 1.3% here, as 1F1B's)
+    S.Candidate(2, 2, 1, 2, 1, "selective", True, False, 4, zero_bubble=True),
+    S.Candidate(1, 4, 1, 2, 1, "selective", False, True, 4, zero_bubble=True),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("candidate", PIPELINED_CANDIDATES,
                          ids=[f"p{c.pipe}-v{c.virtual}{'-distopt' if c.distributed_optimizer else ''}"
-                              for c in PIPELINED_CANDIDATES])
+                              f"{'-zb' if c.zero_bubble else ''}" for c in PIPELINED_CANDIDATES])
 def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
     """jaxseq's own pipelined step, its executor's buffers included (a Megatron-style stage alone is 1.09–1.43×
     too little here), within 10%: the search ranks nothing that jaxseq cannot run."""

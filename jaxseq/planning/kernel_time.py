@@ -163,6 +163,23 @@ def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, rem
     return gemms + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
 
+WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a weight: W computes their .dw
+
+
+def split_layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
+                        compute_efficiency: float, memory_efficiency: float) -> tuple[float, float, float]:
+    """`layer_seconds` as zero-bubble pipelining splits it (F, B, W): W the weight GEMMs' gradients (`.dw`), F the
+    forward GEMMs and a third of the elementwise kernels (they run forward and twice as much backward), B the rest
+    (the input gradients, the attention core's backward, the replays)."""
+    seconds = lambda g: gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
+    forward = forward_gemms(cfg, b, t)
+    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+    f = sum(seconds(g) for g in forward.values()) + elementwise / 3
+    w = sum(seconds(forward[name].backward()[1]) for name in WEIGHT_GEMMS)
+    total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency)
+    return f, total - f - w, w
+
+
 def head_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, hw: Hardware, compute_efficiency: float,
                  memory_efficiency: float) -> float:
     """The embedding, final norm, logits and loss, forward and backward, on one device."""

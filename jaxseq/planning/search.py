@@ -138,16 +138,32 @@ class Costs(Protocol):
 
 
 @lru_cache(maxsize=None)
-def pipeline_schedule(p: int, m: int, v: int) -> Schedule | None:
-    """The schedule the executor runs for (p, m, v); None without a pipeline."""
-    return Schedule.make("interleaved" if v > 1 else "1f1b", p, m, v) if p > 1 else None
+def pipeline_schedule(c: Candidate) -> Schedule | None:
+    """The schedule the executor runs for candidate c; None without a pipeline."""
+    return Schedule.make(c.schedule, c.pipe, c.microbatches, c.virtual) if c.pipe > 1 else None
 
 
-def schedule_figures(p: int, m: int, v: int, layers: int) -> tuple[int, float]:
+def schedule_figures(c: Candidate, layers: int) -> tuple[int, float]:
     """(layers' worth of activations stage 0 holds at once, bubble = idle/busy ticks) from the schedule's
     own tables; without a pipeline all layers and no bubble."""
-    sched = pipeline_schedule(p, m, v)
+    sched = pipeline_schedule(c)
     return (layers, 0.0) if sched is None else (sched.in_flight_layers(layers), sched.bubble)
+
+
+def deferred_stash_bytes(cfg: ModelConfig, c: Candidate) -> float:
+    """ZB-H1's W stash on every stage: its slots × L/p layers × `formulas.deferred_stash_bytes`; 0 otherwise."""
+    if not c.zero_bubble:
+        return 0.0
+    slots = pipeline_schedule(c).depths["w"]
+    return slots * (cfg.layers // c.pipe) * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel)
+
+
+def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
+    """ZB-H1's bubble in time, Qi et al.'s (p − 1)(T_F + T_B − T_W) over m(T_F + T_B + T_W), at a layer's split
+    kernel times (`kernel_time.split_layer_seconds`): the same asynchronous model as 1F1B's (p − 1)/m."""
+    f, b, w = K.split_layer_seconds(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw,
+                                    tm.compute_efficiency, tm.memory_efficiency)
+    return (c.pipe - 1) * (f + b - w) / (c.microbatches * (f + b + w))
 
 
 @dataclass(frozen=True)
@@ -171,11 +187,12 @@ class ExecutorBuffers:
     chunk_gradient_bytes: float  # BranchOut.dw: the f32 weight gradients of the chunk a backward tick runs
     stage_copy_bytes: float  # the layers regrouped [v, k, …] (`to_stages`) where the state has no compute copy
     #                          of them to regroup: float32, v > 1, no distributed optimizer
+    w_slot_bytes: float = 0.0  # ZB-H1: BranchOut.w_slot, the switch's W stash slot output (a B's; zeros from the rest)
 
     @property
     def total_bytes(self) -> float:
         return (self.receive_bytes + self.tick_slot_bytes + self.chunk_weight_bytes + self.others_gradient_bytes
-                + self.chunk_gradient_bytes + self.stage_copy_bytes)
+                + self.chunk_gradient_bytes + self.stage_copy_bytes + self.w_slot_bytes)
 
 
 NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, chunk_weight_bytes=0.0,
@@ -184,7 +201,7 @@ NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, chunk_weig
 
 def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> ExecutorBuffers:
     """The executor's own buffers for candidate c (a pipeline), from shapes and the schedule's depths."""
-    depth = pipeline_schedule(c.pipe, c.microbatches, c.virtual).depths
+    depth = pipeline_schedule(c).depths
     k = cfg.layers // (c.pipe * c.virtual)
     activation = (c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
                   / c.context)  # one context rank's tokens
@@ -195,7 +212,8 @@ def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: St
                            chunk_weight_bytes=cfg.itemsize * chunk_parameters if c.virtual > 1 and k > 1 else 0.0,
                            others_gradient_bytes=4 * (state.parameters - state.layer_parameters),
                            chunk_gradient_bytes=4 * chunk_parameters,
-                           stage_copy_bytes=cfg.itemsize * state.layer_parameters if regroup else 0.0)
+                           stage_copy_bytes=cfg.itemsize * state.layer_parameters if regroup else 0.0,
+                           w_slot_bytes=deferred_stash_bytes(cfg, c) / depth["w"] if c.zero_bubble else 0.0)
 
 
 MEMORY_ACCOUNTING = ("jaxseq's compiled train step, per device (the first pipeline stage); with a pipeline, "
@@ -216,6 +234,7 @@ class Memory:
     in_flight_layers: float
     executor: ExecutorBuffers  # the pipeline executor's own buffers (none without a pipeline)
     fsdp_gathered_bytes: float = 0.0  # FSDP: one layer's (or embedding table's) gathered weights and gradient
+    deferred_stash_bytes: float = 0.0  # ZB-H1: of the activations, the W stash (`deferred_stash_bytes`)
 
     @property
     def total_bytes(self) -> float:
@@ -246,14 +265,15 @@ def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
     layer = at_context(cfg, c, layer)
-    in_flight_layers, _ = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
+    in_flight_layers, _ = schedule_figures(c, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
+    activations += deferred_stash_bytes(cfg, c)  # ZB-H1's W stash
     # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data (under
     # FSDP each micro-batch's gradients are reduce-scattered over fsdp at once: the sum is of the shards)
     accumulator = state.gradients if c.pipe == 1 and c.microbatches > 1 else 0.0
     executor = executor_buffers(cfg, c, layer, state) if c.pipe > 1 else NO_EXECUTOR
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor,
-                  state.fsdp_gathered_bytes)
+                  state.fsdp_gathered_bytes, deferred_stash_bytes(cfg, c))
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -352,7 +372,9 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / (c.tensor * c.context)
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
-    _, bubble = schedule_figures(c.pipe, c.microbatches, c.virtual, cfg.layers)
+    _, bubble = schedule_figures(c, cfg.layers)
+    if c.zero_bubble:
+        bubble = zero_bubble_bubble(cfg, c, hw, tm)
     m = c.microbatches
     fsdp = fsdp_bytes(cfg, c, state) / bw["fsdp"]
     if tm.fsdp_overlap:  # hidden behind the micro-batch's compute where it fits
@@ -388,6 +410,7 @@ class Evaluated:
         return {**asdict(c), "schedule": c.schedule,
                 "memory_gib": {"total": mem.total_bytes / GIB, "state": mem.state_bytes / GIB,
                                "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
+                               "w_stash": mem.deferred_stash_bytes / GIB,
                                "fsdp_gathered": mem.fsdp_gathered_bytes / GIB,
                                "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
                                "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
@@ -474,6 +497,14 @@ FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's 
              "memory: the state over f plus one layer's gathered weights and gradient (memory.fsdp_gathered_bytes)")
 
 
+ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (one chunk per stage, the backward split into B and W; not with FSDP, context "
+                    "parallelism or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/(m(T_F + T_B + T_W)) "
+                    "at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + the W stash (p slots of "
+                    "L/p layers' weight-matmul inputs and output gradients: formulas.deferred_stash_bytes); both "
+                    "schedules priced as Megatron's asynchronous stages run them, where jaxseq's lock-step executor "
+                    "gains more from ZB-H1 (docs/parallelism.md)")
+
+
 def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
     fsdp = any(f > 1 for f in r.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
@@ -500,7 +531,7 @@ def format_result(res: Result, top: int = 10) -> str:
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
         lines.append(
-            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
+            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {'zb' if c.zero_bubble else c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
@@ -518,6 +549,8 @@ def format_result(res: Result, top: int = 10) -> str:
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
     if fsdp:
         lines += [FSDP_NOTE]
+    if "zb-h1" in r.schedules:
+        lines += [ZERO_BUBBLE_NOTE]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:
@@ -565,7 +598,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
-        "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes),
+        "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes), "schedules": list(r.schedules),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",

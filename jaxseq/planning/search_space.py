@@ -47,6 +47,9 @@ class TimeModel:
 # The request and the candidates
 
 
+SEARCH_SCHEDULES = ("1f1b", "zb-h1")  # GPipe holds m micro-batches for 1F1B's bubble: never enumerated
+
+
 @dataclass(frozen=True)
 class Request:
     gpus: int
@@ -58,6 +61,7 @@ class Request:
     tensor_sizes: tuple[int, ...] | None = None  # None: every divisor of the GPUs per node
     context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: `context_candidates`)
     fsdp_sizes: tuple[int, ...] = (1,)  # F to try: the data-parallel ranks d·F of a mesh split into F FSDP ranks
+    schedules: tuple[str, ...] = ("1f1b",)  # 1f1b: 1F1B and, v > 1, interleaved; zb-h1: ZB-H1 too (`SEARCH_SCHEDULES`)
 
     @property
     def budget_bytes(self) -> float:
@@ -89,6 +93,10 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for c in r.context_sizes:
         if not isinstance(c, int) or c <= 0:
             raise ConfigError(f"context size {c!r} must be a positive integer")
+    for schedule in r.schedules:
+        if schedule not in SEARCH_SCHEDULES:
+            raise ConfigError(f"schedule {schedule!r} is not searched; valid: {', '.join(SEARCH_SCHEDULES)} (1f1b "
+                              "includes the interleaved schedule, v > 1)")
     for f in r.fsdp_sizes:
         if not isinstance(f, int) or f <= 0:
             raise ConfigError(f"fsdp size {f!r} must be a positive integer")
@@ -112,10 +120,11 @@ class Candidate:
     context: int = 1  # c: G = t·p·d·c·f
     context_strategy: str = "all-gather"
     fsdp: int = 1  # f: FSDP ranks, which split the batch's rows as data ranks do and every weight's state
+    zero_bubble: bool = False  # ZB-H1 (v = 1): the backward split into B and W (`parallel.schedule`)
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.virtual > 1 else "1f1b"
+        return "zb-h1" if self.zero_bubble else "interleaved" if self.virtual > 1 else "1f1b"
 
     @property
     def mesh_family(self) -> tuple[int, int]:
@@ -126,7 +135,7 @@ class Candidate:
         return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} m={self.microbatches} "
                 f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}"
                 + (f" c={self.context} {self.context_strategy}" if self.context > 1 else "")
-                + (f" f={self.fsdp}" if self.fsdp > 1 else ""))
+                + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else ""))
 
 
 def divisors(n: int) -> list[int]:
@@ -227,6 +236,9 @@ def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, ranks:
 def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, f: int, sps) -> list[Candidate]:
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
+    # ZB-H1 where the executor runs it: a pipeline, one chunk per stage, no FSDP or context parallelism, no K/V head
+    # repeated over tensor ranks (`config.validate_zero_bubble`)
+    zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
     strategies = [s for s in CONTEXT_STRATEGIES
                   if s == "all-gather" or (c > 1 and p == 1 and cfg.attention == "explicit")]
     for b in r.micro_batches:
@@ -243,4 +255,6 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
                     for sp in sps:
                         for dist in ((False, True) if d * c > 1 else (False,)):
                             out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f))
+                            if v == 1 and zero_bubble:
+                                out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f, True))
     return out
