@@ -220,7 +220,7 @@ def test_bad_input_is_one_line(argv, message, capsys):
 
 
 # (schedule, v, m) at p = 2, tensor = 4 + SP (8 devices), L = 8: k = 4, 4, 2 layers per chunk (compiled with 2).
-PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4)]
+PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4)]
 
 
 @pytest.mark.slow
@@ -240,7 +240,13 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     assert f.slots == sched.in_flight(0) and f.layers_per_chunk == k and f.compiled_layers_per_chunk == 2
     assert f.compiled_stash_bytes == f.slots * 2 * per_layer
     assert f.stash_bytes == sched.in_flight(0) * k * per_layer
-    assert f.layers == f.formula_layers == {"1f1b": 8, "gpipe": 16, "interleaved": 10}[schedule]
+    assert f.layers == f.formula_layers == {"1f1b": 8, "gpipe": 16, "interleaved": 10, "zb-h1": 8}[schedule]
+    # The bubble in time at the compiled branches' dot FLOPs; under zb-h1 the W stash and B + W = 1F1B's backward
+    costs = f.branch_dot_flops
+    assert f.lockstep_bubble == pytest.approx(sched.lockstep_bubble(costs["F"], costs["B"], costs["W"]))
+    assert f.lockstep_bubble_1f1b == pytest.approx(
+        Schedule.make("1f1b", p, m).lockstep_bubble(costs["F"], costs["B"] + costs["W"], 0))
+    assert (f.w_slots, costs["W"] > 0) == ((sched.depths["w"], True) if schedule == "zb-h1" else (0, False))
     act = B * CFG.seq_len * CFG.hidden * 2 // T  # one received bf16 activation shard (SP)
     assert f.receive_bytes >= 2 * act and f.receive_bytes % act == 0
     planned = dataclasses.replace(small_plan, config=cfg, pipeline=p, schedule=sched.name, virtual_stages=v,
@@ -249,6 +255,8 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     text = report.format_table(planned)
     assert f"compiled  {f.slots} stash slots × 2 layers" in text and f"scaled    to {k} layers per chunk" in text
     assert f"source    compiled: the pipelined {sched.name} step (tp+sp+selective, pipe=2 × tensor=4" in text
+    assert f"in time   {f.lockstep_bubble:.4f} of the ideal" in text
+    assert ("W stash   compiled" in text) == (schedule == "zb-h1")
     out = json.loads(json.dumps(planned.to_json()))
     assert out["in_flight"]["source"].startswith("compiled:") and out["in_flight"]["stash_bytes"] == f.stash_bytes
     # Each device's state by part: the stage's layers, and the embedding group's (master weights and moments

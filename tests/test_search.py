@@ -407,8 +407,12 @@ def test_zero_bubble_time_and_memory_are_the_hand_computation():
     t_one, t_zb = S.step_time(CFG, one, layer, state, NODE, tm), S.step_time(CFG, zb, layer, state, NODE, tm)
     assert t_one.bubble == pytest.approx(1 / 4)  # (p − 1)/m
     assert t_zb.bubble == pytest.approx((f + b - w) / (4 * (f + b + w))) and 0 < t_zb.bubble < t_one.bubble
-    assert t_zb.bubble_s == pytest.approx(t_one.bubble_s * t_zb.bubble / t_one.bubble)
-    assert t_zb.total_s - t_zb.bubble_s == pytest.approx(t_one.total_s - t_one.bubble_s)
+    # W all-gathers the two row-parallel output gradients SP keeps split: [b, s, h] bf16 each, ring 1/2, 2 layers,
+    # m = 4, over NVLink (t = 2 in a node)
+    gathers = 4 * 2 * 2 * (2 * 64 * 64 * 2) / 2 / 160e9
+    assert t_zb.tp_s == pytest.approx(t_one.tp_s + gathers)
+    assert t_zb.bubble_s == pytest.approx((t_one.bubble_s / t_one.bubble + gathers) * t_zb.bubble)
+    assert t_zb.total_s - t_zb.bubble_s == pytest.approx(t_one.total_s - t_one.bubble_s + gathers)
     m_one, m_zb = S.memory(CFG, one, layer, state), S.memory(CFG, zb, layer, state)
     per_layer = F.deferred_stash_bytes(CFG, 2, 2, True)
     assert m_zb.deferred_stash_bytes == 2 * 2 * per_layer and m_one.deferred_stash_bytes == 0

@@ -10,6 +10,7 @@ import jax
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel.schedule import Schedule
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo
 from jaxseq.planning.measure import RowSpec
@@ -40,6 +41,12 @@ class InFlight:
     w_slots: int = 0
     compiled_w_stash_bytes: int = 0
     w_stash_bytes: int = 0
+    # the dot FLOPs per device of a middle chunk's F, B and W tick branches (compiled; W 0 where B is whole), and the
+    # schedule's bubble in time at those costs: lock-step (`Schedule.lockstep_bubble`: each tick waits for its
+    # slowest stage, as the executor runs) and, for comparison, 1F1B's at the same costs
+    branch_dot_flops: dict | None = None
+    lockstep_bubble: float = 0.0
+    lockstep_bubble_1f1b: float = 0.0
 
     @property
     def layers(self) -> int:
@@ -73,6 +80,19 @@ def _in_order(carry: list, avals: list, matches) -> tuple[list, list]:
         found.append(carry[i])
         i += 1
     return found, carry[i:]
+
+
+def branch_dot_flops(hlo_text: str, sched) -> dict[str, float]:
+    """{"F", "B", "W"}: the dot FLOPs per device of the tick loop's forward, backward and (zb-h1) weight branches
+    of a middle chunk (`ticks.Branch`: neither the embedding's nor the loss's); W 0 where the backward is whole."""
+    from jaxseq.parallel.ticks import Branch
+
+    comps = hlo.parse_hlo(hlo_text)
+    body = hlo.while_loop(comps, sched.ticks).attr("body")
+    switch, = [i for i in comps[body] if i.opcode == "conditional" and len(i.branches()) > 2]
+    flops = [hlo.dot_flops(comps, b) for b in switch.branches()]
+    return {"F": flops[Branch.FORWARD], "B": flops[Branch.BACKWARD],
+            "W": flops[Branch.WEIGHT] if sched.split_backward else 0.0}
 
 
 def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, schedule: str, p: int, v: int,
@@ -118,6 +138,8 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
         raise RuntimeError(f"the compiled tick loop's W stash ({w_stash}) does not match one slot's "
                            f"({[(a.dtype, a.shape) for a in w_slot_avals]}) × {sched.depths['w']} slots")
     compiled_w = sum(hlo.array_bytes(dt, dims) for dt, dims in w_stash)
+    costs = branch_dot_flops(compiled.as_text(), sched)
+    unsplit = Schedule.make("1f1b", p, m)
     depths = {sched.depths["x"] + 1, sched.depths["g"] + 1}
     receive = [(dt, dims) for dt, dims in carry if len(dims) == 4 and dims[0] in depths
                and dims[1] == micro_batch and dims[3] == cfg.hidden]
@@ -129,4 +151,5 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
               "per chunk")
     return InFlight(source, c.name, sched.depths["stash"], k_c, k, compiled_bytes, compiled_bytes * k // k_c,
                     sum(hlo.array_bytes(dt, dims) for dt, dims in receive), formula, formula_layers,
-                    sched.depths["w"], compiled_w, compiled_w * k // k_c)
+                    sched.depths["w"], compiled_w, compiled_w * k // k_c, costs, sched.lockstep_bubble(*costs.values()),
+                    unsplit.lockstep_bubble(costs["F"], costs["B"] + costs["W"], 0.0))

@@ -201,7 +201,20 @@ def format_in_flight(p: Plan) -> list[str]:
         *deferred,
         f"  source    {f.source}",
         f"  bubble    {p.bubble:.4f} (idle/busy ticks of the lock-step tick table) vs {formula} = {p.paper_bubble:.4f}",
+        *_bubble_in_time(p),
     ]
+
+
+def _bubble_in_time(p: Plan) -> list[str]:
+    """The bubble at the compiled tick branches' dot FLOPs, lock-step, beside 1F1B's at the same costs."""
+    f = p.in_flight
+    if not f.branch_dot_flops:
+        return []
+    c = f.branch_dot_flops
+    costs = " / ".join(f"{c[k] / 1e9:.3g}" for k in ("F", "B", "W")) + " GFLOP (F / B / W"
+    return [f"  in time   {f.lockstep_bubble:.4f} of the ideal at the tick branches' dot FLOPs per device, {costs}: "
+            f"compiled, per {f.compiled_layers_per_chunk} layers), each tick waiting for its slowest stage as the "
+            f"executor runs; 1F1B at the same costs: {f.lockstep_bubble_1f1b:.4f}"]
 
 
 STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients", "master_weights": "fp32 master weights",

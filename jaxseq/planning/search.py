@@ -48,7 +48,9 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
       bandwidth); + at c > 1 the K/V all-gathers or ring sends of each layer (`formulas.context_kv_bytes`) /
       (link_efficiency · the context group's bandwidth).
   pipeline = m · per micro-batch · (1 + bubble), bubble = idle/busy ticks of the schedule
-      ((p − 1)/m, interleaved (p − 1)/(v·m)).
+      ((p − 1)/m, interleaved (p − 1)/(v·m)); ZB-H1 (`--schedules 1f1b,zb-h1`): (p − 1)(F + B − W)/(m(F + B + W))
+      at the layer's split kernel times (`kernel_time.split_layer_seconds`), its W stash in the memory, and under
+      SP the two all-gathers per layer its W adds (`zero_bubble_gather_bytes`).
   data-parallel gradient reduction after the flush: fp32 gradients of the stage's parameters, ring
       all-reduce 2(d − 1)/d · 4N bytes, or with the distributed optimizer a reduce-scatter (d − 1)/d · 4N
       plus the all-gather of the compute copy (d − 1)/d · 2N, / (link_efficiency · d's bandwidth).
@@ -156,6 +158,15 @@ def deferred_stash_bytes(cfg: ModelConfig, c: Candidate) -> float:
         return 0.0
     slots = pipeline_schedule(c).depths["w"]
     return slots * (cfg.layers // c.pipe) * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel)
+
+
+def zero_bubble_gather_bytes(cfg: ModelConfig, c: Candidate) -> float:
+    """The TP traffic ZB-H1 adds per layer and micro-batch: under SP its W stash keeps the row-parallel matmuls'
+    output gradients sequence-split, so W all-gathers them again ([b, s, h] each, two per layer; the compiled
+    step's W branch holds four all-gathers per layer where 1F1B's backward has two fewer)."""
+    if not (c.zero_bubble and c.sequence_parallel and c.tensor > 1):
+        return 0.0
+    return 2 * ring_traffic("all-gather", c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize, c.tensor)
 
 
 def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
@@ -368,7 +379,8 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     compute = compute_seconds(cfg, c, hw, tm)
     kv = F.context_kv_bytes(cfg, c.micro_batch, c.tensor, c.context, c.context_strategy)["traffic"]
     context = layers * kv / bw["context"]
-    tp = layers * sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items()) / bw["tensor"]
+    tp = layers * (sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items())
+                   + zero_bubble_gather_bytes(cfg, c)) / bw["tensor"]
     itemsize = cfg.itemsize
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / (c.tensor * c.context)
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
@@ -500,7 +512,8 @@ FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's 
 ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (one chunk per stage, the backward split into B and W; not with FSDP, context "
                     "parallelism or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/(m(T_F + T_B + T_W)) "
                     "at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + the W stash (p slots of "
-                    "L/p layers' weight-matmul inputs and output gradients: formulas.deferred_stash_bytes); both "
+                    "L/p layers' weight-matmul inputs and output gradients: formulas.deferred_stash_bytes), TP + the two "
+                    "[b, s, h] all-gathers per layer W adds under SP; both "
                     "schedules priced as Megatron's asynchronous stages run them, where jaxseq's lock-step executor "
                     "gains more from ZB-H1 (docs/parallelism.md)")
 
