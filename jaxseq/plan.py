@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedules", default="1f1b",
                    help="pipeline schedules to try: 1f1b (with interleaved, v > 1) and zb-h1 (zero bubble: the backward "
                         "split into B and W); default 1f1b")
+    g.add_argument("--lockstep", action="store_true",
+                   help="price pipeline ticks as jaxseq's executor runs them, each waiting for its slowest stage's op "
+                        "(1F1B's whole backward, or ZB-H1's F, B or W); default: asynchronous stages, as Megatron-LM "
+                        "and the calibration")
     g.add_argument("--fsdp-overlap", action="store_true",
                    help="charge FSDP's gathers and reduce-scatters only beyond the compute of the micro-batch they can "
                         "hide behind (MaxText's pipelined gathers; default: not overlapped, as nothing is)")
@@ -167,7 +171,8 @@ def search_request(args) -> search_space.Request:
                  "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
     time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
-                             link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap)
+                             link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap,
+                             lockstep=args.lockstep)
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),

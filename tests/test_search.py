@@ -413,6 +413,16 @@ def test_zero_bubble_time_and_memory_are_the_hand_computation():
     assert t_zb.tp_s == pytest.approx(t_one.tp_s + gathers)
     assert t_zb.bubble_s == pytest.approx((t_one.bubble_s / t_one.bubble + gathers) * t_zb.bubble)
     assert t_zb.total_s - t_zb.bubble_s == pytest.approx(t_one.total_s - t_one.bubble_s + gathers)
+    # --lockstep: each tick priced at its slowest stage's op, the schedule's own timeline at the split costs
+    lock = replace(tm, lockstep=True)
+    for c in (one, zb, replace(one, virtual=2)):
+        priced = S.step_time(CFG, c, layer, state, NODE, lock)
+        sched = Schedule.make(c.schedule, 2, 4, c.virtual)
+        assert priced.bubble == pytest.approx(sched.lockstep_bubble(f, b, w))
+        assert priced.total_s - priced.bubble_s == pytest.approx(S.step_time(CFG, c, layer, state, NODE, tm).total_s
+                                                                - S.step_time(CFG, c, layer, state, NODE, tm).bubble_s)
+    assert S.step_time(CFG, zb, layer, state, NODE, lock).bubble < S.step_time(CFG, one, layer, state, NODE, lock).bubble
+    assert S.step_time(CFG, one, layer, state, NODE, lock).bubble > t_one.bubble  # 1F1B's ticks cost a whole backward
     m_one, m_zb = S.memory(CFG, one, layer, state), S.memory(CFG, zb, layer, state)
     per_layer = F.deferred_stash_bytes(CFG, 2, 2, True)
     assert m_zb.deferred_stash_bytes == 2 * 2 * per_layer and m_one.deferred_stash_bytes == 0

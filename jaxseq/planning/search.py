@@ -385,7 +385,10 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     message = cfg.seq_len * c.micro_batch * cfg.hidden * itemsize / (c.tensor * c.context)
     p2p = 2 * c.virtual * message / bw["pipe"] if c.pipe > 1 else 0.0
     _, bubble = schedule_figures(c, cfg.layers)
-    if c.zero_bubble:
+    if c.pipe > 1 and tm.lockstep:
+        bubble = pipeline_schedule(c).lockstep_bubble(*K.split_layer_seconds(
+            cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw, tm.compute_efficiency, tm.memory_efficiency))
+    elif c.zero_bubble:
         bubble = zero_bubble_bubble(cfg, c, hw, tm)
     m = c.microbatches
     fsdp = fsdp_bytes(cfg, c, state) / bw["fsdp"]
@@ -531,7 +534,9 @@ def format_result(res: Result, top: int = 10) -> str:
         f"HBM speed if memory-bound, elementwise kernels at {tm.memory_efficiency:g} of HBM bandwidth, links at "
         f"{tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
-           "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped"),
+           "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
+        + ("; pipeline ticks lock-step (each waits for its slowest stage's F, B or W: --lockstep)" if tm.lockstep
+           else "; pipeline stages asynchronous (Megatron's; jaxseq's executor runs lock-step: --lockstep)"),
         f"memory: {MEMORY_ACCOUNTING}; {memory_source(res)}",
         f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} layers (t, SP, remat; c and "
         f"strategy where compiled at c > 1) measured from compiled programs",

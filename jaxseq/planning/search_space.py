@@ -41,6 +41,10 @@ class TimeModel:
     # measured within 1% of the compute alone (experiments/results/fsdp.md). False: nothing overlapped, the bound
     # jaxseq's own program is held to until a GPU measures it.
     fsdp_overlap: bool = False
+    # Each tick of the pipeline priced as jaxseq's lock-step executor runs it: the slowest stage's op (F, B, W at a
+    # layer's split kernel times: `Schedule.lockstep_bubble`). False: as Megatron's asynchronous stages run, the
+    # schedule's idle/busy ticks (ZB-H1: Qi et al.'s formula), the model the calibration and the papers' rows use.
+    lockstep: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
