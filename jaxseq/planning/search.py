@@ -512,8 +512,8 @@ FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's 
              "memory: the state over f plus one layer's gathered weights and gradient (memory.fsdp_gathered_bytes)")
 
 
-ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (one chunk per stage, the backward split into B and W; not with FSDP, context "
-                    "parallelism or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/(m(T_F + T_B + T_W)) "
+ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (one chunk per stage, the backward split into B and W; searched at c = 1, "
+                    "without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/(m(T_F + T_B + T_W)) "
                     "at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + the W stash (p slots of "
                     "L/p layers' weight-matmul inputs and output gradients: formulas.deferred_stash_bytes), TP + the two "
                     "[b, s, h] all-gathers per layer W adds under SP; both "

@@ -240,8 +240,8 @@ def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, ranks:
 def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, f: int, sps) -> list[Candidate]:
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
-    # ZB-H1 where the executor runs it: a pipeline, one chunk per stage, no FSDP or context parallelism, no K/V head
-    # repeated over tensor ranks (`config.validate_zero_bubble`)
+    # ZB-H1 where the executor runs it (a pipeline, one chunk per stage, no FSDP, no K/V head repeated over tensor
+    # ranks: `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here)
     zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
     strategies = [s for s in CONTEXT_STRATEGIES
                   if s == "all-gather" or (c > 1 and p == 1 and cfg.attention == "explicit")]
