@@ -381,7 +381,8 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
     """pipe = 2 × tensor = n/2 (+ SP) with 1F1B at m = 2 and m = 4 micro-batches of the first model. The lock-step
     executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
     the measured bubble is (step − busy ticks·τ) / (busy ticks·τ), the schedule's own idle/busy plus whatever the
-    step does outside the ticks (the optimizer update), to set beside `Schedule.bubble`."""
+    step does outside the ticks (the optimizer update), to set beside `Schedule.bubble`. Then ZB-H1 at m = 4 (the
+    backward split into B and W), its step beside 1F1B's."""
     from jaxseq.config import ParallelConfig, on_platform, replace
 
     n = len(devices)
@@ -393,26 +394,28 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
     cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), devices[0].platform,
                       ParallelConfig(**parallel))  # XLA's attention under a pipeline (config.cudnn_compiles)
     runs = []
-    for m in (2, 4):
-        sched = Schedule.make("1f1b", 2, m, 1, cfg.layers)
-        print(f"pipeline: pipe=2 tensor={tensor} m={m} …", flush=True)
-        spec = {**base_spec, "microbatches": m, "model": dataclasses.asdict(cfg), "parallel": parallel,
-                "remat": "selective"}
-        row = {"microbatches": m, "ticks": sched.ticks, "busy_ticks": sched.busy_ticks,
+    for schedule, m in (("1f1b", 2), ("1f1b", 4), ("zb-h1", 4)):
+        sched = Schedule.make(schedule, 2, m, 1, cfg.layers)
+        print(f"pipeline: pipe=2 tensor={tensor} {schedule} m={m} …", flush=True)
+        spec = {**base_spec, "microbatches": m, "model": dataclasses.asdict(cfg),
+                "parallel": {**parallel, "schedule": schedule}, "remat": "selective"}
+        row = {"schedule": schedule, "microbatches": m, "ticks": sched.ticks, "busy_ticks": sched.busy_ticks,
                "schedule_bubble": sched.bubble, "paper_bubble": sched.paper_bubble}
         row.update(run_spec(spec, devices, isolate))
         runs.append(row)
     out = {"model": name, "dtype": cfg.dtype, "micro_batch": base_spec["micro_batch"],
            "mesh": f"pipe=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
            "schedule": "1f1b", "remat": "selective", "runs": runs}
-    if all("median_step_s" in r for r in runs):
-        a, b = runs
+    if all("median_step_s" in r for r in runs[:2]):
+        a, b = runs[:2]
         tick_s = (b["median_step_s"] - a["median_step_s"]) / (b["ticks"] - a["ticks"])
         out["tick_s"] = tick_s
         out["fixed_s"] = a["median_step_s"] - a["ticks"] * tick_s
-        for r in runs:
+        for r in runs[:2]:
             busy = r["busy_ticks"] * tick_s
             r["measured_bubble"] = (r["median_step_s"] - busy) / busy if busy > 0 else None
+    if "median_step_s" in runs[1] and "median_step_s" in runs[2]:
+        out["zb_h1_over_1f1b"] = runs[2]["median_step_s"] / runs[1]["median_step_s"]
     return out
 
 
@@ -469,11 +472,14 @@ def table(result: dict) -> str:
     else:
         lines += [f"## Pipeline: {pl['model']}, {pl['dtype']}, {pl['mesh']}, {pl['schedule']}, {pl['remat']}, "
                   f"micro-batch {pl['micro_batch']}", "",
-                  "| micro-batches | ticks | step, s | bubble (measured) | bubble (schedule) | (p − 1)/m |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| schedule | micro-batches | ticks | step, s | bubble (measured) | bubble (schedule) | paper |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in pl["runs"]:
-            lines.append(f"| {r['microbatches']} | {r['ticks']} | {num(r.get('median_step_s'), '.4f') or r.get('error')} | "
+            lines.append(f"| {r.get('schedule', '1f1b')} | {r['microbatches']} | {r['ticks']} | "
+                         f"{num(r.get('median_step_s'), '.4f') or r.get('error')} | "
                          f"{num(r.get('measured_bubble'), '.3f') or 'n/a'} | {r['schedule_bubble']:.3f} | {r['paper_bubble']:.3f} |")
+        if "zb_h1_over_1f1b" in pl:
+            lines += ["", f"ZB-H1's step over 1F1B's at m = 4: {pl['zb_h1_over_1f1b']:.3f}"]
         if "tick_s" in pl:
             lines += ["", f"tick {pl['tick_s']:.4g} s and fixed {pl['fixed_s']:.4g} s per step, fitted from the two "
                           "step times; measured bubble = (step − busy ticks × tick) / (busy ticks × tick)"

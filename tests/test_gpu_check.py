@@ -37,7 +37,7 @@ def dry():
     return result, before, after
 
 
-@pytest.mark.slow  # 75–80 s of CPU: 9 plan compiles, 5 train steps and 2 pipelined steps of the tiny model
+@pytest.mark.slow  # 75–80 s of CPU: 9 plan compiles, 5 train steps and 3 pipelined steps of the tiny model
 def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     result, before, after = dry
     assert before == after, "the dry run wrote under experiments/results without --out"
@@ -75,16 +75,19 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert parity["ok"] == (worst <= parity["tolerance"])
 
     pl = result["pipeline"]
-    assert pl["mesh"].startswith("pipe=2") and pl["micro_batch"] == b and [r["microbatches"] for r in pl["runs"]] == [2, 4]
-    for r in pl["runs"]:
+    assert pl["mesh"].startswith("pipe=2") and pl["micro_batch"] == b
+    assert [(r["schedule"], r["microbatches"]) for r in pl["runs"]] == [("1f1b", 2), ("1f1b", 4), ("zb-h1", 4)]
+    a, c, zb = pl["runs"]
+    for r in (a, c):
         assert r["ticks"] == 2 * r["microbatches"] + 2 and r["busy_ticks"] == 2 * r["microbatches"]
         assert r["schedule_bubble"] == pytest.approx(1 / r["microbatches"])  # (p − 1)/m for 1F1B, p = 2
-    a, c = pl["runs"]
+    assert zb["ticks"] == 3 * 4 + 1 and zb["busy_ticks"] == 12 and zb["schedule_bubble"] == pytest.approx(1 / 12)
     assert pl["tick_s"] == pytest.approx((c["median_step_s"] - a["median_step_s"]) / (c["ticks"] - a["ticks"]))
     assert pl["fixed_s"] == pytest.approx(a["median_step_s"] - a["ticks"] * pl["tick_s"])
-    for r in pl["runs"]:
+    for r in (a, c):
         busy = r["busy_ticks"] * pl["tick_s"]
         assert r["measured_bubble"] == (pytest.approx((r["median_step_s"] - busy) / busy) if busy > 0 else None)
+    assert pl["zb_h1_over_1f1b"] == pytest.approx(zb["median_step_s"] / c["median_step_s"])
 
     text = gpu.table(result)
     assert text.startswith("# jaxseq on 2 × cpu") and "DRY RUN" in text and "not applicable on CPU" in text
