@@ -43,14 +43,8 @@ class Taps:
     """The deferred ops of one pipeline chunk's layers, keyed by the path of each op's first weight. Filled at
     trace time by `discover`; read by the probes (`probes`) and by W (`weight_gradients`)."""
 
-    def __init__(self):
+    def __init__(self):  # static data of `Deferred`: hashed and compared by identity (object's own)
         self.ops: dict[str, TapOp] = {}
-
-    def __hash__(self):  # static data of `Deferred`: compared by identity
-        return id(self)
-
-    def __eq__(self, other):
-        return self is other
 
     def discover(self, run_layers: Callable, weights: dict, x) -> None:
         """Trace run_layers(x, weights with `Deferred` kernels, no probes) under eval_shape: each deferred op
