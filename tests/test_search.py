@@ -126,7 +126,7 @@ def test_nothing_ranked_needs_more_than_the_budget_by_jaxseqs_pipelined_step():
     pipelined = next(e for e in out["ranked"] if e["pipe"] > 1)
     assert set(pipelined["memory_gib"]["pipeline_executor"]) == {
         "receive_bytes", "tick_slot_bytes", "chunk_weight_bytes", "others_gradient_bytes", "chunk_gradient_bytes",
-        "stage_copy_bytes"}
+        "stage_copy_bytes", "w_slot_bytes"}
 
 
 def test_time_terms_are_the_hand_computation():
