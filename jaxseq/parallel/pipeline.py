@@ -655,7 +655,7 @@ def stash_layout(layout: Layout, remat: str, microbatches: int, micro_batch_size
     """(avals of one stash slot, avals of the residuals taken from the weights and keys instead): what
     one micro-batch chunk keeps between its forward and its backward, per stage and data rank (global over
     tensor)."""
-    seen = _inspect(layout, remat, microbatches, micro_batch_size)
+    seen = residual_layouts(layout, remat, microbatches, micro_batch_size)
     return seen["stash"], seen["reused"]
 
 
@@ -663,10 +663,11 @@ def w_stash_layout(layout: Layout, remat: str, microbatches: int, micro_batch_si
     """The avals of one W stash slot (zb-h1: what a micro-batch chunk keeps from its B to its W, each deferred
     weight matmul's input and output gradient for the chunk's layers, per stage and data rank, global over
     tensor); empty for the schedules whose backward is not split."""
-    return _inspect(layout, remat, microbatches, micro_batch_size)["w_stash"]
+    return residual_layouts(layout, remat, microbatches, micro_batch_size)["w_stash"]
 
 
-def _inspect(layout: Layout, remat: str, microbatches: int, micro_batch_size: int) -> dict:
+def residual_layouts(layout: Layout, remat: str, microbatches: int, micro_batch_size: int) -> dict:
+    """{"stash", "reused", "w_stash"}: `stash_layout`'s two and `w_stash_layout`'s, from one trace."""
     seen, cfg = {}, layout.model
     params = jax.eval_shape(lambda: M.init_params(jax.random.key(0), cfg, layout.parallel.tensor))
     tokens = jax.ShapeDtypeStruct((micro_batch_size * microbatches, cfg.seq_len), jnp.int32)
