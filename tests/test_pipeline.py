@@ -166,15 +166,15 @@ def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, refer
                                                                                 jax.tree.leaves(f32_grads)))
 
 
-# ZB-H1: the backward split into B (input gradients) and W (the kernels' gradients, deferred); p=2 with
-# tensor=2 + SP, and p=4 with data=2.
-ZB_CASES = [("zb-h1", 2, 1, 4, 1, 2, True), ("zb-h1", 4, 1, 8, 2, 1, False)]
+# ZB-H1: the backward split into B (input gradients) and W (the kernels' gradients, deferred); p=2 and p=4 with
+# tensor=2 + SP (data parallelism: the Llama case below).
+ZB_CASES = [("zb-h1", 2, 1, 4, 1, 2, True), ("zb-h1", 4, 1, 8, 1, 2, True)]
 
 
 @pytest.mark.parametrize("case,remat", [(ZB_CASES[0], REMAT), *(pytest.param(ZB_CASES[0], r, marks=pytest.mark.slow)
-                                                                  for r in ("none", "full", "dots")),
+                                                                  for r in ("none", "full", "dots", "dots_no_batch")),
                                         pytest.param(ZB_CASES[1], REMAT, marks=pytest.mark.slow)],
-                         ids=["t2sp-selective", "t2sp-none", "t2sp-full", "t2sp-dots", "p4-d2"])
+                         ids=["t2sp-selective", "t2sp-none", "t2sp-full", "t2sp-dots", "t2sp-dots_no_batch", "p4-t2sp"])
 def test_zero_bubble_equals_unpipelined(case, remat, pipelined, params, reference):
     """Loss and every gradient (the kernels', from W, included) equal the one-device reference, dropout on."""
     loss, grads, batch, key = _run(pipelined, case, params, remat)
