@@ -69,6 +69,7 @@ def env(cache: bool = False) -> dict:
     if cache and os.environ.get("JAXSEQ_TESTS_COMPILATION_CACHE"):
         e["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXSEQ_TESTS_COMPILATION_CACHE"]
         e["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**33)  # as conftest.py: JAX then locks the directory
+        e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.25"  # as conftest.py: the programs under 1 s too
     return e
 
 

@@ -2,6 +2,8 @@
 harness of the resume tests (test_resume.py, test_distributed_optimizer.py). Tiny float32 models, batches of
 rows counting up in steps of 7 (learnable in a few steps)."""
 
+import functools
+
 import jax
 import numpy as np
 
@@ -19,7 +21,9 @@ def counting_batch(cfg, rows: int, step: int) -> dict:
 
 
 class CompiledStep:
-    """A mesh, its state shardings and the compiled step (`selective` remat); batch i is counting_batch(i)."""
+    """A mesh, its state shardings and the compiled step (`selective` remat); batch i is counting_batch(i). The step
+    is compiled when first used (`compiled`, `run`): a test that reads only the mesh's state (`init`) compiles
+    nothing."""
 
     def __init__(self, cfg, parallel, optimizer, micro_batches: int, rows: int, key, saved_at: int):
         self.cfg, self.parallel, self.optimizer, self.micro_batches = cfg, parallel, optimizer, micro_batches
@@ -28,10 +32,13 @@ class CompiledStep:
         self.layout = Layout(cfg, parallel, self.mesh)
         self.shardings = T.state_shardings(self.layout, optimizer)
         self.abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), self.layout, optimizer))
+
+    @functools.cached_property
+    def compiled(self):
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.abstract, self.shardings)
-        step = T.make_train_step(self.layout, "selective", optimizer, micro_batches)
-        self.compiled = step.lower(abstract, self.batch(0), key).compile()
+        step = T.make_train_step(self.layout, "selective", self.optimizer, self.micro_batches)
+        return step.lower(abstract, self.batch(0), self.key).compile()
 
     def batch(self, step: int) -> dict:
         return counting_batch(self.cfg, self.rows, step)

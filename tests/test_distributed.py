@@ -47,29 +47,6 @@ def launch(run_dir, steps, extra=(), slurm=False):
     return procs
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
-    """The pair runs with the distributed optimizer (its state split over data across the two
-    processes), the single process without it: the same losses, and the pair's checkpoint resumes
-    in the single process without it."""
-    pair_dir, single_dir = str(tmp_path / "pair"), str(tmp_path / "single")
-    procs = launch(pair_dir, 4, extra=["--distributed-optimizer"])
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert "jaxseq:" in outs[0][0] and "jaxseq:" not in outs[1][0]  # only process 0 prints
-    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", single_dir, "sample_tokens=0")  # the pair samples
-    pair, single = losses(pair_dir), losses(single_dir)
-    assert sorted(pair) == [1, 2, 3, 4]
-    for step in pair:
-        assert abs(pair[step] - single[step]) <= 1e-5 * abs(single[step]), (step, pair[step], single[step])
-    # The pair's checkpoint, restored by one process on 8 devices, continues like the single run.
-    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", pair_dir, "--resume", "sample_tokens=0")
-    resumed = losses(pair_dir)
-    for step in (5, 6):
-        assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
-
-
 # Layouts whose processes share batch rows or weights: one pipeline stage per process (tensor and data inside a host,
 # stages across hosts, the PTD-P layout), context ranks across processes, and FSDP ranks across processes (each
 # layer's weights gathered from both hosts). Each process reads every row its devices hold (it used to stop with
@@ -82,10 +59,35 @@ MICRO = ["--micro-batch-size", "4", "sample_tokens=0"]
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """The losses of 1 process × 8 devices (data=2 × tensor=4 + SP, two micro-batches), 3 steps."""
+    """The losses of 1 process × 8 devices (data=2 × tensor=4 + SP, two micro-batches), 6 steps: the reference of
+    every pair below (steps 1–3; a resumed pair's steps 5 and 6). The schedule ends at decay_steps=10 whatever the
+    run's length, so the first 3 steps are a 3-step run's."""
     run_dir = str(tmp_path_factory.mktemp("single"))
-    run(*ARGS, "--host-devices", "8", "--steps", "3", "--run-dir", run_dir, *MICRO)
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", run_dir, *MICRO)
     return losses(run_dir)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(one_process, tmp_path):
+    """The pair runs with the distributed optimizer (its state split over data across the two
+    processes) and draws the end-of-run sample, the single process without either (`one_process`, two
+    micro-batches as here): the same losses, and the pair's checkpoint resumes in the single process without
+    it."""
+    pair_dir = str(tmp_path / "pair")
+    procs = launch(pair_dir, 4, extra=["--distributed-optimizer", "--micro-batch-size", "4"])
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "jaxseq:" in outs[0][0] and "jaxseq:" not in outs[1][0]  # only process 0 prints
+    pair, single = losses(pair_dir), one_process
+    assert sorted(pair) == [1, 2, 3, 4]
+    for step in pair:
+        assert abs(pair[step] - single[step]) <= 1e-5 * abs(single[step]), (step, pair[step], single[step])
+    # The pair's checkpoint, restored by one process on 8 devices, continues like the single run.
+    run(*ARGS, "--host-devices", "8", "--steps", "6", "--run-dir", pair_dir, "--resume", *MICRO)
+    resumed = losses(pair_dir)
+    for step in (5, 6):
+        assert abs(resumed[step] - single[step]) <= 1e-5 * abs(single[step])
 
 
 @pytest.mark.slow

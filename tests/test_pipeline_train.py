@@ -26,8 +26,10 @@ PIPE4 = ["--host-devices", "8", "--mesh", "pipe=4,data=2,tensor=1", "--schedule"
 def _on_4_devices(*args):
     """A pipe=1 run on data=2 × tensor=2, the pipe=2 run's data and tensor sizes, in a new process: its 4
     simulated devices are not the pytest process's 8. (On 8 devices, tensor=4 moves the step-2 weights
-    further from the pipelined run's than test_generate_and_convert_on_a_pipelined_run allows.)"""
-    python_m("jaxseq.train", *args, check=True)
+    further from the pipelined run's than test_generate_and_convert_on_a_pipelined_run allows.) With the tests'
+    compilation cache (`commands.env`): the resumed run loads the reference run's programs (its start-up is not
+    what is tested here; tests/test_train.py starts the command cold)."""
+    python_m("jaxseq.train", *args, check=True, cache=True)
 
 
 @pytest.fixture(scope="module")
