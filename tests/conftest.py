@@ -41,7 +41,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
 # from `--durations` of the whole suite and the fast tier (2026-11-27), moves no test between modules and changes no
 # test; modules not listed follow in their usual order.
 LONGEST_FIRST = ["test_context", "test_pipeline", "test_plan", "test_distributed", "test_search", "test_resume",
-                 "test_fsdp", "test_llama", "test_bfloat16", "test_train", "test_distributed_optimizer",
+                 "test_fsdp", "test_zero_bubble", "test_llama", "test_bfloat16", "test_train", "test_distributed_optimizer",
                  "test_pipeline_train", "test_llama_memory", "test_gpu_check", "test_checkpoint", "test_memory",
                  "test_parallel", "test_step_loop", "test_train_step", "test_generate", "test_flops", "test_convert",
                  "test_llama_reference", "test_context_overlap", "test_long_sequences", "test_ops_grad"]
