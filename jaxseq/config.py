@@ -432,7 +432,7 @@ def validate_context(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 
 def validate_zero_bubble(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """zb-h1 defers each weight matmul's gradient to its W op (models/deferred.py): the weight must reach the
+    """zb-h1 defers each weight matmul's gradient to its W op (deferred.py): the weight must reach the
     matmul as it is stored, which FSDP's gather and Llama's K/V heads repeated over t > kv_heads ranks change."""
     if parallel.schedule != "zb-h1":
         return

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.mesh import batch_axes, logical_rules, logical_to_spec
-from jaxseq.models import deferred
+from jaxseq import deferred
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Sharder:
         all-gathers it again and reduce-scatters the gradient, exactly as Megatron-LM does.
 
         `Deferred` params (zb-h1's split backward): the whole linear, gather included, is the op whose weight
-        gradient waits for the pipeline's W op (`models.deferred`).
+        gradient waits for the pipeline's W op (`deferred`).
         """
         if deferred.has_deferred(params):
             return deferred.apply(lambda x, p: self.column_parallel(fn, x, p, param_axes, out_axes), x, params)

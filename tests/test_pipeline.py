@@ -224,25 +224,6 @@ def test_zero_bubble_llama_equals_1f1b():
     _assert_close(loss, grads, float(ref_loss), ref_grads)
 
 
-@pytest.mark.slow
-def test_zero_bubble_with_the_ring_equals_1f1b():
-    """Context parallelism's ring inside ZB-H1's stages (its K/V permutes in B's and F's branches, none in W's,
-    padded alike: `context.same_context_permutes`), pipe=2 × context=2 × tensor=2 + SP, dropout on: the loss and
-    every gradient equal 1F1B's."""
-    cfg = replace(CFG, seq_len=32, layers=4)
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, cfg.seq_len + 1), np.int32)
-    batch, results = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, {}
-    for schedule in ("1f1b", "zb-h1"):
-        parallel = ParallelConfig(tensor=2, sequence_parallel=True, pipe=2, context=2, context_strategy="ring",
-                                  schedule=schedule)
-        layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[:8]))
-        with jax.set_mesh(layout.mesh):
-            placed = jax.device_put(M.init_params(jax.random.key(0), cfg), layout.param_shardings)
-            results[schedule] = jax.device_get(PL.make_loss_and_grad(layout, REMAT, 4)(placed, batch, jax.random.key(3)))
-    (ref_loss, ref_grads), (loss, grads) = results["1f1b"], results["zb-h1"]
-    _assert_close(loss, grads, float(ref_loss), ref_grads)
-
-
 def test_bernoulli_rows_are_rows_of_the_global_mask():
     """A data rank's dropout mask inside the executor (manual over `data`) equals its rows of
     jax.random.bernoulli of the global shape: the pipeline's masks are the unpipelined model's."""

@@ -215,7 +215,7 @@ def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
 
 
 def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:
-    """Bytes per device one layer keeps from its B to its W under zb-h1 (`models.deferred`): each weight matmul's
+    """Bytes per device one layer keeps from its B to its W under zb-h1 (`deferred`): each weight matmul's
     input and output gradient, in the compute dtype. Column-parallel (QKV, MLP up): the input as the layer
     stores it (sequence-split under SP, W gathers it again) and the output gradient split over t; row-parallel
     (projection, MLP down): the input split over t and the output gradient as it arrives (sequence-split under

@@ -17,7 +17,7 @@ from jax.extend.random import threefry2x32_p
 
 from jaxseq.config import ModelConfig
 from jaxseq import remat as R
-from jaxseq.models import deferred
+from jaxseq import deferred
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.sharding import Sharder
 

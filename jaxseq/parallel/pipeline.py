@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import batch_axes
-from jaxseq.models import deferred as D
+from jaxseq import deferred as D
 from jaxseq.models import model as M
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel import context as CP
@@ -122,7 +122,7 @@ class Stage:
                      taps=D.Taps() if sched.split_backward else None)
 
     def discover_taps(self) -> None:
-        """zb-h1: trace chunk 0 once to find its deferred weight ops (`models.deferred.Taps.discover`)."""
+        """zb-h1: trace chunk 0 once to find its deferred weight ops (`deferred.Taps.discover`)."""
         w, keys, _ = self.chunk_inputs(0, 0)
         self.taps.discover(self._run_layers(keys), w, _zeros(self.activation.shape, self.activation.dtype))
 

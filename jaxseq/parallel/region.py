@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxseq.mesh import logical_rules
-from jaxseq.models import deferred
+from jaxseq import deferred
 from jaxseq.parallel import fsdp
 from jaxseq.sharding import Sharder, only_axes, rank_rows, stored_positions, vocab_parallel_lookup
 

@@ -11,6 +11,7 @@ from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel import pipeline as PL
 from jaxseq.parallel.schedule import Schedule
+from jaxseq.parallel.ticks import Branch
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo
 from jaxseq.planning.measure import RowSpec
@@ -85,8 +86,6 @@ def _in_order(carry: list, avals: list, matches) -> tuple[list, list]:
 def branch_dot_flops(hlo_text: str, sched) -> dict[str, float]:
     """{"F", "B", "W"}: the dot FLOPs per device of the tick loop's forward, backward and (zb-h1) weight branches
     of a middle chunk (`ticks.Branch`: neither the embedding's nor the loss's); W 0 where the backward is whole."""
-    from jaxseq.parallel.ticks import Branch
-
     comps = hlo.parse_hlo(hlo_text)
     body = hlo.while_loop(comps, sched.ticks).attr("body")
     switch, = [i for i in comps[body] if i.opcode == "conditional" and len(i.branches()) > 2]
