@@ -30,6 +30,7 @@ ATTN_SCORES = "attn_scores"  # QKᵀ before softmax: never needed by backward, t
 ATTN_PROBS = "attn_probs"  # softmax output, 2 as²b
 ATTN_DROPOUT_MASK = "attn_dropout_mask"  # 1 as²b
 ATTN_PROBS_DROPOUT = "attn_probs_dropout"  # dropout output, 2 as²b
+ATTN_SOFTMAX_STATS = "attn_softmax_stats"  # cuDNN attention's float32 log-sum-exp, 4·b·s·a/t bytes (cudnn_attention)
 CONTEXT = "context"  # scores × V, the output projection's input, 2, split t ways
 OUT_PROJ = "out_proj"  # attention block output before dropout: not needed by backward
 ATTN_OUT_DROPOUT_MASK = "attn_out_dropout_mask"  # 1 (replicated under TP)
@@ -54,6 +55,7 @@ EVERYTHING = (
     QUERY,
     KEY,
     VALUE,
+    ATTN_SOFTMAX_STATS,
     *CORE_ATTENTION,
     CONTEXT,
     ATTN_OUT_DROPOUT_MASK,
@@ -67,7 +69,7 @@ EVERYTHING = (
 SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
 
 # What the matmuls need and nothing cheap to recompute: 2+2 residuals, 6 q/k/v, 2 context, 8 mlpwi = 20.
-LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, CONTEXT, MLPWI)
+LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX_STATS, CONTEXT, MLPWI)
 
 
 # The forward matmuls of a layer, by the names `formulas.layer_matmul_flops` counts them under.

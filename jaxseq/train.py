@@ -430,8 +430,9 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     model = on_platform(replace(model, vocab_size=vocab), platform, parallel)
     if (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and not cudnn_compiles(parallel)
             and D.is_main_process()):
-        print("attention: XLA's fused attention (scores materialised), not cuDNN's: its partitioning does not compile "
-              "with data, pipe or all-gather context parallelism yet (config.cudnn_compiles)", flush=True)
+        print("attention: XLA's fused attention (scores materialised), not cuDNN's: jaxseq's cuDNN attention does not "
+              "take the all-gather context strategy's mask (--context-strategy ring does; config.cudnn_compiles)",
+              flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
         train = replace(train, remat=default_remat(platform, model.attention))
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,

@@ -143,11 +143,17 @@ def test_fused_attention_asks_for_the_configured_kernel(monkeypatch):
     from jaxseq.models import ops
     from jaxseq.sharding import Sharder
 
+    """cuDNN's through jaxseq's VJP (models/cudnn_attention.py, around cuDNN's kernel), XLA's directly."""
+    from jaxseq.models import cudnn_attention
+
     asked = []
     monkeypatch.setattr(ops.jax.nn, "dot_product_attention", lambda *a, **kw: asked.append(kw["implementation"]) or a[0])
+    monkeypatch.setattr(ops, "cudnn_attention", lambda q, k, v, shard: asked.append("jaxseq's VJP") or q)
     q = jnp.zeros((1, 4, 2, 8))
-    ops.attention(q, q, q, replace(preset("tiny"), attention="fused", fused_kernel="cudnn"), None, Sharder(None))
-    assert asked == ["cudnn"]
+    for kernel in ("cudnn", "xla"):
+        ops.attention(q, q, q, replace(preset("tiny"), attention="fused", fused_kernel=kernel), None, Sharder(None))
+    assert asked == ["jaxseq's VJP", "xla"]
+    assert cudnn_attention.KERNEL.keywords == {"is_causal": True, "implementation": "cudnn"}
 
 
 class GpuLike:
@@ -181,15 +187,15 @@ def test_a_gpu_run_with_fused_attention_defaults_to_lean_unless_a_policy_is_aske
 
 
 def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):
-    """cuDNN's attention fails to partition inside jaxseq's data, pipeline and all-gather context regions
-    (tests/test_gpu_target.py compiles both sides for an H100): those layouts take XLA's, and `train` says so in one
-    line; tensor parallelism, accumulation and the ring keep cuDNN's."""
+    """cuDNN's attention (models/cudnn_attention.py) compiles at the top level and nested inside jaxseq's data,
+    FSDP and pipeline regions, not for the all-gather context strategy's mask (tests/test_gpu_target.py compiles
+    them for an H100): that layout takes XLA's, and `train` says so in one line; the ring keeps cuDNN's."""
     from jaxseq import train
     from jaxseq.config import cudnn_compiles, on_platform
 
     bf16 = replace(preset("tiny"), attention="fused", dtype="bfloat16")
-    for parallel, cudnn in ((ParallelConfig(tensor=8, sequence_parallel=True), True), (ParallelConfig(data=2), False),
-                            (ParallelConfig(pipe=2), False), (ParallelConfig(context=2), False),
+    for parallel, cudnn in ((ParallelConfig(tensor=8, sequence_parallel=True), True), (ParallelConfig(data=2), True),
+                            (ParallelConfig(pipe=2), True), (ParallelConfig(fsdp=2), True), (ParallelConfig(context=2), False),
                             (ParallelConfig(context=2, context_strategy="ring"), True)):
         assert cudnn_compiles(parallel) == cudnn
         assert on_platform(bf16, "gpu", parallel).fused_kernel == ("cudnn" if cudnn else "xla"), parallel
@@ -197,5 +203,7 @@ def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(train, "available_devices", lambda: [GpuLike(d) for d in jax.devices()])
     argv = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run")]
     run, _ = train.resolve(train.build_parser().parse_args(argv))  # a GPU's default mesh: data = every device
-    assert run.parallel.data == 8 and run.model.fused_kernel == "xla"
+    assert run.parallel.data == 8 and run.model.fused_kernel == "cudnn" and capsys.readouterr().out == ""
+    run, _ = train.resolve(train.build_parser().parse_args(argv + ["--mesh", "data=4,context=2"]))
+    assert run.parallel.context == 2 and run.model.fused_kernel == "xla"
     assert capsys.readouterr().out.startswith("attention: XLA's fused attention (scores materialised), not cuDNN's")

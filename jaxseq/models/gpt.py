@@ -104,7 +104,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     # gradients summed).
     q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
     q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
-    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", "seq", "heads", None), R.CONTEXT)
+    ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = add_bias(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), p["attn"]["out"]["bias"])
     out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)

@@ -110,7 +110,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     positions = jnp.asarray(shard.positions(q.shape[1]))
     q, k = rope(q, positions, cfg), rope(k, positions, cfg)
     q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
-    ctx = checkpoint_name(shard(attention(q, k, v, cfg, k_attn, shard), "batch", "seq", "heads", None), R.CONTEXT)
+    ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
                           R.OUT_PROJ)

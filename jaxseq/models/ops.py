@@ -19,6 +19,7 @@ from jaxseq.config import ModelConfig
 from jaxseq import remat as R
 from jaxseq import deferred
 from jaxseq.models.cpu_matmul import bf16_matmul
+from jaxseq.models.cudnn_attention import cudnn_attention
 from jaxseq.sharding import Sharder
 
 # ---------------------------------------------------------------------------------------------
@@ -360,11 +361,17 @@ def rope(x, positions, cfg: ModelConfig):
 
 def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     """Causal attention of q [b, s, a, d] over k, v [b, s, kv, d] (kv dividing a: grouped-query attention,
-    each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d]. Where the sequence
-    is split over `context`, the strategy the run chose (`shard.context_attention`, parallel/context.py)."""
+    each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d], split by heads and
+    tagged CONTEXT. Where the sequence is split over `context`, the strategy the run chose
+    (`shard.context_attention`, parallel/context.py); cuDNN's kernel where an edge chose it and the sequence is
+    whole (models/cudnn_attention.py: it tags its own output, which its backward keeps, rather than a copy)."""
+    if cfg.attention == "fused" and cfg.fused_kernel == "cudnn" and shard.context == 1:
+        return cudnn_attention(q, k, v, shard)
     if shard.context > 1 and shard.context_attention is not None:
-        return shard.context_attention(q, k, v, cfg, key, shard)
-    return causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+        ctx = shard.context_attention(q, k, v, cfg, key, shard)
+    else:
+        ctx = causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+    return checkpoint_name(shard(ctx, "batch", "seq", "heads", None), R.CONTEXT)
 
 
 def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None):
