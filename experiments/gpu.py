@@ -14,9 +14,14 @@ GPU's target description, as on a machine without one: experiments/gpu_target.py
 `none` and `full`, the largest micro-batch `plan --target` says fits, run and measured (recompute buys batch).
 Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
 in its optimized HLO); bf16 against float32 losses over the same steps on the default corpus (real text; same init
-and data; float32 takes XLA's attention, cuDNN's has none in float32); and with two
-GPUs or more a pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set
-beside the schedule's (parallel/schedule.py).
+and data; float32 takes XLA's attention, cuDNN's has none in float32); the first model under `lean` at sequence
+lengths 1024, 4096 and 8192 (the micro-batch's tokens held), each measured peak beside `plan --target`'s; and with
+two GPUs or more context = 2 × tensor = n/2 with each strategy (ring, all-gather), the same beside the plan, and a
+pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set beside the schedule's
+(parallel/schedule.py).
+
+The models' rows always run; the sweep, the context and the pipeline configurations start only while the run's
+budget (`--budget-minutes`, 8 on a GPU) leaves time for one more, and the rest say they were skipped.
 
 Each configuration is compiled once and runs a few steps. With --out (or on a GPU) each model's results are written
 as they come, marked "partial" until the run ends: a session cut off still leaves what it measured. On a GPU each runs in its own child process, so
@@ -250,9 +255,11 @@ def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, paralle
 
 
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
-          peak_tflops_per_device: float | None = None, save=None) -> dict:
+          peak_tflops_per_device: float | None = None, save=None, deadline: float | None = None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
-    Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit."""
+    Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit. The models'
+    rows always run; the sequence sweep, the context and the pipeline checks only while `deadline`
+    (time.monotonic()) leaves time for another configuration."""
     from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
     from jaxseq.models.model import num_params as model_parameters
     from jaxseq.parallel.schedule import Schedule
@@ -337,10 +344,21 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
             save(out)
     ran = [k for k, m in out["models"].items() if "skipped" not in m]
     if not ran:
-        out["pipeline"] = {"skipped": "no model runs on this mesh"}
+        for section in ("sequence_sweep", "context", "pipeline"):
+            out[section] = {"skipped": "no model runs on this mesh"}
         return out
-    base_spec = {"micro_batch": out["models"][ran[0]]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
-    out["pipeline"] = pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
+    first = ran[0]
+    cfg = on_platform(replace(cfgs[first], dtype="bfloat16", attention=attention), platform)
+    base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
+    out["sequence_sweep"] = sequence_sweep(gpu, first, cfg, devices, base_spec, {"tensor": n, "sequence_parallel": sp},
+                                           isolate, peak, deadline)
+    if save is not None:
+        save(out)
+    out["context"] = context_check(gpu, first, cfg, devices, base_spec, isolate, peak, deadline)
+    if save is not None:
+        save(out)
+    out["pipeline"] = (pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
+                       if in_budget(deadline) else {"skipped": "the run's time budget (--budget-minutes)"})
     return out
 
 
@@ -377,6 +395,89 @@ def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices,
             "f32_median_step_s": f32["median_step_s"]}
 
 
+SWEEP_POLICY = "lean"  # a GPU run's default with fused attention (config.default_remat)
+SWEEP_SEQ_LENS = {True: (1024, 4096, 8192), False: (128,)}  # GPU, dry run: at the base model's tokens per micro-batch
+RUN_ESTIMATE_S = 45  # one more configuration on a GPU: a child's start, compile (11-15 s measured) and steps
+
+
+def in_budget(deadline: float | None) -> bool:
+    """Whether one more configuration fits before the run's deadline (None: no deadline)."""
+    return deadline is None or time.monotonic() + RUN_ESTIMATE_S <= deadline
+
+
+def shape_row(cfg, parallel: dict, micro_batch: int, base_spec: dict, devices, isolate: bool, peak,
+              gpu: bool) -> dict:
+    """One configuration beyond the models' rows: plan --target's peak (on a GPU with a target description), then
+    run and measured, with its throughput and measured / target."""
+    from jaxseq.config import ParallelConfig
+    from jaxseq.planning import gpu_target
+    from jaxseq.training import aot
+    from jaxseq.training.metrics import throughput
+
+    row = {"micro_batch": micro_batch, "seq_len": cfg.seq_len, "target_peak_bytes": None}
+    target = gpu_target.target_of(devices[0].device_kind) if gpu else None
+    if target is not None:
+        try:
+            row["target_peak_bytes"] = aot.step_bytes(gpu_target.compile_step(
+                cfg, ParallelConfig(**parallel), SWEEP_POLICY, micro_batch, 1, target))
+        except Exception as e:  # a finding
+            row["target_error"] = f"{type(e).__name__}: {e}"
+    row.update(run_spec({**base_spec, "micro_batch": micro_batch, "model": dataclasses.asdict(cfg),
+                         "parallel": parallel, "remat": SWEEP_POLICY}, devices, isolate))
+    if "median_step_s" in row:
+        n = len(devices)
+        row.update(throughput(cfg, SWEEP_POLICY, micro_batch, 1, row["median_step_s"], n, peak))
+        measured, target_bytes = row.get("peak_bytes_in_use"), row["target_peak_bytes"]
+        row["measured_over_target_peak"] = measured / target_bytes if measured and target_bytes else None
+    return row
+
+
+def sequence_sweep(gpu: bool, name: str, cfg, devices, base_spec: dict, parallel: dict, isolate: bool, peak,
+                   deadline) -> dict:
+    """`SWEEP_POLICY` at other sequence lengths, tokens per micro-batch held (micro-batch × s): the plan against
+    peaks at shapes the models' rows do not measure, and the step time as the attention's s² share grows."""
+    from jaxseq.config import replace
+
+    tokens = base_spec["micro_batch"] * cfg.seq_len
+    out = {"model": name, "remat": SWEEP_POLICY, "tokens_per_micro_batch": tokens, "runs": []}
+    for seq_len in SWEEP_SEQ_LENS[gpu]:
+        if not in_budget(deadline):
+            out["runs"].append({"seq_len": seq_len, "skipped": "the run's time budget (--budget-minutes)"})
+            continue
+        print(f"sequence sweep: {name} s={seq_len} …", flush=True)
+        out["runs"].append(shape_row(replace(cfg, seq_len=seq_len), parallel, max(1, tokens // seq_len), base_spec,
+                                     devices, isolate, peak, gpu))
+    return out
+
+
+def context_check(gpu: bool, name: str, cfg, devices, base_spec: dict, isolate: bool, peak, deadline) -> dict:
+    """context = 2 × tensor = n/2 (+ SP), each strategy (ring, all-gather), at the model's shape: its peak against
+    plan --target and its step beside the tensor-parallel row's."""
+    from jaxseq.config import ConfigError, ParallelConfig, on_platform, validate
+
+    n = len(devices)
+    if n < 2 or n % 2:
+        return {"skipped": f"needs an even number of devices ≥ 2; {n} here"}
+    tensor = n // 2
+    out = {"model": name, "remat": SWEEP_POLICY, "mesh": f"context=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
+           "runs": {}}
+    for strategy in ("ring", "all-gather"):
+        parallel = {"context": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "context_strategy": strategy}
+        try:
+            validate(cfg, ParallelConfig(**parallel), SWEEP_POLICY)
+        except ConfigError as e:
+            out["runs"][strategy] = {"skipped": str(e)}
+            continue
+        if not in_budget(deadline):
+            out["runs"][strategy] = {"skipped": "the run's time budget (--budget-minutes)"}
+            continue
+        print(f"context: {name} context=2 tensor={tensor} {strategy} …", flush=True)
+        run_cfg = on_platform(cfg, devices[0].platform, ParallelConfig(**parallel))  # all-gather: XLA's attention
+        out["runs"][strategy] = shape_row(run_cfg, parallel, base_spec["micro_batch"], base_spec, devices, isolate,
+                                          peak, gpu)
+    return out
+
+
 def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: str, isolate: bool, Schedule) -> dict:
     """pipe = 2 × tensor = n/2 (+ SP) with 1F1B at m = 2 and m = 4 micro-batches of the first model. The lock-step
     executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
@@ -392,7 +493,7 @@ def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: s
     tensor = n // 2
     parallel = {"pipe": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "schedule": "1f1b"}
     cfg = on_platform(replace(cfg, dtype="bfloat16", attention=attention), devices[0].platform,
-                      ParallelConfig(**parallel))  # XLA's attention under a pipeline (config.cudnn_compiles)
+                      ParallelConfig(**parallel))  # cuDNN's in bf16, nested in the pipeline's region (cudnn_attention)
     runs = []
     for schedule, m in (("1f1b", 2), ("1f1b", 4), ("zb-h1", 4)):
         sched = Schedule.make(schedule, 2, m, 1, cfg.layers)
@@ -466,6 +567,8 @@ def table(result: dict) -> str:
                   f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data, {p.get('data', '')}): "
                   + (f"max relative difference {p['max_relative_difference']:.2e}, tolerance {p['tolerance']}: "
                      + ("within" if p["ok"] else "OUTSIDE") if p.get("ok") is not None else p["note"]), ""]
+    lines += shape_table(result.get("sequence_sweep"), "Sequence lengths", "s") + shape_table(
+        result.get("context"), "Context parallelism", "strategy")
     pl = result["pipeline"]
     if "skipped" in pl:
         lines += [f"## Pipeline: skipped ({pl['skipped']})"]
@@ -485,6 +588,31 @@ def table(result: dict) -> str:
                           "step times; measured bubble = (step − busy ticks × tick) / (busy ticks × tick)"
                           + ("" if pl["tick_s"] > 0 else " (n/a: the fitted tick is not positive)") + "."]
     return "\n".join(lines) + "\n"
+
+
+def shape_table(section: dict | None, title: str, key: str) -> list[str]:
+    """The sequence sweep's or the context check's rows (`shape_row`) as Markdown lines."""
+    if section is None:
+        return []
+    if "skipped" in section:
+        return [f"## {title}: skipped ({section['skipped']})", ""]
+    runs = section["runs"]
+    rows = runs.items() if isinstance(runs, dict) else ((r["seq_len"], r) for r in runs)
+    mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"
+    mesh = section.get("mesh", "the models' mesh")
+    lines = [f"## {title}: {section['model']}, {mesh}, {section['remat']}", "",
+             f"| {key} | micro-batch | step, s | tokens/s | MFU | peak memory, MiB (measured) | "
+             "peak memory, MiB (plan --target) | measured / target |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows:
+        if "median_step_s" not in r:
+            lines.append(f"| {name} | {r.get('micro_batch', '')} | {r.get('skipped') or r.get('error', '')} | | | | "
+                         f"{mib(r.get('target_peak_bytes'))} | |")
+            continue
+        mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        ratio = "" if r.get("measured_over_target_peak") is None else f"{r['measured_over_target_peak']:.3f}"
+        lines.append(f"| {name} | {r['micro_batch']} | {r['median_step_s']:.4f} | {r['tokens_per_sec']:.0f} | {mfu} | "
+                     f"{mib(r['peak_bytes_in_use'])} | {mib(r['target_peak_bytes'])} | {ratio} |")
+    return lines + [""]
 
 
 def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
@@ -510,20 +638,27 @@ def run(argv: list[str] | None = None) -> dict:
                                                "tiny-llama); the pipeline runs the first")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, TFLOP/s, for MFU (default: "
                                                      "jaxseq/hardware.py's for the device kind; none for others)")
+    p.add_argument("--budget-minutes", type=float, help="start no sequence-sweep, context or pipeline configuration "
+                                                        "past this many minutes from the start (default on a GPU: "
+                                                        "8; dry: none)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
                    help="each configuration in a child process of its own (default on a GPU: its peak memory is then "
                         "its own; --no-isolate: the largest so far)")
     args = p.parse_args(argv)
+    started = time.monotonic()
     gpu, devices = local_devices()
+    budget = args.budget_minutes if args.budget_minutes is not None else (8.0 if gpu else None)
     if not gpu and len(devices) < 2:
         raise SystemExit("the dry run needs 2 simulated CPU devices (jax_num_cpu_devices ≥ 2)")
     out = Path(args.out) if args.out else (RESULTS if gpu else None)
-    save = None if out is None else (lambda partial: write({**partial, "pipeline": partial.get(
-        "pipeline", {"skipped": "not run yet"}), "partial": True}, out))
+    save = None if out is None else (lambda partial: write({**partial, **{
+        s: partial.get(s, {"skipped": "not run yet"}) for s in ("sequence_sweep", "context", "pipeline")},
+        "partial": True}, out))
     result = check(gpu, devices, steps=args.steps or (10 if gpu else 2), warmup=2 if gpu else 1,
                    micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
                    isolate=gpu if args.isolate is None else args.isolate, names=args.models,
-                   peak_tflops_per_device=args.peak_tflops, save=save)
+                   peak_tflops_per_device=args.peak_tflops, save=save,
+                   deadline=None if budget is None else started + 60 * budget)
     print(table(result))
     if out is not None:
         for path in write(result, out):

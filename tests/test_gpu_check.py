@@ -74,6 +74,17 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert parity["max_relative_difference"] == pytest.approx(worst)
     assert parity["ok"] == (worst <= parity["tolerance"])
 
+    sweep = result["sequence_sweep"]  # lean at other lengths, the micro-batch's tokens held
+    assert sweep["remat"] == "lean" and sweep["tokens_per_micro_batch"] == b * seq
+    assert [(r["seq_len"], r["micro_batch"]) for r in sweep["runs"]] == [(128, b * seq // 128)]
+    context = result["context"]
+    assert context["mesh"] == "context=2 × tensor=1" and list(context["runs"]) == ["ring", "all-gather"]
+    for r in (*sweep["runs"], *context["runs"].values()):
+        assert r["tokens_per_sec"] == pytest.approx(r["micro_batch"] * r["seq_len"] / r["median_step_s"])
+        assert len(r["step_s"]) == steps and r["target_peak_bytes"] is None  # no target description on a CPU
+    # the same model, the same tokens, the same init: the strategies' first losses agree
+    assert context["runs"]["ring"]["losses"][0] == pytest.approx(context["runs"]["all-gather"]["losses"][0], rel=1e-2)
+
     pl = result["pipeline"]
     assert pl["mesh"].startswith("pipe=2") and pl["micro_batch"] == b
     assert [(r["schedule"], r["microbatches"]) for r in pl["runs"]] == [("1f1b", 2), ("1f1b", 4), ("zb-h1", 4)]
@@ -101,8 +112,24 @@ def test_a_mesh_no_model_fits_is_reported_not_raised(devices):
     assert set(result["models"]) == {"tiny", "tiny-llama"}
     assert result["peak_tflops_per_device"] is None  # hardware.py has no peak for a CPU: MFU would be None
     assert all("tensor=3 does not divide heads=8" in m["skipped"] for m in result["models"].values())
-    assert result["pipeline"] == {"skipped": "no model runs on this mesh"}
+    assert result["pipeline"] == result["context"] == {"skipped": "no model runs on this mesh"}
     assert "## tiny: skipped (tensor=3 does not divide heads=8)" in gpu.table(result)
+
+
+def test_past_its_budget_a_run_starts_no_further_configuration(devices):
+    """The sweep and the context check (and the pipeline, by the same test) skip what would start past the deadline,
+    and say why, without compiling anything."""
+    import time
+
+    from jaxseq.config import preset
+
+    assert gpu.in_budget(None) and not gpu.in_budget(time.monotonic() + gpu.RUN_ESTIMATE_S - 1)
+    spec = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}
+    sweep = gpu.sequence_sweep(False, "tiny", preset("tiny"), devices[:2], spec, {"tensor": 2}, False, None,
+                               deadline=time.monotonic())
+    context = gpu.context_check(False, "tiny", preset("tiny"), devices[:2], spec, False, None, deadline=time.monotonic())
+    skipped = [*sweep["runs"], *context["runs"].values()]
+    assert len(skipped) == 3 and all(r["skipped"].startswith("the run's time budget") for r in skipped)
 
 
 def test_a_run_cut_off_after_a_model_leaves_what_it_measured(tmp_path, monkeypatch):
