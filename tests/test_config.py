@@ -148,7 +148,7 @@ def test_fused_attention_asks_for_the_configured_kernel(monkeypatch):
 
     asked = []
     monkeypatch.setattr(ops.jax.nn, "dot_product_attention", lambda *a, **kw: asked.append(kw["implementation"]) or a[0])
-    monkeypatch.setattr(ops, "cudnn_attention", lambda q, k, v, shard: asked.append("jaxseq's VJP") or q)
+    monkeypatch.setattr(ops, "cudnn_attention", lambda q, k, v, shard, tag: asked.append("jaxseq's VJP") or q)
     q = jnp.zeros((1, 4, 2, 8))
     for kernel in ("cudnn", "xla"):
         ops.attention(q, q, q, replace(preset("tiny"), attention="fused", fused_kernel=kernel), None, Sharder(None))

@@ -279,7 +279,8 @@ CONTEXT_CFG, CONTEXT_T, CONTEXT_B = replace(preset("tiny"), dtype="bfloat16"), 2
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
 def test_context_layer_stores_the_formula_exactly(strategy):
     """The compiled layer at context 2 stores formulas.activation_bytes(context=2): every term / c (all-gather:
-    no gathered K/V), the ring without scores and with its output and log-sum-exp (ring_out_lse)."""
+    no gathered K/V), the ring without scores and with its log-sum-exp (ring_lse: its output is the context,
+    stored once)."""
     parallel = ParallelConfig(data=1, context=2, tensor=CONTEXT_T, sequence_parallel=True, context_strategy=strategy)
     mesh = make_mesh(parallel, jax.devices()[:4])
     text = aot.compile_loss_and_grad(CONTEXT_CFG, parallel, "selective", mesh, CONTEXT_B).as_text()
@@ -287,7 +288,7 @@ def test_context_layer_stores_the_formula_exactly(strategy):
     formula = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True, 2, strategy)
     assert stored == formula
     one = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True)
-    ring = F.layer_tensor_bytes(CONTEXT_CFG, CONTEXT_B, CONTEXT_T, True, 2)["ring_out_lse"]
+    ring = F.layer_tensor_bytes(CONTEXT_CFG, CONTEXT_B, CONTEXT_T, True, 2)["ring_lse"]
     assert formula == one / 2 + (ring if strategy == "ring" else 0) and ring > 0
 
 
@@ -341,7 +342,7 @@ def test_context_plan_rows_equal_the_formula(strategy):
         (p, sp) for p in POLICIES for sp in (False, True)} and [c.name for c in rows if c.tensor == 1] == ["none"]
     if strategy == "ring":
         # Pairwise: what SP changes (the residual stream's terms / t) is the same count under both strategies and
-        # the all-gather rows hold it for every policy; the ring's own terms (no scores, its output and log-sum-exp)
+        # the all-gather rows hold it for every policy; the ring's own terms (no scores, its log-sum-exp)
         # are held here for every policy with SP (6 programs, not 13); without SP the ring's layer is held to the
         # formula by tests/test_search.py::test_search_for_a_llama_preset_predicts_its_compiled_layer.
         rows = [c for c in rows if c.sequence_parallel]

@@ -3,8 +3,8 @@
 Why not call it as it is (both found by compiling for an H100: tests/test_gpu_target.py):
 - Its residuals, the output and the float32 softmax statistics (log-sum-exp), carry no checkpoint name, so every
   whitelist policy (remat.py) recomputed them: backward ran the forward kernel again, `none` included. Here the
-  output is tagged CONTEXT (what the model goes on with: kept once, by every policy that keeps the context) and the
-  statistics ATTN_SOFTMAX_STATS.
+  output is tagged CONTEXT inside the forward rule (`ops.tagged_context`: what the model goes on with, kept once by
+  every policy that keeps the context) and the statistics ATTN_SOFTMAX_STATS.
 - Its custom partitioning fails inside the regions manual over `data`, `fsdp` and `pipe` (an AssertionError in
   XLA's SPMD partitioner). There the kernel runs in a nested shard_map manual over the rest (`tensor`), on one
   rank's heads, forward and backward each a forward-only shard_map (autodiff through a nested one fails to lower),
@@ -25,9 +25,10 @@ from jaxseq.sharding import Sharder
 KERNEL = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
 
 
-def cudnn_attention(q, k, v, shard: Sharder, kernel=KERNEL):
+def cudnn_attention(q, k, v, shard: Sharder, tag, kernel=KERNEL):
     """Causal attention of q [b, s, a, d] over k, v [b, s, kv, d], split by heads over `tensor`; the context
-    [b, s, a, d], tagged CONTEXT. `kernel` is cuDNN's (another, XLA's, runs the same code on a CPU: the tests)."""
+    [b, s, a, d] as `tag` (ops.tagged_context) makes it. `kernel` is cuDNN's (a stand-in of the same residuals runs
+    this code on a CPU: tests/test_cudnn_attention.py)."""
     nested = shard.rows_manual and shard.mesh is not None
     heads = shard.spec("batch", None, "heads", None)
     stacked = P(tuple(sorted(shard.manual_axes))) if nested else None
@@ -59,9 +60,7 @@ def cudnn_attention(q, k, v, shard: Sharder, kernel=KERNEL):
 
     def attend_fwd(q, k, v):
         out, own = forward(q, k, v)
-        # The output the model goes on with is the one backward keeps: tagged here, and not again after (a second
-        # tagged value would be stored beside it).
-        out = checkpoint_name(shard(out, "batch", "seq", "heads", None), R.CONTEXT)
+        out = tag(out, shard)  # what the model goes on with is what backward keeps: tagged once, here
         return out, (q, k, v, out, [checkpoint_name(r, R.ATTN_SOFTMAX_STATS) for r in own])
 
     def attend_bwd(residuals, g):

@@ -61,7 +61,7 @@ def paper_activation_bytes(config: str, s: int, b: int, h: int, a: int, t: int) 
 def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, context: int = 1) -> dict[str, float]:
     """Per-device bytes of each tensor one layer can keep for backward (explicit attention), by what it is.
     With context parallelism (c = `context`) every one is per token and so divided by c (the scores too: a
-    rank's s/c queries against the whole sequence); the ring's own residuals are `ring_out_lse`.
+    rank's s/c queries against the whole sequence); the ring's own residual is `ring_lse`.
 
     e = the activation dtype's bytes, masks 1 byte (none without dropout), "/seq" = /t under sequence
     parallelism, else whole. Where the families differ: the norm statistics (LayerNorm's f32 mean and 1/std,
@@ -87,9 +87,9 @@ def layer_tensor_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool
         "mask": r * sb * h / seq,  # one residual dropout's mask
         "mlp_in": e * sb * traits.mlp_up_widths * f / t,  # the first MLP matmul's output
         "mlp_mid": e * sb * f / t,  # GELU's or SwiGLU's output, the second MLP matmul's input
-        # the ring strategy's backward residuals beside the context (parallel/context.py, `ring_fwd`): its
-        # output (activation dtype) and float32 log-sum-exp, per local query head and token
-        "ring_out_lse": e * sb * a * d / t + 4 * sb * a / t,
+        # the ring strategy's backward residual beside the context (parallel/context.py, `ring_fwd`; its output is
+        # the context itself): its float32 log-sum-exp, per local query head and token
+        "ring_lse": 4 * sb * a / t,
         # the ring's block matmul outputs (`_ring_forward`), what `dots` keeps of it: each of the 2c + 1 query-half
         # × key-half blocks a rank computes (`context.attention_work`) has a float32 q·kᵀ [b, a/t, n, n] and a
         # float32 probs·v [b, n, a/t, d], n = s/2c
@@ -113,8 +113,8 @@ POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 
 
-# The ring computes its blocks itself (no scores kept: P is recomputed from the log-sum-exp) and keeps its output
-# and log-sum-exp (tagged `context`) wherever a policy keeps the context.
+# The ring computes its blocks itself (no scores kept: P is recomputed from the log-sum-exp) and keeps its
+# log-sum-exp (tagged `context`) wherever a policy keeps the context, its output being the context itself.
 RING_DROPS = ("probs", "probs_dropout", "qk_scores")
 # `dots` under the ring (measured, tests/test_plan.py): every matmul output the ring's forward makes, its blocks'
 # q·kᵀ and probs·v in float32, and not its output and log-sum-exp (no matmul outputs: recomputed from the blocks
@@ -134,7 +134,7 @@ def policy_terms(remat: str, context: int = 1, strategy: str = "all-gather") -> 
     if remat in RING_POLICY_TERMS:
         return RING_POLICY_TERMS[remat]
     kept = tuple((name, n) for name, n in terms if name not in RING_DROPS)
-    return kept + ((("ring_out_lse", 1),) if any(name == "context" for name, _ in kept) else ())
+    return kept + ((("ring_lse", 1),) if any(name == "context" for name, _ in kept) else ())
 
 
 def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
@@ -142,8 +142,8 @@ def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_para
     """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
     the fused one stores what its kernel chooses). For GPT with dropout and the paper's configurations it is
     the paper's Table 2 plus the LayerNorm statistics. With context parallelism over c ranks every term is
-    divided by c (all-gather: the gathered K/V are not stored); the ring keeps no scores but its output and
-    log-sum-exp (`ring_out_lse`)."""
+    divided by c (all-gather: the gathered K/V are not stored); the ring keeps no scores but its log-sum-exp
+    (`ring_lse`)."""
     terms = policy_terms(remat, context, strategy)
     if cfg.attention != "explicit":
         raise ConfigError(f"attention={cfg.attention!r}: the formula counts the explicit attention's tensors")

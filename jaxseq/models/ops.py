@@ -362,15 +362,20 @@ def rope(x, positions, cfg: ModelConfig):
 def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     """Causal attention of q [b, s, a, d] over k, v [b, s, kv, d] (kv dividing a: grouped-query attention,
     each group of a/kv query heads sharing one K/V head); returns the context [b, s, a, d], split by heads and
-    tagged CONTEXT. Where the sequence is split over `context`, the strategy the run chose
+    tagged CONTEXT (`tagged_context`). Where the sequence is split over `context`, the strategy the run chose
     (`shard.context_attention`, parallel/context.py); cuDNN's kernel where an edge chose it and the sequence is
-    whole (models/cudnn_attention.py: it tags its own output, which its backward keeps, rather than a copy)."""
+    whole (models/cudnn_attention.py)."""
     if cfg.attention == "fused" and cfg.fused_kernel == "cudnn" and shard.context == 1:
-        return cudnn_attention(q, k, v, shard)
+        return cudnn_attention(q, k, v, shard, tagged_context)
     if shard.context > 1 and shard.context_attention is not None:
-        ctx = shard.context_attention(q, k, v, cfg, key, shard)
-    else:
-        ctx = causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]))
+        return shard.context_attention(q, k, v, cfg, key, shard)
+    return tagged_context(causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1])), shard)
+
+
+def tagged_context(ctx, shard: Sharder):
+    """The attention's output as the model goes on with it (split by heads), tagged CONTEXT once: a kernel whose
+    backward keeps its own output (cuDNN's, the ring's) tags it here inside its forward rule, so that the policy
+    keeps one tensor, not that and a tagged copy."""
     return checkpoint_name(shard(ctx, "batch", "seq", "heads", None), R.CONTEXT)
 
 

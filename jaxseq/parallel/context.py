@@ -56,7 +56,7 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
     order = shard.reorder(q.shape[1])
     if shard.context_manual:  # one rank's queries against the gathered whole sequence's keys
         order = (order, shard.whole_order(k.shape[1]))
-    return O.causal_attention(q, k, v, cfg, key, shard, order)
+    return O.tagged_context(O.causal_attention(q, k, v, cfg, key, shard, order), shard)
 
 
 def gather_over_context(x, shard: Sharder):
@@ -164,12 +164,13 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
 
     @jax.custom_vjp
     def ring(q, k, v, key_data):
-        return forward(q, k, v, key_data)[0]
+        return shard(forward(q, k, v, key_data)[0], "batch", "seq", "heads", None)
 
     def ring_fwd(q, k, v, key_data):
         out, lse = forward(q, k, v, key_data)
-        # Tagged inside the forward rule, so the policies that keep the attention context keep these too.
-        out, lse = checkpoint_name(out, R.CONTEXT), checkpoint_name(lse, R.CONTEXT)
+        # Tagged inside the forward rule, so the policies that keep the attention context keep these too; the
+        # output the model goes on with is the one backward keeps (`O.tagged_context`: one tensor, not two).
+        out, lse = O.tagged_context(out, shard), checkpoint_name(lse, R.CONTEXT)
         return out, (q, k, v, key_data, out, lse)
 
     def ring_bwd(res, g):

@@ -98,7 +98,7 @@ def _formula_label(p: Plan) -> list[str]:
     """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
     if p.context > 1:
         return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
-                "every stored tensor / c" + (", no scores, + the ring's output and log-sum-exp (ring_out_lse)"
+                "every stored tensor / c" + (", no scores, + the ring's log-sum-exp (ring_lse)"
                                              if p.context_strategy == "ring" else "; the gathered K/V not stored")]
     if M.traits(p.config).papers_formulas:
         return []

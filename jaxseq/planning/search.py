@@ -257,7 +257,7 @@ def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
     """The layer's costs at context c: the layer compiled at c as it is (`LayerCost.context`: where the simulated
     devices hold c·t); else from the measured context-1 layer (a stated model, nothing compiled at c):
     stored bytes / c, exact for all-gather (tests/test_plan.py holds the compiled layer to the formula), plus the
-    ring's own change (`formulas.activation_bytes` at c − at 1 / c: no scores, its output and log-sum-exp);
+    ring's own change (`formulas.activation_bytes` at c − at 1 / c: no scores, its log-sum-exp);
     TP collectives / c (per token); working memory / c (per token) + the K/V transient at backward's peak
     (`formulas.context_kv_bytes`: not divided by c); the embedding/logits activations of s/c tokens."""
     if layer.context == c.context:
