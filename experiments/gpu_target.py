@@ -132,7 +132,11 @@ def remat_table(rows: list[dict]) -> str:
     lines = ["## The remat policies in the GPU's program", "",
              "Dot FLOPs: every weight GEMM of the whole step (the attention core is cuDNN's custom call, not a dot), "
              "from the step compiled for the H100 (`hlo.dot_flops`: a loop body × its trip count). Stored: XLA:GPU's "
-             "layer program. Model: `plan --search`'s time model (compute + the optimizer step).", "",
+             "layer program. Model: `plan --search`'s time model (compute + the optimizer step). Measured: the H100's "
+             "steps of 2026-11-26, whose program called cuDNN's attention as it is: its forward kernel ran again in "
+             "the backward loop under every policy; today's (jaxseq's VJP, models/cudnn_attention.py) runs it there "
+             "only under `full`, so `none`, `selective` and `lean` should now be faster by one attention forward per "
+             "layer, unmeasured.", "",
              "| model | remat | dot TFLOP | vs none | backward layer TFLOP | cuDNN in backward loop | stored MiB/layer "
              "| model s | measured s | error |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -146,7 +150,8 @@ def remat_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict], target: str, jax_version: str) -> str:
     lines = [f"# The plan against the H100's measured peaks (`python experiments/gpu_target.py`)", "",
-             f"Measured: one H100 80GB HBM3, JAX 0.11.2, bf16, cuDNN attention, micro-batch 4 × 2048 tokens "
+             f"Measured: one H100 80GB HBM3, JAX 0.11.2, bf16, cuDNN attention (called as it is, before "
+             f"models/cudnn_attention.py), micro-batch 4 × 2048 tokens "
              f"({MEASURED.relative_to(ROOT)}). `--target {target}`: the whole donated train step compiled for the "
              f"{target.upper()} on this CPU-only machine with jax {jax_version} and its CUDA plugin (argument + output + temp − "
              f"alias). CPU plan: `plan` without "
