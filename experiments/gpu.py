@@ -3,6 +3,7 @@
     python experiments/gpu.py                 # every local GPU: writes experiments/results/gpu_<device>_<date>.{json,md}
     python experiments/gpu.py --out DIR       # … into DIR (a CPU dry run writes only when given --out)
     python experiments/gpu.py --steps 20      # more timed steps per configuration
+    python experiments/gpu.py --policies lean full --budget-minutes 5    # fewer rows (`none` always), less time
 
 On the local GPUs (tensor = their count, + sequence parallelism when > 1; bf16; `attention=fused`), for
 GPT-3 XL (gpt3-1.3b) and a Llama of similar size (`models` below), per remat policy (none, selective, lean,
@@ -166,26 +167,27 @@ def run_spec(spec: dict, devices, isolate: bool) -> dict:
 # The plan's prediction of each configuration's peak (the planning library, not its command)
 
 
-def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, devices) -> dict:
+def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, devices, policies=POLICIES) -> dict:
     """policy → `jaxseq.plan`'s predicted peak bytes per device (state + stored activations + the step's working
     memory) for `cfg` at `tensor`, one micro-batch; its rows compiled as `plan.plan` compiles them."""
     from jaxseq.planning.measure import Compiler, RowSpec
     from jaxseq.planning.memory import state_bytes
     from jaxseq.planning.plan import make_row
 
-    specs = [RowSpec(p, p, sequence_parallel, tensor, None) for p in POLICIES]
+    specs = [RowSpec(p, p, sequence_parallel, tensor, None) for p in policies]
     compiler = Compiler(cfg, micro_batch, devices)
     compiler.compile_all([k for c in specs for k in compiler.programs(c)])
     measured = {c.remat: compiler.measure(c) for c in specs}
     state = state_bytes(cfg, tensor)
     rows = {p: make_row(cfg, c, measured[p], micro_batch, cfg.layers, measured["none"].flops_per_layer, state)
-            for p, c in zip(POLICIES, specs)}
+            for p, c in zip(policies, specs)}
     return {p: {"total_bytes": r.total_bytes_per_device, "state_bytes": state.total,
                 "activation_bytes": r.activation_bytes_per_device, "working_bytes": r.working_bytes_per_device}
             for p, r in rows.items()}
 
 
-def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, device_kind: str) -> dict:
+def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, device_kind: str,
+                 policies=POLICIES) -> dict:
     """policy → `plan --target`'s peak bytes per device (the whole train step compiled for this GPU's target
     description, as on a machine without one), or {} where the device has no target description."""
     from jaxseq.config import ParallelConfig
@@ -196,7 +198,7 @@ def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, de
     if target is None:
         return {}
     parallel = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel)
-    return {p: aot.step_bytes(gpu_target.compile_step(cfg, parallel, p, micro_batch, 1, target)) for p in POLICIES}
+    return {p: aot.step_bytes(gpu_target.compile_step(cfg, parallel, p, micro_batch, 1, target)) for p in policies}
 
 
 LARGEST_MICRO_BATCH_POLICIES = ("none", "full")  # the two ends of the trade: what recompute buys in batch
@@ -255,7 +257,8 @@ def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, paralle
 
 
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
-          peak_tflops_per_device: float | None = None, save=None, deadline: float | None = None) -> dict:
+          peak_tflops_per_device: float | None = None, save=None, deadline: float | None = None,
+          policies: tuple = POLICIES) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit. The models'
     rows always run; the sequence sweep, the context and the pipeline checks only while `deadline`
@@ -300,7 +303,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         for micro_batch in micro_batches:
             print(f"{name}: planning tensor={n}, micro-batch {micro_batch} …", flush=True)
             try:
-                plan, plan_error = predicted_peaks(cfg, n, sp, micro_batch, devices), None
+                plan, plan_error = predicted_peaks(cfg, n, sp, micro_batch, devices, policies), None
             except Exception as e:  # the measurements still run; the failure is a finding
                 plan, plan_error = None, f"{type(e).__name__}: {e}"
                 break
@@ -308,12 +311,13 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
                 break
         base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
         try:
-            targeted, target_error = target_peaks(cfg, n, sp, micro_batch, devices[0].device_kind) if gpu else {}, None
+            targeted, target_error = (target_peaks(cfg, n, sp, micro_batch, devices[0].device_kind, policies)
+                                      if gpu else {}), None
         except Exception as e:  # a finding, as the plan's
             targeted, target_error = {}, f"{type(e).__name__}: {e}"
         result = {"config": dataclasses.asdict(cfg), "num_params": model_parameters(cfg), "micro_batch": micro_batch,
                   "plan_error": plan_error, "target_error": target_error, "policies": {}}
-        for policy in POLICIES:
+        for policy in policies:
             predicted = plan[policy]["total_bytes"] if plan else None
             row = {"predicted_peak_bytes": predicted, "plan": plan and plan[policy],
                    "target_peak_bytes": targeted.get(policy)}
@@ -638,6 +642,9 @@ def run(argv: list[str] | None = None) -> dict:
                                                "tiny-llama); the pipeline runs the first")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, TFLOP/s, for MFU (default: "
                                                      "jaxseq/hardware.py's for the device kind; none for others)")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                   help="the remat policies of the models' rows (default all four; none is every row's reference and "
+                        "always runs)")
     p.add_argument("--budget-minutes", type=float, help="start no sequence-sweep, context or pipeline configuration "
                                                         "past this many minutes from the start (default on a GPU: "
                                                         "8; dry: none)")
@@ -658,7 +665,8 @@ def run(argv: list[str] | None = None) -> dict:
                    micro_batches=(args.micro_batch,) if args.micro_batch else ((4, 2, 1) if gpu else (2,)),
                    isolate=gpu if args.isolate is None else args.isolate, names=args.models,
                    peak_tflops_per_device=args.peak_tflops, save=save,
-                   deadline=None if budget is None else started + 60 * budget)
+                   deadline=None if budget is None else started + 60 * budget,
+                   policies=tuple(p for p in POLICIES if p == "none" or p in args.policies))
     print(table(result))
     if out is not None:
         for path in write(result, out):
