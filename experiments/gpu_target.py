@@ -166,7 +166,8 @@ def table(rows: list[dict], target: str, jax_version: str) -> str:
     lines += ["", f"Largest |error| of --target {target}: {100 * worst:.1f}%; of the CPU plan: "
               f"{100 * max(abs(r['cpu_plan_error']) for r in rows):.1f}%. The search (`plan --search`, this one-GPU "
               "configuration) adds its parts up (state + stored × layers + working), its layers compiled for the GPU "
-              "(--target) or by XLA:CPU."]
+              "(--target) or by XLA:CPU; with --target it then holds its best configurations to their whole train "
+              "steps compiled for the GPU (`--verify`, 3 by default), here the program of the --target column."]
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 import jax
 
@@ -21,6 +22,7 @@ from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts
+from jaxseq.training import aot
 
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
@@ -33,6 +35,7 @@ SOURCES = (
     "embedding/logits part of the activations; activ. = stored (compiled) × L + that part; total = "
     "state + activ.")
 MAX_SIMULATED_DEVICES = 1024  # pipeline × tensor: 512 (megatron-1t, p=64, t=8) compiles in ~30 s
+VERIFIED_WITH_TARGET = 3  # `--search --target`: the best configurations whose whole step is compiled for the GPU
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp-overlap", action="store_true",
                    help="charge FSDP's gathers and reduce-scatters only beyond the compute of the micro-batch they can "
                         "hide behind (MaxText's pipelined gathers; default: not overlapped, as nothing is)")
+    g.add_argument("--verify", type=int, default=None,
+                   help="with --target: compile the best N configurations' whole train steps for the GPU and hold "
+                        "them to the budget by that program's peak, not the parts added up (a step over it leaves "
+                        f"the ranking, the next verified in its place; default {VERIFIED_WITH_TARGET} with --target, "
+                        "0 without)")
     g.add_argument("--scale-context", action="store_true",
                    help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
@@ -186,6 +194,12 @@ def _search(args) -> int:
     search_space.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")
+    verify = (VERIFIED_WITH_TARGET if args.target is not None else 0) if args.verify is None else args.verify
+    if not isinstance(verify, int) or verify < 0:
+        raise ConfigError(f"verify={verify} must be a non-negative integer")
+    if verify and args.target is None:
+        raise ConfigError(f"--verify {verify} compiles whole train steps for a GPU: it needs --target "
+                          f"({', '.join(gpu_target.TARGETS)})")
     devices = search_devices(request, args.scale_context)
     where = "simulated CPU devices"
     if args.target is not None:  # as many target GPUs as the simulated devices: the same layers compile
@@ -195,8 +209,22 @@ def _search(args) -> int:
                   f"(c·t beyond them scaled from c = 1), two at a time")
     costs = SearchCosts(cfg, devices, progress=progress)
     result = search.search(cfg, request, costs, args.preset, target=args.target)
+    if verify:
+        progress.note(f"compiling the best {verify} configurations' whole train steps for the {args.target}")
+        result = search.verify(result, verify, partial(target_step_bytes, cfg, args.target, progress))
     print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
     return 0
+
+
+def target_step_bytes(cfg: ModelConfig, target: str, progress, c: search_space.Candidate) -> int:
+    """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
+    `gpu_target.step_parallel` sizes it): its peak bytes per device."""
+    parallel = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
+                                        distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
+                                        schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
+                                        strategy=c.context_strategy, fsdp=c.fsdp)
+    progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
+    return aot.step_bytes(gpu_target.compile_step(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target))
 
 
 def _plan(args) -> int:

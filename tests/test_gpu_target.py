@@ -158,6 +158,14 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     gpu, cpu = on_gpu["ranked"][0], on_cpu["ranked"][0]
     assert gpu["memory_gib"]["state"] == cpu["memory_gib"]["state"]  # from shapes, as the search counts it
     assert gpu["memory_gib"]["working"] != cpu["memory_gib"]["working"]  # the programs' own
+    # --verify (3 by default with --target): the best three held to their whole train steps compiled for the H100
+    assert [e["compiled_step_gib"] is not None for e in on_gpu["ranked"][:4]] == [True, True, True, False]
+    assert all(e["compiled_step_gib"] is None for e in on_cpu["ranked"])
+    parallel = G.step_parallel(tensor=gpu["tensor"], sequence_parallel=gpu["sequence_parallel"], data=gpu["data"],
+                               distributed_optimizer=gpu["distributed_optimizer"], pipeline=gpu["pipe"])
+    cfg = replace(preset("tiny"), attention="fused")
+    step = G.compile_step(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
+    assert gpu["compiled_step_gib"] * 2**30 == aot.step_bytes(step)
 
 
 def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():

@@ -106,6 +106,29 @@ def test_search_ranks_only_what_fits_and_says_why_families_fail():
     assert "mesh families (t, p) with no configuration that fits" in S.format_result(res)
 
 
+def test_verify_holds_the_best_to_their_compiled_steps_and_drops_those_over_the_budget():
+    """`search.verify` (`plan --search --target --verify N`): the ranking's best N carry their whole step's compiled
+    bytes; one whose step is over the budget leaves the ranking and the next is verified in its place; the rest of
+    the ranking keeps its order. Here a stand-in for the compile: 0.9 × the parts, except the first configuration,
+    whose step is over."""
+    r = request(hardware=replace(NODE, memory_gib=0.25))
+    res = S.search(CFG, r, HandCosts(), "hand", target="h100")
+    before = list(res.ranked)
+    first = before[0].candidate
+    step = lambda c: int(2 * r.budget_bytes) if c == first else int(0.9 * next(
+        e.memory.total_bytes for e in before if e.candidate == c))
+    res = S.verify(res, 2, step)
+    assert [e.candidate for e in res.ranked] == [e.candidate for e in before[1:]]
+    assert [e.compiled_bytes for e in res.ranked[:2]] == [step(e.candidate) for e in before[1:3]]
+    assert all(e.compiled_bytes is None for e in res.ranked[2:])
+    assert [(e.candidate, e.fits) for e in res.over_budget] == [(first, False)]
+    text = S.format_result(res, 3)
+    assert "step GiB" in text and f"left the ranking: {first.label()} (0.5 GiB)" in text
+    assert S.to_json(res, 3)["ranked"][0]["compiled_step_gib"] == step(before[1].candidate) / S.GIB
+    with pytest.raises(ConfigError, match="fits in 0.25 GiB per GPU by its train step compiled for the h100"):
+        S.verify(S.search(CFG, r, HandCosts(), "hand", target="h100"), 1, lambda c: int(2 * r.budget_bytes))
+
+
 def test_nothing_ranked_needs_more_than_the_budget_by_jaxseqs_pipelined_step():
     """Pipelined configurations a Megatron-LM stage's figure fits but jaxseq's executor buffers do not are
     left out, and the output (text and JSON) says whose accounting the memory is."""
@@ -455,6 +478,8 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--hbm-gb-per-s", "-1"], "error: hbm_gb_per_s=-1.0 must be positive"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
     (["--preset", "tiny", "--context-sizes", "1,0"], "error: context size 0 must be a positive integer"),
+    (["--preset", "tiny", "--verify", "2"], "error: --verify 2 compiles whole train steps for a GPU: it needs --target"),
+    (["--preset", "tiny", "--verify", "-1"], "error: verify=-1 must be a non-negative integer"),
 ])
 def test_bad_search_requests_are_one_line(argv, message, capsys):
     base = {"--gpus": "16", "--global-batch": "16"}

@@ -414,6 +414,7 @@ class Evaluated:
     mfu: float
     fits: bool
     layer_context: int = 1  # the context size its layer was compiled at (< c: scaled by `at_context`)
+    compiled_bytes: int | None = None  # its whole train step's peak per device, compiled for the target (`verify`)
 
     @property
     def layer_source(self) -> str:
@@ -434,7 +435,8 @@ class Evaluated:
                            "context_kv": t.context_s, "optimizer_update": t.optimizer_s,
                            "fsdp_gather_scatter": t.fsdp_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
-                "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context}
+                "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context,
+                "compiled_step_gib": None if self.compiled_bytes is None else self.compiled_bytes / GIB}
 
 
 def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
@@ -462,6 +464,7 @@ class Result:
     rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "data", "rule", "reason"}
     compiled: int = 0  # layers measured: distinct (t, SP, remat, and where compiled at c > 1, c and strategy)
     target: str | None = None  # the GPU the layers were compiled for (`plan --search --target`), else XLA:CPU
+    over_budget: list[Evaluated] = field(default_factory=list)  # fit by the parts, not by the compiled step (`verify`)
 
     def rank_of(self, match) -> int | None:
         """1-based rank of the first fitting configuration `match(candidate)` accepts, or None."""
@@ -500,6 +503,31 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
 
 
+def verify(res: Result, count: int, step_bytes) -> Result:
+    """The ranking's first `count` configurations held to their whole train step compiled for the target
+    (`step_bytes(candidate)`: the GPU program's peak per device, where the ranking added parts up: state + stored
+    × layers + working, 6–15% above it on the H100's measured configurations). One whose step does not fit the
+    budget leaves the ranking (`over_budget`) and the next is verified in its place, until `count` fit or the
+    ranking ends."""
+    kept, verified = [], 0
+    for e in res.ranked:
+        if verified == count:
+            kept.append(e)
+            continue
+        e = replace(e, compiled_bytes=step_bytes(e.candidate))
+        if e.compiled_bytes > res.request.budget_bytes:
+            res.over_budget.append(replace(e, fits=False))
+            continue
+        kept.append(e)
+        verified += 1
+    if not kept:
+        raise ConfigError(f"no configuration of {res.model} fits in {res.request.hardware.memory_gib:g} GiB per GPU by "
+                          f"its train step compiled for the {res.target}: the least is "
+                          f"{min(e.compiled_bytes for e in res.over_budget) / GIB:.1f} GiB")
+    res.ranked = kept
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # Output
 
@@ -525,6 +553,8 @@ def format_result(res: Result, top: int = 10) -> str:
     cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
     fsdp = any(f > 1 for f in r.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
+    verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
+    step_head = f"{'step GiB':>9}" if verified else ""
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
@@ -543,7 +573,7 @@ def format_result(res: Result, top: int = 10) -> str:
         "",
         f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
         f"{'remat':<10}{'SP':<4}{'DO':<4}"
-        f"{'mem GiB':>8}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
+        f"{'mem GiB':>8}{step_head}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
         f"{'CP s':>8}{fsdp_head}{'opt s':>8}  CP strategy, layer",
     ]
     for i, e in enumerate(res.ranked[:top]):
@@ -552,7 +582,9 @@ def format_result(res: Result, top: int = 10) -> str:
             f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {'zb' if c.zero_bubble else c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
-            f"{e.memory.total_bytes / GIB:>8.1f}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
+            f"{e.memory.total_bytes / GIB:>8.1f}"
+            f"{(f'{e.compiled_bytes / GIB:>9.1f}' if e.compiled_bytes is not None else f'{chr(45):>9}') if verified else ''}"
+            f"{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
             f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
@@ -565,6 +597,11 @@ def format_result(res: Result, top: int = 10) -> str:
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
+    if verified:
+        lines += [f"step GiB: the whole train step compiled for the {res.target} (its peak per device: argument + output "
+                  "+ temp − alias), where mem GiB adds the parts up; a configuration whose step does not fit left the "
+                  "ranking: " + ("; ".join(f"{e.candidate.label()} ({e.compiled_bytes / GIB:.1f} GiB)"
+                                           for e in res.over_budget) or "none")]
     if fsdp:
         lines += [FSDP_NOTE]
     if "zb-h1" in r.schedules:
@@ -621,6 +658,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
         "ranked": [e.to_json() for e in res.ranked[:top]],
+        "over_budget_by_compiled_step": [e.to_json() for e in res.over_budget],
         "rejected_families": res.rejected_families,
         "fused_attention_caveat": fused_attention_caveat(res) if caveat_applies(res) else None,
         "memory_source": memory_source(res),
