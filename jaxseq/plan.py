@@ -22,7 +22,6 @@ from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts
-from jaxseq.training import aot
 
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
@@ -224,7 +223,7 @@ def target_step_bytes(cfg: ModelConfig, target: str, progress, c: search_space.C
                                         schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
                                         strategy=c.context_strategy, fsdp=c.fsdp)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
-    return aot.step_bytes(gpu_target.compile_step(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target))
+    return gpu_target.step_bytes(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target)
 
 
 def _plan(args) -> int:

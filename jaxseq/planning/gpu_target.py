@@ -86,6 +86,12 @@ def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_b
     return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches)
 
 
+def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+               target: str) -> int:
+    """`compile_step`'s peak bytes per device: argument + output + temp − alias (`aot.step_bytes`)."""
+    return aot.step_bytes(compile_step(cfg, parallel, remat, micro_batch, microbatches, target))
+
+
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
                            target: str, run: ParallelConfig | None = None) -> int:
     """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline), with the
