@@ -22,7 +22,6 @@ from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_byte
                                     non_layer_activation_bytes, parameter_elements_per_device, peak_bytes,
                                     state_bytes, state_bytes_by_part)
 from jaxseq.remat import POLICIES
-from jaxseq.training import aot
 
 
 def configurations(tensor: int, policies=None) -> list[RowSpec]:
@@ -300,8 +299,7 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
         progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
                            f"target device(s)")
     stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
-    total = aot.step_bytes(gpu_target.compile_step(cfg, whole, c.remat, micro_batch,
-                                                   microbatches if step["pipeline"] > 1 else 1, target))
+    total = gpu_target.step_bytes(cfg, whole, c.remat, micro_batch, microbatches if step["pipeline"] > 1 else 1, target)
     activations = row.deferred_stash_bytes_per_device + activation_bytes(
         stored, in_flight_layers, non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
     state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
