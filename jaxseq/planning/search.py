@@ -139,10 +139,16 @@ class Costs(Protocol):
 # Memory and time of one candidate
 
 
-@lru_cache(maxsize=None)
 def pipeline_schedule(c: Candidate) -> Schedule | None:
     """The schedule the executor runs for candidate c; None without a pipeline."""
-    return Schedule.make(c.schedule, c.pipe, c.microbatches, c.virtual) if c.pipe > 1 else None
+    return _schedule(c.schedule, c.pipe, c.microbatches, c.virtual) if c.pipe > 1 else None
+
+
+@lru_cache(maxsize=None)
+def _schedule(name: str, pipe: int, microbatches: int, virtual: int) -> Schedule:
+    """One Schedule per (schedule, p, m, v), whatever else the candidates sharing it differ in: its tick table,
+    timeline and slot depths (cached on it) are then computed once, not once per candidate."""
+    return Schedule.make(name, pipe, microbatches, virtual)
 
 
 def schedule_figures(c: Candidate, layers: int) -> tuple[int, float]:
