@@ -331,21 +331,21 @@ def test_context_kv_bytes_are_the_design_notes():
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
 def test_context_plan_rows_equal_the_formula(strategy):
     """Every row `python -m jaxseq.plan --tensor 2 --context 2` prints (each registered policy, with and without SP,
-    and `none` at t = 1; under the ring pairwise, below): its layer's loss-and-gradient program, compiled at context 2 as the plan compiles it
+    and `none` at t = 1; pairwise over the strategies, below): its layer's loss-and-gradient program, compiled at context 2 as the plan compiles it
     (`measure.Compiler`, the program `Compiler.measure` reads the stored bytes from), stores the plan's formula
     column, formulas.activation_bytes at context 2, to the byte. Only the stored bytes are read, so only that
-    program is compiled (not the plan's float32 train step, L = 0 and forward programs: 13 programs, not 31); that
+    program is compiled (not the plan's float32 train step, L = 0 and forward programs); that
     the printed plan carries the compiled numbers beside the formula, and the K/V line, is
     test_context_plan_json_carries_the_rows_measurements."""
     rows = P.configurations(CONTEXT_T)
     assert {(c.remat, c.sequence_parallel) for c in rows if c.tensor == CONTEXT_T} == {
         (p, sp) for p in POLICIES for sp in (False, True)} and [c.name for c in rows if c.tensor == 1] == ["none"]
-    if strategy == "ring":
-        # Pairwise: what SP changes (the residual stream's terms / t) is the same count under both strategies and
-        # the all-gather rows hold it for every policy; the ring's own terms (no scores, its log-sum-exp)
-        # are held here for every policy with SP (6 programs, not 13); without SP the ring's layer is held to the
-        # formula by tests/test_search.py::test_search_for_a_llama_preset_predicts_its_compiled_layer.
-        rows = [c for c in rows if c.sequence_parallel]
+    # Pairwise (7 and 6 programs, not 13 and 13): every (policy, SP) pair under one strategy or the other. The
+    # all-gather rows without SP (and `none` at t = 1), every policy; the ring's own terms (no scores, its
+    # log-sum-exp) with SP, every policy. All-gather with SP is test_context_layer_stores_the_formula_exactly's
+    # (and test_context_plan_json_carries_the_rows_measurements'); the ring without SP is held to the formula by
+    # tests/test_search.py::test_search_for_a_llama_preset_predicts_its_compiled_layer.
+    rows = [c for c in rows if c.sequence_parallel == (strategy == "ring")]
     compiler = measure.Compiler(CONTEXT_CFG, CONTEXT_B, jax.devices(), context=2, strategy=strategy)
     keys = [compiler.programs(c)[0] for c in rows]  # ("grad", MEASURE_LAYERS, remat, t, sp)
     compiler.compile_all(keys)
