@@ -192,13 +192,12 @@ def target_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, de
     description, as on a machine without one), or {} where the device has no target description."""
     from jaxseq.config import ParallelConfig
     from jaxseq.planning import gpu_target
-    from jaxseq.training import aot
 
     target = gpu_target.target_of(device_kind)
     if target is None:
         return {}
     parallel = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel)
-    return {p: aot.step_bytes(gpu_target.compile_step(cfg, parallel, p, micro_batch, 1, target)) for p in policies}
+    return {p: gpu_target.step_bytes(cfg, parallel, p, micro_batch, 1, target) for p in policies}
 
 
 LARGEST_MICRO_BATCH_POLICIES = ("none", "full")  # the two ends of the trade: what recompute buys in batch
@@ -211,14 +210,13 @@ def largest_micro_batch(cfg, tensor: int, sequence_parallel: bool, policy: str, 
     fits `limit` bytes per device; its planned bytes), or None where there is no target or no limit."""
     from jaxseq.config import ParallelConfig
     from jaxseq.planning import gpu_target
-    from jaxseq.training import aot
 
     target = gpu_target.target_of(device_kind)
     if target is None or limit is None:
         return None
     parallel, best, b = ParallelConfig(tensor=tensor, sequence_parallel=sequence_parallel), None, start
     while b <= MAX_MICRO_BATCH:
-        planned = aot.step_bytes(gpu_target.compile_step(cfg, parallel, policy, b, 1, target))
+        planned = gpu_target.step_bytes(cfg, parallel, policy, b, 1, target)
         if planned > limit:
             break
         best, b = (b, planned), 2 * b
@@ -362,7 +360,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     if save is not None:
         save(out)
     out["pipeline"] = (pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
-                       if in_budget(deadline) else {"skipped": "the run's time budget (--budget-minutes)"})
+                       if in_budget(deadline) else {"skipped": BUDGET_SKIP})
     return out
 
 
@@ -402,6 +400,7 @@ def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices,
 SWEEP_POLICY = "lean"  # a GPU run's default with fused attention (config.default_remat)
 SWEEP_SEQ_LENS = {True: (1024, 4096, 8192), False: (128,)}  # GPU, dry run: at the base model's tokens per micro-batch
 RUN_ESTIMATE_S = 45  # one more configuration on a GPU: a child's start, compile (11-15 s measured) and steps
+BUDGET_SKIP = "the run's time budget (--budget-minutes)"  # why a configuration past the deadline did not start
 
 
 def in_budget(deadline: float | None) -> bool:
@@ -415,15 +414,14 @@ def shape_row(cfg, parallel: dict, micro_batch: int, base_spec: dict, devices, i
     run and measured, with its throughput and measured / target."""
     from jaxseq.config import ParallelConfig
     from jaxseq.planning import gpu_target
-    from jaxseq.training import aot
     from jaxseq.training.metrics import throughput
 
     row = {"micro_batch": micro_batch, "seq_len": cfg.seq_len, "target_peak_bytes": None}
     target = gpu_target.target_of(devices[0].device_kind) if gpu else None
     if target is not None:
         try:
-            row["target_peak_bytes"] = aot.step_bytes(gpu_target.compile_step(
-                cfg, ParallelConfig(**parallel), SWEEP_POLICY, micro_batch, 1, target))
+            row["target_peak_bytes"] = gpu_target.step_bytes(cfg, ParallelConfig(**parallel), SWEEP_POLICY,
+                                                             micro_batch, 1, target)
         except Exception as e:  # a finding
             row["target_error"] = f"{type(e).__name__}: {e}"
     row.update(run_spec({**base_spec, "micro_batch": micro_batch, "model": dataclasses.asdict(cfg),
@@ -446,7 +444,7 @@ def sequence_sweep(gpu: bool, name: str, cfg, devices, base_spec: dict, parallel
     out = {"model": name, "remat": SWEEP_POLICY, "tokens_per_micro_batch": tokens, "runs": []}
     for seq_len in SWEEP_SEQ_LENS[gpu]:
         if not in_budget(deadline):
-            out["runs"].append({"seq_len": seq_len, "skipped": "the run's time budget (--budget-minutes)"})
+            out["runs"].append({"seq_len": seq_len, "skipped": BUDGET_SKIP})
             continue
         print(f"sequence sweep: {name} s={seq_len} …", flush=True)
         out["runs"].append(shape_row(replace(cfg, seq_len=seq_len), parallel, max(1, tokens // seq_len), base_spec,
@@ -473,7 +471,7 @@ def context_check(gpu: bool, name: str, cfg, devices, base_spec: dict, isolate: 
             out["runs"][strategy] = {"skipped": str(e)}
             continue
         if not in_budget(deadline):
-            out["runs"][strategy] = {"skipped": "the run's time budget (--budget-minutes)"}
+            out["runs"][strategy] = {"skipped": BUDGET_SKIP}
             continue
         print(f"context: {name} context=2 tensor={tensor} {strategy} …", flush=True)
         run_cfg = on_platform(cfg, devices[0].platform, ParallelConfig(**parallel))  # all-gather: XLA's attention

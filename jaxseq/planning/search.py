@@ -514,24 +514,21 @@ def verify(res: Result, count: int, step_bytes) -> Result:
     (`step_bytes(candidate)`: the GPU program's peak per device, where the ranking added parts up: state + stored
     × layers + working, 6–15% above it on the H100's measured configurations). One whose step does not fit the
     budget leaves the ranking (`over_budget`) and the next is verified in its place, until `count` fit or the
-    ranking ends."""
-    kept, verified = [], 0
+    ranking ends. A new Result: `res` is left as it was."""
+    kept, over, verified = [], list(res.over_budget), 0
     for e in res.ranked:
-        if verified == count:
-            kept.append(e)
-            continue
-        e = replace(e, compiled_bytes=step_bytes(e.candidate))
-        if e.compiled_bytes > res.request.budget_bytes:
-            res.over_budget.append(replace(e, fits=False))
-            continue
+        if verified < count:
+            e = replace(e, compiled_bytes=step_bytes(e.candidate))
+            if e.compiled_bytes > res.request.budget_bytes:
+                over.append(replace(e, fits=False))
+                continue
+            verified += 1
         kept.append(e)
-        verified += 1
     if not kept:
         raise ConfigError(f"no configuration of {res.model} fits in {res.request.hardware.memory_gib:g} GiB per GPU by "
                           f"its train step compiled for the {res.target}: the least is "
-                          f"{min(e.compiled_bytes for e in res.over_budget) / GIB:.1f} GiB")
-    res.ranked = kept
-    return res
+                          f"{min(e.compiled_bytes for e in over) / GIB:.1f} GiB")
+    return replace(res, ranked=kept, over_budget=over)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,13 +581,12 @@ def format_result(res: Result, top: int = 10) -> str:
     ]
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
+        step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
         lines.append(
             f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {'zb' if c.zero_bubble else c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
-            f"{e.memory.total_bytes / GIB:>8.1f}"
-            f"{(f'{e.compiled_bytes / GIB:>9.1f}' if e.compiled_bytes is not None else f'{chr(45):>9}') if verified else ''}"
-            f"{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
+            f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
             f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
