@@ -2,14 +2,31 @@
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # LLVM at -O0 (`--xla_backend_optimization_level=0`): the tests' programs are tiny, so compiling them is most of
 # the suite's time, and LLVM's optimization of the CPU code is a third of each compile; the HLO, its buffers,
 # FLOPs and collectives (what the tests read) are fixed before it (`aot.ANALYSIS_OPTIONS` says the same for
-# the plan). The commands the tests start inherit it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
+# the plan). And XLA:CPU's older fusion code generator where this XLA has it (`aot.LEGACY_CPU_FUSION`, jax 0.10:
+# the whole suite in 9 min 49 s where it took 14 min 53 s, every test passing both ways), as the plan compiles
+# what it reads. The commands the tests start inherit both.
+LEGACY_CPU_FUSION = "--xla_cpu_use_fusion_emitters=false"
+FLAGS_VARIABLE = "JAXSEQ_TESTS_XLA_FLAGS"  # the flags the first pytest process chose: xdist workers inherit them
+
+
+def xla_knows(flag: str) -> bool:
+    """Whether this XLA takes `flag` in XLA_FLAGS (it aborts the process on one it does not know)."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+    return probe.returncode == 0
+
+
+if FLAGS_VARIABLE not in os.environ:
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ[FLAGS_VARIABLE] = flags + (" " + LEGACY_CPU_FUSION if xla_knows(LEGACY_CPU_FUSION) else "")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + os.environ[FLAGS_VARIABLE]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -1,0 +1,57 @@
+"""What a plan compiles with (`aot.analysis_options`): the options change how fast XLA:CPU compiles, never what the
+plan reads of the program."""
+
+import jax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.parallel.layout import Layout
+from jaxseq.planning import hlo
+from jaxseq.training import aot
+from jaxseq.training import train_step as T
+
+FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}  # XLA:CPU's default, where the option exists
+
+
+def _layer_program(devices):
+    """A bf16 GPT layer's loss and gradients at t = 2 + SP under selective (2 layers: the layer loop stays)."""
+    cfg = replace(preset("tiny"), dtype="bfloat16", layers=2)
+    parallel = ParallelConfig(data=1, tensor=2, sequence_parallel=True)
+    layout = Layout(cfg, parallel, make_mesh(parallel, devices[:2]))
+    params, batch = aot.abstract_inputs(layout, 2)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(layout.mesh, P()))
+    return T.make_loss_and_grad(layout, "selective").lower(params, batch, key)
+
+
+def _reading(compiled) -> tuple:
+    """What the plan reads of a layer program: stored bytes, dot FLOPs, the layer loops' collectives."""
+    text = compiled.as_text()
+    collectives = [(c.kind, c.elements, c.group_size) for backward in (False, True)
+                   for c in hlo.loop_collectives(text, 2, backward)]
+    return (hlo.stored_bytes_per_layer(text, 2), hlo.dot_flops(hlo.parse_hlo(text), hlo.entry_name(text)),
+            sorted(collectives))
+
+
+def test_the_older_cpu_fusion_generator_reads_the_same_layer(devices):
+    """Where this XLA has `aot.LEGACY_CPU_FUSION` (jax 0.10), the plan compiles with it: the program the plan reads
+    is the fusion emitters' in its stored bytes, dot FLOPs and collectives, and its temporaries within 1 KiB (the
+    single ops the emitters wrap in fusions of their own stay bare: their text has no `wrapped_` computation).
+    Where it has not (jax 0.12), XLA refuses the option and the plan compiles with `ANALYSIS_OPTIONS` alone."""
+    lowered = _layer_program(devices)
+    options = aot.analysis_options()
+    if "xla_cpu_use_fusion_emitters" not in options:
+        assert options == aot.ANALYSIS_OPTIONS
+        with pytest.raises(jax.errors.JaxRuntimeError, match="xla_cpu_use_fusion_emitters"):
+            lowered.compile(compiler_options={**aot.ANALYSIS_OPTIONS, **aot.LEGACY_CPU_FUSION})
+        return
+    assert options == {**aot.ANALYSIS_OPTIONS, **aot.LEGACY_CPU_FUSION}
+    legacy = aot.compile_for_analysis(lowered)
+    emitters = lowered.compile(compiler_options={**options, **FUSION_EMITTERS})
+    assert "wrapped_" in emitters.as_text() and "wrapped_" not in legacy.as_text()  # each option took effect
+    assert _reading(legacy) == _reading(emitters)
+    stored, flops, collectives = _reading(legacy)
+    assert stored > 0 and flops > 0 and {kind for kind, _, _ in collectives} >= {"all-gather", "reduce-scatter"}
+    temp = (legacy.memory_analysis().temp_size_in_bytes, emitters.memory_analysis().temp_size_in_bytes)
+    assert abs(temp[0] - temp[1]) <= 1024, temp
