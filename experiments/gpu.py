@@ -11,7 +11,9 @@ full): the median step time, tokens/s, model TFLOP/s per device and MFU against 
 (jaxseq/hardware.py), each policy's step time relative to `none` (the paper's Table 4, measured), and the
 peak device memory (`memory_stats()["peak_bytes_in_use"]`) beside `jaxseq.plan`'s prediction of the same
 configuration (its programs compiled on these GPUs) and beside `plan --target`'s (the whole step compiled for the
-GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline); and for
+GPU's target description, as on a machine without one: experiments/gpu_target.py compares it offline), and where
+each step's time goes on the first device (a trace of 2 more steps: matmuls, cuDNN attention, collectives, the
+other fusions, busy and idle; `device_time`); and for
 `none` and `full`, the largest micro-batch `plan --target` says fits, run and measured (recompute buys batch).
 Then: whether the compiled step calls cuDNN's fused attention (a `__cudnn$fmha…` custom call
 in its optimized HLO); bf16 against float32 losses over the same steps on the default corpus (real text; same init
@@ -53,6 +55,7 @@ POLICIES = ("none", "selective", "lean", "full")
 PARITY_TOLERANCE = 0.02  # |loss_bf16 − loss_f32| / loss_f32 per step: bf16 rounds to 2⁻⁸ ≈ 0.4% per op
 CHILD_TIMEOUT_S = 1200  # one configuration: a compile and a few steps; a hang is reported, not waited for
 CUDNN_FMHA = "__cudnn$fmha"  # prefix of cuDNN fused attention's custom-call targets (jax/_src/cudnn)
+PROFILE_STEPS = 2  # traced after each model row's timed steps: where its time goes (`device_time`)
 
 
 def models(gpu: bool) -> dict:
@@ -114,12 +117,81 @@ def measure(spec: dict, devices) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss)
     text = compiled.as_text()
-    return {
+    result = {
         "step_s": times, "median_step_s": statistics.median(times), "losses": losses, "compile_s": compile_s,
         "peak_bytes_in_use": peak_bytes_in_use(devices),
         "custom_calls": custom_calls(text),
         "platform": devices[0].platform, "device_kind": devices[0].device_kind,
     }
+    if spec.get("profile_steps"):  # after the peak is read: a failed trace is a finding, not a lost row
+        try:
+            result["device_time"] = device_time(compiled, state, batch, key, spec["profile_steps"])
+        except Exception as e:
+            result["device_time"] = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+KERNEL_NAME_KINDS = (("attention", ("fmha", "flash", "cudnn")), ("collective", ("nccl",)),
+                     ("matmul", ("gemm", "cutlass", "xmma", "cublas")))  # a kernel that names no HLO op
+
+
+def device_time(compiled, state, batch, key, steps: int) -> dict:
+    """Where a step's time goes on the first device: a `jax.profiler` trace of `steps` more steps (`trace_summary`)."""
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, out = compiled(state, batch, key)
+            jax.block_until_ready(out)
+            wall = time.perf_counter() - start
+        data = jax.profiler.ProfileData.from_file(glob.glob(directory + "/**/*.xplane.pb", recursive=True)[0])
+    return trace_summary(data, compiled.as_text(), steps, wall)
+
+
+def trace_summary(data, hlo_text: str, steps: int, wall_s: float) -> dict:
+    """A trace's ops of the first device, in ms per step: by what each does (`hlo.op_kinds`: matmul, cuDNN
+    attention, collective, convert, copy/transpose, other; a kernel that names no HLO op by its own name), the
+    time the device was busy (their intervals merged over its streams) and the wall time. On a GPU the device's
+    own plane; on CPU (the dry run) the host threads' ops of device 0, whose busy time says nothing of a GPU."""
+    from jaxseq.planning import hlo
+
+    module = re.match(r"HloModule (\S+?),", hlo_text).group(1)
+    kinds = hlo.op_kinds(hlo_text)
+    gpu = data.find_plane_with_name("/device:GPU:0")
+    plane = gpu if gpu is not None else data.find_plane_with_name("/host:CPU")
+    ms, top, intervals = {}, {}, []
+    for line in plane.lines:
+        for e in line.events:
+            stats = dict(e.stats)
+            other_program = not str(stats.get("hlo_module", module)).startswith(module)
+            if other_program or (gpu is None and stats.get("device_ordinal") != 0):
+                continue
+            op = stats.get("hlo_op") or (e.name if gpu is not None else None)  # a CPU's other events are Python's
+            kind = _kind(kinds, op, e.name) if op is not None else None
+            if kind is None:  # a container (while, conditional): its ops are counted themselves
+                continue
+            ms[kind] = ms.get(kind, 0.0) + e.duration_ns / 1e6 / steps
+            top[op] = top.get(op, 0.0) + e.duration_ns / 1e6 / steps
+            intervals.append((e.start_ns, e.start_ns + e.duration_ns))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):  # the union of the ops' intervals
+        busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+    return {"source": f"jax.profiler trace of {steps} steps, {plane.name}", "wall_ms_per_step": 1e3 * wall_s / steps,
+            "busy_ms_per_step": busy / 1e6 / steps, "ms_per_step_by_kind": dict(sorted(ms.items(), key=lambda x: -x[1])),
+            "top_ops_ms_per_step": dict(sorted(top.items(), key=lambda x: -x[1])[:12]),
+            "lines": {line.name: sum(1 for _ in line.events) for line in plane.lines}}
+
+
+def _kind(kinds: dict, op: str, kernel: str) -> str | None:
+    """An op's kind (`hlo.op_kinds`); a kernel that names no HLO op of the program, by its own name."""
+    if op in kinds:
+        return kinds[op]
+    return next((kind for kind, words in KERNEL_NAME_KINDS if any(w in kernel.lower() for w in words)), "other")
 
 
 def peak_bytes_in_use(devices) -> int | None:
@@ -323,7 +395,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
                 row["skipped"] = f"the plan predicts {predicted / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB per device"
             else:
                 print(f"{name}: {policy} …", flush=True)
-                spec = {**base_spec, "model": dataclasses.asdict(cfg), "parallel": parallel, "remat": policy}
+                spec = {**base_spec, "model": dataclasses.asdict(cfg), "parallel": parallel, "remat": policy,
+                        "profile_steps": PROFILE_STEPS}
                 row.update(run_spec(spec, devices, isolate))
                 if "median_step_s" in row:
                     row.update(throughput(cfg, policy, micro_batch, 1, row["median_step_s"], n, peak))
@@ -555,6 +628,7 @@ def table(result: dict) -> str:
                          f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
                          f"{num(r['measured_over_predicted_peak'], '.3f')} | {mib(r.get('target_peak_bytes'))} | "
                          f"{num(r.get('measured_over_target_peak'), '.3f')} |")
+        lines += device_time_table(m["policies"])
         for policy, r in m.get("largest_micro_batch", {}).items():
             lines.append(f"\n{policy} at its largest micro-batch: " + (
                 r.get("skipped") or r.get("error") or
@@ -590,6 +664,29 @@ def table(result: dict) -> str:
                           "step times; measured bubble = (step − busy ticks × tick) / (busy ticks × tick)"
                           + ("" if pl["tick_s"] > 0 else " (n/a: the fitted tick is not positive)") + "."]
     return "\n".join(lines) + "\n"
+
+
+DEVICE_TIME_KINDS = ("matmul", "attention", "collective", "other", "convert", "copy/transpose")
+
+
+def device_time_table(rows: dict) -> list[str]:
+    """Each policy's `device_time` as Markdown lines: ms per step by kind, busy and idle (wall − busy)."""
+    timed = {p: r["device_time"] for p, r in rows.items() if "device_time" in r}
+    if not timed:
+        return []
+    source = next((t["source"] for t in timed.values() if "source" in t), "")
+    lines = ["", f"Where a step's time goes, ms per step ({source}; the trace's own overhead included):", "",
+             "| remat | wall | busy | idle | " + " | ".join(DEVICE_TIME_KINDS) + " |",
+             "| --- " * (4 + len(DEVICE_TIME_KINDS)) + "|"]
+    for policy, t in timed.items():
+        if "error" in t:
+            lines.append(f"| {policy} | {t['error']} |" + " |" * (2 + len(DEVICE_TIME_KINDS)))
+            continue
+        kinds = t["ms_per_step_by_kind"]
+        lines.append(f"| {policy} | {t['wall_ms_per_step']:.2f} | {t['busy_ms_per_step']:.2f} | "
+                     f"{t['wall_ms_per_step'] - t['busy_ms_per_step']:.2f} | "
+                     + " | ".join(f"{kinds.get(k, 0.0):.2f}" for k in DEVICE_TIME_KINDS) + " |")
+    return lines
 
 
 def shape_table(section: dict | None, title: str, key: str) -> list[str]:

@@ -169,31 +169,11 @@ def _tags(hlo_text: str) -> dict[str, str]:
             for name, _, body, line in _ops_and_bodies(hlo_text)}
 
 
-def _categorise(hlo_text: str):
-    """HLO op name → category, from the optimized HLO of the profiled executable."""
-    kinds = {}
-    for name, opcode, body, _ in _ops_and_bodies(hlo_text):
-        inner = set(re.findall(r" ([a-z][a-z0-9\-]*)\(", body)) - {"parameter", "bitcast", "constant"}
-        if opcode.removesuffix("-start") in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-                                             "all-to-all"):
-            kind = "collective"
-        elif opcode in ("while", "call", "conditional"):
-            kind = None  # containers: their ops are counted themselves
-        elif opcode == "dot" or "dot" in inner:
-            kind = "matmul"
-        elif (opcode == "convert" or inner == {"convert"}) and opcode != "copy":
-            kind = "convert"
-        elif opcode in ("copy", "transpose") or (inner and inner <= {"copy", "transpose", "convert", "broadcast"}):
-            kind = "copy/transpose"
-        else:
-            kind = "other"
-        kinds[name] = kind
-    return kinds
-
-
 def profile_step(compiled, state, batch, key, steps: int) -> dict:
     """Back-to-back steps: wall time per step, and each op category's share of thread time in a trace."""
     import jax
+
+    from jaxseq.planning import hlo
 
     for _ in range(2):
         state, out = compiled(state, batch, key)
@@ -204,7 +184,7 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
     jax.block_until_ready(out)
     alone = (time.perf_counter() - start) / steps
     alone_cpu = (time.process_time() - cpu) / steps
-    kinds, tags = _categorise(compiled.as_text()), _tags(compiled.as_text())
+    kinds, tags = hlo.op_kinds(compiled.as_text()), _tags(compiled.as_text())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(3):

@@ -5,6 +5,7 @@ import importlib.util
 import math
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,6 +30,42 @@ def test_custom_calls_and_the_cudnn_verdict():
     assert gpu.cudnn_verdict(False, {})["used"] is None
 
 
+class _Plane:  # the parts of jax.profiler.ProfileData that gpu.trace_summary reads
+    def __init__(self, name, lines):
+        self.name, self.lines = name, [SimpleNamespace(name=n, events=events) for n, events in lines.items()]
+
+
+def _event(name, start_ns, duration_ns, **stats):
+    return SimpleNamespace(name=name, start_ns=start_ns, duration_ns=duration_ns, stats=list(stats.items()))
+
+
+def test_a_gpu_trace_is_summed_by_what_each_kernel_does():
+    """gpu.trace_summary on a GPU's plane (a stand-in: no GPU here): kernels that name their HLO op take its kind
+    (`hlo.op_kinds`), others their own name's (cuBLAS, NCCL); another program's kernels are left out; busy time
+    merges the streams' overlapping intervals; ms per step over the traced steps."""
+    text = ("HloModule jit_step, is_scheduled=true\n\n"
+            "%fused_dot (p0: bf16[4,4], p1: bf16[4,4]) -> bf16[4,4] {\n"
+            "  %p0 = bf16[4,4]{1,0} parameter(0)\n  %p1 = bf16[4,4]{1,0} parameter(1)\n"
+            "  ROOT %d = bf16[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n\n"
+            "ENTRY %main (x: bf16[4,4]) -> bf16[4,4] {\n  %x = bf16[4,4]{1,0} parameter(0)\n"
+            "  %gemm_fusion.1 = bf16[4,4]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused_dot\n"
+            '  %fmha.2 = (bf16[4,4], u8[0]) custom-call(%x, %x, %x), custom_call_target="__cudnn$fmhaSoftmax"\n'
+            "  ROOT %add.3 = bf16[4,4]{1,0} add(%x, %x)\n}\n")
+    streams = {"Stream #1(Compute)": [_event("gemm_fusion_1", 0, 4000, hlo_op="gemm_fusion.1", hlo_module="jit_step"),
+                                      _event("cudnn_kernel", 5000, 3000, hlo_op="fmha.2", hlo_module="jit_step"),
+                                      _event("loop_add", 9000, 1000, hlo_op="add.3", hlo_module="jit_step"),
+                                      _event("sm90_xmma_gemm_bf16", 10000, 2000),
+                                      _event("other_program", 20000, 9000, hlo_op="add.1", hlo_module="jit_init")],
+               "Stream #2(Comm)": [_event("ncclDevKernel_AllReduce_Sum_bf16", 11000, 3000)]}
+    data = SimpleNamespace(find_plane_with_name=lambda name: _Plane(name, streams) if name == "/device:GPU:0" else None)
+    t = gpu.trace_summary(data, text, steps=2, wall_s=0.000016)
+    assert t["ms_per_step_by_kind"] == pytest.approx({"matmul": 0.003, "attention": 0.0015, "other": 0.0005,
+                                                      "collective": 0.0015})
+    assert t["busy_ms_per_step"] == pytest.approx(0.012 / 2)  # [0, 4) [5, 8) [9, 14) µs: the two streams overlap
+    assert t["wall_ms_per_step"] == pytest.approx(0.008) and t["source"].endswith("/device:GPU:0")
+    assert t["lines"] == {"Stream #1(Compute)": 5, "Stream #2(Comm)": 1} and "add.1" not in t["top_ops_ms_per_step"]
+
+
 @pytest.fixture(scope="module")
 def dry():
     before = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
@@ -38,7 +75,7 @@ def dry():
     return result, before, after
 
 
-@pytest.mark.slow  # the plan's compiles for 2 policies, 7 train steps (2 policies, parity, the sweep, 2 context) and 3 pipelined
+@pytest.mark.slow  # the plan's compiles for 2 policies, 7 train steps (2 policies, traced, parity, the sweep, 2 context) and 3 pipelined
 def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     result, before, after = dry
     assert before == after, "the dry run wrote under experiments/results without --out"
@@ -57,6 +94,11 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
         assert r["peak_bytes_in_use"] is None and r["measured_over_predicted_peak"] is None  # no count on CPU
         assert r["step_time_vs_none"] == pytest.approx(r["median_step_s"] / rows["none"]["median_step_s"])
+        # Where its time goes: device 0's ops in a trace of 2 more steps, by kind (tensor = 2 + SP: collectives).
+        t = r["device_time"]
+        kinds = t["ms_per_step_by_kind"]
+        assert 0 < t["busy_ms_per_step"] <= t["wall_ms_per_step"], t
+        assert t["busy_ms_per_step"] <= sum(kinds.values()) + 1e-9 and kinds["matmul"] > 0 and kinds["collective"] > 0
         # The plan's prediction beside it: its parts add up to the total it predicts.
         plan = r["plan"]
         assert r["predicted_peak_bytes"] == plan["total_bytes"] > 0
@@ -103,6 +145,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
 
     text = gpu.table(result)
     assert text.startswith("# jaxseq on 2 × cpu") and "DRY RUN" in text and "not applicable on CPU" in text
+    assert "Where a step's time goes, ms per step (jax.profiler trace of 2 steps, /host:CPU" in text
     json_path, md_path = gpu.write(result, tmp_path)
     assert json_path.name.startswith("gpu_cpu_") and json_path.suffix == ".json" and md_path.read_text() == text
 

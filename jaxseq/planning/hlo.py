@@ -436,6 +436,39 @@ def dots(hlo_text: str) -> list[Dot]:
     return out
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+CUDNN_ATTENTION = "__cudnn$fmha"  # the prefix of cuDNN's fused attention custom calls (jax/_src/cudnn)
+CUBLAS = "__cublas$"  # cuBLAS's GEMM custom calls (__cublas$gemm, __cublas$lt$matmul)
+
+
+def op_kinds(hlo_text: str) -> dict[str, str | None]:
+    """HLO op name → what its kernel does, for a profile's time per kind: "matmul" (a dot, a fusion holding one,
+    cuBLAS's custom call), "attention" (cuDNN's fused attention), "collective", "convert", "copy/transpose", or
+    "other" (the elementwise fusions); None for a container (while, call, conditional), whose ops are counted
+    themselves."""
+    comps = parse_hlo(hlo_text)
+    kinds = {}
+    for instrs in comps.values():
+        for ins in instrs:
+            inner = {i.opcode for i in comps.get(ins.attr("calls") or "", [])} - {"parameter", "bitcast", "constant"}
+            target = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
+            if ins.opcode in ("while", "call", "conditional"):
+                kinds[ins.name] = None
+            elif ins.opcode.removesuffix("-start") in COLLECTIVES:
+                kinds[ins.name] = "collective"
+            elif target and target.group(1).startswith(CUDNN_ATTENTION):
+                kinds[ins.name] = "attention"
+            elif ins.opcode == "dot" or "dot" in inner or (target and target.group(1).startswith(CUBLAS)):
+                kinds[ins.name] = "matmul"
+            elif (ins.opcode == "convert" or inner == {"convert"}) and ins.opcode != "copy":
+                kinds[ins.name] = "convert"
+            elif ins.opcode in ("copy", "transpose") or (inner and inner <= {"copy", "transpose", "convert", "broadcast"}):
+                kinds[ins.name] = "copy/transpose"
+            else:
+                kinds[ins.name] = "other"
+    return kinds
+
+
 def while_loop(comps: dict[str, list[Instr]], trip_count: int) -> Instr:
     """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop); ValueError otherwise."""
     loops = [ins for instrs in comps.values() for ins in instrs
