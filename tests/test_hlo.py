@@ -1,6 +1,7 @@
 """planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
-form XLA prints them, a loop found by its trip count, how often each computation runs, and the dot FLOPs a
-program runs with loops counted × their trip count and a conditional at its dearest branch."""
+form XLA prints them, a loop found by its trip count, how often each computation runs, the dot FLOPs a
+program runs with loops counted × their trip count and a conditional at its dearest branch, and the bytes its
+kernels move."""
 
 import pytest
 
@@ -103,3 +104,69 @@ def test_an_asynchronous_gpu_collective_is_read_by_its_results():
     (instrs,) = HLO.parse_hlo(text).values()
     assert [i.results() for i in instrs] == [
         [("bf16", (64, 64))], [("bf16", (1, 32, 64))], [("bf16", (64, 64)), ("bf16", (64, 64))], [("f32", (64,))]]
+
+
+STACKING = """HloModule stacking
+
+%store (stack: bf16[3,4,8], x: bf16[4,8], i: s32[]) -> bf16[3,4,8] {
+  %stack = bf16[3,4,8]{2,1,0} parameter(0)
+  %x = bf16[4,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %row = bf16[1,4,8]{2,1,0} reshape(%x)
+  ROOT %dus = bf16[3,4,8]{2,1,0} dynamic-update-slice(%stack, %row, %i, %zero, %zero)
+}
+
+%load (stack: bf16[3,4,8], i: s32[]) -> bf16[4,8] {
+  %stack = bf16[3,4,8]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %slice = bf16[1,4,8]{2,1,0} dynamic-slice(%stack, %i, %zero, %zero), dynamic_slice_sizes={1,4,8}
+  ROOT %row = bf16[4,8]{1,0} reshape(%slice)
+}
+
+%zeros () -> bf16[3,4,8] {
+  %c = bf16[] constant(0)
+  ROOT %b = bf16[3,4,8]{2,1,0} broadcast(%c), dimensions={}
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], bf16[3,4,8], bf16[4,8])) -> (s32[], bf16[3,4,8], bf16[4,8]) {
+  %p = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = bf16[3,4,8]{2,1,0} get-tuple-element(%p), index=1
+  %x = bf16[4,8]{1,0} get-tuple-element(%p), index=2
+  %stored = bf16[3,4,8]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%store
+  %back = bf16[4,8]{1,0} fusion(%stored, %i), kind=kLoop, calls=%load
+  ROOT %t = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) tuple(%i, %stored, %back)
+}
+
+ENTRY %main (x: bf16[4,8]) -> f32[] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %i = s32[] constant(0)
+  %stack = bf16[3,4,8]{2,1,0} fusion(), kind=kLoop, calls=%zeros
+  %init = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) tuple(%i, %stack, %x)
+  %loop = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) while(%init), body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=2
+  %wide = f32[4,8]{1,0} convert(%out)
+  %zero = f32[] constant(0)
+  ROOT %total = f32[] reduce(%wide, %zero), dimensions={0,1}, to_apply=%sum
+}
+"""
+ROW = 2 * 4 * 8  # one bf16 [4, 8] row: what a layer stores
+
+
+def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
+    """A loop that stores a row into a stacked buffer (dynamic-update-slice in place: reads the row and the 4-byte
+    index, writes the row) and loads one (dynamic-slice: the same) moves 4 rows and 2 indices a trip, 3 trips;
+    filling the stack with zeros writes all of it (a broadcast: "copy/transpose" to `op_kinds`); a convert reads
+    bf16 and writes f32; a reduce reads f32 and its initial value and writes a scalar (its lambda is its own code,
+    no computation of the program's)."""
+    moved = HLO.kernel_bytes(STACKING)
+    assert moved == {"body": {"other": 3 * (4 * ROW + 2 * 4)},
+                     "main": {"copy/transpose": 3 * ROW, "convert": ROW + 2 * ROW, "other": 2 * ROW + 4 + 4}}

@@ -469,6 +469,59 @@ def op_kinds(hlo_text: str) -> dict[str, str | None]:
     return kinds
 
 
+_MOVES_NOTHING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+
+
+def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Computation → kind of op (`op_kinds`) → the bytes its ops read and write per call of the program (× the
+    computation's runs per call): what a GPU's memory moves for them, before caches. A fusion reads each of its
+    parameters whole, but one it only dynamic-slices (the slices) or only updates in place (operand 0 of a
+    dynamic-update-slice: nothing), and writes its result, but a dynamic-update-slice root (its update); another op
+    reads its operands and writes its results. Containers (while, call, conditional) move nothing themselves."""
+    comps, runs, kinds = parse_hlo(hlo_text), runs_per_call(hlo_text), op_kinds(hlo_text)
+    inside = {ins.attr("calls") if ins.opcode == "fusion" else ins.attr("to_apply")  # a kernel's own code (a
+              for instrs in comps.values() for ins in instrs if ins.opcode != "call"}    # reduction's lambda too)
+    out: dict[str, dict[str, int]] = {}
+    for comp, instrs in comps.items():
+        if comp in inside or comp not in runs:
+            continue
+        shapes = {ins.name: ins.results() for ins in instrs}
+        for ins in instrs:
+            kind = kinds.get(ins.name)
+            if kind is None or ins.opcode in _MOVES_NOTHING:
+                continue
+            if ins.opcode == "fusion":
+                moved = _fusion_bytes(comps[ins.attr("calls")])
+            else:
+                moved = (sum(array_bytes(*a) for name in ins.operands() for a in shapes.get(name, []))
+                         + sum(array_bytes(*a) for a in ins.results()))
+            per_kind = out.setdefault(comp, {})
+            per_kind[kind] = per_kind.get(kind, 0) + moved * runs[comp]
+    return out
+
+
+def _fusion_bytes(instrs: list[Instr]) -> int:
+    """The bytes a fusion reads and writes (`kernel_bytes`' rules), from its computation."""
+    by_name = {ins.name: ins for ins in instrs}
+    users: dict[str, list[Instr]] = {}
+    for ins in instrs:
+        for name in ins.operands():
+            users.setdefault(name, []).append(ins)
+    read = 0
+    for p in (ins for ins in instrs if ins.opcode == "parameter"):
+        uses = users.get(p.name, [])
+        first = [u for u in uses if u.operands()[0] == p.name]
+        if uses and len(first) == len(uses) and all(u.opcode == "dynamic-slice" for u in uses):
+            read += sum(array_bytes(*a) for u in uses for a in u.arrays())
+        elif not (uses and len(first) == len(uses) and all(u.opcode == "dynamic-update-slice" for u in uses)):
+            read += sum(array_bytes(*a) for a in p.arrays())
+    root = instrs[-1]
+    outputs = [by_name[name] for name in root.operands()] if root.opcode == "tuple" else [root]
+    written = sum(array_bytes(*a) for o in outputs
+                  for a in (by_name[o.operands()[1]].arrays() if o.opcode == "dynamic-update-slice" else o.arrays()))
+    return read + written
+
+
 def while_loop(comps: dict[str, list[Instr]], trip_count: int) -> Instr:
     """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop); ValueError otherwise."""
     loops = [ins for instrs in comps.values() for ins in instrs
