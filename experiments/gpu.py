@@ -133,6 +133,10 @@ def measure(spec: dict, devices) -> dict:
 
 KERNEL_NAME_KINDS = (("attention", ("fmha", "flash", "cudnn")), ("collective", ("nccl",)),
                      ("matmul", ("gemm", "cutlass", "xmma", "cublas")))  # a kernel that names no HLO op
+# Lines a profiler's post-processing derives from the kernels' own (per HLO op, module, step): counted once, on the
+# streams' lines, where a device plane has them too.
+DERIVED_LINES = {"XLA Ops", "XLA Modules", "Steps", "Framework Ops", "Framework Name Scope", "Source code",
+                 "XLA TraceMe", "Launch Stats"}
 
 
 def device_time(compiled, state, batch, key, steps: int) -> dict:
@@ -165,7 +169,7 @@ def trace_summary(data, hlo_text: str, steps: int, wall_s: float) -> dict:
     gpu = data.find_plane_with_name("/device:GPU:0")
     plane = gpu if gpu is not None else data.find_plane_with_name("/host:CPU")
     ms, top, intervals = {}, {}, []
-    for line in plane.lines:
+    for line in (l for l in plane.lines if l.name not in DERIVED_LINES):
         for e in line.events:
             stats = dict(e.stats)
             other_program = not str(stats.get("hlo_module", module)).startswith(module)

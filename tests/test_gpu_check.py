@@ -41,8 +41,9 @@ def _event(name, start_ns, duration_ns, **stats):
 
 def test_a_gpu_trace_is_summed_by_what_each_kernel_does():
     """gpu.trace_summary on a GPU's plane (a stand-in: no GPU here): kernels that name their HLO op take its kind
-    (`hlo.op_kinds`), others their own name's (cuBLAS, NCCL); another program's kernels are left out; busy time
-    merges the streams' overlapping intervals; ms per step over the traced steps."""
+    (`hlo.op_kinds`), others their own name's (cuBLAS, NCCL); another program's kernels are left out, and so is a
+    line derived from the streams' (not counted twice); busy time merges the streams' overlapping intervals; ms per
+    step over the traced steps."""
     text = ("HloModule jit_step, is_scheduled=true\n\n"
             "%fused_dot (p0: bf16[4,4], p1: bf16[4,4]) -> bf16[4,4] {\n"
             "  %p0 = bf16[4,4]{1,0} parameter(0)\n  %p1 = bf16[4,4]{1,0} parameter(1)\n"
@@ -56,14 +57,16 @@ def test_a_gpu_trace_is_summed_by_what_each_kernel_does():
                                       _event("loop_add", 9000, 1000, hlo_op="add.3", hlo_module="jit_step"),
                                       _event("sm90_xmma_gemm_bf16", 10000, 2000),
                                       _event("other_program", 20000, 9000, hlo_op="add.1", hlo_module="jit_init")],
-               "Stream #2(Comm)": [_event("ncclDevKernel_AllReduce_Sum_bf16", 11000, 3000)]}
+               "Stream #2(Comm)": [_event("ncclDevKernel_AllReduce_Sum_bf16", 11000, 3000)],
+               "XLA Ops": [_event("gemm_fusion.1", 0, 4000, hlo_op="gemm_fusion.1", hlo_module="jit_step")]}
     data = SimpleNamespace(find_plane_with_name=lambda name: _Plane(name, streams) if name == "/device:GPU:0" else None)
     t = gpu.trace_summary(data, text, steps=2, wall_s=0.000016)
     assert t["ms_per_step_by_kind"] == pytest.approx({"matmul": 0.003, "attention": 0.0015, "other": 0.0005,
                                                       "collective": 0.0015})
     assert t["busy_ms_per_step"] == pytest.approx(0.012 / 2)  # [0, 4) [5, 8) [9, 14) µs: the two streams overlap
     assert t["wall_ms_per_step"] == pytest.approx(0.008) and t["source"].endswith("/device:GPU:0")
-    assert t["lines"] == {"Stream #1(Compute)": 5, "Stream #2(Comm)": 1} and "add.1" not in t["top_ops_ms_per_step"]
+    assert t["lines"] == {"Stream #1(Compute)": 5, "Stream #2(Comm)": 1, "XLA Ops": 1}
+    assert "add.1" not in t["top_ops_ms_per_step"]
 
 
 @pytest.fixture(scope="module")

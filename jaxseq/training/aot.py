@@ -29,7 +29,7 @@ ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
 # does not: the option is gone, and `analysis_options` leaves it out there). The fusion emitters it replaces wrap
 # single ops (broadcasts, scatters, reduce-windows) in fusions of their own and compile each through MLIR, which
 # is most of an analysis compile: `plan --preset gpt3-1.3b --tensor 1 --micro-batch-size 4 --attention fused`
-# takes 6.8 s where it took 21.2 s (2-core CPU, jax 0.10.2), with every number of its JSON the same but the
+# takes 6.6 s where it took 21.2 s (2-core CPU, jax 0.10.2), with every number of its JSON the same but the
 # working memory, 128 bytes more (those ops' buffers). The dots, loops, stored activations and collectives are
 # the same program's. XLA:GPU does not read it.
 LEGACY_CPU_FUSION = {"xla_cpu_use_fusion_emitters": False}
