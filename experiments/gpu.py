@@ -54,7 +54,6 @@ RESULTS = ROOT / "experiments" / "results"
 POLICIES = ("none", "selective", "lean", "full")
 PARITY_TOLERANCE = 0.02  # |loss_bf16 − loss_f32| / loss_f32 per step: bf16 rounds to 2⁻⁸ ≈ 0.4% per op
 CHILD_TIMEOUT_S = 1200  # one configuration: a compile and a few steps; a hang is reported, not waited for
-CUDNN_FMHA = "__cudnn$fmha"  # prefix of cuDNN fused attention's custom-call targets (jax/_src/cudnn)
 PROFILE_STEPS = 2  # traced after each model row's timed steps: where its time goes (`device_time`)
 
 
@@ -443,13 +442,15 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
 
 def cudnn_verdict(gpu: bool, rows: dict) -> dict:
     """Whether the compiled steps call cuDNN's fused attention, from their custom calls."""
+    from jaxseq.planning.hlo import CUDNN_ATTENTION
+
     if not gpu:
         return {"used": None, "note": "not applicable on CPU (explicit attention; cuDNN is absent)"}
     calls = {p: r.get("custom_calls") for p, r in rows.items() if r.get("custom_calls") is not None}
-    used = {p: sorted(t for t in c if t.startswith(CUDNN_FMHA)) for p, c in calls.items()}
+    used = {p: sorted(t for t in c if t.startswith(CUDNN_ATTENTION)) for p, c in calls.items()}
     ok = bool(used) and all(used.values())
     return {"used": ok, "fmha_targets": used,
-            "note": f"custom calls named {CUDNN_FMHA}… in each policy's optimized HLO" + (
+            "note": f"custom calls named {CUDNN_ATTENTION}… in each policy's optimized HLO" + (
                 "" if ok else "; where none: which implementation models/ops.causal_attention asks "
                               "jax.nn.dot_product_attention for (cfg.fused_kernel, set by config.on_platform)")}
 

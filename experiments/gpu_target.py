@@ -112,7 +112,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             loops = {ins.attr("body"): ins.trip_count() for instrs in comps.values() for ins in instrs
                      if ins.opcode == "while" and ins.trip_count() == cfg.layers}
             forward, backward = sorted(loops, key=lambda body: hlo.dot_flops(comps, body))  # the backward does more
-            calls = lambda body: sorted(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"',
+            calls = lambda body: sorted(re.findall(f'custom_call_target="({re.escape(hlo.CUDNN_ATTENTION)}[^"]*)"',
                                                    "\n".join(i.rest for i in comps[body])))
             c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             model = S.step_time(cfg, c, S.LayerCost(0, {}, 0, 0), state, HARDWARE[target], S.TimeModel())

@@ -3,14 +3,11 @@ plan reads of the program."""
 
 import jax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo
 from jaxseq.training import aot
-from jaxseq.training import train_step as T
 
 FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}  # XLA:CPU's default, where the option exists
 
@@ -19,10 +16,7 @@ def _layer_program(devices):
     """A bf16 GPT layer's loss and gradients at t = 2 + SP under selective (2 layers: the layer loop stays)."""
     cfg = replace(preset("tiny"), dtype="bfloat16", layers=2)
     parallel = ParallelConfig(data=1, tensor=2, sequence_parallel=True)
-    layout = Layout(cfg, parallel, make_mesh(parallel, devices[:2]))
-    params, batch = aot.abstract_inputs(layout, 2)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(layout.mesh, P()))
-    return T.make_loss_and_grad(layout, "selective").lower(params, batch, key)
+    return aot.lower_loss_and_grad(cfg, parallel, "selective", make_mesh(parallel, devices[:2]), 2)
 
 
 def _reading(compiled) -> tuple:

@@ -11,12 +11,13 @@ import pytest
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
 from jaxseq.planning import gpu_target as G
+from jaxseq.planning import hlo
 from jaxseq.training import aot
 
 pytest.importorskip("jax_cuda12_plugin", reason="the CUDA plugin: pip install -r requirements-gpu-target.txt")
 
 MEASURED = Path(__file__).resolve().parents[1] / "experiments" / "results" / "gpu_h100_2026-11-26"
-CUDNN_ATTENTION = "__cudnn$fmha"
+CUDNN_ATTENTION = hlo.CUDNN_ATTENTION
 
 
 @pytest.fixture(autouse=True)

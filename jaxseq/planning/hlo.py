@@ -436,7 +436,6 @@ def dots(hlo_text: str) -> list[Dot]:
     return out
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 CUDNN_ATTENTION = "__cudnn$fmha"  # the prefix of cuDNN's fused attention custom calls (jax/_src/cudnn)
 CUBLAS = "__cublas$"  # cuBLAS's GEMM custom calls (__cublas$gemm, __cublas$lt$matmul)
 

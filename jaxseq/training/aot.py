@@ -60,13 +60,18 @@ def abstract_inputs(layout: Layout, micro_batch: int):
     return params, {"inputs": tokens, "targets": tokens}
 
 
-def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
-    """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
-    accounted separately and it does not touch activations)."""
+def lower_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The forward + backward of one micro-batch, lowered for `mesh` on abstract inputs."""
     layout = Layout(cfg, parallel, mesh)
     params, batch = abstract_inputs(layout, micro_batch)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return compile_for_analysis(T.make_loss_and_grad(layout, remat).lower(params, batch, key))
+    return T.make_loss_and_grad(layout, remat).lower(params, batch, key)
+
+
+def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+    """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
+    accounted separately and it does not touch activations)."""
+    return compile_for_analysis(lower_loss_and_grad(cfg, parallel, remat, mesh, micro_batch))
 
 
 def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
