@@ -8,7 +8,8 @@ the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives withou
 Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
 iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
 measured step time; and the bytes its memory-bound kernels move (`hlo.kernel_bytes`: storing and re-reading
-activations included), with the step priced by them (`traffic_model`) against the same measured times.
+activations included), with the step priced on them (`search.program_step_time`, what `plan --search --target
+--verify` reports) against the same measured times.
 
 Peaks measured: `memory_stats()["peak_bytes_in_use"]` of each configuration alone in its process (experiments/gpu.py).
 """
@@ -99,6 +100,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
     from jaxseq.config import ParallelConfig
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import kernel_time as K
     from jaxseq.planning import search as S
     from jaxseq.planning.search_costs import SearchCosts
 
@@ -114,88 +116,76 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             forward, backward = sorted(loops, key=lambda body: hlo.dot_flops(comps, body))  # the backward does more
             calls = lambda body: sorted(re.findall(f'custom_call_target="({re.escape(hlo.CUDNN_ATTENTION)}[^"]*)"',
                                                    "\n".join(i.rest for i in comps[body])))
-            c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
-            model = S.step_time(cfg, c, S.LayerCost(0, {}, 0, 0), state, HARDWARE[target], S.TimeModel())
             kernel_bytes = hlo.kernel_bytes(text)  # the bytes the memory-bound kernels move: in each layer loop, outside
-            moved = {place: sum(b for kind, b in kernel_bytes.get(body, {}).items() if kind in NON_GEMM)
+            memory_bound = hlo.MEMORY_BOUND_KINDS
+            moved = {place: sum(b for kind, b in kernel_bytes.get(body, {}).items() if kind in memory_bound)
                      for place, body in (("forward", forward), ("backward", backward))}
             moved["outside"] = sum(b for body, kinds in kernel_bytes.items() if body not in loops
-                                   for kind, b in kinds.items() if kind in NON_GEMM)
+                                   for kind, b in kinds.items() if kind in memory_bound)
+            stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch, target)
+            hw, tm, layer = HARDWARE[target], S.TimeModel(), S.LayerCost(stored, {}, 0, 0)
+            c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
+            # the measured program ran cuDNN's attention forward again in the backward under every policy
+            replayed = 0.0 if policy == "full" else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0]
+            model = S.step_time(cfg, c, layer, state, hw, tm)
+            on_program = S.program_step_time(cfg, c, layer, state, hw, tm, sum(moved.values()))
             rows.append({
                 "model": name, "remat": policy,
                 "dot_tflop": hlo.dot_flops(comps, hlo.entry_name(text)) / 1e12,
                 "forward_layer_dot_tflop": hlo.dot_flops(comps, forward) / 1e12,
                 "backward_layer_dot_tflop": hlo.dot_flops(comps, backward) / 1e12,
                 "forward_loop_cudnn": calls(forward), "backward_loop_cudnn": calls(backward),
-                "stored_bytes_per_layer": gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch,
-                                                                          target),
-                "model_step_s": model.total_s, "model_optimizer_s": model.optimizer_s,
-                "non_gemm_bytes": moved, "traffic_model_step_s": traffic_model(cfg, micro_batch, policy, moved, target),
+                "stored_bytes_per_layer": stored, "replayed_attention_s": replayed,
+                "model_step_s": model.total_s + replayed, "model_optimizer_s": model.optimizer_s,
+                "non_gemm_bytes": moved, "program_step_s": on_program.total_s + replayed,
                 "measured_step_s": runs[policy]["median_step_s"]})
     return rows
-
-
-NON_GEMM = ("other", "convert", "copy/transpose")  # hlo.op_kinds: the kernels neither GEMMs, attention nor collectives
-
-
-def traffic_model(cfg, micro_batch: int, policy: str, moved: dict, target: str) -> float:
-    """The step's time with its memory-bound kernels priced by what XLA:GPU's program moves: every GEMM as the search
-    prices it (kernel_time: waves of tiles, the roofline; cuDNN's attention as its two GEMMs and their gradients,
-    replayed under `full`) + one more attention forward per layer under the other policies (the measured program
-    replayed it: models/cudnn_attention.py came after) + the bytes of the compiled step's other kernels (`moved`:
-    the optimizer's included) at the time model's fraction of HBM bandwidth; instead of the search's elementwise
-    formula and optimizer term."""
-    from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import kernel_time as K
-    from jaxseq.planning.search import TimeModel
-
-    hw, tm = HARDWARE[target], TimeModel()
-    seconds = lambda g: K.gemm_seconds(g, hw, cfg.itemsize, tm.compute_efficiency, tm.memory_efficiency)
-    forward = K.forward_gemms(cfg, micro_batch, 1)
-    gemms = cfg.layers * sum(map(seconds, K.layer_gemms(cfg, micro_batch, 1, policy))) + sum(
-        map(seconds, K.head_gemms(cfg, micro_batch, 1)))
-    replayed_attention = 0.0 if policy == "full" else cfg.layers * (seconds(forward["scores"]) + seconds(forward["context"]))
-    return gemms + replayed_attention + sum(moved.values()) / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
 
 def remat_table(rows: list[dict]) -> str:
     lines = ["## The remat policies in the GPU's program", "",
              "Dot FLOPs: every weight GEMM of the whole step (the attention core is cuDNN's custom call, not a dot), "
              "from the step compiled for the H100 (`hlo.dot_flops`: a loop body × its trip count). Stored: XLA:GPU's "
-             "layer program. Model: `plan --search`'s time model (compute + the optimizer step). Measured: the H100's "
-             "steps of 2026-11-26, whose program called cuDNN's attention as it is: its forward kernel ran again in "
-             "the backward loop under every policy; today's (jaxseq's VJP, models/cudnn_attention.py) runs it there "
-             "only under `full`, so `none`, `selective` and `lean` should now be faster by one attention forward per "
-             "layer, unmeasured.", "",
+             "layer program. Measured: the H100's steps of 2026-11-26, whose program called cuDNN's attention as it "
+             "is: its forward kernel ran again in the backward loop under every policy; today's (jaxseq's VJP, "
+             "models/cudnn_attention.py) runs it there only under `full`. Both predictions below add that kernel "
+             "(`fused_attention_seconds`' forward, per layer) to `none`, `selective` and `lean` to price the program "
+             "that was measured; without it they are today's.", "",
              "| model | remat | dot TFLOP | vs none | backward layer TFLOP | cuDNN in backward loop | stored MiB/layer "
-             "| model s | measured s | error |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| measured s |", "|---|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         none = next(x for x in rows if x["model"] == r["model"] and x["remat"] == "none")
         lines.append(f"| {r['model']} | {r['remat']} | {r['dot_tflop']:.2f} | {100 * (r['dot_tflop'] / none['dot_tflop'] - 1):+.1f}% "
                      f"| {r['backward_layer_dot_tflop']:.3f} | {', '.join(r['backward_loop_cudnn'])} | "
-                     f"{r['stored_bytes_per_layer'] / MIB:,.1f} | {r['model_step_s']:.4f} | {r['measured_step_s']:.4f} | "
-                     f"{100 * (r['model_step_s'] / r['measured_step_s'] - 1):+.1f}% |")
-    lines += ["", "## What the memory-bound kernels move, and the step priced by it", "",
-              "GB per step that the compiled step's kernels other than GEMMs, attention and collectives read and write "
-              "(`hlo.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and update only; loop "
-              "bodies × their trip count), in the forward layer loop, the backward one and outside them (the optimizer, "
-              "embedding, loss, the stacked buffers' zero fill). Traffic model: `traffic_model` (the search's GEMMs, the "
-              "measured program's replayed attention forward, these bytes at the time model's fraction of HBM "
-              "bandwidth), against the same measured steps.", "",
-              "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | traffic model s "
-              "| measured s | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                     f"{r['stored_bytes_per_layer'] / MIB:,.1f} | {r['measured_step_s']:.4f} |")
+    lines += ["", "## The step time: the search's model, and the step priced on the GPU's program", "",
+              "Memory-bound GB: what the compiled step's kernels other than GEMMs, attention and collectives read and "
+              "write (`hlo.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and update only; "
+              "loop bodies × their trip count), in the forward layer loop, the backward one and outside them (the "
+              "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search`'s time model "
+              "(`search.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, Megatron's elementwise "
+              "byte count, the stored bytes through the scan's stacks, the optimizer step), with this layer's stored "
+              "bytes, as `plan --search --target h100` ranks it. Program: the step priced on its compiled program "
+              "(`search.program_step_time`, the GPU s column of `plan --search --target h100 --verify`: the same GEMMs "
+              "and attention, these bytes at 0.88 of HBM bandwidth). Nothing is fitted to these runs.", "",
+              "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | model s | error "
+              "| program s | error | measured s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     gb = lambda r: sum(r["non_gemm_bytes"].values()) / 1e9
+    error = lambda r, key: f"{100 * (r[key] / r['measured_step_s'] - 1):+.1f}%"
     for r in rows:
         none = next(x for x in rows if x["model"] == r["model"] and x["remat"] == "none")
         m = r["non_gemm_bytes"]
         lines.append(f"| {r['model']} | {r['remat']} | {m['forward'] / 1e9:.1f} | {m['backward'] / 1e9:.1f} | "
-                     f"{m['outside'] / 1e9:.1f} | {gb(r):.1f} | {gb(r) - gb(none):+.1f} | {r['traffic_model_step_s']:.4f} | "
-                     f"{r['measured_step_s']:.4f} | {100 * (r['traffic_model_step_s'] / r['measured_step_s'] - 1):+.1f}% |")
+                     f"{m['outside'] / 1e9:.1f} | {gb(r):.1f} | {gb(r) - gb(none):+.1f} | {r['model_step_s']:.4f} | "
+                     f"{error(r, 'model_step_s')} | {r['program_step_s']:.4f} | {error(r, 'program_step_s')} | "
+                     f"{r['measured_step_s']:.4f} |")
     spread = lambda key: {m: max(e) - min(e) for m in dict.fromkeys(r["model"] for r in rows) for e in [
         [100 * (r[key] / r["measured_step_s"] - 1) for r in rows if r["model"] == m]]}
-    lines += ["", "Spread of the errors over the four policies (max − min, percentage points): the search's time model "
-              + ", ".join(f"{m} {v:.1f}" for m, v in spread("model_step_s").items()) + "; the traffic model "
-              + ", ".join(f"{m} {v:.1f}" for m, v in spread("traffic_model_step_s").items()) + "."]
+    worst = lambda key: max(abs(100 * (r[key] / r["measured_step_s"] - 1)) for r in rows)
+    lines += ["", f"Largest |error|: the model {worst('model_step_s'):.1f}%, the program {worst('program_step_s'):.1f}%. "
+              "Spread of the errors over the four policies (max − min, percentage points): the model "
+              + ", ".join(f"{m} {v:.1f}" for m, v in spread("model_step_s").items()) + "; the program "
+              + ", ".join(f"{m} {v:.1f}" for m, v in spread("program_step_s").items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -210,20 +210,20 @@ def _search(args) -> int:
     result = search.search(cfg, request, costs, args.preset, target=args.target)
     if verify:
         progress.note(f"compiling the best {verify} configurations' whole train steps for the {args.target}")
-        result = search.verify(result, verify, partial(target_step_bytes, cfg, args.target, progress))
+        result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
     print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
     return 0
 
 
-def target_step_bytes(cfg: ModelConfig, target: str, progress, c: search_space.Candidate) -> int:
+def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.Candidate) -> tuple[int, int]:
     """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
-    `gpu_target.step_parallel` sizes it): its peak bytes per device."""
+    `gpu_target.step_parallel` sizes it): its peak bytes per device and its memory-bound kernels' bytes."""
     parallel = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
                                         distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
                                         schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
                                         strategy=c.context_strategy, fsdp=c.fsdp)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
-    return gpu_target.step_bytes(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target)
+    return gpu_target.step_costs(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target)
 
 
 def _plan(args) -> int:

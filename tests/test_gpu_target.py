@@ -167,6 +167,19 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     cfg = replace(preset("tiny"), attention="fused")
     step = G.compile_step(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
     assert gpu["compiled_step_gib"] * 2**30 == aot.step_bytes(step)
+    # GPU s: the step priced on that program (its memory-bound kernels' bytes), its collectives as the model's
+    from dataclasses import fields
+
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning import search as S
+
+    c = S.Candidate(**{f.name: gpu[f.name] for f in fields(S.Candidate)})
+    if c.pipe > 1:
+        assert gpu["compiled_step_s"] is None
+    else:
+        t = gpu["time_s"]
+        compute = S.program_compute_seconds(cfg, c, HARDWARE["h100"], S.TimeModel(), hlo.memory_bound_bytes(step.as_text()))
+        assert gpu["compiled_step_s"] == pytest.approx(t["total"] - t["compute"] - t["optimizer_update"] + compute)
 
 
 def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():

@@ -92,6 +92,14 @@ def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
     return aot.step_bytes(compile_step(cfg, parallel, remat, micro_batch, microbatches, target))
 
 
+def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+               target: str) -> tuple[int, int]:
+    """`compile_step`'s peak bytes per device (as `step_bytes`) and what its memory-bound kernels move per step
+    (`hlo.memory_bound_bytes`): the program's own memory and the traffic its time is priced by."""
+    step = compile_step(cfg, parallel, remat, micro_batch, microbatches, target)
+    return aot.step_bytes(step), hlo.memory_bound_bytes(step.as_text())
+
+
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
                            target: str, run: ParallelConfig | None = None) -> int:
     """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline), with the

@@ -499,6 +499,15 @@ def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+MEMORY_BOUND_KINDS = ("other", "convert", "copy/transpose")  # `op_kinds` neither GEMMs, attention nor collectives
+
+
+def memory_bound_bytes(hlo_text: str) -> int:
+    """The bytes the program's memory-bound kernels (`MEMORY_BOUND_KINDS`) read and write per call (`kernel_bytes`)."""
+    return sum(moved for kinds in kernel_bytes(hlo_text).values() for kind, moved in kinds.items()
+               if kind in MEMORY_BOUND_KINDS)
+
+
 def _fusion_bytes(instrs: list[Instr]) -> int:
     """The bytes a fusion reads and writes (`kernel_bytes`' rules), from its computation."""
     by_name = {ins.name: ins for ins in instrs}

@@ -16,6 +16,11 @@ add: Megatron-LM's fused kernels) move bytes and do little arithmetic: their tim
 fraction of HBM bandwidth · bandwidth). The bytes are counted per kernel below (16-bit activations,
 1-byte dropout masks), forward, backward and the forward a remat policy replays.
 
+Fused attention (`--attention fused`: cuDNN's flash kernel on a GPU) is not two GEMMs through HBM: the scores stay on
+chip, the causal mask's upper half is skipped, and the backward recomputes the scores (5 GEMM-sized products to the
+forward's 2: FlashAttention-2's count). Its time is those FLOPs at the fraction of peak cuDNN's kernels reach on an
+H100 (stated below, not fitted), forward and backward apart; a policy that replays the attention replays the forward.
+
 Shapes per device for one micro-batch of b sequences (s tokens each, M = s·b), t-way tensor parallelism:
 the weight GEMMs take all M tokens (sequence parallelism all-gathers them first), attention's batched
 GEMMs run b·a/t heads of [s, d] × [d, s] and [s, s] × [s, d]. Each forward GEMM [m, k] × [k, n] has two
@@ -71,6 +76,14 @@ def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
 
 ATTENTION_CORE = ("scores", "context")  # QKᵀ and scores × V: inside a fused (flash) attention kernel
 
+# cuDNN's flash attention on an H100 SXM5, bf16, head width 128, 2k tokens: forward 617 and backward 465 TFLOP/s of
+# the 989 peak (Shah et al. 2024, "FlashAttention-3", Figs. 5 and 6, FLOPs counted as there: the forward's two
+# products, the backward 2.5× them). Stated, not fitted; used for every GPU and head width.
+FLASH_FORWARD_EFFICIENCY = 617 / 989
+FLASH_BACKWARD_EFFICIENCY = 465 / 989
+FLASH_BACKWARD_FLOPS = 2.5  # the backward's work / the forward's: QKᵀ again, dV, dP, dQ, dK against QKᵀ and P·V
+CAUSAL_FRACTION = 0.5  # of the s × s tiles a causal kernel computes (the masked half skipped)
+
 
 def replayed(cfg: ModelConfig, remat: str) -> tuple[str, ...]:
     """The forward GEMMs `remat` replays. With fused attention the scores never leave the kernel, which recomputes
@@ -87,6 +100,24 @@ def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
     forward = forward_gemms(cfg, b, t)
     replays = [forward[name] for name in replayed(cfg, remat)]
     return [*forward.values(), *(g for fwd in forward.values() for g in fwd.backward()), *replays]
+
+
+def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardware) -> tuple[float, float, float]:
+    """One layer's flash attention kernels on one device: (forward, backward, the forward the policy replays, 0.0
+    where it replays none). With explicit attention, all 0.0: its QKᵀ and scores × V are GEMMs (`layer_gemms`)."""
+    if cfg.attention != "fused":
+        return 0.0, 0.0, 0.0
+    shapes = forward_gemms(cfg, b, t)
+    flops = CAUSAL_FRACTION * sum(shapes[name].flops for name in ATTENTION_CORE)
+    forward = flops / (FLASH_FORWARD_EFFICIENCY * hw.peak_tflops * 1e12)
+    backward = FLASH_BACKWARD_FLOPS * flops / (FLASH_BACKWARD_EFFICIENCY * hw.peak_tflops * 1e12)
+    return forward, backward, forward if ATTENTION_CORE[0] in replayed(cfg, remat) else 0.0
+
+
+def gemm_kernels(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
+    """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where a fused kernel runs it."""
+    fused = cfg.attention == "fused"
+    return [g for g in layer_gemms(cfg, b, t, remat) if not (fused and g.name.split(".")[0] in ATTENTION_CORE)]
 
 
 def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
@@ -154,13 +185,33 @@ def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: 
     return embedding + final_norm + tokens * cfg.padded_vocab(t) / t * 3 * e
 
 
+def layer_matmul_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardware, compute_efficiency: float,
+                         memory_efficiency: float) -> float:
+    """One layer's GEMMs and fused attention kernels (forward, backward, the policy's replays) on one device."""
+    gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
+                for g in gemm_kernels(cfg, b, t, remat))
+    return gemms + sum(fused_attention_seconds(cfg, b, t, remat, hw))
+
+
+# jaxseq's layers run under `lax.scan`, whose saved activations live in buffers stacked over the layers: each is
+# zero-filled before the loop (1 write), each activation copied into its slot (read, write) and sliced out of it again
+# in the backward (read, write): 5 passes over the stored bytes that Megatron's kernel count has not. Seen in the
+# H100's program (`hlo.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its broadcast, dynamic-update-slice
+# and dynamic-slice fusions.
+STACK_PASSES = 5
+
+
+def stacked_activation_seconds(stored_bytes: float, hw: Hardware, memory_efficiency: float) -> float:
+    """One layer's stored activations (`stored_bytes`, per micro-batch) through the scan's stacked buffers."""
+    return STACK_PASSES * stored_bytes / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+
+
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
                   compute_efficiency: float, memory_efficiency: float) -> float:
-    """One layer's forward, backward and recompute on one device: its GEMMs + its elementwise kernels."""
-    gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
-                for g in layer_gemms(cfg, b, t, remat))
+    """One layer's forward, backward and recompute on one device: its GEMMs and attention + its elementwise kernels."""
     elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat)
-    return gemms + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+    return (layer_matmul_seconds(cfg, b, t, remat, hw, compute_efficiency, memory_efficiency)
+            + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
 
 WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a weight: W computes their .dw
@@ -169,12 +220,15 @@ WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a 
 def split_layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
                         compute_efficiency: float, memory_efficiency: float) -> tuple[float, float, float]:
     """`layer_seconds` as zero-bubble pipelining splits it (F, B, W): W the weight GEMMs' gradients (`.dw`), F the
-    forward GEMMs and a third of the elementwise kernels (they run forward and twice as much backward), B the rest
-    (the input gradients, the attention core's backward, the replays)."""
+    forward GEMMs (a fused attention's forward kernel in place of its two) and a third of the elementwise kernels
+    (they run forward and twice as much backward), B the rest (the input gradients, the attention core's backward,
+    the replays)."""
     seconds = lambda g: gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
     forward = forward_gemms(cfg, b, t)
     elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
-    f = sum(seconds(g) for g in forward.values()) + elementwise / 3
+    kernels = {g.name for g in gemm_kernels(cfg, b, t, remat)}
+    f = (sum(seconds(g) for g in forward.values() if g.name in kernels)
+         + fused_attention_seconds(cfg, b, t, remat, hw)[0] + elementwise / 3)
     w = sum(seconds(forward[name].backward()[1]) for name in WEIGHT_GEMMS)
     total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency)
     return f, total - f - w, w

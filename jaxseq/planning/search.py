@@ -337,15 +337,38 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
-def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
+def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, stored_bytes: float = 0.0) -> float:
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
-    shape's efficiency and the elementwise kernels at HBM bandwidth (`planning.kernel_time`); at context c a
-    rank does 1/c of it (s/c tokens; the causal attention balanced by the 2c-chunk order; the GEMMs' smaller
-    shapes' efficiency not modelled)."""
+    shape's efficiency, fused attention at its kernel's, and the elementwise kernels at HBM bandwidth
+    (`planning.kernel_time`); at context c a rank does 1/c of it (s/c tokens; the causal attention balanced by the
+    2c-chunk order; the GEMMs' smaller shapes' efficiency not modelled); + each layer's stored activations
+    (`stored_bytes`, at c already) through the scan's stacked buffers (`kernel_time.stacked_activation_seconds`)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
-    b, t, sp = c.micro_batch, c.tensor, c.sequence_parallel
-    return (cfg.layers // c.pipe * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies)
-            + K.head_seconds(cfg, b, t, sp, *efficiencies)) / c.context
+    b, t, sp, layers = c.micro_batch, c.tensor, c.sequence_parallel, cfg.layers // c.pipe
+    return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + K.head_seconds(cfg, b, t, sp, *efficiencies))
+            / c.context + layers * K.stacked_activation_seconds(stored_bytes, hw, tm.memory_efficiency))
+
+
+def program_compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, moved_bytes: float) -> float:
+    """A step's compute and optimizer update priced on its program compiled for the GPU, where there is no pipeline
+    (p = 1): the m micro-batches' GEMMs and fused attention as `compute_seconds` prices them, + `moved_bytes`, what
+    the program's other kernels read and write (`hlo.memory_bound_bytes`: elementwise, reductions, copies, the
+    scan's stacks, the optimizer), at the elementwise kernels' fraction of HBM bandwidth."""
+    if c.pipe != 1:
+        raise ValueError(f"a pipeline's program (p = {c.pipe}) is not priced by its kernels: its ticks are the model's")
+    efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
+    b, t = c.micro_batch, c.tensor
+    matmuls = (cfg.layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies)
+               + sum(K.gemm_seconds(g, hw, cfg.itemsize, *efficiencies[1:]) for g in K.head_gemms(cfg, b, t)))
+    return c.microbatches * matmuls / c.context + moved_bytes / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9)
+
+
+def program_step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware, tm: TimeModel,
+                      moved_bytes: float) -> Time:
+    """`step_time` with its compute and optimizer update priced on the step's GPU program (`program_compute_seconds`);
+    its collectives as `step_time` prices them."""
+    t = step_time(cfg, c, layer, state, hw, tm)
+    return replace(t, compute_s=program_compute_seconds(cfg, c, hw, tm, moved_bytes), optimizer_s=0.0)
 
 
 # HBM bytes of the optimizer step per fp32 master element a device updates: AdamW reads the weight, its gradient and
@@ -382,7 +405,7 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     layers = cfg.layers // c.pipe
     layer = at_context(cfg, c, layer)
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
-    compute = compute_seconds(cfg, c, hw, tm)
+    compute = compute_seconds(cfg, c, hw, tm, layer.stored_bytes if tm.scan_stacks else 0.0)
     kv = F.context_kv_bytes(cfg, c.micro_batch, c.tensor, c.context, c.context_strategy)["traffic"]
     context = layers * kv / bw["context"]
     tp = layers * (sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items())
@@ -421,6 +444,7 @@ class Evaluated:
     fits: bool
     layer_context: int = 1  # the context size its layer was compiled at (< c: scaled by `at_context`)
     compiled_bytes: int | None = None  # its whole train step's peak per device, compiled for the target (`verify`)
+    compiled_step_s: float | None = None  # its step time priced on that program (`program_step_time`; p = 1 only)
 
     @property
     def layer_source(self) -> str:
@@ -442,14 +466,21 @@ class Evaluated:
                            "fsdp_gather_scatter": t.fsdp_s},
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context,
-                "compiled_step_gib": None if self.compiled_bytes is None else self.compiled_bytes / GIB}
+                "compiled_step_gib": None if self.compiled_bytes is None else self.compiled_bytes / GIB,
+                "compiled_step_s": self.compiled_step_s}
 
 
-def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
+def costs_of(cfg: ModelConfig, c: Candidate, costs: Costs) -> tuple[LayerCost, StateCost]:
+    """Candidate c's layer (at its micro-batch) and its stage's state."""
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
     # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context, c.distributed_optimizer,
                         c.pipe, c.fsdp)
+    return layer, state
+
+
+def evaluate(cfg: ModelConfig, r: Request, c: Candidate, costs: Costs) -> Evaluated:
+    layer, state = costs_of(cfg, c, costs)
     mem = memory(cfg, c, layer, state)
     t = step_time(cfg, c, layer, state, r.hardware, r.time_model)
     tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
@@ -509,16 +540,24 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
 
 
-def verify(res: Result, count: int, step_bytes) -> Result:
+def verify(res: Result, count: int, step_costs, costs: Costs) -> Result:
     """The ranking's first `count` configurations held to their whole train step compiled for the target
-    (`step_bytes(candidate)`: the GPU program's peak per device, where the ranking added parts up: state + stored
-    × layers + working, 6–15% above it on the H100's measured configurations). One whose step does not fit the
-    budget leaves the ranking (`over_budget`) and the next is verified in its place, until `count` fit or the
-    ranking ends. A new Result: `res` is left as it was."""
+    (`step_costs(candidate)`: the GPU program's peak per device, where the ranking added parts up: state + stored
+    × layers + working, 6–15% above it on the H100's measured configurations; and what its memory-bound kernels
+    move, which prices its step time where there is no pipeline: `program_step_time`, within 4% of the H100's
+    measured steps). One whose step does not fit the budget leaves the ranking (`over_budget`) and the next is
+    verified in its place, until `count` fit or the ranking ends. A new Result: `res` is left as it was."""
     kept, over, verified = [], list(res.over_budget), 0
+    r = res.request
     for e in res.ranked:
         if verified < count:
-            e = replace(e, compiled_bytes=step_bytes(e.candidate))
+            compiled_bytes, moved = step_costs(e.candidate)
+            seconds = None
+            if e.candidate.pipe == 1:
+                layer, state = costs_of(res.config, e.candidate, costs)
+                seconds = program_step_time(res.config, e.candidate, layer, state, r.hardware, r.time_model,
+                                            moved).total_s
+            e = replace(e, compiled_bytes=compiled_bytes, compiled_step_s=seconds)
             if e.compiled_bytes > res.request.budget_bytes:
                 over.append(replace(e, fits=False))
                 continue
@@ -557,15 +596,19 @@ def format_result(res: Result, top: int = 10) -> str:
     fsdp = any(f > 1 for f in r.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
-    step_head = f"{'step GiB':>9}" if verified else ""
+    step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
+    stacks = " and the scan's stacked activations" if tm.scan_stacks else ""
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
         f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
         f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
         f"time model: each GEMM in waves of {K.TILE[0]}×{K.TILE[1]} tiles at {tm.compute_efficiency:g} of peak or at "
-        f"HBM speed if memory-bound, elementwise kernels at {tm.memory_efficiency:g} of HBM bandwidth, links at "
-        f"{tm.link_efficiency:g} of bandwidth, "
+        f"HBM speed if memory-bound, "
+        + (f"fused attention at cuDNN's {K.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and {K.FLASH_BACKWARD_EFFICIENCY:.2f} "
+           "(backward) of peak, " if cfg.attention == "fused" else "")
+        + f"elementwise kernels{stacks} at "
+        f"{tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
            "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
         + ("; pipeline ticks lock-step (each waits for its slowest stage's F, B or W: --lockstep)" if tm.lockstep
@@ -582,6 +625,7 @@ def format_result(res: Result, top: int = 10) -> str:
     for i, e in enumerate(res.ranked[:top]):
         c, t = e.candidate, e.time
         step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
+        step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
         lines.append(
             f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {'zb' if c.zero_bubble else c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
@@ -601,7 +645,9 @@ def format_result(res: Result, top: int = 10) -> str:
                   "the compiled c = 1 layer's scaled (\"scaled\": search.at_context)"]
     if verified:
         lines += [f"step GiB: the whole train step compiled for the {res.target} (its peak per device: argument + output "
-                  "+ temp − alias), where mem GiB adds the parts up; a configuration whose step does not fit left the "
+                  "+ temp − alias), where mem GiB adds the parts up; GPU s: its step time priced on that program "
+                  "(its GEMMs and attention as step s prices them, the bytes its other kernels move at HBM speed: "
+                  "search.program_step_time; - under a pipeline); a configuration whose step does not fit left the "
                   "ranking: " + ("; ".join(f"{e.candidate.label()} ({e.compiled_bytes / GIB:.1f} GiB)"
                                            for e in res.over_budget) or "none")]
     if fsdp:

@@ -45,6 +45,10 @@ class TimeModel:
     # layer's split kernel times: `Schedule.lockstep_bubble`). False: as Megatron's asynchronous stages run, the
     # schedule's idle/busy ticks (ZB-H1: Qi et al.'s formula), the model the calibration and the papers' rows use.
     lockstep: bool = False
+    # Each layer's stored activations priced through `lax.scan`'s stacked buffers (`kernel_time.STACK_PASSES`): jaxseq's
+    # program. False: Megatron-LM's, which keeps them where its kernels wrote them; the papers' rows measured it
+    # (experiments/autoconfig.py calibrates and compares with False).
+    scan_stacks: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
