@@ -83,6 +83,7 @@ class RematPolicy:
     stores: str  # what one layer keeps for backward
     recomputes: str  # what backward recomputes
     replays: tuple[str, ...] = ()  # the forward matmuls (MATMULS) backward runs again: its extra FLOPs
+    replays_norms: bool = False  # backward runs the LayerNorms and the MLP's activation forward again (no matmul)
 
 
 def _names(names) -> Callable:
@@ -124,20 +125,20 @@ POLICIES: dict[str, RematPolicy] = {
             "the layer input, the mid-layer residual, q/k/v, the context and the first MLP matmul output: "
             "sbh(4 + 16/t) with TP, 20·sbh/t with TP+SP",
             "LayerNorms, GELU, dropout masks (from the RNG key), QKᵀ, softmax and its dropout",
-            replays=("scores",),
+            replays=("scores",), replays_norms=True,
         ),
         RematPolicy(
             "dots",
             _dots_or_names(jax.checkpoint_policies.dots_saveable, (MATMUL,)),
             "every matmul output (JAX's dots_saveable), attention scores and context included",
-            "everything between matmuls: LayerNorms, GELU, softmax, dropout",
+            "everything between matmuls: LayerNorms, GELU, softmax, dropout", replays_norms=True,
         ),
         RematPolicy(
             "dots_no_batch",
             _dots_or_names(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, (MATMUL,)),
             "the outputs of the weight matmuls (q/k/v, projection, both MLP matmuls) — MaxText's 'minimal'",
             "the attention matmuls, softmax, LayerNorms, GELU, dropout",
-            replays=("scores", "context"),
+            replays=("scores", "context"), replays_norms=True,
         ),
     )
 }

@@ -171,9 +171,10 @@ def test_time_terms_are_the_hand_computation():
     layer, state = costs.layer(2, True, "full", 2), costs.state(replace(CFG, layers=2), 2, 4, True, 2)
     t = S.step_time(CFG, c, layer, state, NODE, tm)
     # compute: the last stage's 2 layers and the embedding/logits/loss per micro-batch (kernel_time, tested below),
-    # + each layer's stored 1 MB/t·b = 1 MB through the scan's stacks: 5 passes at 0.8 × 1000 GB/s
+    # + through the scan's stacks, at 0.8 × 1000 GB/s, each layer's stored 1 MB·b/t = 1 MB (5 passes) and its 5M
+    # parameters on the device (3 bf16 copies, each a read and a write)
     per_mb = (2 * K.layer_seconds(CFG, 2, 2, True, "full", NODE, 0.5, 0.8)
-              + K.head_seconds(CFG, 2, 2, True, NODE, 0.5, 0.8) + 2 * 5 * 1e6 / 800e9)
+              + K.head_seconds(CFG, 2, 2, True, NODE, 0.5, 0.8) + 2 * (5 * 1e6 + 3 * 2 * 2 * 5e6) / 800e9)
     assert t.compute_s == pytest.approx(4 * per_mb)
     # TP/SP: per layer all-gather 6 MB and reduce-scatter 4 MB, ring (t − 1)/t = 1/2, over NVLink 200 GB/s × 0.8
     tp_mb = 2 * (6e6 + 4e6) / 2 / 160e9
@@ -283,8 +284,9 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
     memory-bound kernels move. The measured program ran cuDNN's attention forward again in the backward under every
     policy (jaxseq's VJP came after): that kernel is added where the model has it only under `full`.
     Nothing is fitted to these runs: the constants are the paper row's GEMM efficiency, the stated HBM fraction and
-    the published cuDNN attention rates. The model: within 11%, its per-policy errors within 4 points of each other
-    (it was 16.5 before the scan's stacks and the flash kernel's rate); the program: within 5%."""
+    the published cuDNN attention rates (the scan's stacks' passes are counted from the kernels of this program).
+    The model: within 8% (issue 36's bar), its per-policy errors within 3 points of each other (16.5 before the
+    flash kernel's rates and the scan's stacks); the program: within 5%."""
     root = os.path.dirname(os.path.dirname(__file__))
     read = json.loads(open(os.path.join(root, "experiments/results/gpu_target_vs_measured.json")).read())["remat"]
     program = {(r["model"], r["remat"]): r for r in read}
@@ -303,15 +305,16 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
             moved = sum(program[name, remat]["non_gemm_bytes"].values())
             on_program = S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s + replayed
             errors.append(model / run["median_step_s"] - 1)
-            assert abs(errors[-1]) < 0.11, (name, remat, errors[-1])
+            assert abs(errors[-1]) < 0.08, (name, remat, errors[-1])
             assert abs(on_program / run["median_step_s"] - 1) < 0.05, (name, remat, on_program)
-        assert max(errors) - min(errors) < 0.04, (name, errors)
+        assert max(errors) - min(errors) < 0.03, (name, errors)
 
 
 def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_stored_bytes():
     """A fused attention's two products run in one kernel: half of their FLOPs (causal), forward at cuDNN's 617 and
     backward (2.5× the work) at its 465 TFLOP/s of the H100's 989, the forward again only where the policy replays
-    the attention (full); none of it is a GEMM kernel. The scan's stacks: 5 passes over the stored bytes."""
+    the attention (full); none of it is a GEMM kernel. The scan's stacks: 5 passes over the stored bytes, 3 copies
+    of the layer's parameters."""
     cfg = replace(CFG, attention="fused")
     h100 = HARDWARE["h100"]
     flops = 2 * (2 * CFG.heads) * (2 * 64 * 64 * 8) / 2  # QKᵀ and P·V, b·a = 16 heads of [64, 8], the causal half
@@ -321,7 +324,7 @@ def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_store
     assert K.fused_attention_seconds(CFG, 2, 1, "full", h100) == (0.0, 0.0, 0.0)  # explicit: GEMMs
     assert not {g.name.split(".")[0] for g in K.gemm_kernels(cfg, 2, 1, "full")} & set(K.ATTENTION_CORE)
     assert {g.name for g in K.gemm_kernels(CFG, 2, 1, "full")} == {g.name for g in K.layer_gemms(CFG, 2, 1, "full")}
-    assert K.stacked_activation_seconds(1e9, h100, 0.5) == pytest.approx(5e9 / (0.5 * 3350e9))
+    assert K.scan_stack_seconds(1e9, 1e8, 2, h100, 0.5) == pytest.approx((5e9 + 3 * 2 * 2e8) / (0.5 * 3350e9))
 
 
 def test_elementwise_bytes_are_the_hand_computation():
@@ -332,6 +335,8 @@ def test_elementwise_bytes_are_the_hand_computation():
     assert K.layer_elementwise_bytes(cfg, 1, 1, False, "none") == 2368 + 2880
     assert K.layer_elementwise_bytes(cfg, 1, 1, False, "selective") == 2368 + 2880 + 1152  # softmax + dropout again
     assert K.layer_elementwise_bytes(cfg, 1, 1, False, "full") == 2 * 2368 + 2880  # the whole forward again
+    # lean: softmax + dropout again, and the two LayerNorms' and GELU's forward: 32·2·2e + 128·2e = 768
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "lean") == 2368 + 2880 + 1152 + 768
     # t = 2 with SP: 16, 64 and 64 elements: forward 16·22 + 64·4 + 64·9 = 1184, backward 16·22 + 64·6 + 64·11 = 1440
     assert K.layer_elementwise_bytes(cfg, 1, 2, True, "none") == 1184 + 1440
     # no dropout: no masks, no attention dropout: forward 32·2·10 + 512 + 128·4 = 1664, backward 32·2·10 + 768 + 768

@@ -153,8 +153,8 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     write 2e + r). Over the MLP's s·b·f/t: bias + GELU (2e; 3e). Over the b·(a/t)·s² attention scores (none
     with fused attention, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout, its
     dropout (2e + 1; 2e + 1). A policy that replays QKᵀ runs the softmax and its dropout forward again, one
-    that replays the QKV matmul (full) the whole forward; others' replays of LayerNorm or GELU alone (lean,
-    dots) are not counted. Llama (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and
+    that replays the QKV matmul (full) the whole forward, one that replays the norms and the MLP's activation
+    (`RematPolicy.replays_norms`: lean, dots) their forward (2e over s·b·h twice, and the activation's). Llama (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and
     writes their product (3e over s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and
     RoPE reads and writes q and the rank's K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same)."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
@@ -167,8 +167,10 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     forward_attention = scores * (2 * e + r * (2 * e + 1))
     forward = residual * 2 * (2 * e + 3 * e + r) + mlp * mlp_forward + forward_attention + rope
     backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r * (2 * e + 1)) + rope
-    replays = POLICIES[remat].replays
-    replayed = forward if "qkv" in replays else forward_attention if "scores" in replays else 0.0
+    policy = POLICIES[remat]
+    replayed = (forward if "qkv" in policy.replays
+                else (forward_attention if "scores" in policy.replays else 0.0)
+                + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
     return forward + backward + replayed
 
 
@@ -195,15 +197,21 @@ def layer_matmul_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardw
 
 # jaxseq's layers run under `lax.scan`, whose saved activations live in buffers stacked over the layers: each is
 # zero-filled before the loop (1 write), each activation copied into its slot (read, write) and sliced out of it again
-# in the backward (read, write): 5 passes over the stored bytes that Megatron's kernel count has not. Seen in the
-# H100's program (`hlo.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its broadcast, dynamic-update-slice
-# and dynamic-slice fusions.
-STACK_PASSES = 5
+# in the backward (read, write): 5 passes over the stored bytes. Its weights are stacked too: each layer's are sliced
+# out of the stack (read, write) in the forward and again in the backward, and its gradients written into their slot
+# (read, write): 3 copies of its parameters in the compute dtype. Megatron's kernel count has none of these; the
+# H100's program has them all (`hlo.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its broadcast,
+# dynamic-update-slice and dynamic-slice fusions.
+STACK_PASSES = 5  # over the stored activation bytes
+WEIGHT_STACK_COPIES = 3  # of the layer's parameters, each a read and a write
 
 
-def stacked_activation_seconds(stored_bytes: float, hw: Hardware, memory_efficiency: float) -> float:
-    """One layer's stored activations (`stored_bytes`, per micro-batch) through the scan's stacked buffers."""
-    return STACK_PASSES * stored_bytes / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+def scan_stack_seconds(stored_bytes: float, layer_parameters: float, itemsize: int, hw: Hardware,
+                       memory_efficiency: float) -> float:
+    """One layer's stored activations (`stored_bytes`, per micro-batch) and its weights (`layer_parameters` on the
+    device, in `itemsize` bytes) through the scan's stacked buffers, per micro-batch."""
+    moved = STACK_PASSES * stored_bytes + WEIGHT_STACK_COPIES * 2 * itemsize * layer_parameters
+    return moved / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,

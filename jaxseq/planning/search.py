@@ -337,16 +337,19 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
-def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, stored_bytes: float = 0.0) -> float:
+def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, stored_bytes: float = 0.0,
+                    layer_parameters: float = 0.0) -> float:
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
     shape's efficiency, fused attention at its kernel's, and the elementwise kernels at HBM bandwidth
     (`planning.kernel_time`); at context c a rank does 1/c of it (s/c tokens; the causal attention balanced by the
     2c-chunk order; the GEMMs' smaller shapes' efficiency not modelled); + each layer's stored activations
-    (`stored_bytes`, at c already) through the scan's stacked buffers (`kernel_time.stacked_activation_seconds`)."""
+    (`stored_bytes`, at c already) and its parameters on the device through the scan's stacked buffers
+    (`kernel_time.scan_stack_seconds`)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
     b, t, sp, layers = c.micro_batch, c.tensor, c.sequence_parallel, cfg.layers // c.pipe
     return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + K.head_seconds(cfg, b, t, sp, *efficiencies))
-            / c.context + layers * K.stacked_activation_seconds(stored_bytes, hw, tm.memory_efficiency))
+            / c.context + layers * K.scan_stack_seconds(stored_bytes, layer_parameters, cfg.itemsize, hw,
+                                                        tm.memory_efficiency))
 
 
 def program_compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, moved_bytes: float) -> float:
@@ -405,7 +408,8 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     layers = cfg.layers // c.pipe
     layer = at_context(cfg, c, layer)
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
-    compute = compute_seconds(cfg, c, hw, tm, layer.stored_bytes if tm.scan_stacks else 0.0)
+    stacks = (layer.stored_bytes, state.layer_parameters / layers) if tm.scan_stacks else (0.0, 0.0)
+    compute = compute_seconds(cfg, c, hw, tm, *stacks)
     kv = F.context_kv_bytes(cfg, c.micro_batch, c.tensor, c.context, c.context_strategy)["traffic"]
     context = layers * kv / bw["context"]
     tp = layers * (sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items())
@@ -597,7 +601,7 @@ def format_result(res: Result, top: int = 10) -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
-    stacks = " and the scan's stacked activations" if tm.scan_stacks else ""
+    stacks = " and the scan's stacked activations and weights" if tm.scan_stacks else ""
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
