@@ -154,9 +154,10 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     with fused attention, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout, its
     dropout (2e + 1; 2e + 1). A policy that replays QKᵀ runs the softmax and its dropout forward again, one
     that replays the QKV matmul (full) the whole forward, one that replays the norms and the MLP's activation
-    (`RematPolicy.replays_norms`: lean, dots) their forward (2e over s·b·h twice, and the activation's). Llama (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and
-    writes their product (3e over s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and
-    RoPE reads and writes q and the rank's K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same)."""
+    (`RematPolicy.replays_norms`: lean, dots) their forward (2e over s·b·h twice, and the activation's). Llama
+    (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and writes their product (3e over
+    s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and RoPE reads and writes q and the rank's
+    K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same)."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
     mlp = s * b * cfg.mlp_hidden / t
@@ -168,9 +169,11 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     forward = residual * 2 * (2 * e + 3 * e + r) + mlp * mlp_forward + forward_attention + rope
     backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r * (2 * e + 1)) + rope
     policy = POLICIES[remat]
-    replayed = (forward if "qkv" in policy.replays
-                else (forward_attention if "scores" in policy.replays else 0.0)
-                + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
+    if "qkv" in policy.replays:  # the whole forward
+        replayed = forward
+    else:
+        replayed = ((forward_attention if "scores" in policy.replays else 0.0)
+                    + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
     return forward + backward + replayed
 
 
