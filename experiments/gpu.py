@@ -412,6 +412,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         for row in result["policies"].values():
             row["step_time_vs_none"] = row["median_step_s"] / base if base and "median_step_s" in row else None
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
+        result["unrolled"] = unrolled_rows(gpu, cfg, policies, result["policies"], base_spec, parallel, devices,
+                                           isolate, peak, deadline)
         result["largest_micro_batch"] = batch_bought(cfg, n, sp, limit, devices, base_spec, parallel, isolate, peak)
         result["parity"] = {"ok": None, "note": "not run yet"}
         out["models"][name] = result
@@ -438,6 +440,37 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     out["pipeline"] = (pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
                        if in_budget(deadline) else {"skipped": BUDGET_SKIP})
     return out
+
+
+UNROLLED_POLICIES = ("none", "full")  # the scan's stacks cost `none` most and `full` least (scan_stacks.md)
+
+
+def unrolled_rows(gpu: bool, cfg, policies: tuple, scanned: dict, base_spec: dict, parallel: dict, devices,
+                  isolate: bool, peak, deadline) -> dict:
+    """`none` and `full` again with the layers unrolled (`layer_loop="unrolled"`: no scan stacks), on a GPU only (XLA:CPU
+    does not keep a remat policy for unrolled layers): each row's step time and peak against its scanned row's.
+    experiments/scan_stacks.py predicts it from the H100's program: 12–15% faster under `none`, 3–4% under `full`."""
+    from jaxseq.config import replace
+    from jaxseq.training.metrics import throughput
+
+    if not gpu:
+        return {"skipped": "a GPU only: XLA:CPU does not keep a remat policy for unrolled layers"}
+    rows = {}
+    for policy in (p for p in UNROLLED_POLICIES if p in policies and "median_step_s" in scanned.get(p, {})):
+        if not in_budget(deadline):
+            rows[policy] = {"skipped": BUDGET_SKIP}
+            continue
+        print(f"unrolled layers: {policy} …", flush=True)
+        unrolled = replace(cfg, layer_loop="unrolled")
+        row = run_spec({**base_spec, "model": dataclasses.asdict(unrolled), "parallel": parallel, "remat": policy},
+                       devices, isolate)
+        if "median_step_s" in row:
+            row.update(throughput(unrolled, policy, base_spec["micro_batch"], 1, row["median_step_s"], len(devices), peak))
+            row["step_vs_scan"] = row["median_step_s"] / scanned[policy]["median_step_s"]
+            measured, scan_peak = row.get("peak_bytes_in_use"), scanned[policy].get("peak_bytes_in_use")
+            row["peak_vs_scan"] = measured / scan_peak if measured and scan_peak else None
+        rows[policy] = row
+    return rows
 
 
 def cudnn_verdict(gpu: bool, rows: dict) -> dict:
@@ -634,6 +667,15 @@ def table(result: dict) -> str:
                          f"{num(r['measured_over_predicted_peak'], '.3f')} | {mib(r.get('target_peak_bytes'))} | "
                          f"{num(r.get('measured_over_target_peak'), '.3f')} |")
         lines += device_time_table(m["policies"])
+        unrolled = m.get("unrolled", {})
+        if unrolled and "skipped" not in unrolled:
+            lines += ["", "Unrolled layers (`layer_loop=unrolled`, no scan stacks) against the scanned rows above:", "",
+                      "| remat | step, s | vs scan | MFU | peak memory, MiB | vs scan |", "| --- | --- | --- | --- | --- | --- |"]
+            for policy, r in unrolled.items():
+                lines.append(f"| {policy} | " + (" | ".join([
+                    f"{r['median_step_s']:.4f}", num(r["step_vs_scan"], ".3f"), pct(r["mfu"]) or "n/a",
+                    mib(r.get("peak_bytes_in_use")) or "n/a", num(r.get("peak_vs_scan"), ".3f")])
+                    if "median_step_s" in r else r.get("skipped") or r.get("error", "")) + " |")
         for policy, r in m.get("largest_micro_batch", {}).items():
             lines.append(f"\n{policy} at its largest micro-batch: " + (
                 r.get("skipped") or r.get("error") or

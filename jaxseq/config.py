@@ -10,6 +10,7 @@ from jaxseq.remat import POLICIES
 FAMILIES = ("gpt", "llama")  # model families (models/gpt.py, models/llama.py)
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
 MATMUL_FORMS = ("einsum", "cpu-bf16")  # models/ops.MATMULS: the portable einsum, XLA:CPU's bf16 form
+LAYER_LOOPS = ("scan", "unrolled")  # models/model.layers: lax.scan over the stacked layers, or a Python loop
 ROPE_SCALINGS = ("llama3",)
 CONTEXT_STRATEGIES = ("all-gather", "ring")  # parallel/context.py
 
@@ -24,6 +25,10 @@ def on_platform(model: "ModelConfig", platform: str, parallel: "ParallelConfig |
     (`cudnn_compiles`; jax.nn.dot_product_attention chooses XLA's, which materialises the scores, unless asked for
     cuDNN), XLA's elsewhere."""
     cudnn = platform == "gpu" and model.dtype == "bfloat16" and (parallel is None or cudnn_compiles(parallel))
+    if platform == "cpu" and model.layer_loop == "unrolled":
+        raise ConfigError("layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy for unrolled layers (it "
+                          "merges selective's replay with the forward, and full holds more than none); use scan, "
+                          "the default, on CPUs")
     return dataclasses.replace(model, matmul="cpu-bf16" if platform == "cpu" else "einsum",
                                fused_kernel="cudnn" if cudnn else "xla")
 
@@ -65,6 +70,7 @@ class ModelConfig:
     kv_channels: int | None = None  # per-head width; None: hidden // heads (Megatron's --kv-channels)
     matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
     fused_kernel: str = "xla"  # attention=fused's implementation: "xla", or "cudnn" (set on GPUs in bf16)
+    layer_loop: str = "scan"  # how the layers run: "scan" (lax.scan) or "unrolled" (a Python loop: models/model.layers)
     # The Llama family's (models/llama.py):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden
@@ -104,7 +110,7 @@ class ModelConfig:
 
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
-RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel")
+RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel", "layer_loop")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
@@ -344,6 +350,8 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"matmul={model.matmul!r} is not valid; valid: {', '.join(MATMUL_FORMS)}")
     if model.fused_kernel not in FUSED_KERNELS:
         raise ConfigError(f"fused_kernel={model.fused_kernel!r} is not valid; valid: {', '.join(FUSED_KERNELS)}")
+    if model.layer_loop not in LAYER_LOOPS:
+        raise ConfigError(f"layer_loop={model.layer_loop!r} is not valid; valid: {', '.join(LAYER_LOOPS)}")
     validate_family(model)
 
 

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s (default: the preset's)")
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (default) or float32")
+    p.add_argument("--layer-loop", default="scan",
+                   help="the run's layer loop: scan (default) or unrolled: the whole steps --target compiles, and "
+                        "the search's time (no scan stacks); layers are measured scanned")
     p.add_argument("--pipeline", type=int, default=1,
                    help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, its "
                         "in-flight activations read from the pipelined step compiled on p × t simulated devices); "
@@ -122,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args) -> ModelConfig:
-    cfg = replace(preset(args.preset), attention=args.attention, dtype=args.dtype)
+    cfg = replace(preset(args.preset), attention=args.attention, dtype=args.dtype, layer_loop=args.layer_loop)
     if args.seq_len is not None:
         cfg = replace(cfg, seq_len=args.seq_len)
     if args.data <= 0:
@@ -179,7 +182,7 @@ def search_request(args) -> search_space.Request:
     hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
     time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
                              link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap,
-                             lockstep=args.lockstep)
+                             lockstep=args.lockstep, scan_stacks=args.layer_loop == "scan")
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),

@@ -110,6 +110,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert rows["full"]["plan"]["activation_bytes"] < rows["none"]["plan"]["activation_bytes"]
     assert rows["full"]["plan"]["state_bytes"] == rows["none"]["plan"]["state_bytes"]
     assert model["cudnn_attention"]["used"] is None and "not applicable on CPU" in model["cudnn_attention"]["note"]
+    assert model["unrolled"] == {"skipped": "a GPU only: XLA:CPU does not keep a remat policy for unrolled layers"}
     assert {p: r.get("skipped", "").startswith("no GPU target") for p, r in model["largest_micro_batch"].items()} == {
         "none": True, "full": True}  # a CPU has no target description
     parity = model["parity"]
@@ -151,6 +152,27 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert "Where a step's time goes, ms per step (jax.profiler trace of 2 steps, /host:CPU" in text
     json_path, md_path = gpu.write(result, tmp_path)
     assert json_path.name.startswith("gpu_cpu_") and json_path.suffix == ".json" and md_path.read_text() == text
+
+
+def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
+    """On a GPU, `none` and `full` run again with the layers unrolled (here a stand-in run): each row's step time and
+    peak over its scanned row's, in the table; a policy the models' rows did not run is not repeated."""
+    import copy
+
+    from jaxseq.config import preset
+
+    monkeypatch.setattr(gpu, "run_spec", lambda spec, devices, isolate: {
+        "median_step_s": 0.17, "peak_bytes_in_use": 30 * 2**30, "layer_loop": spec["model"]["layer_loop"]})
+    scanned = {"none": {"median_step_s": 0.2, "peak_bytes_in_use": 32 * 2**30}, "lean": {"median_step_s": 0.19}}
+    base = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}
+    rows = gpu.unrolled_rows(True, preset("tiny"), ("none", "lean", "full"), scanned, base, {"tensor": 1}, [None],
+                             False, 989.0, None)
+    assert list(rows) == ["none"] and rows["none"]["layer_loop"] == "unrolled"
+    assert rows["none"]["step_vs_scan"] == pytest.approx(0.85) and rows["none"]["peak_vs_scan"] == pytest.approx(30 / 32)
+    result = copy.deepcopy(dry[0])
+    (model,) = result["models"].values()
+    model["unrolled"] = rows
+    assert "| none | 0.1700 | 0.850 |" in gpu.table(result)
 
 
 def test_a_mesh_no_model_fits_is_reported_not_raised(devices):

@@ -153,6 +153,8 @@ def test_a_failed_execution_is_one_line():
     (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
     pytest.param(["--seq-len", "100000"], "the compiled train step needs", marks=pytest.mark.slow),  # 6.5 s: compiles it
     (["--virtual-stages", "2"], "virtual_stages=2 needs a pipeline, and pipe=1"),
+    (["--layer-loop", "unrolled"], "layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy"),
+    (["--layer-loop", "while"], "layer_loop='while' is not valid; valid: scan, unrolled"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)

@@ -103,8 +103,9 @@ def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
                            target: str, run: ParallelConfig | None = None) -> int:
     """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline), with the
-    kernels of the run's layout `run` (default `parallel`: `config.cudnn_compiles`)."""
+    kernels of the run's layout `run` (default `parallel`: `config.cudnn_compiles`), its layers scanned (an unrolled
+    model stores the same per layer, without the stacks)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
-    small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS)
+    small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS, layer_loop="scan")  # read in its loop
     compiled = aot.compile_loss_and_grad(small, parallel, remat, mesh, micro_batch)
     return hlo.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)

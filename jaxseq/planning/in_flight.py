@@ -99,7 +99,7 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     """Compile the pipelined step for row `c` at p stages × context × c.tensor and read stage 0's stash (see
     InFlight)."""
     k_c, k = PIPELINE_LAYERS_PER_CHUNK, cfg.layers // (p * v)
-    small = replace(cfg, layers=p * v * k_c)
+    small = replace(cfg, layers=p * v * k_c, layer_loop="scan")  # the stash is read in the scan's loop
     parallel = ParallelConfig(data=1, tensor=c.tensor, sequence_parallel=c.sequence_parallel, pipe=p,
                               schedule=schedule, virtual_stages=v, context=context, context_strategy=strategy)
     n = parallel.num_devices

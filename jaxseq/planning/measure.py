@@ -68,7 +68,8 @@ class Compiler:
 
     def __init__(self, cfg: ModelConfig, micro_batch: int, devices, workers: int = 2, context: int = 1,
                  strategy: str = "all-gather", progress=None):
-        self.cfg, self.b, self.devices, self.workers = cfg, micro_batch, devices, workers
+        # the readers find a layer in the scan's loop: an unrolled model's layers are measured as scanned ones
+        self.cfg, self.b, self.devices, self.workers = replace(cfg, layer_loop="scan"), micro_batch, devices, workers
         self.context, self.strategy = context, strategy  # every program on a context × tensor mesh
         self.progress = progress  # a `planning.progress.Progress`: a line as each program starts compiling
         self._cache: dict = {}

@@ -1,0 +1,38 @@
+"""`ModelConfig.layer_loop`: the layers under `lax.scan` (the default) or unrolled (models/model.layers): the same
+loss and gradients; unrolled refused on CPU. On a GPU's program (compiled for the H100 here): tests/test_gpu_target.py."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace, validate
+from jaxseq.models import model as M
+from jaxseq.sharding import Sharder
+
+CFG = ModelConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=3, dtype="float32", dropout=0.1)
+
+
+def test_unrolled_layers_compute_the_scans_loss_and_gradients():
+    """Dropout included: layer i draws from keys[i] in both loops."""
+    params = M.init_params(jax.random.key(0), CFG)
+    tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len + 1), 0, CFG.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    for remat in ("none", "full"):
+        def run(cfg):
+            loss = lambda p: M.loss_fn(p, batch, cfg, Sharder(None), remat, key=jax.random.key(2))
+            return jax.jit(jax.value_and_grad(loss))(params)
+
+        (scan_loss, scan_grads), (loop_loss, loop_grads) = run(CFG), run(replace(CFG, layer_loop="unrolled"))
+        assert float(loop_loss) == pytest.approx(float(scan_loss), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(scan_grads), jax.tree.leaves(loop_grads)):
+            assert jnp.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_layer_loop_not_known_or_unrolled_on_cpu_is_one_line():
+    """On XLA:CPU the unrolled layers lose their remat policy (selective's replay merged with the forward, `full`
+    holding more than `none`; on XLA:GPU they keep it: tests/test_gpu_target.py), so a CPU run refuses them."""
+    with pytest.raises(ConfigError, match="layer_loop='while' is not valid; valid: scan, unrolled"):
+        validate(replace(CFG, layer_loop="while"), ParallelConfig(), "none")
+    with pytest.raises(ConfigError, match="layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy"):
+        on_platform(replace(CFG, layer_loop="unrolled"), "cpu")
+    assert on_platform(replace(CFG, layer_loop="unrolled"), "gpu").layer_loop == "unrolled"
