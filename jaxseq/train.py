@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
     a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default {ModelConfig().layer_loop}; "
-                           "unrolled avoids the scan's stacked buffers: 12–15% of an H100 step by its program, "
+                           "unrolled avoids the scan's stacked buffers: 12–15%% of an H100 step by its program, "
                            "unmeasured on a GPU; compile time grows with depth)")
     a("--steps", type=int, help="optimizer steps")
     a("--batch-size", type=int, help="global batch size, sequences")
