@@ -36,3 +36,18 @@ def test_a_layer_loop_not_known_or_unrolled_on_cpu_is_one_line():
     with pytest.raises(ConfigError, match="layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy"):
         on_platform(replace(CFG, layer_loop="unrolled"), "cpu")
     assert on_platform(replace(CFG, layer_loop="unrolled"), "gpu").layer_loop == "unrolled"
+
+
+def test_a_search_for_unrolled_layers_prices_no_scan_stacks():
+    """`plan --search --layer-loop unrolled`: the model's layers run unrolled, so the time model leaves the scan's
+    stacks out (`TimeModel.scan_stacks`); the layers are still measured scanned (`Compiler`)."""
+    from jaxseq import plan
+    from jaxseq.planning.measure import Compiler
+
+    argv = ["--search", "--preset", "tiny", "--gpus", "8", "--global-batch", "8"]
+    parser = plan.build_parser()
+    assert plan.search_request(parser.parse_args(argv)).time_model.scan_stacks
+    unrolled = parser.parse_args(argv + ["--layer-loop", "unrolled"])
+    assert not plan.search_request(unrolled).time_model.scan_stacks
+    assert plan.resolve(unrolled).layer_loop == "unrolled"
+    assert Compiler(plan.resolve(unrolled), 1, jax.devices()[:1]).cfg.layer_loop == "scan"
