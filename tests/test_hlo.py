@@ -170,3 +170,11 @@ def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
     moved = HLO.kernel_bytes(STACKING)
     assert moved == {"body": {"other": 3 * (4 * ROW + 2 * 4)},
                      "main": {"copy/transpose": 3 * ROW, "convert": ROW + 2 * ROW, "other": 2 * ROW + 4 + 4}}
+    # jax 0.12's XLA:GPU runs the stack's update asynchronously: the same bytes, from the fusion-start alone, and the
+    # same stack a layer stores
+    asynchronous = STACKING.replace(
+        "%stored = bf16[3,4,8]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%store",
+        "%start = ((bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}, s32[]), bf16[3,4,8]{2,1,0}, u32[]) fusion-start(%stack, %x, %i), "
+        "kind=kLoop, calls=%store\n  %stored = bf16[3,4,8]{2,1,0} fusion-done(%start)")
+    assert "fusion-done" in asynchronous and HLO.kernel_bytes(asynchronous) == moved
+    assert HLO.stored_bytes_per_layer(asynchronous, 3) == HLO.stored_bytes_per_layer(STACKING, 3) == ROW

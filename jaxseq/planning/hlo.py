@@ -141,7 +141,10 @@ def layer_loops(comps: dict[str, list[Instr]], num_layers: int) -> list[ScanLoop
                 dt, dims = elem
                 if not dims or dims[0] != num_layers:
                     continue
-                if _writes_slice(comps, by_name.get(operand)):
+                producer = by_name.get(operand)
+                if producer is not None and producer.opcode == "fusion-done":  # an asynchronous fusion: its start
+                    producer = by_name.get(producer.operands()[0])
+                if _writes_slice(comps, producer):
                     loop.written.append(elem)
             loops.append(loop)
     return loops
@@ -153,7 +156,7 @@ def _writes_slice(comps, producer: Instr | None) -> bool:
         return False
     if producer.opcode == "dynamic-update-slice":
         return True
-    callee = producer.attr("calls") if producer.opcode == "fusion" else None
+    callee = producer.attr("calls") if producer.opcode in _FUSIONS else None
     return bool(callee) and any(i.opcode == "dynamic-update-slice" for i in comps.get(callee, []))
 
 
@@ -468,7 +471,9 @@ def op_kinds(hlo_text: str) -> dict[str, str | None]:
     return kinds
 
 
-_MOVES_NOTHING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+_MOVES_NOTHING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                  "fusion-done"}  # an asynchronous fusion's bytes are its fusion-start's
+_FUSIONS = ("fusion", "fusion-start")  # XLA:GPU (jax 0.12) runs some fusions, stack updates among them, asynchronously
 
 
 def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -476,10 +481,11 @@ def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
     computation's runs per call): what a GPU's memory moves for them, before caches. A fusion reads each of its
     parameters whole, but one it only dynamic-slices (the slices) or only updates in place (operand 0 of a
     dynamic-update-slice: nothing), and writes its result, but a dynamic-update-slice root (its update); another op
-    reads its operands and writes its results. Containers (while, call, conditional) move nothing themselves."""
+    reads its operands and writes its results. Containers (while, call, conditional) move nothing themselves; an
+    asynchronous fusion (fusion-start, fusion-done) moves what the fusion does, once."""
     comps, runs, kinds = parse_hlo(hlo_text), runs_per_call(hlo_text), op_kinds(hlo_text)
-    inside = {ins.attr("calls") if ins.opcode == "fusion" else ins.attr("to_apply")  # a kernel's own code (a
-              for instrs in comps.values() for ins in instrs if ins.opcode != "call"}    # reduction's lambda too)
+    inside = {ins.attr("calls") if ins.opcode in _FUSIONS else ins.attr("to_apply")  # a kernel's own code (a
+              for instrs in comps.values() for ins in instrs if ins.opcode != "call"}  # reduction's lambda too)
     out: dict[str, dict[str, int]] = {}
     for comp, instrs in comps.items():
         if comp in inside or comp not in runs:
@@ -489,7 +495,7 @@ def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
             kind = kinds.get(ins.name)
             if kind is None or ins.opcode in _MOVES_NOTHING:
                 continue
-            if ins.opcode == "fusion":
+            if ins.opcode in _FUSIONS:
                 moved = _fusion_bytes(comps[ins.attr("calls")])
             else:
                 moved = (sum(array_bytes(*a) for name in ins.operands() for a in shapes.get(name, []))
@@ -560,7 +566,7 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
             lhs = by_name[ins.operands()[0]].arrays()[0][1]
             contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1)
             total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in contracting.split(",") if i]))
-        elif ins.opcode in ("fusion", "call"):
+        elif ins.opcode in (*_FUSIONS, "call"):
             total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
         elif ins.opcode == "while":
             n = ins.trip_count()
