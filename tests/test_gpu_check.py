@@ -154,6 +154,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     assert json_path.name.startswith("gpu_cpu_") and json_path.suffix == ".json" and md_path.read_text() == text
 
 
+@pytest.mark.slow  # the dry run's result, for the table
 def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
     """On a GPU, `none` and `full` run again with the layers unrolled (here a stand-in run): each row's step time and
     peak over its scanned row's, in the table; a policy the models' rows did not run is not repeated."""
