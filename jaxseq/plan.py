@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s (default: the preset's)")
     p.add_argument("--attention", default="explicit", help="explicit (the paper's) or fused")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (default) or float32")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="dropout probability (default: the preset's; the H100's measured runs used 0)")
     p.add_argument("--layer-loop", default="scan",
                    help="the run's layer loop: scan (default) or unrolled: the whole steps --target compiles, and "
                         "the search's time (no scan stacks); layers are measured scanned")
@@ -128,6 +130,8 @@ def resolve(args) -> ModelConfig:
     cfg = replace(preset(args.preset), attention=args.attention, dtype=args.dtype, layer_loop=args.layer_loop)
     if args.seq_len is not None:
         cfg = replace(cfg, seq_len=args.seq_len)
+    if args.dropout is not None:
+        cfg = replace(cfg, dropout=args.dropout)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:

@@ -49,5 +49,6 @@ def test_a_search_for_unrolled_layers_prices_no_scan_stacks():
     assert plan.search_request(parser.parse_args(argv)).time_model.scan_stacks
     unrolled = parser.parse_args(argv + ["--layer-loop", "unrolled"])
     assert not plan.search_request(unrolled).time_model.scan_stacks
-    assert plan.resolve(unrolled).layer_loop == "unrolled"
+    assert plan.resolve(unrolled).layer_loop == "unrolled" and plan.resolve(unrolled).dropout == 0.1  # the preset's
+    assert plan.resolve(parser.parse_args(argv + ["--dropout", "0"])).dropout == 0.0  # as the H100's runs
     assert Compiler(plan.resolve(unrolled), 1, jax.devices()[:1]).cfg.layer_loop == "scan"

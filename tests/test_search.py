@@ -529,6 +529,8 @@ def test_no_fit_and_nothing_valid_are_one_line():
     (["--preset", "tiny", "--context-sizes", "1,0"], "error: context size 0 must be a positive integer"),
     (["--preset", "tiny", "--verify", "2"], "error: --verify 2 compiles whole train steps for a GPU: it needs --target"),
     (["--preset", "tiny", "--verify", "-1"], "error: verify=-1 must be a non-negative integer"),
+    (["--preset", "tiny", "--dropout", "1.5"], "error: dropout=1.5 must be in [0, 1)"),
+    (["--preset", "tiny", "--layer-loop", "while"], "error: layer_loop='while' is not valid; valid: scan, unrolled"),
 ])
 def test_bad_search_requests_are_one_line(argv, message, capsys):
     base = {"--gpus": "16", "--global-batch": "16"}
