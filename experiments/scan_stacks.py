@@ -1,21 +1,20 @@
 """What `lax.scan`'s stacked buffers cost a GPU step: the train step of each configuration the H100 measured
 (experiments/results/gpu_h100_2026-11-26/), compiled for the H100 on this CPU-only machine twice, its layers under
-`lax.scan` (jaxseq's model) and unrolled (a Python loop over the layers, each under the same `jax.checkpoint`
-policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its memory-bound
+`lax.scan` and unrolled (`layer_loop="unrolled"`: a Python loop over the layers, each under the same
+`jax.checkpoint` policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its memory-bound
 kernels move (`hlo.memory_bound_bytes`) and the step priced on that program (`search.program_step_time`, within
 3.8% of every H100 step measured). Beside them, what the search's time model says the scan's stacks move
-(`kernel_time.scan_stack_seconds`: 5 passes over each layer's stored bytes, 3 copies of its weights).
+(`kernel_time.scan_stack_bytes`: 5 passes over each layer's stored bytes, 3 copies of its weights).
 
     pip install -r requirements-gpu-target.txt
     python experiments/scan_stacks.py      # writes experiments/results/scan_stacks.{json,md} (about 3 minutes)
 
-The unrolled model is this experiment's, not jaxseq's: on XLA:CPU common-subexpression elimination undoes the
-checkpoint of unrolled layers (models/model.py), which is why the model scans. Nothing here ran on a GPU.
+Unrolled layers are a GPU run's option (`--layer-loop unrolled`): XLA:CPU does not keep a remat policy for them
+(models/model.py), which is why scan is the default. Nothing here ran on a GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -28,37 +27,11 @@ POLICIES = ("none", "selective", "lean", "full")
 MIB = 2**20
 
 
-@contextlib.contextmanager
-def unrolled_layers():
-    """models.model.layers as a Python loop over the stacked layers (static slices, no stacked residuals)."""
-    import jax
-
-    from jaxseq import remat as R
-    from jaxseq.models import model as M
-
-    def layers(x, stacked, keys, cfg, shard, remat):
-        axes, cast = M.layer_axes(cfg, shard.tensor), M.cast_mask(cfg)["layers"]
-
-        def layer(x, p, key):
-            return M.block(x, shard.gather_weights(p, axes=axes, cast=cast, dtype=cfg.dtype), key, cfg, shard)
-
-        body = jax.checkpoint(layer, policy=R.remat_policy(remat).policy, prevent_cse=True)
-        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-            x = body(x, jax.tree.map(lambda a: a[i], stacked), None if keys is None else keys[i])
-        return x
-
-    scanned, M.layers = M.layers, layers
-    try:
-        yield
-    finally:
-        M.layers = scanned
-
-
 def measure(target: str = "h100") -> list[dict]:
     import jax
 
     from gpu_target import measured_runs  # experiments/gpu_target.py: the configurations the H100 measured
-    from jaxseq.config import ParallelConfig
+    from jaxseq.config import ParallelConfig, replace
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
     from jaxseq.planning import kernel_time as K
@@ -74,12 +47,12 @@ def measure(target: str = "h100") -> list[dict]:
             c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             layer = S.LayerCost(stored, {}, 0, 0)
             row = {"model": name, "remat": policy, "stored_bytes_per_layer": stored,
-                   "model_stack_bytes": cfg.layers * K.scan_stack_seconds(stored, state.layer_parameters / cfg.layers,
-                                                                         cfg.itemsize, hw, 1.0) * hw.hbm_gb_per_s * 1e9}
+                   "model_stack_bytes": cfg.layers * K.scan_stack_bytes(stored, state.layer_parameters / cfg.layers,
+                                                                       cfg.itemsize)}
             for loop in ("scan", "unrolled"):
                 start = time.perf_counter()
-                with unrolled_layers() if loop == "unrolled" else contextlib.nullcontext():
-                    step = gpu_target.compile_step(cfg, ParallelConfig(), policy, micro_batch, 1, target)
+                step = gpu_target.compile_step(replace(cfg, layer_loop=loop), ParallelConfig(), policy, micro_batch,
+                                               1, target)
                 moved = hlo.memory_bound_bytes(step.as_text())
                 row[loop] = {"peak_bytes": aot.step_bytes(step), "memory_bound_bytes": moved,
                              "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s,
@@ -93,12 +66,12 @@ def table(rows: list[dict], jax_version: str) -> str:
     lines = ["# What the scan's stacked buffers cost a GPU step (`python experiments/scan_stacks.py`)", "",
              f"The train step of each configuration the H100 measured (micro-batch 4 × 2048 tokens, bf16, cuDNN "
              f"attention, one GPU), compiled for the H100 on the CPU-only machine (jax {jax_version} and its CUDA "
-             "plugin), its layers under `lax.scan` (jaxseq) and unrolled (a Python loop, `prevent_cse=True`). Peak: "
+             "plugin), its layers under `lax.scan` (the default) and unrolled (`--layer-loop unrolled`: a Python loop, `prevent_cse=True`). Peak: "
              "argument + output + temp − alias, MiB per device. Moved: GB per step its memory-bound kernels read and "
              "write (`hlo.memory_bound_bytes`). Step: priced on the program (`search.program_step_time`: the GEMMs and "
              "cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of every H100 step "
              "measured with the scan). Model: the bytes the search's time model says the stacks move "
-             "(`kernel_time.scan_stack_seconds`: 5 passes over the stored bytes, 3 copies of each layer's weights, "
+             "(`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights, "
              "per step), against scan − unrolled. Nothing here ran on a GPU.", "",
              "| model | remat | peak scan | peak unrolled | moved scan GB | moved unrolled GB | scan − unrolled GB "
              "| model's stacks GB | step scan s | step unrolled s | unrolled vs scan |",

@@ -215,10 +215,9 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     """`layer_loop="unrolled"` compiled for the H100: every policy replays the matmuls it does under the scan (the
     same dot FLOPs; explicit attention, where `selective` replays QKᵀ) and holds less than it, in the same order
     (none > selective > full). With fused attention its memory-bound kernels move fewer bytes by what the search's
-    time model prices the scan's stacks at (`kernel_time.scan_stack_seconds`: 5 passes over the stored bytes, 3
+    time model prices the scan's stacks at (`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3
     copies of each layer's weights per micro-batch), within 30% (−13% and −11% on jax 0.10, −25% under `full` on
     0.12; with explicit attention the scan costs more: 1.5–2.6× that at this shape)."""
-    from jaxseq.hardware import HARDWARE
     from jaxseq.models.model import num_params
     from jaxseq.planning import kernel_time as K
 
@@ -232,10 +231,10 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
         assert dots[0] == dots[1] and aot.step_bytes(unrolled) < aot.step_bytes(scan)
         peaks[remat] = aot.step_bytes(unrolled)
     assert peaks["none"] > peaks["selective"] > peaks["full"]
-    fused, hw = replace(cfg, attention="fused"), HARDWARE["h100"]
+    fused = replace(cfg, attention="fused")
     layer_parameters = (num_params(cfg) - num_params(replace(cfg, layers=0))) / cfg.layers
     for remat in ("none", "full"):
         moved = [hlo.memory_bound_bytes(compiled(fused, loop, remat).as_text()) for loop in ("scan", "unrolled")]
         stored = G.stored_bytes_per_layer(fused, ParallelConfig(), remat, 4, "h100")
-        stacks = cfg.layers * K.scan_stack_seconds(stored, layer_parameters, 2, hw, 1.0) * hw.hbm_gb_per_s * 1e9
+        stacks = cfg.layers * K.scan_stack_bytes(stored, layer_parameters, 2)
         assert moved[0] - moved[1] == pytest.approx(stacks, rel=0.3), (remat, moved, stacks)

@@ -209,12 +209,16 @@ STACK_PASSES = 5  # over the stored activation bytes
 WEIGHT_STACK_COPIES = 3  # of the layer's parameters, each a read and a write
 
 
+def scan_stack_bytes(stored_bytes: float, layer_parameters: float, itemsize: int) -> float:
+    """The bytes one layer's stored activations (`stored_bytes`, per micro-batch) and its weights (`layer_parameters`
+    on the device, in `itemsize` bytes) move through the scan's stacked buffers, per micro-batch."""
+    return STACK_PASSES * stored_bytes + WEIGHT_STACK_COPIES * 2 * itemsize * layer_parameters
+
+
 def scan_stack_seconds(stored_bytes: float, layer_parameters: float, itemsize: int, hw: Hardware,
                        memory_efficiency: float) -> float:
-    """One layer's stored activations (`stored_bytes`, per micro-batch) and its weights (`layer_parameters` on the
-    device, in `itemsize` bytes) through the scan's stacked buffers, per micro-batch."""
-    moved = STACK_PASSES * stored_bytes + WEIGHT_STACK_COPIES * 2 * itemsize * layer_parameters
-    return moved / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+    """`scan_stack_bytes` at the elementwise kernels' fraction of HBM bandwidth."""
+    return scan_stack_bytes(stored_bytes, layer_parameters, itemsize) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,

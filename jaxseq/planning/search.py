@@ -557,7 +557,7 @@ def verify(res: Result, count: int, step_costs, costs: Costs) -> Result:
         if verified < count:
             compiled_bytes, moved = step_costs(e.candidate)
             seconds = None
-            if e.candidate.pipe == 1:
+            if e.candidate.pipe == 1 and moved is not None:
                 layer, state = costs_of(res.config, e.candidate, costs)
                 seconds = program_step_time(res.config, e.candidate, layer, state, r.hardware, r.time_model,
                                             moved).total_s
