@@ -7,9 +7,14 @@ topology of N target devices (`jax.experimental.topologies`) from XLA's descript
 real one, so the train step lowers and compiles unchanged, NCCL collectives and cuDNN attention included,
 and `memory_analysis()` is XLA:GPU's accounting. Nothing can run on them.
 
-What a missing device costs: XLA cannot autotune, so every GEMM is a Triton fusion with default tiles (the
-buffers of such a fusion are those of the GEMM it replaces; cuBLAS forced instead moved a gpt3-1.3b step's total
-by up to about 600 MiB) and cuDNN's workspace is not sized (u8[0]; megabytes on the device).
+What a missing device costs: XLA cannot autotune. Left alone it makes every GEMM a Triton fusion with default
+tiles; on the device the autotuner picks Triton or cuBLAS per GEMM by speed, and the two programs' buffers differ
+where a Triton fusion takes in its GEMM's epilogue: gpt3-1.3b's `full` step at micro-batch 32 (the LM head's f32
+logits) peaked at 41.2 GiB on an H100, which cuBLAS forced predicts within 0.1% and Triton 14% low; at
+micro-batch 4 the two differ by at most 2.6% (experiments/results/gpu_h100_2026-11-27/). So a step's peak
+(`step_bytes`) is the larger of both programs' (two compiles), and its time is priced on the Triton program
+(`step_costs`), the one the time model was checked on. cuDNN's workspace is not sized (u8[0]; megabytes on the
+device).
 """
 
 from __future__ import annotations
@@ -78,26 +83,35 @@ def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distri
                           virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp)
 
 
+# XLA's GEMM choice without an autotuner: its own (a Triton fusion per GEMM, default tiles) or cuBLAS forced.
+GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-                 target: str):
+                 target: str, gemms: str = "triton"):
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
-    `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`."""
+    `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`, its GEMMs
+    as `gemms` says (`GEMMS`)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
-    return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches)
+    return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches,
+                                  GEMMS[gemms])
 
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str) -> int:
-    """`compile_step`'s peak bytes per device: argument + output + temp − alias (`aot.step_bytes`)."""
-    return aot.step_bytes(compile_step(cfg, parallel, remat, micro_batch, microbatches, target))
+    """The step's peak bytes per device (argument + output + temp − alias, `aot.step_bytes`): the larger of its
+    programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose."""
+    return max(aot.step_bytes(compile_step(cfg, parallel, remat, micro_batch, microbatches, target, gemms))
+               for gemms in GEMMS)
 
 
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str) -> tuple[int, int]:
-    """`compile_step`'s peak bytes per device (as `step_bytes`) and what its memory-bound kernels move per step
-    (`hlo.memory_bound_bytes`): the program's own memory and the traffic its time is priced by."""
-    step = compile_step(cfg, parallel, remat, micro_batch, microbatches, target)
-    return aot.step_bytes(step), hlo.memory_bound_bytes(step.as_text())
+    """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
+    move per step (`hlo.memory_bound_bytes`): the program's own memory and the traffic its time is priced by."""
+    triton = compile_step(cfg, parallel, remat, micro_batch, microbatches, target)
+    cublas = compile_step(cfg, parallel, remat, micro_batch, microbatches, target, "cublas")
+    return max(aot.step_bytes(triton), aot.step_bytes(cublas)), hlo.memory_bound_bytes(triton.as_text())
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,

@@ -45,7 +45,8 @@ CPU_SOURCE = "XLA:CPU, simulated devices (total = state + stored × layers in fl
 
 def target_source(target: str) -> str:
     return (f"XLA:GPU {target}, compiled without a GPU (total = the whole donated train step's argument + output + "
-            f"temp − alias)")
+            f"temp − alias, the larger of its programs with Triton's and cuBLAS's GEMMs; within 1.7% of the peaks an "
+            f"H100 measured, scanned layers)")
 
 
 def pipeline_row(rows: list[RowSpec]) -> RowSpec:

@@ -47,9 +47,9 @@ def analysis_options() -> dict:
     return options
 
 
-def compile_for_analysis(lowered):
-    """`lowered.compile()` for a program whose accounting is read, not run (`analysis_options`)."""
-    return lowered.compile(compiler_options=analysis_options())
+def compile_for_analysis(lowered, options: dict | None = None):
+    """`lowered.compile()` for a program whose accounting is read, not run (`analysis_options`, + `options`)."""
+    return lowered.compile(compiler_options={**analysis_options(), **(options or {})})
 
 
 def abstract_inputs(layout: Layout, micro_batch: int):
@@ -96,14 +96,14 @@ def abstract_step_inputs(layout: Layout, optimizer, rows: int):
 
 
 def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
-                       microbatches: int = 1):
+                       microbatches: int = 1, options: dict | None = None):
     """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
-    per data (× fsdp) rank, compiled for `mesh`."""
+    per data (× fsdp) rank, compiled for `mesh` (with XLA `options` beside `analysis_options`)."""
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.batch_ranks)
     step = T.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
-    return compile_for_analysis(step.lower(*inputs))
+    return compile_for_analysis(step.lower(*inputs), options)
 
 
 # ---------------------------------------------------------------------------------------------
