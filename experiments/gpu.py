@@ -53,7 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 POLICIES = ("none", "selective", "lean", "full")
 PARITY_TOLERANCE = 0.02  # |loss_bf16 − loss_f32| / loss_f32 per step: bf16 rounds to 2⁻⁸ ≈ 0.4% per op
+PARENT_ONLY_PREALLOCATE = "JAXSEQ_GPU_CHECK_PARENT_ONLY_PREALLOCATE"  # set: the parent's "false" is not the user's
 CHILD_TIMEOUT_S = 1200  # one configuration: a compile and a few steps; a hang is reported, not waited for
+TOP_OPS = 12  # the ops a trace summary names, the longest first
 PROFILE_STEPS = 2  # traced after each model row's timed steps: where its time goes (`device_time`)
 
 
@@ -91,7 +93,7 @@ def measure(spec: dict, devices) -> dict:
     devices = list(devices)[: parallel.num_devices]
     mesh = make_mesh(parallel, devices)
     layout = Layout(cfg, parallel, mesh)
-    optimizer = T.make_optimizer(OptimizerConfig(warmup_steps=1), cfg)
+    optimizer = T.make_optimizer(OptimizerConfig(**spec.get("optimizer", {"warmup_steps": 1})), cfg)
     state = T.init_state(jax.random.key(0), layout, optimizer)
     rows = spec["micro_batch"] * spec["microbatches"]
     if spec.get("data") == "corpus":  # real text: the default corpus's first tokens (bytes), rows of s + 1
@@ -116,6 +118,11 @@ def measure(spec: dict, devices) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss)
     text = compiled.as_text()
+    if spec.get("hlo_path"):  # the program XLA compiled for this device, to read offline (planning/hlo.py)
+        import gzip
+
+        with gzip.open(spec["hlo_path"], "wt") as f:
+            f.write(text)
     result = {
         "step_s": times, "median_step_s": statistics.median(times), "losses": losses, "compile_s": compile_s,
         "peak_bytes_in_use": peak_bytes_in_use(devices),
@@ -124,7 +131,10 @@ def measure(spec: dict, devices) -> dict:
     }
     if spec.get("profile_steps"):  # after the peak is read: a failed trace is a finding, not a lost row
         try:
-            result["device_time"] = device_time(compiled, state, batch, key, spec["profile_steps"])
+            traced = compiled if devices[0].platform != "gpu" else step.lower(state, batch, key).compile(
+                compiler_options=KERNEL_BY_KERNEL)
+            result["device_time"] = device_time(traced, state, batch, key, spec["profile_steps"],
+                                                spec.get("top_ops", TOP_OPS))
         except Exception as e:
             result["device_time"] = {"error": f"{type(e).__name__}: {e}"}
     return result
@@ -138,8 +148,15 @@ DERIVED_LINES = {"XLA Ops", "XLA Modules", "Steps", "Framework Ops", "Framework 
                  "XLA TraceMe", "Launch Stats"}
 
 
-def device_time(compiled, state, batch, key, steps: int) -> dict:
-    """Where a step's time goes on the first device: a `jax.profiler` trace of `steps` more steps (`trace_summary`)."""
+# XLA:GPU launches most of a step's kernels as a few CUDA graphs (command buffers), which a trace shows as one op
+# each (2026-11-27: `command_buffer_1`, the whole step). The traced program is compiled again without them, so that
+# each kernel shows as its HLO op; its step ran 1.4% slower than with them (0.1989 against 0.1962 s, gpt3-1.3b).
+KERNEL_BY_KERNEL = {"xla_gpu_enable_command_buffer": ""}
+
+
+def device_time(compiled, state, batch, key, steps: int, top: int = TOP_OPS) -> dict:
+    """Where a step's time goes on the first device: a `jax.profiler` trace of `steps` more steps (`trace_summary`)
+    of `compiled` (on a GPU the step compiled with `KERNEL_BY_KERNEL`)."""
     import glob
     import tempfile
 
@@ -153,10 +170,10 @@ def device_time(compiled, state, batch, key, steps: int) -> dict:
             jax.block_until_ready(out)
             wall = time.perf_counter() - start
         data = jax.profiler.ProfileData.from_file(glob.glob(directory + "/**/*.xplane.pb", recursive=True)[0])
-    return trace_summary(data, compiled.as_text(), steps, wall)
+    return trace_summary(data, compiled.as_text(), steps, wall, top)
 
 
-def trace_summary(data, hlo_text: str, steps: int, wall_s: float) -> dict:
+def trace_summary(data, hlo_text: str, steps: int, wall_s: float, top_count: int = TOP_OPS) -> dict:
     """A trace's ops of the first device, in ms per step: by what each does (`hlo.op_kinds`: matmul, cuDNN
     attention, collective, convert, copy/transpose, other; a kernel that names no HLO op by its own name), the
     time the device was busy (their intervals merged over its streams) and the wall time. On a GPU the device's
@@ -186,7 +203,7 @@ def trace_summary(data, hlo_text: str, steps: int, wall_s: float) -> dict:
         busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
     return {"source": f"jax.profiler trace of {steps} steps, {plane.name}", "wall_ms_per_step": 1e3 * wall_s / steps,
             "busy_ms_per_step": busy / 1e6 / steps, "ms_per_step_by_kind": dict(sorted(ms.items(), key=lambda x: -x[1])),
-            "top_ops_ms_per_step": dict(sorted(top.items(), key=lambda x: -x[1])[:12]),
+            "top_ops_ms_per_step": dict(sorted(top.items(), key=lambda x: -x[1])[:top_count]),
             "lines": {line.name: sum(1 for _ in line.events) for line in plane.lines}}
 
 
@@ -227,6 +244,10 @@ def run_spec(spec: dict, devices, isolate: bool) -> dict:
         return measure(spec, devices)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if PARENT_ONLY_PREALLOCATE in env:  # the child allocates as a training run does: one pool, taken at start
+        del env["XLA_PYTHON_CLIENT_PREALLOCATE"]
+    if spec.get("xla_flags"):
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), spec["xla_flags"]]))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -449,7 +470,8 @@ def unrolled_rows(gpu: bool, cfg, policies: tuple, scanned: dict, base_spec: dic
                   isolate: bool, peak, deadline) -> dict:
     """`none` and `full` again with the layers unrolled (`layer_loop="unrolled"`: no scan stacks), on a GPU only (XLA:CPU
     does not keep a remat policy for unrolled layers): each row's step time and peak against its scanned row's.
-    experiments/scan_stacks.py predicts it from the H100's program: 12–15% faster under `none`, 3–4% under `full`."""
+    experiments/scan_stacks.py predicts it from the H100's program: 12–15% faster under `none`, 3–4% under `full`;
+    an H100 measured 13.9% and 4.4% (2026-11-27, results/gpu_h100_2026-11-27/)."""
     from jaxseq.config import replace
     from jaxseq.training.metrics import throughput
 
@@ -490,11 +512,14 @@ def cudnn_verdict(gpu: bool, rows: dict) -> dict:
 
 def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices, isolate: bool) -> dict:
     """`full` (least memory) in bf16 against float32 on real text (the default corpus: uniform random tokens teach
-    nothing, so their losses barely move): same init, data and steps. float32 with fused attention runs XLA's
-    kernel (cuDNN's takes no float32: `config.on_platform`)."""
+    nothing, so their losses barely move): same init, data and steps, under a training run's own schedule
+    (OptimizerConfig's warmup). Not the timed rows' full rate from the first step: on the same batch that
+    diverged (gpt3-1.3b's loss 11.2 → 18.8 in 3 steps, 2026-11-27), and a chaotic trajectory amplifies any
+    rounding into a loss apart. float32 with fused attention runs XLA's kernel (cuDNN's takes no float32:
+    `config.on_platform`)."""
     from jaxseq.config import on_platform
 
-    spec = {**base_spec, "parallel": parallel, "remat": "full", "data": "corpus"}
+    spec = {**base_spec, "parallel": parallel, "remat": "full", "data": "corpus", "optimizer": {}}
     print("  bf16 / float32 parity runs on the default corpus …", flush=True)
     bf16 = run_spec({**spec, "model": dataclasses.asdict(cfg)}, devices, isolate)
     platform = devices[0].platform
@@ -503,7 +528,8 @@ def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices,
     if "losses" not in bf16 or "losses" not in f32:
         return {"ok": None, "note": (bf16.get("error") or f32.get("error") or "a parity run failed")}
     rel = [abs(a - b) / abs(b) for a, b in zip(bf16["losses"], f32["losses"])]
-    return {"ok": max(rel) <= PARITY_TOLERANCE, "tolerance": PARITY_TOLERANCE, "losses_bf16": bf16["losses"],
+    return {"ok": max(rel) <= PARITY_TOLERANCE, "tolerance": PARITY_TOLERANCE, "schedule": "OptimizerConfig()'s",
+            "losses_bf16": bf16["losses"],
             "losses_f32": f32["losses"], "max_relative_difference": max(rel), "remat": "full", "data": "default corpus",
             "f32_median_step_s": f32["median_step_s"]}
 
@@ -687,7 +713,8 @@ def table(result: dict) -> str:
         lines += [f"\nplan --target failed: {m['target_error']}"] if m.get("target_error") else []
         lines += ["", "cuDNN fused attention: " + (c["note"] if c["used"] is None else
                                                      f"used {c['used']} ({c['note']}; {c['fmha_targets']})"),
-                  f"bf16 vs float32 losses ({p.get('remat', '')}, same init and data, {p.get('data', '')}): "
+                  f"bf16 vs float32 losses ({p.get('remat', '')}, same init, data and schedule "
+                  f"({p.get('schedule', 'warmup 1 step')}), {p.get('data', '')}): "
                   + (f"max relative difference {p['max_relative_difference']:.2e}, tolerance {p['tolerance']}: "
                      + ("within" if p["ok"] else "OUTSIDE") if p.get("ok") is not None else p["note"]), ""]
     lines += shape_table(result.get("sequence_sweep"), "Sequence lengths", "s") + shape_table(
@@ -722,7 +749,8 @@ def device_time_table(rows: dict) -> list[str]:
     if not timed:
         return []
     source = next((t["source"] for t in timed.values() if "source" in t), "")
-    lines = ["", f"Where a step's time goes, ms per step ({source}; the trace's own overhead included):", "",
+    lines = ["", f"Where a step's time goes, ms per step ({source}; the trace's own overhead included; on a GPU the "
+                 "step compiled without command buffers, each kernel launched on its own):", "",
              "| remat | wall | busy | idle | " + " | ".join(DEVICE_TIME_KINDS) + " |",
              "| --- " * (4 + len(DEVICE_TIME_KINDS)) + "|"]
     for policy, t in timed.items():
@@ -825,8 +853,11 @@ def main() -> int:
         print("RESULT " + json.dumps(measure(spec, local_devices()[1])), flush=True)
         return 0
     # Before JAX starts: a parent that only plans must not take 75% of every GPU from its children, and a
-    # machine without one gets simulated CPU devices.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # machine without one gets simulated CPU devices. Its children preallocate as `jaxseq.train` does: growing
+    # pools instead left a child whose step fits unable to place its largest buffer (2026-11-27, micro-batch 8).
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        os.environ[PARENT_ONLY_PREALLOCATE] = "1"
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)
