@@ -178,3 +178,27 @@ def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
         "kind=kLoop, calls=%store\n  %stored = bf16[3,4,8]{2,1,0} fusion-done(%start)")
     assert "fusion-done" in asynchronous and HLO.kernel_bytes(asynchronous) == moved
     assert HLO.stored_bytes_per_layer(asynchronous, 3) == HLO.stored_bytes_per_layer(STACKING, 3) == ROW
+
+
+def test_the_h100s_own_program_reads_as_the_one_compiled_for_it_without_a_gpu():
+    """The optimized program XLA:GPU compiled on an H100 (JAX 0.11.2, GEMMs autotuned: cuBLAS custom calls among
+    them) for gpt3-1.3b's `none` step at micro-batch 4 (experiments/results/gpu_h100_2026-11-27/scan_none.hlo.gz)
+    reads as the program compiled for the H100 on a CPU-only machine (experiments/gpu_target.py, recorded in
+    gpu_target_vs_measured.json): the same stored bytes per layer, dot FLOPs (cuBLAS's GEMMs counted from their
+    dimension numbers) and bytes its memory-bound kernels move, to the byte. Unrolled (`model.unstack`), the H100's
+    program moves the 89.1 GB less that experiments/scan_stacks.py priced, with the same dot FLOPs."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results"
+    read = lambda name: gzip.open(results / "gpu_h100_2026-11-27" / f"{name}.hlo.gz", "rt").read()
+    offline = next(r for r in json.loads((results / "gpu_target_vs_measured.json").read_text())["remat"]
+                   if (r["model"], r["remat"]) == ("gpt3-1.3b", "none"))
+    scan, unrolled = read("scan_none"), read("unrolled_none_split")
+    assert HLO.CUBLAS in scan
+    flops = [HLO.dot_flops(HLO.parse_hlo(t), HLO.entry_name(t)) for t in (scan, unrolled)]
+    assert flops[0] == flops[1] == pytest.approx(offline["dot_tflop"] * 1e12, rel=1e-9)
+    assert HLO.stored_bytes_per_layer(scan, 24) == offline["stored_bytes_per_layer"]
+    assert HLO.memory_bound_bytes(scan) == sum(offline["non_gemm_bytes"].values())
+    assert (HLO.memory_bound_bytes(scan) - HLO.memory_bound_bytes(unrolled)) / 1e9 == pytest.approx(89.1, abs=0.05)

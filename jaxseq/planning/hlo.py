@@ -561,11 +561,14 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
     by_name = {ins.name: ins for ins in comps[comp]}
     total = 0.0
     for ins in comps[comp]:
-        if ins.opcode == "dot":
-            (_, out), = ins.arrays()
+        cublas = ins.opcode == "custom-call" and f'custom_call_target="{CUBLAS}' in ins.rest
+        if ins.opcode == "dot" or cublas:  # cuBLAS's GEMM: its result first, then its workspace
+            out = ins.arrays()[0][1]
             lhs = by_name[ins.operands()[0]].arrays()[0][1]
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest).group(1)
-            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in contracting.split(",") if i]))
+            contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([0-9",]*)\]',
+                                    ins.rest)
+            dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in dims.split(",") if i]))
         elif ins.opcode in (*_FUSIONS, "call"):
             total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
         elif ins.opcode == "while":
