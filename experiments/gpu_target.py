@@ -47,7 +47,6 @@ def compare(target: str = "h100") -> list[dict]:
     from jaxseq.config import ParallelConfig, replace
     from jaxseq.planning import gpu_target
     from jaxseq.planning.plan import plan
-    from jaxseq.training import aot
 
     rows = []
     for name, (cfg, micro_batch, peaks) in measured_runs().items():
@@ -58,9 +57,9 @@ def compare(target: str = "h100") -> list[dict]:
         cpu_s = time.perf_counter() - start
         for policy in POLICIES:
             start = time.perf_counter()
-            step = gpu_target.compile_step(cfg, ParallelConfig(), policy, micro_batch, 1, target)
+            target_bytes = gpu_target.step_bytes(cfg, ParallelConfig(), policy, micro_batch, 1, target)
             rows.append({"model": name, "remat": policy, "micro_batch": micro_batch, "measured_bytes": peaks[policy],
-                         "target_bytes": aot.step_bytes(step), "cpu_plan_bytes": cpu_plan.row(policy).total_bytes_per_device,
+                         "target_bytes": target_bytes, "cpu_plan_bytes": cpu_plan.row(policy).total_bytes_per_device,
                          "target_compile_s": time.perf_counter() - start, "cpu_plan_s": cpu_s,
                          "search_target_bytes": searched["target"][policy][0],
                          "search_cpu_bytes": searched["cpu"][policy][0], "search_cpu_s": searched["cpu"][policy][1]})
@@ -88,6 +87,87 @@ def search_memory(cfg, micro_batch: int, where: str, target: str) -> dict:
     request = SS.Request(1, micro_batch, HARDWARE[target], (micro_batch,), POLICIES, SS.TimeModel(), (1,), (1,))
     result = S.search(cfg, request, SearchCosts(cfg, devices), target=target if where == "target" else None)
     return {e.candidate.remat: (e.memory.total_bytes, e.time.total_s) for e in result.ranked}
+
+
+LATER = RESULTS / "gpu_h100_2026-11-27"  # experiments/gpu.py and gpu_followup.py on an H100, at other shapes
+
+
+def later_runs() -> list[dict]:
+    """What the H100 measured on 2026-11-27 with today's program: gpt3-1.3b's rows at micro-batch 4 again, `lean` at
+    three sequence lengths, `none` at micro-batch 8 and `full` at 32 (preallocated, gpu_followup.py), and unrolled
+    layers (`lax.split`, followup_2_unstack.json): each a config, policy, micro-batch, peak and median step."""
+    from jaxseq.config import ModelConfig, replace
+
+    check = json.loads((LATER / "gpu.json").read_text())
+    model = check["models"]["gpt3-1.3b"]
+    cfg = ModelConfig(**model["config"])
+    row = lambda label, cfg, policy, b, run: {"label": label, "config": cfg, "remat": policy, "micro_batch": b,
+                                              "measured_bytes": run["peak_bytes_in_use"],
+                                              "measured_step_s": run["median_step_s"]}
+    rows = [row(f"{p}, b={model['micro_batch']}", cfg, p, model["micro_batch"], r) for p, r in model["policies"].items()]
+    rows += [row(f"lean, s={r['seq_len']}, b={r['micro_batch']}", replace(cfg, seq_len=r["seq_len"]), "lean",
+                 r["micro_batch"], r) for r in check["sequence_sweep"]["runs"]]
+    followup = json.loads((LATER / "followup_1.json").read_text())["runs"]
+    rows += [row("none, b=8", cfg, "none", 8, followup["none_micro_batch_8"]),
+             row("full, b=32", cfg, "full", 32, followup["full_micro_batch_32"])]
+    unrolled = json.loads((LATER / "followup_2_unstack.json").read_text())["runs"]
+    rows += [row(f"{p}, unrolled, b=4", replace(cfg, layer_loop="unrolled"), p, 4, unrolled[name])
+             for p, name in (("none", "unrolled_none"), ("full", "unrolled_full"))]
+    return rows
+
+
+def later_shapes(target: str = "h100") -> list[dict]:
+    """Each of `later_runs`: `plan --target`'s peak (the larger of the Triton and cuBLAS programs, and each), and
+    the search's time model and the step priced on its (Triton) program against the measured step."""
+    import jax
+
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import search as S
+    from jaxseq.planning.search_costs import SearchCosts
+    from jaxseq.training import aot
+
+    hw, out = HARDWARE[target], []
+    for r in later_runs():
+        cfg, policy, b = r["config"], r["remat"], r["micro_batch"]
+        programs = {g: gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g) for g in gpu_target.GEMMS}
+        peaks = {g: aot.step_bytes(c) for g, c in programs.items()}
+        state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
+        stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, b, target)
+        tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
+        c, layer = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1), S.LayerCost(stored, {}, 0, 0)
+        moved = hlo.memory_bound_bytes(programs["triton"].as_text())
+        out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len, "layer_loop": cfg.layer_loop,
+                    "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
+                    "stored_bytes_per_layer": stored, "memory_bound_bytes": moved,
+                    "model_step_s": S.step_time(cfg, c, layer, state, hw, tm).total_s,
+                    "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s})
+    return out
+
+
+def later_table(rows: list[dict]) -> str:
+    error = lambda r, key, measured: f"{100 * (r[key] / r[measured] - 1):+.1f}%"
+    lines = ["## Shapes measured later: gpt3-1.3b on the H100, 2026-11-27", "",
+             f"Measured with today's program ({LATER.relative_to(ROOT)}: experiments/gpu.py, then gpu_followup.py "
+             "for micro-batches 8 and 32 preallocated and for unrolled layers after `models.model.unstack`). "
+             "--target: the larger of the step compiled with Triton's GEMMs (XLA's choice without a device) and with "
+             "cuBLAS's (`gpu_target.step_bytes`), MiB per device. Model: `plan --search`'s time model with this "
+             "layer's stored bytes (no scan stacks for unrolled layers); program: the step priced on its Triton "
+             "program (`plan --search --target --verify`'s GPU s). Nothing is fitted to these runs.", "",
+             "| configuration | measured MiB | --target | error | Triton | cuBLAS | measured s | model s | error "
+             "| program s | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['measured_bytes'] / MIB:,.0f} | {r['target_bytes'] / MIB:,.0f} | "
+                     f"{error(r, 'target_bytes', 'measured_bytes')} | {r['triton_bytes'] / MIB:,.0f} | "
+                     f"{r['cublas_bytes'] / MIB:,.0f} | {r['measured_step_s']:.4f} | {r['model_step_s']:.4f} | "
+                     f"{error(r, 'model_step_s', 'measured_step_s')} | {r['program_step_s']:.4f} | "
+                     f"{error(r, 'program_step_s', 'measured_step_s')} |")
+    worst = lambda key, measured: max(abs(100 * (r[key] / r[measured] - 1)) for r in rows)
+    lines += ["", f"Largest |error|: --target {worst('target_bytes', 'measured_bytes'):.1f}% (Triton's program alone "
+              f"{worst('triton_bytes', 'measured_bytes'):.1f}%), the time model {worst('model_step_s', 'measured_step_s'):.1f}%, "
+              f"the program {worst('program_step_s', 'measured_step_s'):.1f}%."]
+    return "\n".join(lines) + "\n"
 
 
 def remat_on_gpu(target: str = "h100") -> list[dict]:
@@ -201,7 +281,7 @@ def table(rows: list[dict], target: str, jax_version: str) -> str:
              f"models/cudnn_attention.py), micro-batch 4 × 2048 tokens "
              f"({MEASURED.relative_to(ROOT)}). `--target {target}`: the whole donated train step compiled for the "
              f"{target.upper()} on this CPU-only machine with jax {jax_version} and its CUDA plugin (argument + output + temp − "
-             f"alias). CPU plan: `plan` without "
+             f"alias; the larger of its programs with Triton's and cuBLAS's GEMMs, `gpu_target.step_bytes`). CPU plan: `plan` without "
              f"--target (XLA:CPU, simulated devices). MiB per device.", "",
              "| model | remat | measured | --target h100 | error | CPU plan | error | search --target | error "
              "| search (CPU) | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -228,10 +308,11 @@ def main() -> int:
     for r in remat:  # the search's time with its layers compiled by XLA:CPU (no --target), + the measured replay
         row = next(x for x in rows if (x["model"], x["remat"]) == (r["model"], r["remat"]))
         r["model_cpu_layers_step_s"] = row["search_cpu_s"] + r["replayed_attention_s"]
+    later = later_shapes()
     out = {"jax_version": jax.__version__, "target": "h100", "units": "bytes per device, TFLOP per step, seconds",
-           "rows": rows, "remat": remat}
+           "rows": rows, "remat": remat, "later_shapes": later}
     (RESULTS / "gpu_target_vs_measured.json").write_text(json.dumps(out, indent=1) + "\n")
-    text = table(rows, "h100", jax.__version__) + "\n" + remat_table(remat)
+    text = table(rows, "h100", jax.__version__) + "\n" + remat_table(remat) + "\n" + later_table(later)
     (RESULTS / "gpu_target_vs_measured.md").write_text(text)
     print(text)
     return 0

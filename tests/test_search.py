@@ -310,6 +310,31 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
         assert max(errors) - min(errors) < 0.03, (name, errors)
 
 
+def test_the_h100_step_times_at_shapes_measured_later():
+    """The second H100 session (experiments/results/gpu_h100_2026-11-27/: gpt3-1.3b at micro-batch 4 again, `lean` at
+    s = 1024, 4096 and 8192, `none` at micro-batch 8, `full` at 32, unrolled `none` and `full`), with what
+    experiments/gpu_target.py read from each step compiled for the H100 (stored bytes per layer, the bytes its
+    memory-bound kernels move). Priced on its program every step is within 3%; the time model is below every one,
+    by 3.6–8.1%: it misses issue 36's 8% once, `full` at micro-batch 32 (what the replayed forward writes and the
+    backward reads again, which it leaves out)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    later = json.loads(open(os.path.join(root, "experiments/results/gpu_target_vs_measured.json")).read())["later_shapes"]
+    check = json.loads(open(os.path.join(root, "experiments/results/gpu_h100_2026-11-27/gpu.json")).read())
+    base = ModelConfig(**check["models"]["gpt3-1.3b"]["config"])
+    hw = HARDWARE["h100"]
+    assert len(later) == 10
+    for r in later:
+        cfg = replace(base, seq_len=r["seq_len"], layer_loop=r["layer_loop"])
+        tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
+        state = SearchCosts(cfg, jax.devices()[:1]).state(cfg, 1, 1, False, 1)
+        c = S.Candidate(1, 1, 1, 1, r["micro_batch"], r["remat"], False, False, 1)
+        layer = S.LayerCost(r["stored_bytes_per_layer"], {}, 0, 0)
+        model = S.step_time(cfg, c, layer, state, hw, tm).total_s / r["measured_step_s"] - 1
+        on_program = S.program_step_time(cfg, c, layer, state, hw, tm, r["memory_bound_bytes"]).total_s
+        assert abs(on_program / r["measured_step_s"] - 1) < 0.03, (r["label"], on_program)
+        assert -0.085 < model < -0.03, (r["label"], model)
+
+
 def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_stored_bytes():
     """A fused attention's two products run in one kernel: half of their FLOPs (causal), forward at cuDNN's 617 and
     backward (2.5× the work) at its 465 TFLOP/s of the H100's 989, the forward again only where the policy replays
