@@ -148,15 +148,16 @@ def test_cudnns_attention_compiles_in_the_data_fsdp_and_pipeline_regions_and_run
 @pytest.mark.slow  # a plan: 6 CPU programs and 4 GPU ones
 def test_a_plan_for_a_target_reads_each_rows_whole_step_compiled_for_it(devices):
     """`plan --target h100`: each row's stored bytes and total are XLA:GPU's, labelled so; the total is the row's
-    whole train step compiled for the H100 (FLOPs stay XLA:CPU's: a deviceless GPU compile has no cost analysis)."""
+    whole train step compiled for the H100, the larger of its Triton and cuBLAS programs (FLOPs stay XLA:CPU's: a
+    deviceless GPU compile has no cost analysis)."""
     from jaxseq.planning.plan import CPU_SOURCE, plan
 
     cfg = replace(preset("tiny"), attention="fused")
     on_gpu, on_cpu = (plan(cfg, 1, 2, devices, policies=("selective",), target=target) for target in ("h100", None))
     row, cpu_row = on_gpu.row("selective"), on_cpu.row("selective")
     assert row.memory_source.startswith("XLA:GPU h100") and cpu_row.memory_source == CPU_SOURCE
-    step = G.compile_step(cfg, ParallelConfig(), "selective", 2, 1, "h100")
-    assert row.total_bytes_per_device == aot.step_bytes(step) != cpu_row.total_bytes_per_device
+    assert row.total_bytes_per_device == G.step_bytes(cfg, ParallelConfig(), "selective", 2, 1, "h100")
+    assert row.total_bytes_per_device != cpu_row.total_bytes_per_device
     assert row.flops_per_layer == cpu_row.flops_per_layer
 
 
@@ -184,8 +185,9 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     parallel = G.step_parallel(tensor=gpu["tensor"], sequence_parallel=gpu["sequence_parallel"], data=gpu["data"],
                                distributed_optimizer=gpu["distributed_optimizer"], pipeline=gpu["pipe"])
     cfg = replace(preset("tiny"), attention="fused")
-    step = G.compile_step(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
-    assert gpu["compiled_step_gib"] * 2**30 == aot.step_bytes(step)
+    step = G.compile_step(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")  # Triton's
+    planned = G.step_bytes(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
+    assert gpu["compiled_step_gib"] * 2**30 == planned >= aot.step_bytes(step)
     # GPU s: the step priced on that program (its memory-bound kernels' bytes), its collectives as the model's
     from dataclasses import fields
 
@@ -210,7 +212,7 @@ def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
     cfg = replace(preset("tiny"), attention="fused")
-    planned = {b: aot.step_bytes(G.compile_step(cfg, ParallelConfig(), "full", b, 1, "h100")) for b in (2, 4)}
+    planned = {b: G.step_bytes(cfg, ParallelConfig(), "full", b, 1, "h100") for b in (2, 4)}
     limit = (planned[2] + planned[4]) // 2
     assert planned[2] < limit < planned[4]
     assert gpu.largest_micro_batch(cfg, 1, False, "full", limit, "NVIDIA H100 80GB HBM3", 2) == (2, planned[2])
@@ -233,10 +235,12 @@ def test_an_unknown_target_or_a_missing_plugin_is_one_line(monkeypatch):
 def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     """`layer_loop="unrolled"` compiled for the H100: every policy replays the matmuls it does under the scan (the
     same dot FLOPs; explicit attention, where `selective` replays QKᵀ) and holds less than it, in the same order
-    (none > selective > full). With fused attention its memory-bound kernels move fewer bytes by what the search's
-    time model prices the scan's stacks at (`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3
-    copies of each layer's weights per micro-batch), within 30% (−13% and −11% on jax 0.10, −25% under `full` on
-    0.12; with explicit attention the scan costs more: 1.5–2.6× that at this shape)."""
+    (none > selective > full). For gpt3-1.3b as the H100 ran it (fused attention, micro-batch 4), its memory-bound
+    kernels move fewer bytes by what the search's time model prices the scan's stacks at
+    (`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights per
+    micro-batch), within 20% (`none` 89.1 GB against 89.5, `full` 23.7 against 20.9 on jax 0.10; measured on the
+    H100: 13.9% and 4.4% faster, experiments/results/gpu_h100_2026-11-27/). At a toy shape, where the weights
+    outweigh the activations, the weights' gradient joined by one concatenate (`model.unstack`) is most of it."""
     from jaxseq.models.model import num_params
     from jaxseq.planning import kernel_time as K
 
@@ -250,10 +254,11 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
         assert dots[0] == dots[1] and aot.step_bytes(unrolled) < aot.step_bytes(scan)
         peaks[remat] = aot.step_bytes(unrolled)
     assert peaks["none"] > peaks["selective"] > peaks["full"]
-    fused = replace(cfg, attention="fused")
-    layer_parameters = (num_params(cfg) - num_params(replace(cfg, layers=0))) / cfg.layers
+    (model,) = json.loads((MEASURED / "h100_gpt3-1.3b_mb4.json").read_text())["models"].values()
+    gpt = ModelConfig(**model["config"])
+    layer_parameters = (num_params(gpt) - num_params(replace(gpt, layers=0))) / gpt.layers
     for remat in ("none", "full"):
-        moved = [hlo.memory_bound_bytes(compiled(fused, loop, remat).as_text()) for loop in ("scan", "unrolled")]
-        stored = G.stored_bytes_per_layer(fused, ParallelConfig(), remat, 4, "h100")
-        stacks = cfg.layers * K.scan_stack_bytes(stored, layer_parameters, 2)
-        assert moved[0] - moved[1] == pytest.approx(stacks, rel=0.3), (remat, moved, stacks)
+        moved = [hlo.memory_bound_bytes(compiled(gpt, loop, remat).as_text()) for loop in ("scan", "unrolled")]
+        stored = G.stored_bytes_per_layer(gpt, ParallelConfig(), remat, 4, "h100")
+        stacks = gpt.layers * K.scan_stack_bytes(stored, layer_parameters, 2)
+        assert moved[0] - moved[1] == pytest.approx(stacks, rel=0.2), (remat, moved, stacks)
