@@ -844,6 +844,15 @@ def run(argv: list[str] | None = None) -> dict:
     return result
 
 
+def parent_allocates_lazily() -> None:
+    """Before JAX starts: a parent that only plans must not take 75% of every GPU from its children. Its children
+    preallocate as `jaxseq.train` does (`run_spec`): growing pools instead left a child whose step fits unable to
+    place its largest buffer (2026-11-27, micro-batch 8)."""
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        os.environ[PARENT_ONLY_PREALLOCATE] = "1"
+
+
 def main() -> int:
     if "--child" in sys.argv:
         import jax
@@ -852,12 +861,7 @@ def main() -> int:
         spec = json.loads(sys.argv[sys.argv.index("--child") + 1])
         print("RESULT " + json.dumps(measure(spec, local_devices()[1])), flush=True)
         return 0
-    # Before JAX starts: a parent that only plans must not take 75% of every GPU from its children, and a
-    # machine without one gets simulated CPU devices. Its children preallocate as `jaxseq.train` does: growing
-    # pools instead left a child whose step fits unable to place its largest buffer (2026-11-27, micro-batch 8).
-    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
-        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        os.environ[PARENT_ONLY_PREALLOCATE] = "1"
+    parent_allocates_lazily()  # and a machine without a GPU gets simulated CPU devices:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)

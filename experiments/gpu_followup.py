@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,13 +37,12 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:  # as gpu.py: the parent plans nothing here, children run
-        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        os.environ["JAXSEQ_GPU_CHECK_PARENT_ONLY_PREALLOCATE"] = "1"
     sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
+    import gpu
+
+    gpu.parent_allocates_lazily()  # the children run, preallocated
     import jax
 
-    import gpu
     from jaxseq.config import on_platform, replace
 
     is_gpu, devices = gpu.local_devices()
