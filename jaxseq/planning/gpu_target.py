@@ -101,17 +101,17 @@ def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
                target: str) -> int:
     """The step's peak bytes per device (argument + output + temp − alias, `aot.step_bytes`): the larger of its
     programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose."""
-    return max(aot.step_bytes(compile_step(cfg, parallel, remat, micro_batch, microbatches, target, gemms))
-               for gemms in GEMMS)
+    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False)[0]
 
 
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-               target: str) -> tuple[int, int]:
+               target: str, priced: bool = True) -> tuple[int, int | None]:
     """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
-    move per step (`hlo.memory_bound_bytes`): the program's own memory and the traffic its time is priced by."""
-    triton = compile_step(cfg, parallel, remat, micro_batch, microbatches, target)
-    cublas = compile_step(cfg, parallel, remat, micro_batch, microbatches, target, "cublas")
-    return max(aot.step_bytes(triton), aot.step_bytes(cublas)), hlo.memory_bound_bytes(triton.as_text())
+    move per step (`hlo.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
+    time is priced by."""
+    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g) for g in GEMMS}
+    peak = max(aot.step_bytes(p) for p in programs.values())
+    return peak, hlo.memory_bound_bytes(programs["triton"].as_text()) if priced else None
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
