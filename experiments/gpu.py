@@ -463,13 +463,16 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     return out
 
 
-UNROLLED_POLICIES = ("none", "full")  # the scan's stacks cost `none` most and `full` least (scan_stacks.md)
+# `lean` first: a GPU run's default remat with fused attention (config.default_remat), the one an unrolled default
+# would run, and not yet measured unrolled; then the ends, where the scan's stacks cost most and least (scan_stacks.md)
+UNROLLED_POLICIES = ("lean", "none", "full")
 
 
 def unrolled_rows(gpu: bool, cfg, policies: tuple, scanned: dict, base_spec: dict, parallel: dict, devices,
                   isolate: bool, peak, deadline) -> dict:
-    """`none` and `full` again with the layers unrolled (`layer_loop="unrolled"`: no scan stacks), on a GPU only (XLA:CPU
-    does not keep a remat policy for unrolled layers): each row's step time and peak against its scanned row's.
+    """`lean`, `none` and `full` again with the layers unrolled (`layer_loop="unrolled"`: no scan stacks), on a GPU
+    only (XLA:CPU does not keep a remat policy for unrolled layers): each row's step time and peak against its
+    scanned row's.
     experiments/scan_stacks.py predicts it from the H100's program: 12–15% faster under `none`, 3–4% under `full`;
     an H100 measured 13.9% and 4.4% (2026-11-27, results/gpu_h100_2026-11-27/)."""
     from jaxseq.config import replace

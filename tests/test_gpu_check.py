@@ -156,8 +156,8 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
 
 @pytest.mark.slow  # the dry run's result, for the table
 def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
-    """On a GPU, `none` and `full` run again with the layers unrolled (here a stand-in run): each row's step time and
-    peak over its scanned row's, in the table; a policy the models' rows did not run is not repeated."""
+    """On a GPU, `lean`, `none` and `full` run again with the layers unrolled (here a stand-in run): each row's step
+    time and peak over its scanned row's, in the table; a policy the models' rows did not run is not repeated."""
     import copy
 
     from jaxseq.config import preset
@@ -168,7 +168,7 @@ def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
     base = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}
     rows = gpu.unrolled_rows(True, preset("tiny"), ("none", "lean", "full"), scanned, base, {"tensor": 1}, [None],
                              False, 989.0, None)
-    assert list(rows) == ["none"] and rows["none"]["layer_loop"] == "unrolled"
+    assert list(rows) == ["lean", "none"] and rows["none"]["layer_loop"] == "unrolled"
     assert rows["none"]["step_vs_scan"] == pytest.approx(0.85) and rows["none"]["peak_vs_scan"] == pytest.approx(30 / 32)
     result = copy.deepcopy(dry[0])
     (model,) = result["models"].values()
