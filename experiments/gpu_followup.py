@@ -1,5 +1,5 @@
 """The questions the H100 run of 2026-11-27 (`experiments/gpu.py`, results/gpu_h100_2026-11-27/) raised, measured on
-one GPU in about 5 minutes:
+one GPU in about 3 minutes:
 
 1. Unrolled layers ran 1.44× (`none`) and 1.50× (`full`) slower than the scan, where the H100 program compiled
    offline moves 15 GB fewer bytes (experiments/scan_stacks.py). Where does the time go? `none` at micro-batch 4,
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # every kernel launched (and traced) on its own
 TOP_OPS = 40
 
 
@@ -61,25 +60,26 @@ def main() -> int:
         row.pop("custom_calls", None)
         result["runs"][name] = {"remat": remat, **{k: v for k, v in extra.items() if k != "hlo_path"}, **row,
                                 "wall_s": time.perf_counter() - start}
-        (out / "gpu_followup.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"  {json.dumps({k: v for k, v in row.items() if k in ('median_step_s', 'peak_bytes_in_use', 'error')})}",
               flush=True)
 
     unrolled = replace(cfg, layer_loop="unrolled")
     trace = {"profile_steps": 2, "top_ops": TOP_OPS}
+    # the whole run without command buffers (gpu.py's traces alone drop them): its step time as well as its kernels
+    no_command_buffers = " ".join(f"--{k}={v}" for k, v in gpu.KERNEL_BY_KERNEL.items())
     runs = {
         "unrolled_none": lambda: run("unrolled_none", unrolled, "none", **trace,
                                      hlo_path=str(out / "unrolled_none.hlo.gz")),
         "unrolled_none_no_command_buffers": lambda: run("unrolled_none_no_command_buffers", unrolled, "none", **trace,
-                                                        xla_flags=NO_COMMAND_BUFFERS),
+                                                        xla_flags=no_command_buffers),
         "unrolled_full": lambda: run("unrolled_full", unrolled, "full"),
         "scan_none_no_command_buffers": lambda: run("scan_none_no_command_buffers", cfg, "none", **trace,
-                                                    xla_flags=NO_COMMAND_BUFFERS, hlo_path=str(out / "scan_none.hlo.gz")),
+                                                    xla_flags=no_command_buffers, hlo_path=str(out / "scan_none.hlo.gz")),
         "none_micro_batch_8": lambda: run("none_micro_batch_8", cfg, "none", micro_batch=8),
         "full_micro_batch_32": lambda: run("full_micro_batch_32", cfg, "full", micro_batch=32),
         "parity": lambda: result.update(parity=gpu.parity(True, cfg, {}, {**base, "steps": 6}, parallel, devices, True)),
     }
-    for name in args.runs or runs:
+    for name in args.runs or runs:  # each run's result on disk as it comes
         runs[name]()
         (out / "gpu_followup.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
