@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
     g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    g.add_argument("--hardware", default="a100", help=f"node defaults: {', '.join(HARDWARE)} (default a100)")
+    g.add_argument("--hardware", default=None,
+                   help=f"node defaults: {', '.join(HARDWARE)} (default: the --target GPU, else a100)")
     g.add_argument("--gpu-memory-gib", type=float, help="memory budget per GPU (default: the hardware's, 80)")
     g.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: a100 312, h100 989)")
     g.add_argument("--hbm-gb-per-s", type=float, help="GPU memory bandwidth, GB/s (default: a100 2039, h100 3350)")
@@ -178,12 +179,18 @@ def search_request(args) -> search_space.Request:
     """The cluster and the search space from the command line (one-line ConfigErrors)."""
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("--search needs --gpus and --global-batch")
-    if args.hardware not in HARDWARE:
-        raise ConfigError(f"hardware={args.hardware!r} is not known; valid: {', '.join(HARDWARE)}")
+    if args.target is not None:
+        gpu_target.target_config(args.target)  # a known GPU, or one line
+    name = args.hardware or args.target or "a100"
+    if name not in HARDWARE:
+        raise ConfigError(f"hardware={name!r} is not known; valid: {', '.join(HARDWARE)}")
+    if args.target is not None and name != args.target:
+        raise ConfigError(f"--hardware {name} with --target {args.target}: the layers compiled for the {args.target} "
+                          f"would be timed as the {name}'s; leave --hardware out (it follows --target) or make them agree")
     overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops, "hbm_gb_per_s": args.hbm_gb_per_s,
                  "sm_count": args.sm_count, "gpus_per_node": args.gpus_per_node,
                  "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
-    hardware = replace(HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None})
+    hardware = replace(HARDWARE[name], **{k: v for k, v in overrides.items() if v is not None})
     time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
                              link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap,
                              lockstep=args.lockstep, scan_stacks=args.layer_loop == "scan")

@@ -542,10 +542,22 @@ def test_no_fit_and_nothing_valid_are_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_the_hardware_follows_the_target():
+    """`--target h200` times the search on the H200 its layers were compiled for; without either, the A100."""
+    parse = lambda *extra: plan_command.search_request(plan_command.build_parser().parse_args(
+        ["--search", "--preset", "tiny", "--gpus", "8", "--global-batch", "8", *extra]))
+    assert parse("--target", "h200").hardware.name == "h200"
+    assert parse("--target", "h100", "--hardware", "h100").hardware.name == "h100"
+    assert parse().hardware.name == "a100" and parse("--hardware", "h100").hardware.name == "h100"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "gpt5"], "error: unknown preset 'gpt5'"),
     (["--preset", "tiny", "--gpus", "12"], "error: gpus=12 is not a multiple of gpus_per_node=8"),
     (["--preset", "tiny", "--hardware", "tpu"], "error: hardware='tpu' is not known; valid: a100, h100"),
+    (["--preset", "tiny", "--target", "v100"], "error: target='v100' is not a known GPU; valid: a100, h100, h200"),
+    (["--preset", "tiny", "--target", "h100", "--hardware", "a100"],
+     "error: --hardware a100 with --target h100: the layers compiled for the h100 would be timed as the a100's"),
     (["--preset", "tiny", "--remat-policies", "most"], "error: remat='most' is not a registered policy"),
     (["--preset", "tiny", "--micro-batch-sizes", "1,x"], "error: '1,x' is not a comma-separated list of int"),
     (["--preset", "tiny", "--compute-efficiency", "1.5"], "error: compute_efficiency=1.5 must be in (0, 1]"),
