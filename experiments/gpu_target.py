@@ -118,10 +118,12 @@ def later_runs() -> list[dict]:
 
 def later_shapes(target: str = "h100") -> list[dict]:
     """Each of `later_runs`: `plan --target`'s peak (the larger of the Triton and cuBLAS programs, and each), and
-    the search's time model and the step priced on its (Triton) program against the measured step."""
+    against the measured step: the search's time model with its layer compiled for the GPU (`plan --search --target`:
+    stored bytes, the bytes its loops move), the same with Megatron's kernels counted in place of those bytes (what
+    a layer compiled by XLA:CPU gets), and the step priced on its (Triton) program."""
     import jax
 
-    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.config import ParallelConfig, on_platform, replace
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
     from jaxseq.planning import search as S
@@ -134,14 +136,15 @@ def later_shapes(target: str = "h100") -> list[dict]:
         programs = {g: gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g) for g in gpu_target.GEMMS}
         peaks = {g: aot.step_bytes(c) for g, c in programs.items()}
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
-        stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, b, target)
+        layer = SearchCosts(on_platform(cfg, "gpu"), gpu_target.target_devices(target, 1)).layer(1, False, policy, b)
         tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
-        c, layer = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1), S.LayerCost(stored, {}, 0, 0)
+        c = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1)
         moved = hlo.memory_bound_bytes(programs["triton"].as_text())
         out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len, "layer_loop": cfg.layer_loop,
                     "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
-                    "stored_bytes_per_layer": stored, "memory_bound_bytes": moved,
-                    "model_step_s": S.step_time(cfg, c, layer, state, hw, tm).total_s,
+                    "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
+                    "memory_bound_bytes": moved, "model_step_s": S.step_time(cfg, c, layer, state, hw, tm).total_s,
+                    "model_counted_step_s": S.step_time(cfg, c, replace(layer, moved_bytes=None), state, hw, tm).total_s,
                     "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s})
     return out
 
@@ -152,20 +155,25 @@ def later_table(rows: list[dict]) -> str:
              f"Measured with today's program ({LATER.relative_to(ROOT)}: experiments/gpu.py, then gpu_followup.py "
              "for micro-batches 8 and 32 preallocated and for unrolled layers after `models.model.unstack`). "
              "--target: the larger of the step compiled with Triton's GEMMs (XLA's choice without a device) and with "
-             "cuBLAS's (`gpu_target.step_bytes`), MiB per device. Model: `plan --search`'s time model with this "
-             "layer's stored bytes (no scan stacks for unrolled layers); program: the step priced on its Triton "
-             "program (`plan --search --target --verify`'s GPU s). Nothing is fitted to these runs.", "",
+             "cuBLAS's (`gpu_target.step_bytes`), MiB per device. Model: `plan --search --target`'s time model, its "
+             "layer compiled for the GPU (the stored bytes, and the bytes its loops move: `LayerCost.moved_bytes`, "
+             "read at micro-batches 1 and 2; the scan's stacks taken out for unrolled layers); counted: the same with "
+             "Megatron's kernels counted in place of those bytes (what a layer compiled by XLA:CPU gets, without "
+             "--target); program: the step priced on its Triton program (`plan --search --target --verify`'s GPU s). "
+             "Nothing is fitted to these runs.", "",
              "| configuration | measured MiB | --target | error | Triton | cuBLAS | measured s | model s | error "
-             "| program s | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| counted s | error | program s | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['measured_bytes'] / MIB:,.0f} | {r['target_bytes'] / MIB:,.0f} | "
                      f"{error(r, 'target_bytes', 'measured_bytes')} | {r['triton_bytes'] / MIB:,.0f} | "
                      f"{r['cublas_bytes'] / MIB:,.0f} | {r['measured_step_s']:.4f} | {r['model_step_s']:.4f} | "
-                     f"{error(r, 'model_step_s', 'measured_step_s')} | {r['program_step_s']:.4f} | "
+                     f"{error(r, 'model_step_s', 'measured_step_s')} | {r['model_counted_step_s']:.4f} | "
+                     f"{error(r, 'model_counted_step_s', 'measured_step_s')} | {r['program_step_s']:.4f} | "
                      f"{error(r, 'program_step_s', 'measured_step_s')} |")
     worst = lambda key, measured: max(abs(100 * (r[key] / r[measured] - 1)) for r in rows)
     lines += ["", f"Largest |error|: --target {worst('target_bytes', 'measured_bytes'):.1f}% (Triton's program alone "
-              f"{worst('triton_bytes', 'measured_bytes'):.1f}%), the time model {worst('model_step_s', 'measured_step_s'):.1f}%, "
+              f"{worst('triton_bytes', 'measured_bytes'):.1f}%), the time model {worst('model_step_s', 'measured_step_s'):.1f}% "
+              f"(counted kernels {worst('model_counted_step_s', 'measured_step_s'):.1f}%), "
               f"the program {worst('program_step_s', 'measured_step_s'):.1f}%."]
     return "\n".join(lines) + "\n"
 
@@ -178,7 +186,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
 
     import jax
 
-    from jaxseq.config import ParallelConfig
+    from jaxseq.config import ParallelConfig, on_platform
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
     from jaxseq.planning import kernel_time as K
@@ -189,6 +197,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
     for name, (cfg, micro_batch, _) in measured_runs().items():
         runs = json.loads(next(MEASURED.glob(f"h100_{name}_mb*.json")).read_text())["models"][name]["policies"]
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
+        layers = SearchCosts(on_platform(cfg, "gpu"), gpu_target.target_devices(target, 1))  # `plan --search --target`'s
         for policy in POLICIES:
             text = gpu_target.compile_step(cfg, ParallelConfig(), policy, micro_batch, 1, target).as_text()
             comps = hlo.parse_hlo(text)
@@ -203,8 +212,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
                      for place, body in (("forward", forward), ("backward", backward))}
             moved["outside"] = sum(b for body, kinds in kernel_bytes.items() if body not in loops
                                    for kind, b in kinds.items() if kind in memory_bound)
-            stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch, target)
-            hw, tm, layer = HARDWARE[target], S.TimeModel(), S.LayerCost(stored, {}, 0, 0)
+            hw, tm, layer = HARDWARE[target], S.TimeModel(), layers.layer(1, False, policy, micro_batch)
             c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             # the measured program ran cuDNN's attention forward again in the backward under every policy
             replayed = 0.0 if policy == "full" else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0]
@@ -216,8 +224,9 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
                 "forward_layer_dot_tflop": hlo.dot_flops(comps, forward) / 1e12,
                 "backward_layer_dot_tflop": hlo.dot_flops(comps, backward) / 1e12,
                 "forward_loop_cudnn": calls(forward), "backward_loop_cudnn": calls(backward),
-                "stored_bytes_per_layer": stored, "replayed_attention_s": replayed,
-                "model_step_s": model.total_s + replayed, "model_optimizer_s": model.optimizer_s,
+                "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
+                "replayed_attention_s": replayed, "model_step_s": model.total_s + replayed,
+                "model_optimizer_s": model.optimizer_s,
                 "non_gemm_bytes": moved, "program_step_s": on_program.total_s + replayed,
                 "measured_step_s": runs[policy]["median_step_s"]})
     return rows
@@ -243,11 +252,12 @@ def remat_table(rows: list[dict]) -> str:
               "Memory-bound GB: what the compiled step's kernels other than GEMMs, attention and collectives read and "
               "write (`hlo.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and update only; "
               "loop bodies × their trip count), in the forward layer loop, the backward one and outside them (the "
-              "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search`'s time model "
-              "(`search.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, Megatron's elementwise "
-              "byte count, the stored bytes and the layer's weights through the scan's stacks, the optimizer step), with this layer's stored "
-              "bytes, as `plan --search --target h100` ranks it; with CPU layers: the same search's time without "
-              "--target (its layers' stored bytes XLA:CPU's). Program: the step priced on its compiled program "
+              "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search --target h100`'s time "
+              "model (`search.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the bytes the "
+              "layer loops of its layer's GPU program move (`LayerCost.moved_bytes`) + its stacks' zero fill, the "
+              "optimizer step); with CPU layers: the same search's time without --target (its layers compiled by "
+              "XLA:CPU: Megatron's elementwise kernels counted, the stored bytes and the layer's weights through the "
+              "scan's stacks). Program: the step priced on its compiled program "
               "(`search.program_step_time`, the GPU s column of `plan --search --target h100 --verify`: the same GEMMs "
               "and attention, these bytes at 0.88 of HBM bandwidth). Nothing is fitted to these runs.", "",
               "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | model s | error "

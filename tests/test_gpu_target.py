@@ -176,6 +176,8 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     on_cpu = json.loads(capsys.readouterr().out)
     assert on_gpu["memory_source"].startswith("layers compiled for the h100 (XLA:GPU")
     assert on_gpu["fused_attention_caveat"] is None and on_cpu["fused_attention_caveat"] is not None
+    assert on_gpu["memory_bound_source"].startswith("the memory-bound kernels of each layer's h100 program")
+    assert on_cpu["memory_bound_source"].startswith("Megatron's elementwise kernels (counted)")
     gpu, cpu = on_gpu["ranked"][0], on_cpu["ranked"][0]
     assert gpu["memory_gib"]["state"] == cpu["memory_gib"]["state"]  # from shapes, as the search counts it
     assert gpu["memory_gib"]["working"] != cpu["memory_gib"]["working"]  # the programs' own
@@ -201,6 +203,21 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
         t = gpu["time_s"]
         compute = S.program_compute_seconds(cfg, c, HARDWARE["h100"], S.TimeModel(), hlo.memory_bound_bytes(step.as_text()))
         assert gpu["compiled_step_s"] == pytest.approx(t["total"] - t["compute"] - t["optimizer_update"] + compute)
+
+
+def test_a_searchs_gpu_layer_moves_what_the_whole_steps_layer_loops_move():
+    """`plan --search --target`'s layer carries the bytes its loops' memory-bound kernels move (`LayerCost.moved_bytes`,
+    read from the 2-layer train step compiled for the H100): per layer, what the whole step at the model's depth moves
+    in its layer loops (`hlo.layer_loop_bytes`), at micro-batches 1 and 2 (a larger one is extrapolated; the time
+    model prices those bytes, tests/test_search.py holds it to the H100's measured steps)."""
+    from jaxseq.config import on_platform
+    from jaxseq.planning.search_costs import SearchCosts
+
+    cfg = replace(preset("tiny"), attention="fused", dtype="bfloat16", layers=4)
+    costs = SearchCosts(on_platform(cfg, "gpu"), G.target_devices("h100", 1))
+    for b in (1, 2):
+        step = G.compile_step(cfg, ParallelConfig(), "lean", b, 1, "h100")
+        assert costs.layer(1, False, "lean", b).moved_bytes == hlo.layer_loop_bytes(step.as_text(), cfg.layers) > 0
 
 
 def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():

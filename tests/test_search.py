@@ -206,6 +206,31 @@ def test_time_terms_are_the_hand_computation():
     assert again.total_s == pytest.approx(1.5 * t.total_s)
 
 
+
+def test_a_gpu_layers_moved_bytes_replace_the_counted_kernels():
+    """A layer compiled for a GPU carries what its program's layer loops move (`LayerCost.moved_bytes`): the time
+    model prices those bytes in place of Megatron's counted elementwise kernels and the stacks' in-loop passes, + the
+    stacks' zero fill (scanned), or − the in-loop passes the program's loops hold (unrolled layers); at context c
+    they are divided by c as the other per-token costs."""
+    c = S.Candidate(2, 1, 1, 1, 2, "full", True, False, 1)
+    costs, tm = HandCosts(), S.TimeModel(compute_efficiency=0.5, memory_efficiency=0.8)
+    counted = costs.layer(2, True, "full", 2)  # stored 1 MB
+    layer = replace(counted, moved_bytes=7e7)
+    state = costs.state(CFG, 2, 1, False, 1)
+    params, L = state.layer_parameters / CFG.layers, CFG.layers
+    matmuls = K.layer_matmul_seconds(CFG, 2, 2, "full", NODE, 0.5, 0.8)
+    head = K.head_seconds(CFG, 2, 2, True, NODE, 0.5, 0.8)
+    scanned = S.step_time(CFG, c, layer, state, NODE, tm).compute_s
+    assert scanned == pytest.approx(L * matmuls + head + L * (7e7 + 1 * 1e6) / 800e9)
+    unrolled = S.step_time(CFG, c, layer, state, NODE, replace(tm, scan_stacks=False)).compute_s
+    assert unrolled == pytest.approx(L * matmuls + head + L * (7e7 - 4 * 1e6 - 3 * 2 * 2 * params) / 800e9)
+    counted_s = S.step_time(CFG, c, counted, state, NODE, tm).compute_s  # XLA:CPU's layer: Megatron's kernels
+    assert counted_s == pytest.approx(L * K.layer_seconds(CFG, 2, 2, True, "full", NODE, 0.5, 0.8) + head
+                                      + L * (5 * 1e6 + 3 * 2 * 2 * params) / 800e9)
+    at_4 = S.at_context(CFG, replace(c, context=4), layer)
+    assert at_4.moved_bytes == pytest.approx(7e7 / 4) and S.at_context(CFG, replace(c, context=4), counted).moved_bytes is None
+
+
 # ---------------------------------------------------------------------------------------------
 # The compute time from shapes (planning/kernel_time.py), on NODE: 10 SMs, 100 TFLOP/s, 1000 GB/s
 
@@ -280,13 +305,14 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
     """The step times an H100 measured (experiments/results/gpu_h100_2026-11-26/, micro-batch 4, cuDNN attention)
     against the search's time model (compute + the optimizer step: one GPU, so nothing else) and against the step
     priced on the H100's compiled program (`program_step_time`, what `plan --search --target --verify` reports), with
-    what experiments/gpu_target.py read from that program: each policy's stored bytes per layer and the bytes its
+    what experiments/gpu_target.py read from that program: each policy's stored bytes per layer, the bytes its
+    layer's loops move (`LayerCost.moved_bytes`, `plan --search --target`'s layer) and the bytes the whole step's
     memory-bound kernels move. The measured program ran cuDNN's attention forward again in the backward under every
     policy (jaxseq's VJP came after): that kernel is added where the model has it only under `full`.
     Nothing is fitted to these runs: the constants are the paper row's GEMM efficiency, the stated HBM fraction and
-    the published cuDNN attention rates (the scan's stacks' passes are counted from the kernels of this program).
-    The model: within 8% (issue 36's bar), its per-policy errors within 3 points of each other (16.5 before the
-    flash kernel's rates and the scan's stacks); the program: within 5%."""
+    the published cuDNN attention rates. The model with the GPU's layer: within 4% (issue 36's bar is 8%), its
+    per-policy errors within 3 points of each other; with Megatron's kernels counted (a layer XLA:CPU compiled, no
+    --target): within 8%, 4-7% low; the program: within 5%."""
     root = os.path.dirname(os.path.dirname(__file__))
     read = json.loads(open(os.path.join(root, "experiments/results/gpu_target_vs_measured.json")).read())["remat"]
     program = {(r["model"], r["remat"]): r for r in read}
@@ -296,29 +322,34 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
         (measured,) = json.loads(open(os.path.join(root, path)).read())["models"].values()
         cfg, b = ModelConfig(**measured["config"]), measured["micro_batch"]
         state = SearchCosts(cfg, jax.devices()[:1]).state(cfg, 1, 1, False, 1)  # from shapes, nothing compiled
-        errors = []
+        errors, counted_errors = [], []
         for remat, run in measured["policies"].items():
             c = S.Candidate(1, 1, 1, 1, b, remat, False, False, 1)
-            layer = S.LayerCost(program[name, remat]["stored_bytes_per_layer"], {}, 0, 0)
+            row = program[name, remat]
+            layer = S.LayerCost(row["stored_bytes_per_layer"], {}, 0, 0, 1, row["moved_bytes_per_layer"])
             replayed = 0.0 if remat == "full" else cfg.layers * K.fused_attention_seconds(cfg, b, 1, remat, hw)[0]
-            model = S.step_time(cfg, c, layer, state, hw, tm).total_s + replayed
-            moved = sum(program[name, remat]["non_gemm_bytes"].values())
-            on_program = S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s + replayed
-            errors.append(model / run["median_step_s"] - 1)
-            assert abs(errors[-1]) < 0.08, (name, remat, errors[-1])
-            assert abs(on_program / run["median_step_s"] - 1) < 0.05, (name, remat, on_program)
-        assert max(errors) - min(errors) < 0.03, (name, errors)
+            error = lambda layer: (S.step_time(cfg, c, layer, state, hw, tm).total_s + replayed) / run["median_step_s"] - 1
+            errors.append(error(layer))
+            counted_errors.append(error(replace(layer, moved_bytes=None)))
+            on_program = S.program_step_time(cfg, c, layer, state, hw, tm, sum(row["non_gemm_bytes"].values())).total_s
+            assert abs(errors[-1]) < 0.04, (name, remat, errors[-1])
+            assert -0.08 < counted_errors[-1] < -0.04, (name, remat, counted_errors[-1])
+            assert abs((on_program + replayed) / run["median_step_s"] - 1) < 0.05, (name, remat, on_program)
+        assert max(errors) - min(errors) < 0.03 and max(counted_errors) - min(counted_errors) < 0.03, (name, errors)
 
 
 def test_the_h100_step_times_at_shapes_measured_later():
     """The second H100 session (experiments/results/gpu_h100_2026-11-27/: gpt3-1.3b at micro-batch 4 again, `lean` at
     s = 1024, 4096 and 8192, `none` at micro-batch 8, `full` at 32, unrolled `none` and `full`), with what
-    experiments/gpu_target.py read from each step compiled for the H100 (stored bytes per layer, the bytes its
-    memory-bound kernels move). Priced on its program every step is within 3%; the time model is below every one,
-    by 3.6–8.1%: it misses issue 36's 8% once, `full` at micro-batch 32. What it leaves out of jaxseq's layer
-    kernels is 1.8× as many bytes under `full` as under `none` (42.6 against 23.3 GB per step at micro-batch 4, read
-    from the H100 program's layer loops); the likely difference, not yet counted kernel by kernel, is the replayed
-    forward's activations written and read again inside the backward."""
+    experiments/gpu_target.py read from each step compiled for the H100 (the search's layer: stored bytes and the
+    bytes its loops move, read at micro-batches 1 and 2; the bytes the whole step's memory-bound kernels move). With
+    the GPU's layer the time model is within 4% of every step (0.4% low to 3.3% high, up to 1.3 points above the
+    program's price: its optimizer reads float32 gradients where one GPU's reads bf16, and the layer's bytes
+    extrapolated from micro-batches 1 and 2 come out 4% above what a micro-batch of 4 or 8 moves), and priced on
+    its program within 3%. With Megatron's kernels
+    counted in place of the layer's bytes (no --target) it is below every one, by 3.6-8.1%: it leaves out what
+    XLA:GPU's fusions move beyond Megatron's (float32 intermediates of GELU's gradient, Q/K/V split and joined,
+    bias and norm gradients reduced apart), the more so under `full`, whose replayed forward runs them again."""
     root = os.path.dirname(os.path.dirname(__file__))
     later = json.loads(open(os.path.join(root, "experiments/results/gpu_target_vs_measured.json")).read())["later_shapes"]
     check = json.loads(open(os.path.join(root, "experiments/results/gpu_h100_2026-11-27/gpu.json")).read())
@@ -330,11 +361,12 @@ def test_the_h100_step_times_at_shapes_measured_later():
         tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
         state = SearchCosts(cfg, jax.devices()[:1]).state(cfg, 1, 1, False, 1)
         c = S.Candidate(1, 1, 1, 1, r["micro_batch"], r["remat"], False, False, 1)
-        layer = S.LayerCost(r["stored_bytes_per_layer"], {}, 0, 0)
-        model = S.step_time(cfg, c, layer, state, hw, tm).total_s / r["measured_step_s"] - 1
+        layer = S.LayerCost(r["stored_bytes_per_layer"], {}, 0, 0, 1, r["moved_bytes_per_layer"])
+        error = lambda layer: S.step_time(cfg, c, layer, state, hw, tm).total_s / r["measured_step_s"] - 1
         on_program = S.program_step_time(cfg, c, layer, state, hw, tm, r["memory_bound_bytes"]).total_s
         assert abs(on_program / r["measured_step_s"] - 1) < 0.03, (r["label"], on_program)
-        assert -0.085 < model < -0.03, (r["label"], model)
+        assert abs(error(layer)) < 0.04, (r["label"], error(layer))
+        assert -0.085 < error(replace(layer, moved_bytes=None)) < -0.03, r["label"]
 
 
 def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_stored_bytes():
@@ -351,7 +383,7 @@ def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_store
     assert K.fused_attention_seconds(CFG, 2, 1, "full", h100) == (0.0, 0.0, 0.0)  # explicit: GEMMs
     assert not {g.name.split(".")[0] for g in K.gemm_kernels(cfg, 2, 1, "full")} & set(K.ATTENTION_CORE)
     assert {g.name for g in K.gemm_kernels(CFG, 2, 1, "full")} == {g.name for g in K.layer_gemms(CFG, 2, 1, "full")}
-    assert K.scan_stack_seconds(1e9, 1e8, 2, h100, 0.5) == pytest.approx((5e9 + 3 * 2 * 2e8) / (0.5 * 3350e9))
+    assert K.scan_stack_bytes(1e9, 1e8, 2) == pytest.approx(5e9 + 3 * 2 * 2e8)
 
 
 def test_elementwise_bytes_are_the_hand_computation():
@@ -840,6 +872,7 @@ def test_search_compiles_the_layer_at_context():
         args = (c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
         at_c, from_1 = costs.layer(*args), scaled.layer(*args)
         assert (at_c.context, from_1.context) == (2, 1)
+        assert at_c.moved_bytes is None is from_1.moved_bytes  # XLA:CPU's kernels are not a GPU's: Megatron's counted
         from_1 = S.at_context(cfg, c, from_1)
         assert at_c.stored_bytes == from_1.stored_bytes == F.activation_bytes(cfg, c.remat, 1, 2, c.sequence_parallel,
                                                                                2, c.context_strategy)

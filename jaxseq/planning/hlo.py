@@ -514,6 +514,17 @@ def memory_bound_bytes(hlo_text: str) -> int:
                if kind in MEMORY_BOUND_KINDS)
 
 
+def layer_loop_bytes(hlo_text: str, num_layers: int) -> float:
+    """The bytes the memory-bound kernels of the layer loops (the forward scan and the backward one, with what
+    they call: replays, the stacked buffers' slices and updates) move per layer: `kernel_bytes` / L."""
+    comps, moved = parse_hlo(hlo_text), kernel_bytes(hlo_text)
+    loops = layer_loops(comps, num_layers)
+    if not loops:
+        raise RuntimeError(f"expected layer loops with trip count {num_layers}, found none")
+    inside = {comp for loop in loops for comp in _called(comps, loop.body)}
+    return sum(b for comp in inside for kind, b in moved.get(comp, {}).items() if kind in MEMORY_BOUND_KINDS) / num_layers
+
+
 def _fusion_bytes(instrs: list[Instr]) -> int:
     """The bytes a fusion reads and writes (`kernel_bytes`' rules), from its computation."""
     by_name = {ins.name: ins for ins in instrs}

@@ -14,7 +14,9 @@ in whichever orientation quantizes less.
 Elementwise kernels (LayerNorm, bias + GELU, scale + mask + softmax, dropout, bias + dropout + residual
 add: Megatron-LM's fused kernels) move bytes and do little arithmetic: their time is bytes / (achieved
 fraction of HBM bandwidth · bandwidth). The bytes are counted per kernel below (16-bit activations,
-1-byte dropout masks), forward, backward and the forward a remat policy replays.
+1-byte dropout masks), forward, backward and the forward a remat policy replays: Megatron's kernels, what the
+papers' runs moved. jaxseq's own layer on a GPU moves what XLA:GPU's fusions move, more than this count; where
+the layer is compiled for the GPU the search reads those bytes from its program instead (`search.compute_seconds`).
 
 Fused attention (`--attention fused`: cuDNN's flash kernel on a GPU) is not two GEMMs through HBM: the scores stay on
 chip, the causal mask's upper half is skipped, and the backward recomputes the scores (5 GEMM-sized products to the
@@ -206,6 +208,7 @@ def layer_matmul_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardw
 # H100's program has them all (`hlo.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its broadcast,
 # dynamic-update-slice and dynamic-slice fusions.
 STACK_PASSES = 5  # over the stored activation bytes
+STACK_FILL_PASSES = 1  # of STACK_PASSES: the zero fill, before the layer loops (the other 4 run inside them)
 WEIGHT_STACK_COPIES = 3  # of the layer's parameters, each a read and a write
 
 
@@ -213,12 +216,6 @@ def scan_stack_bytes(stored_bytes: float, layer_parameters: float, itemsize: int
     """The bytes one layer's stored activations (`stored_bytes`, per micro-batch) and its weights (`layer_parameters`
     on the device, in `itemsize` bytes) move through the scan's stacked buffers, per micro-batch."""
     return STACK_PASSES * stored_bytes + WEIGHT_STACK_COPIES * 2 * itemsize * layer_parameters
-
-
-def scan_stack_seconds(stored_bytes: float, layer_parameters: float, itemsize: int, hw: Hardware,
-                       memory_efficiency: float) -> float:
-    """`scan_stack_bytes` at the elementwise kernels' fraction of HBM bandwidth."""
-    return scan_stack_bytes(stored_bytes, layer_parameters, itemsize) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,

@@ -13,7 +13,10 @@ How the per-layer numbers are read (layers under `lax.scan`, so depth does not m
 - collectives: those of one forward and one backward iteration of the layer loop;
 - working memory (transients: one layer's recomputation and gradients in flight, the logits' gradient,
   RNG bits): the compiled float32 train step's temporaries at L=2 minus its gradients and stored
-  activations (`planning.memory`); that remainder does not depend on depth.
+  activations (`planning.memory`); that remainder does not depend on depth;
+- moved bytes (a layer compiled for a GPU only): what the memory-bound kernels of that train step's layer
+  loops read and write, / L (`hlo.layer_loop_bytes`): XLA:GPU's fusions, which the search's time model prices
+  in place of Megatron's kernel count (`search.compute_seconds`). XLA:CPU's fusions are not a GPU's: None.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Measured:
     flops_per_layer: float  # per device, forward + backward of one layer
     collective_bytes_per_layer: dict  # kind → bytes of the buffers, forward + backward, activation dtype
     working_bytes: int  # the train step's transients beyond state and stored activations (float32 step)
+    moved_bytes_per_layer: float | None = None  # its layer loops' memory-bound kernels (a GPU's program only)
 
 
 def _flops(compiled) -> float:
@@ -129,7 +133,7 @@ class Compiler:
         text = compiled.as_text()
         stored = hlo.stored_bytes_per_layer(text, L)
         flops = _flops(compiled) - self.head_flops(c)
-        return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c))
+        return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c), self.moved_bytes(c))
 
     @staticmethod
     def layer_programs(c: RowSpec) -> list[tuple]:
@@ -141,7 +145,8 @@ class Compiler:
         """What `--search` reads of a row: stored bytes and activation collectives per layer, working bytes."""
         text = self._compile(*self.layer_programs(c)[0]).as_text()
         return {"stored_bytes_per_layer": hlo.stored_bytes_per_layer(text, MEASURE_LAYERS),
-                "collective_bytes_per_layer": self._collectives(text, c.tensor), "working_bytes": self.working_bytes(c)}
+                "collective_bytes_per_layer": self._collectives(text, c.tensor), "working_bytes": self.working_bytes(c),
+                "moved_bytes_per_layer": self.moved_bytes(c)}
 
     def head_flops(self, c: RowSpec) -> float:
         """The training computation's FLOPs without layers (L=0): embedding, final norm, logits, loss."""
@@ -155,6 +160,15 @@ class Compiler:
         accounted = state_bytes(cfg, c.tensor).gradients + activation_bytes(
             stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
         return step.memory_analysis().temp_size_in_bytes - accounted
+
+    def moved_bytes(self, c: RowSpec) -> float | None:
+        """What the memory-bound kernels of the train step's layer loops move per layer (`hlo.layer_loop_bytes`), where
+        the step is compiled for a GPU; None for XLA:CPU's step, whose kernels (float32, its own fusions) are not a
+        GPU's."""
+        if self.devices[0].platform == "cpu":
+            return None
+        step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
+        return hlo.layer_loop_bytes(step.as_text(), MEASURE_LAYERS)
 
     @staticmethod
     def forward_programs(tensor: int) -> list[tuple]:

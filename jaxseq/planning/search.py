@@ -105,6 +105,9 @@ class LayerCost:
     working_bytes: float  # the step's transients beyond state and stored activations
     non_layer_activation_bytes: float  # embedding/logits activations
     context: int = 1  # the context size it was compiled at (1 at a candidate's c > 1: `at_context` scales it)
+    # what the memory-bound kernels of its GPU program's layer loops move (`measure.Compiler.moved_bytes`), None where
+    # XLA:CPU compiled it: the time model then counts Megatron's kernels (`kernel_time.layer_elementwise_bytes`)
+    moved_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,8 @@ def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
     stored bytes / c, exact for all-gather (tests/test_plan.py holds the compiled layer to the formula), plus the
     ring's own change (`formulas.activation_bytes` at c − at 1 / c: no scores, its log-sum-exp);
     TP collectives / c (per token); working memory / c (per token) + the K/V transient at backward's peak
-    (`formulas.context_kv_bytes`: not divided by c); the embedding/logits activations of s/c tokens."""
+    (`formulas.context_kv_bytes`: not divided by c); the embedding/logits activations of s/c tokens; the bytes its
+    kernels move / c (per token: the weights' share, not divided in truth, is a few percent of a long sequence's)."""
     if layer.context == c.context:
         return layer
     if layer.context != 1:
@@ -277,7 +281,8 @@ def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
     return LayerCost(layer.stored_bytes / c.context + ring,
                      {k: v / c.context for k, v in layer.collective_bytes.items()},
                      layer.working_bytes / c.context + kv["transient_backward"],
-                     non_layer_activation_bytes(cfg, b, t, sp, c.context))
+                     non_layer_activation_bytes(cfg, b, t, sp, c.context), 1,
+                     None if layer.moved_bytes is None else layer.moved_bytes / c.context)
 
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
@@ -337,19 +342,29 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
-def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, stored_bytes: float = 0.0,
-                    layer_parameters: float = 0.0) -> float:
+def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, layer: LayerCost,
+                    layer_parameters: float) -> float:
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
-    shape's efficiency, fused attention at its kernel's, and the elementwise kernels at HBM bandwidth
+    shape's efficiency, fused attention at its kernel's, and the memory-bound kernels at HBM bandwidth
     (`planning.kernel_time`); at context c a rank does 1/c of it (s/c tokens; the causal attention balanced by the
-    2c-chunk order; the GEMMs' smaller shapes' efficiency not modelled); + each layer's stored activations
-    (`stored_bytes`, at c already) and its parameters on the device through the scan's stacked buffers
-    (`kernel_time.scan_stack_seconds`)."""
+    2c-chunk order; the GEMMs' smaller shapes' efficiency not modelled). The memory-bound bytes: where the layer
+    was compiled for a GPU, what its program's layer loops move (`LayerCost.moved_bytes`, at c already: XLA:GPU's
+    fusions, the scan's slices and updates among them) + the zero fill of its stored activations' stacks; less
+    the stacks' traffic for unrolled layers (`TimeModel.scan_stacks` False). Else Megatron's kernels, counted
+    (`kernel_time.layer_elementwise_bytes`), + with `scan_stacks` each layer's stored activations
+    (`layer.stored_bytes`) and its parameters on the device (`layer_parameters`) through the scan's stacked
+    buffers (`kernel_time.scan_stack_bytes`)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
     b, t, sp, layers = c.micro_batch, c.tensor, c.sequence_parallel, cfg.layers // c.pipe
-    return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + K.head_seconds(cfg, b, t, sp, *efficiencies))
-            / c.context + layers * K.scan_stack_seconds(stored_bytes, layer_parameters, cfg.itemsize, hw,
-                                                        tm.memory_efficiency))
+    head = K.head_seconds(cfg, b, t, sp, *efficiencies)
+    stacks = K.scan_stack_bytes(layer.stored_bytes, layer_parameters, cfg.itemsize)
+    if layer.moved_bytes is None:
+        return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + head) / c.context
+                + layers * (stacks if tm.scan_stacks else 0.0) / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
+    in_loops = stacks - K.STACK_FILL_PASSES * layer.stored_bytes  # the stacks' traffic the layer loops hold
+    moved = layer.moved_bytes + (stacks - in_loops if tm.scan_stacks else -in_loops)
+    return ((layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies) + head) / c.context
+            + layers * moved / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
 
 def program_compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, moved_bytes: float) -> float:
@@ -408,8 +423,7 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     layers = cfg.layers // c.pipe
     layer = at_context(cfg, c, layer)
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
-    stacks = (layer.stored_bytes, state.layer_parameters / layers) if tm.scan_stacks else (0.0, 0.0)
-    compute = compute_seconds(cfg, c, hw, tm, *stacks)
+    compute = compute_seconds(cfg, c, hw, tm, layer, state.layer_parameters / layers)
     kv = F.context_kv_bytes(cfg, c.micro_batch, c.tensor, c.context, c.context_strategy)["traffic"]
     context = layers * kv / bw["context"]
     tp = layers * (sum(ring_traffic(k, n, c.tensor) for k, n in layer.collective_bytes.items())
@@ -601,7 +615,6 @@ def format_result(res: Result, top: int = 10) -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
-    stacks = " and the scan's stacked activations and weights" if tm.scan_stacks else ""
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
@@ -611,8 +624,7 @@ def format_result(res: Result, top: int = 10) -> str:
         f"HBM speed if memory-bound, "
         + (f"fused attention at cuDNN's {K.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and {K.FLASH_BACKWARD_EFFICIENCY:.2f} "
            "(backward) of peak, " if cfg.attention == "fused" else "")
-        + f"elementwise kernels{stacks} at "
-        f"{tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
+        + f"{memory_bound_source(res)} at {tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
            "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
         + ("; pipeline ticks lock-step (each waits for its slowest stage's F, B or W: --lockstep)" if tm.lockstep
@@ -666,6 +678,16 @@ def format_result(res: Result, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def memory_bound_source(res: Result) -> str:
+    """Where the time model's memory-bound bytes come from: the layers' GPU programs (`plan --search --target`) or
+    Megatron's kernels, counted (`compute_seconds`)."""
+    stacks = res.request.time_model.scan_stacks
+    if res.target is not None:
+        return (f"the memory-bound kernels of each layer's {res.target} program (the bytes its loops move: XLA:GPU's "
+                f"fusions, {'the stacks zero-filled' if stacks else 'the scan stacks taken out'})")
+    return "Megatron's elementwise kernels (counted)" + (" and the scan's stacked activations and weights" if stacks else "")
+
+
 def memory_source(res: Result) -> str:
     """Which compiler's programs the layers were measured from: a GPU's (`plan --search --target`) or XLA:CPU's."""
     if res.target is not None:
@@ -714,6 +736,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "rejected_families": res.rejected_families,
         "fused_attention_caveat": fused_attention_caveat(res) if caveat_applies(res) else None,
         "memory_source": memory_source(res),
+        "memory_bound_source": memory_bound_source(res),
     }
 
 

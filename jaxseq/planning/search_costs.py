@@ -15,7 +15,8 @@ class SearchCosts:
     """jaxseq.planning.search's costs, measured once per (t, SP, remat, c, context strategy) for one layer shape
     (any depth): the training computation at micro-batch 1 (stored bytes, activation collectives: proportional
     to b; at c = 1 also FLOPs and the embedding/logits FLOPs) and the float32 train step at micro-batch 1 and 2
-    (the working memory: affine in b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
+    (the working memory, and for a GPU's layer, in its dtype, the bytes its loops move: affine in b, the
+    weights' share not growing with b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
     where they do not, its c = 1 layer is measured and `search.at_context` scales it (`LayerCost.context` says
     which). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
 
@@ -73,7 +74,8 @@ class SearchCosts:
                 self.measured[name] = ({**asdict(one.measure(row)), "head_flops": one.head_flops(row)} if c == 1
                                        else one.layer_costs(row)) | {"working_bytes_b2": None}
             for name, row in b2.items():
-                self.measured[name]["working_bytes_b2"] = two.working_bytes(row)
+                self.measured[name] |= {"working_bytes_b2": two.working_bytes(row),
+                                        "moved_bytes_per_layer_b2": two.moved_bytes(row)}
             one.clear()  # the numbers are read: free the executables' memory
             two.clear()
 
@@ -86,10 +88,13 @@ class SearchCosts:
         if name not in self.measured or (b > 1 and self.measured[name]["working_bytes_b2"] is None):
             self.prepare([(tensor, sequence_parallel, remat, c, strategy)], (b,))
         m = self.measured[name]
+        affine = lambda key: m[key] + (b - 1) * (m[f"{key}_b2"] - m[key] if b > 1 else 0)  # b = 1 and 2 compiled
+        moved = m.get("moved_bytes_per_layer")  # a GPU's layer only (and not in `measured` saved before it)
         return search.LayerCost(
             b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
-            m["working_bytes"] + (b - 1) * (m["working_bytes_b2"] - m["working_bytes"] if b > 1 else 0),
-            non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c)
+            affine("working_bytes"), non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c,
+            None if moved is None or (b > 1 and m.get("moved_bytes_per_layer_b2") is None)
+            else affine("moved_bytes_per_layer"))
 
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
               fsdp: int = 1) -> search.StateCost:
