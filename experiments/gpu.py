@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -107,7 +108,8 @@ def measure(spec: dict, devices) -> dict:
     key = jax.random.key(1)
     start = time.perf_counter()
     step = T.make_train_step(layout, spec["remat"], optimizer, spec["microbatches"])
-    compiled = step.lower(state, batch, key).compile()
+    autotune = autotune_path(spec) if devices[0].platform == "gpu" else None
+    compiled = step.lower(state, batch, key).compile(compiler_options={AUTOTUNE_DUMP: autotune} if autotune else None)
     compile_s = time.perf_counter() - start
     times, losses = [], []
     for i in range(spec["warmup"] + spec["steps"]):
@@ -128,6 +130,7 @@ def measure(spec: dict, devices) -> dict:
         "peak_bytes_in_use": peak_bytes_in_use(devices),
         "custom_calls": custom_calls(text),
         "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+        "autotune_results": autotune if autotune and Path(autotune).exists() else None,
     }
     if spec.get("profile_steps"):  # after the peak is read: a failed trace is a finding, not a lost row
         try:
@@ -152,6 +155,26 @@ DERIVED_LINES = {"XLA Ops", "XLA Modules", "Steps", "Framework Ops", "Framework 
 # each (2026-11-27: `command_buffer_1`, the whole step). The traced program is compiled again without them, so that
 # each kernel shows as its HLO op; its step ran 1.4% slower than with them (0.1989 against 0.1962 s, gpt3-1.3b).
 KERNEL_BY_KERNEL = {"xla_gpu_enable_command_buffer": ""}
+
+# Which GEMMs the device's autotuner gives to cuBLAS and which to Triton (and its tiles) decides a step's peak
+# (2026-11-27: up to 14%); without a device XLA cannot choose, so `plan --target` takes the larger of its all-Triton
+# and all-cuBLAS programs (gpu_target.GEMMS), 5.9% above the H100's peak for unrolled layers under `full`. Each
+# configuration a GPU runs writes its autotuner's choices (XLA's AutotuneResults, text), so that the same step can be
+# compiled offline with the device's own choices (`xla_gpu_load_autotune_results_from`).
+AUTOTUNE_DUMP = "xla_gpu_dump_autotune_results_to"
+
+
+def autotune_path(spec: dict) -> str | None:
+    """Where a configuration's autotuner choices go (`spec["autotune_dir"]`, on a GPU): named by its shape and a
+    hash of its spec, so that no two configurations share a file."""
+    if not spec.get("autotune_dir"):
+        return None
+    cfg = spec["model"]
+    key = {k: v for k, v in spec.items() if k not in ("steps", "warmup", "profile_steps", "hlo_path", "autotune_dir")}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    name = (f"{cfg['family']}_h{cfg['hidden']}_L{cfg['layers']}_s{cfg['seq_len']}_{spec['remat']}_"
+            f"b{spec['micro_batch']}x{spec['microbatches']}_{cfg['layer_loop']}_{digest}.textproto")
+    return str(Path(spec["autotune_dir"]) / name)
 
 
 def device_time(compiled, state, batch, key, steps: int, top: int = TOP_OPS) -> dict:
@@ -352,11 +375,12 @@ def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, paralle
 
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
           peak_tflops_per_device: float | None = None, save=None, deadline: float | None = None,
-          policies: tuple = POLICIES) -> dict:
+          policies: tuple = POLICIES, autotune_dir: Path | None = None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit. The models'
     rows always run; the sequence sweep, the context and the pipeline checks only while `deadline`
-    (time.monotonic()) leaves time for another configuration."""
+    (time.monotonic()) leaves time for another configuration. On a GPU each configuration's autotuner choices are
+    written under `autotune_dir` (`autotune_path`)."""
     from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
     from jaxseq.models.model import num_params as model_parameters
     from jaxseq.parallel.schedule import Schedule
@@ -403,7 +427,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
                 break
             if limit is None or plan["none"]["total_bytes"] <= limit:
                 break
-        base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup}
+        base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup,
+                     "autotune_dir": autotune_dir and str(autotune_dir)}
         try:
             targeted, target_error = (target_peaks(cfg, n, sp, micro_batch, devices[0].device_kind, policies)
                                       if gpu else {}), None
@@ -450,7 +475,8 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         return out
     first = ran[0]
     cfg = on_platform(replace(cfgs[first], dtype="bfloat16", attention=attention), platform)
-    base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup}
+    base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup,
+                 "autotune_dir": autotune_dir and str(autotune_dir)}
     out["sequence_sweep"] = sequence_sweep(gpu, first, cfg, devices, base_spec, {"tensor": n, "sequence_parallel": sp},
                                            isolate, peak, deadline)
     if save is not None:
@@ -839,12 +865,21 @@ def run(argv: list[str] | None = None) -> dict:
                    isolate=gpu if args.isolate is None else args.isolate, names=args.models,
                    peak_tflops_per_device=args.peak_tflops, save=save,
                    deadline=None if budget is None else started + 60 * budget,
-                   policies=tuple(p for p in POLICIES if p == "none" or p in args.policies))
+                   policies=tuple(p for p in POLICIES if p == "none" or p in args.policies),
+                   autotune_dir=autotune_dir(gpu, out))
     print(table(result))
     if out is not None:
         for path in write(result, out):
             print(f"wrote {path}")
     return result
+
+
+def autotune_dir(gpu: bool, out: Path | None) -> Path | None:
+    """`out`/autotune on a GPU (made here, before the children write into it); None on CPU or without `out`."""
+    if not gpu or out is None:
+        return None
+    (out / "autotune").mkdir(parents=True, exist_ok=True)
+    return out / "autotune"
 
 
 def parent_allocates_lazily() -> None:

@@ -49,7 +49,8 @@ def main() -> int:
         raise SystemExit("gpu_followup.py measures a GPU; none here")
     cfg = on_platform(replace(gpu.models(True)["gpt3-1.3b"], dtype="bfloat16", attention="fused"), "gpu")
     parallel = {"tensor": 1, "sequence_parallel": False}
-    base = {"micro_batch": 4, "microbatches": 1, "steps": args.steps, "warmup": 2, "parallel": parallel}
+    base = {"micro_batch": 4, "microbatches": 1, "steps": args.steps, "warmup": 2, "parallel": parallel,
+            "autotune_dir": str(gpu.autotune_dir(True, out))}  # each run's GEMM choices, to compile it offline
     result = {"device_kind": devices[0].device_kind, "jax_version": jax.__version__, "model": "gpt3-1.3b",
               "command": " ".join(["python", "experiments/gpu_followup.py", *sys.argv[1:]]), "runs": {}}
 

@@ -69,6 +69,28 @@ def test_a_gpu_trace_is_summed_by_what_each_kernel_does():
     assert "add.1" not in t["top_ops_ms_per_step"]
 
 
+def test_each_configuration_on_a_gpu_records_its_autotuners_gemm_choices(tmp_path):
+    """On a GPU every configuration's compile writes what its autotuner chose (cuBLAS or Triton per GEMM) to a file of
+    its own under --out's autotune/ (`xla_gpu_dump_autotune_results_to`): an offline compile can load it. On CPU, or
+    without --out, nothing is asked."""
+    from dataclasses import asdict
+
+    from jaxseq.config import preset, replace
+
+    assert gpu.autotune_dir(False, tmp_path) is None and gpu.autotune_dir(True, None) is None
+    where = gpu.autotune_dir(True, tmp_path)
+    assert where == tmp_path / "autotune" and where.is_dir()
+    spec = {"micro_batch": 4, "microbatches": 1, "steps": 6, "warmup": 2, "autotune_dir": str(where),
+            "model": asdict(preset("gpt3-1.3b")), "parallel": {"tensor": 1}, "remat": "full"}
+    path = gpu.autotune_path(spec)
+    assert path.startswith(str(where) + "/gpt_h2048_L24_s2048_full_b4x1_scan_") and path.endswith(".textproto")
+    assert gpu.autotune_path({**spec, "steps": 10, "profile_steps": 2}) == path  # the same program
+    others = [{**spec, "remat": "none"}, {**spec, "micro_batch": 8}, {**spec, "xla_flags": "--x"},
+              {**spec, "model": asdict(replace(preset("gpt3-1.3b"), layer_loop="unrolled"))}]
+    assert len({path, *map(gpu.autotune_path, others)}) == 5
+    assert gpu.autotune_path({**spec, "autotune_dir": None}) is None
+
+
 @pytest.fixture(scope="module")
 def dry():
     before = sorted(p.name for p in (ROOT / "experiments" / "results").iterdir())
@@ -96,6 +118,7 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
         assert r["tokens_per_sec"] == pytest.approx(b * seq / r["median_step_s"])
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
         assert r["peak_bytes_in_use"] is None and r["measured_over_predicted_peak"] is None  # no count on CPU
+        assert r["autotune_results"] is None  # no autotuner on CPU
         assert r["step_time_vs_none"] == pytest.approx(r["median_step_s"] / rows["none"]["median_step_s"])
         # Where its time goes: device 0's ops in a trace of 2 more steps, by kind (tensor = 2 + SP: collectives).
         t = r["device_time"]
