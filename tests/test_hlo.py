@@ -80,6 +80,10 @@ ROWS, COLUMNS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ROWS),
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", COLUMNS),
     ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}", [(0, 2), (1, 3)]),
+    # XLA 0.12's sub-axes: 'axis_1':(pre-size)size, here the minor and the major pair of the 4 (K/V heads repeated)
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(1)2}", [(0, 2), (1, 3), (4, 6), (5, 7)]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0', 'axis_1':(1)2}", [(0, 2, 4, 6), (1, 3, 5, 7)]),
     ("source_target_pairs={{0,1},{1,0}}", None),
 ])
 def test_replica_groups_in_every_form_and_the_group_size_they_give(attribute, groups):

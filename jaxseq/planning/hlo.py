@@ -346,16 +346,27 @@ def _group_size(rest: str) -> int:
 
 
 def _mesh_groups(rest: str) -> list[tuple[int, ...]] | None:
-    """The mesh's devices (device_ids, if given, in iota form) grouped along the axes in braces."""
+    """The mesh's devices (device_ids, if given, in iota form) grouped along the axes in braces: a whole axis
+    ('tensor') or a sub-axis of one ('tensor':(2)2, XLA 0.12: pre-size 2, size 2 of the axis, the minor pair of 4)."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}",
                   rest)
     if not m:
         return None
     names, sizes = zip(*[(k.strip("'"), int(v)) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))])
-    ids = (_iota_ids(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
-    grouped = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
-    ids = ids.transpose([i for i in range(len(sizes)) if i not in grouped] + grouped)
-    return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in grouped])))]
+    ids = _iota_ids(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))
+    specs = [re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", a.strip()) for a in m.group(4).split(",") if a.strip()]
+    spans = [(g[1], int(g[2] or 1), int(g[3] or sizes[names.index(g[1])])) for g in specs]  # (axis, pre, size)
+    dims, where = [], {}  # the mesh's axes cut at every sub-axis boundary, major first; a grouped span → its dims
+    for name, size in zip(names, sizes):
+        cuts = sorted({1, size, *(b for n, pre, k in spans if n == name for b in (pre, pre * k))})
+        first = len(dims)
+        dims += [cuts[j + 1] // cuts[j] for j in range(len(cuts) - 1)]
+        for n, pre, k in spans:
+            if n == name:
+                where[n, pre, k] = list(range(first + cuts.index(pre), first + cuts.index(pre * k)))
+    grouped = [d for span in spans for d in where[span]]
+    ids = ids.reshape(dims).transpose([d for d in range(len(dims)) if d not in grouped] + grouped)
+    return [tuple(int(i) for i in g) for g in ids.reshape(-1, int(np.prod([dims[d] for d in grouped])))]
 
 
 def _explicit_groups(rest: str) -> list[tuple[int, ...]] | None:
