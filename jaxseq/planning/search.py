@@ -361,8 +361,8 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel,
     if layer.moved_bytes is None:
         return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + head) / c.context
                 + layers * (stacks if tm.scan_stacks else 0.0) / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
-    in_loops = stacks - K.STACK_FILL_PASSES * layer.stored_bytes  # the stacks' traffic the layer loops hold
-    moved = layer.moved_bytes + (stacks - in_loops if tm.scan_stacks else -in_loops)
+    fill = K.STACK_FILL_PASSES * layer.stored_bytes  # before the loops; the rest of the stacks' traffic is in them
+    moved = layer.moved_bytes + (fill if tm.scan_stacks else fill - stacks)
     return ((layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies) + head) / c.context
             + layers * moved / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
