@@ -3,7 +3,7 @@ peak memory as measured, as `plan --target h100` predicts it (XLA:GPU's program,
 the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives without --target), with each error.
 
     pip install -r requirements-gpu-target.txt
-    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md} (about 2 minutes)
+    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md} (6 min 12 s on the 2-core machine)
 
 Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
 iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
@@ -16,6 +16,7 @@ Peaks measured: `memory_stats()["peak_bytes_in_use"]` of each configuration alon
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -69,6 +70,18 @@ def compare(target: str = "h100") -> list[dict]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def target_layers(cfg, target: str):
+    """`plan --search --target`'s layer costs (`SearchCosts`, its layers compiled for the GPU) for cfg's shape: compiled
+    once per shape and policy, and read by every table here (the search's, the remat policies', the later shapes').
+    An unrolled model's layers are measured scanned (`measure.Compiler`)."""
+    from jaxseq.config import on_platform, replace
+    from jaxseq.planning import gpu_target
+    from jaxseq.planning.search_costs import SearchCosts
+
+    return SearchCosts(on_platform(replace(cfg, layer_loop="scan"), "gpu"), gpu_target.target_devices(target, 1))
+
+
 def search_memory(cfg, micro_batch: int, where: str, target: str) -> dict:
     """policy → `plan --search`'s memory (the parts added up) and step time for this one-GPU configuration, its
     layers compiled by XLA:CPU or for the GPU (`--target`)."""
@@ -76,16 +89,15 @@ def search_memory(cfg, micro_batch: int, where: str, target: str) -> dict:
 
     from jaxseq.config import on_platform, replace
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import gpu_target
     from jaxseq.planning import search as S
     from jaxseq.planning import search_space as SS
     from jaxseq.planning.search_costs import SearchCosts
 
     portable = replace(cfg, fused_kernel="xla", matmul="einsum")
-    cfg, devices = ((on_platform(cfg, "gpu"), gpu_target.target_devices(target, 1)) if where == "target"
-                    else (portable, jax.devices("cpu")[:1]))
+    cfg, costs = ((on_platform(cfg, "gpu"), target_layers(cfg, target)) if where == "target"
+                  else (portable, SearchCosts(portable, jax.devices("cpu")[:1])))
     request = SS.Request(1, micro_batch, HARDWARE[target], (micro_batch,), POLICIES, SS.TimeModel(), (1,), (1,))
-    result = S.search(cfg, request, SearchCosts(cfg, devices), target=target if where == "target" else None)
+    result = S.search(cfg, request, costs, target=target if where == "target" else None)
     return {e.candidate.remat: (e.memory.total_bytes, e.time.total_s) for e in result.ranked}
 
 
@@ -123,7 +135,7 @@ def later_shapes(target: str = "h100") -> list[dict]:
     a layer compiled by XLA:CPU gets), and the step priced on its (Triton) program."""
     import jax
 
-    from jaxseq.config import ParallelConfig, on_platform, replace
+    from jaxseq.config import ParallelConfig, replace
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
     from jaxseq.planning import search as S
@@ -136,7 +148,7 @@ def later_shapes(target: str = "h100") -> list[dict]:
         programs = {g: gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g) for g in gpu_target.GEMMS}
         peaks = {g: aot.step_bytes(c) for g, c in programs.items()}
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
-        layer = SearchCosts(on_platform(cfg, "gpu"), gpu_target.target_devices(target, 1)).layer(1, False, policy, b)
+        layer = target_layers(cfg, target).layer(1, False, policy, b)
         tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
         c = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1)
         moved = hlo.memory_bound_bytes(programs["triton"].as_text())
@@ -186,7 +198,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
 
     import jax
 
-    from jaxseq.config import ParallelConfig, on_platform
+    from jaxseq.config import ParallelConfig
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo
     from jaxseq.planning import kernel_time as K
@@ -197,7 +209,6 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
     for name, (cfg, micro_batch, _) in measured_runs().items():
         runs = json.loads(next(MEASURED.glob(f"h100_{name}_mb*.json")).read_text())["models"][name]["policies"]
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
-        layers = SearchCosts(on_platform(cfg, "gpu"), gpu_target.target_devices(target, 1))  # `plan --search --target`'s
         for policy in POLICIES:
             text = gpu_target.compile_step(cfg, ParallelConfig(), policy, micro_batch, 1, target).as_text()
             comps = hlo.parse_hlo(text)
@@ -212,7 +223,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
                      for place, body in (("forward", forward), ("backward", backward))}
             moved["outside"] = sum(b for body, kinds in kernel_bytes.items() if body not in loops
                                    for kind, b in kinds.items() if kind in memory_bound)
-            hw, tm, layer = HARDWARE[target], S.TimeModel(), layers.layer(1, False, policy, micro_batch)
+            hw, tm, layer = HARDWARE[target], S.TimeModel(), target_layers(cfg, target).layer(1, False, policy, micro_batch)
             c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             # the measured program ran cuDNN's attention forward again in the backward under every policy
             replayed = 0.0 if policy == "full" else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0]
