@@ -170,7 +170,7 @@ def autotune_path(spec: dict) -> str | None:
     if not spec.get("autotune_dir"):
         return None
     cfg = spec["model"]
-    key = {k: v for k, v in spec.items() if k not in ("steps", "warmup", "profile_steps", "hlo_path", "autotune_dir")}
+    key = {k: v for k, v in spec.items() if k not in ("steps", "warmup", "profile_steps", *SPEC_PATHS)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     name = (f"{cfg['family']}_h{cfg['hidden']}_L{cfg['layers']}_s{cfg['seq_len']}_{spec['remat']}_"
             f"b{spec['micro_batch']}x{spec['microbatches']}_{cfg['layer_loop']}_{digest}.textproto")
@@ -262,9 +262,29 @@ def local_devices() -> tuple[bool, list]:
 
 
 def run_spec(spec: dict, devices, isolate: bool) -> dict:
-    """`measure(spec)` here, or in a child process of its own (isolate) so that its peak memory is its own."""
-    if not isolate:
-        return measure(spec, devices)
+    """`measure(spec)` here, or in a child process of its own (isolate) so that its peak memory is its own; the
+    result appended to `spec["runs_log"]` as it comes (`record_run`)."""
+    result = measure(spec, devices) if not isolate else run_child(spec)
+    record_run(spec, result)
+    return result
+
+
+# Paths a spec carries beside the configuration: where its files go, not what it runs.
+SPEC_PATHS = ("hlo_path", "autotune_dir", "runs_log")
+
+
+def record_run(spec: dict, result: dict) -> None:
+    """One line of JSON per configuration run (its spec and result) appended to `spec["runs_log"]`, if set: a run
+    cut off anywhere still leaves every configuration it measured (2026-11-27: an H200 run cut off in its largest
+    micro-batch left nothing; the tables are written only at the end of each section)."""
+    if spec.get("runs_log"):
+        line = {"spec": {k: v for k, v in spec.items() if k not in SPEC_PATHS}, "result": result}
+        with open(spec["runs_log"], "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def run_child(spec: dict) -> dict:
+    """`measure(spec)` in a child process of its own, which allocates as a training run does."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if PARENT_ONLY_PREALLOCATE in env:  # the child allocates as a training run does: one pool, taken at start
@@ -343,13 +363,16 @@ def largest_micro_batch(cfg, tensor: int, sequence_parallel: bool, policy: str, 
 
 
 def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, parallel: dict, isolate: bool,
-                 peak: float | None) -> dict:
+                 peak: float | None, deadline: float | None = None) -> dict:
     """Per end of the trade (`LARGEST_MICRO_BATCH_POLICIES`): the largest micro-batch `plan --target` says fits, run
     and measured (step time, tokens/s, peak memory): the paper's point, recompute buys batch."""
     from jaxseq.training.metrics import throughput
 
     out = {}
     for policy in LARGEST_MICRO_BATCH_POLICIES:
+        if not in_budget(deadline):
+            out[policy] = {"skipped": BUDGET_SKIP}
+            continue
         try:
             found = largest_micro_batch(cfg, n, sp, policy, limit, devices[0].device_kind, base_spec["micro_batch"])
         except Exception as e:  # a finding
@@ -375,12 +398,13 @@ def batch_bought(cfg, n: int, sp: bool, limit, devices, base_spec: dict, paralle
 
 def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, isolate: bool, names=None,
           peak_tflops_per_device: float | None = None, save=None, deadline: float | None = None,
-          policies: tuple = POLICIES, autotune_dir: Path | None = None) -> dict:
+          policies: tuple = POLICIES, autotune_dir: Path | None = None, runs_log: Path | None = None) -> dict:
     """Every configuration on `devices` (the local GPUs, or on CPU 2 simulated devices): the result as one dict.
     Each model's micro-batch is the first of `micro_batches` at which the plan predicts `none` to fit. The models'
     rows always run; the sequence sweep, the context and the pipeline checks only while `deadline`
-    (time.monotonic()) leaves time for another configuration. On a GPU each configuration's autotuner choices are
-    written under `autotune_dir` (`autotune_path`)."""
+    (time.monotonic()) leaves time for another configuration, and so do the largest micro-batches and the parity.
+    On a GPU each configuration's autotuner choices are written under `autotune_dir` (`autotune_path`); every
+    configuration's result is appended to `runs_log` as it comes (`record_run`)."""
     from jaxseq.config import ConfigError, ParallelConfig, on_platform, replace, validate
     from jaxseq.models.model import num_params as model_parameters
     from jaxseq.parallel.schedule import Schedule
@@ -428,7 +452,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
             if limit is None or plan["none"]["total_bytes"] <= limit:
                 break
         base_spec = {"micro_batch": micro_batch, "microbatches": 1, "steps": steps, "warmup": warmup,
-                     "autotune_dir": autotune_dir and str(autotune_dir)}
+                     "autotune_dir": autotune_dir and str(autotune_dir), "runs_log": runs_log and str(runs_log)}
         try:
             targeted, target_error = (target_peaks(cfg, n, sp, micro_batch, devices[0].device_kind, policies)
                                       if gpu else {}), None
@@ -460,12 +484,14 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         result["cudnn_attention"] = cudnn_verdict(gpu, result["policies"])
         result["unrolled"] = unrolled_rows(gpu, cfg, policies, result["policies"], base_spec, parallel, devices,
                                            isolate, peak, deadline)
-        result["largest_micro_batch"] = batch_bought(cfg, n, sp, limit, devices, base_spec, parallel, isolate, peak)
+        result["largest_micro_batch"] = batch_bought(cfg, n, sp, limit, devices, base_spec, parallel, isolate, peak,
+                                                     deadline)
         result["parity"] = {"ok": None, "note": "not run yet"}
         out["models"][name] = result
         if save is not None:  # what is measured so far, on disk: a run cut off here still leaves it
             save(out)
-        result["parity"] = parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
+        result["parity"] = (parity(gpu, cfg, result["policies"], base_spec, parallel, devices, isolate)
+                            if in_budget(deadline) else {"ok": None, "note": f"skipped: {BUDGET_SKIP}"})
         if save is not None:
             save(out)
     ran = [k for k, m in out["models"].items() if "skipped" not in m]
@@ -476,7 +502,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     first = ran[0]
     cfg = on_platform(replace(cfgs[first], dtype="bfloat16", attention=attention), platform)
     base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup,
-                 "autotune_dir": autotune_dir and str(autotune_dir)}
+                 "autotune_dir": autotune_dir and str(autotune_dir), "runs_log": runs_log and str(runs_log)}
     out["sequence_sweep"] = sequence_sweep(gpu, first, cfg, devices, base_spec, {"tensor": n, "sequence_parallel": sp},
                                            isolate, peak, deadline)
     if save is not None:
@@ -818,11 +844,16 @@ def shape_table(section: dict | None, title: str, key: str) -> list[str]:
     return lines + [""]
 
 
+def file_stem(device_kind: str, date_utc: str) -> str:
+    """A run's files' common name: gpu_<device kind>_<date>."""
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", device_kind).strip("-").lower()
+    return f"gpu_{kind}_{date_utc[:10]}"
+
+
 def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    kind = re.sub(r"[^A-Za-z0-9]+", "-", result["device_kind"]).strip("-").lower()
-    stem = f"gpu_{kind}_{result['date_utc'][:10]}"
+    name = file_stem(result["device_kind"], result["date_utc"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    paths = out_dir / f"{name}.json", out_dir / f"{name}.md"
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(table(result))
     return paths
@@ -866,7 +897,7 @@ def run(argv: list[str] | None = None) -> dict:
                    peak_tflops_per_device=args.peak_tflops, save=save,
                    deadline=None if budget is None else started + 60 * budget,
                    policies=tuple(p for p in POLICIES if p == "none" or p in args.policies),
-                   autotune_dir=autotune_dir(gpu, out))
+                   autotune_dir=autotune_dir(gpu, out), runs_log=runs_log(out, devices[0].device_kind))
     print(table(result))
     if out is not None:
         for path in write(result, out):
@@ -880,6 +911,17 @@ def autotune_dir(gpu: bool, out: Path | None) -> Path | None:
         return None
     (out / "autotune").mkdir(parents=True, exist_ok=True)
     return out / "autotune"
+
+
+def runs_log(out: Path | None, device_kind: str) -> Path | None:
+    """`out`/gpu_<device kind>_<date>_runs.jsonl, emptied for this run (None without `out`): each configuration's
+    result as it comes, beside the tables written at the end of each section."""
+    if out is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{file_stem(device_kind, datetime.datetime.now(datetime.timezone.utc).isoformat())}_runs.jsonl"
+    path.write_text("")
+    return path
 
 
 def parent_allocates_lazily() -> None:

@@ -2,7 +2,9 @@
 what it reports, never its timings), and its readers of compiled HLO."""
 
 import importlib.util
+import json
 import math
+import re
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -89,6 +91,32 @@ def test_each_configuration_on_a_gpu_records_its_autotuners_gemm_choices(tmp_pat
               {**spec, "model": asdict(replace(preset("gpt3-1.3b"), layer_loop="unrolled"))}]
     assert len({path, *map(gpu.autotune_path, others)}) == 5
     assert gpu.autotune_path({**spec, "autotune_dir": None}) is None
+
+
+def test_each_configuration_is_on_disk_as_soon_as_it_has_run(tmp_path, monkeypatch):
+    """A run cut off anywhere (2026-11-27: an H200 run in its largest micro-batch, which had written nothing) still
+    leaves every configuration it measured: each result is appended to --out's gpu_<device>_<date>_runs.jsonl as it
+    comes, with its spec less the paths; a new run empties the file, and none is written without --out."""
+    monkeypatch.setattr(gpu, "measure", lambda spec, devices: {"median_step_s": 0.1 * spec["micro_batch"]})
+    log = gpu.runs_log(tmp_path, "NVIDIA H200")
+    assert log.parent == tmp_path and re.fullmatch(r"gpu_nvidia-h200_\d{4}-\d\d-\d\d_runs\.jsonl", log.name)
+    assert gpu.runs_log(None, "NVIDIA H200") is None
+    spec = {"micro_batch": 4, "remat": "none", "autotune_dir": str(tmp_path), "runs_log": str(log)}
+    for b in (4, 16):
+        gpu.run_spec({**spec, "micro_batch": b}, [None], isolate=False)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines == [{"spec": {"micro_batch": b, "remat": "none"}, "result": {"median_step_s": 0.1 * b}} for b in (4, 16)]
+    assert gpu.runs_log(tmp_path, "NVIDIA H200").read_text() == ""
+
+
+def test_past_the_budget_the_largest_micro_batches_do_not_start(monkeypatch):
+    """--budget-minutes holds the configurations beyond the models' rows: the largest micro-batches too (an H200's
+    `full` at 64 ran past a call's limit)."""
+    monkeypatch.setattr(gpu, "run_spec", lambda *a, **k: pytest.fail("a configuration started past the budget"))
+    past = gpu.time.monotonic() - 1
+    out = gpu.batch_bought(None, 1, False, 80 * 2**30, [None], {"micro_batch": 4}, {"tensor": 1}, False, 989.0, past)
+    assert out == {p: {"skipped": gpu.BUDGET_SKIP} for p in gpu.LARGEST_MICRO_BATCH_POLICIES}
+    assert not gpu.in_budget(past) and gpu.in_budget(None)
 
 
 @pytest.fixture(scope="module")
