@@ -220,6 +220,7 @@ class TrainConfig:
     peak_tflops: float | None = None
     sample_tokens: int = 200
     host_devices: int = 8  # simulated CPU devices when there is no accelerator
+    record_autotune: str | None = None  # a GPU run: where XLA writes its autotuner's choices for the train step
 
 
 @dataclass(frozen=True, kw_only=True)

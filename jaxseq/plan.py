@@ -16,7 +16,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import gpu_target, search, search_space
+from jaxseq.planning import autotune, gpu_target, search, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compile for this GPU ({', '.join(gpu_target.TARGETS)}) on this machine, no GPU needed "
                         "(requirements-gpu-target.txt): each row's layer and whole train step (the plan's stored "
                         "bytes and totals), or each layer of --search; default: XLA:CPU on simulated devices")
+    p.add_argument("--autotune-results", default=None, metavar="FILE",
+                   help="with --target: the GEMM choices a GPU run recorded (jaxseq.train --record-autotune FILE, "
+                        "JAX >= 0.11): each row's whole train step compiles with them where the file holds that "
+                        "step's, instead of the larger of the all-Triton and all-cuBLAS programs")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
@@ -201,6 +205,7 @@ def search_request(args) -> search_space.Request:
 
 
 def _search(args) -> int:
+    recorded_gemms(args)  # refused with --search, in one line
     cfg = resolve(args)
     validate(cfg, ParallelConfig(), "none")
     request = search_request(args)
@@ -243,6 +248,19 @@ def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.C
     return gpu_target.step_costs(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target)
 
 
+def recorded_gemms(args) -> autotune.RecordedGemms | None:
+    """--autotune-results, read (one line if it cannot be), or None."""
+    if args.autotune_results is None:
+        return None
+    if args.target is None:
+        raise ConfigError(f"--autotune-results {args.autotune_results}: GEMM choices for a GPU's program; it needs "
+                          f"--target ({', '.join(gpu_target.TARGETS)})")
+    if args.search:
+        raise ConfigError("--autotune-results: a recorded file holds one step's GEMM choices; --search compiles "
+                          "other programs (its layers at micro-batches 1 and 2): plan that step without --search")
+    return autotune.RecordedGemms(args.autotune_results)
+
+
 def _plan(args) -> int:
     cfg = resolve(args)
     context = ParallelConfig(data=1, context=args.context, tensor=args.tensor, context_strategy=args.context_strategy)
@@ -258,7 +276,7 @@ def _plan(args) -> int:
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
                  context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"),
-                 target=args.target, fsdp=args.fsdp)
+                 target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args))
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     if args.json:

@@ -44,6 +44,23 @@ def test_json_schema(small_plan):
     assert all(r["formula_bytes_per_layer"] is None and r["ratio"] is None for r in extra)
 
 
+@pytest.mark.slow  # the shared small plan
+def test_the_table_keeps_a_negative_working_column_and_names_each_rows_memory_source(small_plan):
+    """`plan --target`'s working memory is negative where the donated step reuses what the parts count twice (−5.3 GiB
+    for gpt3-1.3b): its column's unit is the largest magnitude's, so the figure stays in its column; rows whose memory
+    comes from different sources (a file of recorded GEMM choices holding some rows' steps) are each named."""
+    rows = [dataclasses.replace(r, working_bytes_per_device=-5.3 * memory.GIB if i == 0 else 2048.0,
+                                memory_source="source A" if i < 2 else "source B")
+            for i, r in enumerate(small_plan.rows)]
+    text = report.format_table(dataclasses.replace(small_plan, rows=rows))
+    lines = {line.split()[0]: line.split() for line in text.splitlines() if line.split()
+             and line.split()[0] in {r.config for r in rows}}
+    assert {len(fields) for fields in lines.values()} == {len(lines[rows[1].config])}
+    assert lines[rows[0].config][-2] == "-5.30" and "work. GiB" in text
+    names = lambda source: ", ".join(r.config for r in rows if r.memory_source == source)
+    assert f"{names('source A')}: source A; {names('source B')}: source B" in text
+
+
 def test_every_registered_policy_is_planned_with_and_without_sp():
     rows = P.configurations(8)
     assert {(c.remat, c.sequence_parallel) for c in rows if c.tensor == 8} == {
@@ -210,6 +227,10 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
     (["--preset", "tiny", "--tensor", "1", "--context", "3"], "error: seq_len=64 is not divisible by 2·context = 6"),
     (["--preset", "gpt3-175b", "--tensor", "16", "--pipeline", "96"],
      "error: pipeline=96 × tensor=16 = 1536 simulated devices to compile the pipelined step; at most 1024"),
+    (["--preset", "tiny", "--tensor", "1", "--autotune-results", "at.textproto"],
+     "error: --autotune-results at.textproto: GEMM choices for a GPU's program; it needs --target"),
+    (["--preset", "tiny", "--search", "--gpus", "8", "--global-batch", "8", "--target", "h100", "--autotune-results",
+      "at.textproto"], "error: --autotune-results: a recorded file holds one step's GEMM choices; --search compiles"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -477,3 +498,21 @@ def test_the_plan_says_what_it_compiles_on_stderr(monkeypatch):
     assert [line.split(": ", 2)[1] for line in lines] == ["compiling 1/2", "compiling 2/2"], lines
     assert sorted(line.split(": ", 2)[2] for line in lines) == ["forward, 0 layers, none, t=1, b=1",
                                                                 "forward, 2 layers, none, t=1, b=1"]
+
+
+def test_recorded_gemm_choices_are_relabelled_with_this_cuda_build_and_only_cublas_ones():
+    """A cuBLAS choice carries the CUDA build of the XLA that made it ("13.0.0" on the H100's CUDA 13 plugin), and an
+    XLA of another build skips it (the plugin here is CUDA 12.9's): planning/autotune.py relabels those, and leaves
+    Triton's (a commit hash), the native emitters' ("v1") and cuDNN's (cuDNN's own version) as they were."""
+    from jaxseq.planning.autotune import relabelled
+
+    entry = ('entries {{\n  key {{\n    target {{\n      device: "699b92c0fb30cb16"\n      hlo_fingerprint: "{f}"\n'
+             '    }}\n  }}\n  value {{\n    optimal_config {{\n      backend: {b}\n    }}\n'
+             '    optimal_backend_version: "{v}"\n  }}\n}}\n')
+    recorded = "".join(entry.format(f=f, b=b, v=v) for f, b, v in [
+        ("01", "CUBLASLT_FISSION", "13.0.0"), ("02", "TRITON", "a77e7c79"), ("03", "NATIVE_EMITTER", "v1"),
+        ("04", "CUDNN", "9.19.0"), ("05", "CUBLAS", "13.0.0")])
+    expected = "".join(entry.format(f=f, b=b, v=v) for f, b, v in [
+        ("01", "CUBLASLT_FISSION", "12.9.0"), ("02", "TRITON", "a77e7c79"), ("03", "NATIVE_EMITTER", "v1"),
+        ("04", "CUDNN", "9.19.0"), ("05", "CUBLAS", "12.9.0")])
+    assert relabelled(recorded, "12.9.0") == expected

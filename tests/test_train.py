@@ -155,6 +155,8 @@ def test_a_failed_execution_is_one_line():
     (["--virtual-stages", "2"], "virtual_stages=2 needs a pipeline, and pipe=1"),
     (["--layer-loop", "unrolled"], "layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy"),
     (["--layer-loop", "while"], "layer_loop='while' is not valid; valid: scan, unrolled"),
+    (["--record-autotune", "at.textproto"], "record_autotune='at.textproto': XLA autotunes GEMMs on GPUs only; "
+                                            "this run's devices are cpu"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)
@@ -434,3 +436,19 @@ def test_a_step_that_cannot_fit_is_refused_with_both_numbers():
     line = str(e.value)
     assert "94208.00 GiB per device" in line and "80.00 GiB" in line and "\n" not in line
     assert "--micro-batch-size" in line and "--remat full" in line and "tensor" in line
+
+
+def test_record_autotune_asks_xla_for_the_train_steps_gemm_choices(tmp_path, monkeypatch):
+    """`--record-autotune FILE` on a GPU: the train step compiles with XLA's `xla_gpu_dump_autotune_results_to` set
+    to FILE's absolute path (what `plan --target … --autotune-results FILE` loads), on the main process only; without
+    the flag, no option. (On CPU the flag is refused in one line: test_bad_input_gives_one_clear_line.)"""
+    from types import SimpleNamespace
+
+    from jaxseq.training import loop
+
+    session = lambda path: SimpleNamespace(run=SimpleNamespace(train=SimpleNamespace(record_autotune=path)))
+    monkeypatch.chdir(tmp_path)
+    assert loop.recording(session("at.textproto")) == {"xla_gpu_dump_autotune_results_to": str(tmp_path / "at.textproto")}
+    assert loop.recording(session(None)) is None
+    monkeypatch.setattr(loop.D, "is_main_process", lambda: False)
+    assert loop.recording(session("at.textproto")) is None

@@ -15,6 +15,8 @@ micro-batch 4 the two differ by at most 2.6% (experiments/results/gpu_h100_2026-
 (`step_bytes`) is the larger of both programs' (two compiles), and its time is priced on the Triton program
 (`step_costs`), the one the time model was checked on. cuDNN's workspace is not sized (u8[0]; megabytes on the
 device).
+
+Where the device's own choices were recorded, the step compiles once with them instead (`planning.autotune`).
 """
 
 from __future__ import annotations
@@ -88,13 +90,13 @@ GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-                 target: str, gemms: str = "triton"):
+                 target: str, gemms: str = "triton", options: dict | None = None):
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
     `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`, its GEMMs
-    as `gemms` says (`GEMMS`)."""
+    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
     return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches,
-                                  GEMMS[gemms])
+                                  GEMMS[gemms] if options is None else options)
 
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,

@@ -15,7 +15,7 @@ from jaxseq.models import formulas
 from jaxseq.models import model as M
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.planning import gpu_target
+from jaxseq.planning import autotune, gpu_target
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
 from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, fsdp_gathered_bytes,
@@ -43,10 +43,13 @@ def configurations(tensor: int, policies=None) -> list[RowSpec]:
 CPU_SOURCE = "XLA:CPU, simulated devices (total = state + stored × layers in flight + a float32 step's working memory)"
 
 
-def target_source(target: str) -> str:
+def target_source(target: str, recorded: str | None = None) -> str:
+    gemms = (f"its GEMMs as a GPU run's autotuner chose them, recorded in {recorded} (Triton, XLA's default, for any "
+             f"it holds no choice for); ten H100 peaks within 0.13%"
+             if recorded else "the larger of its programs with Triton's and cuBLAS's GEMMs; within 1.7% of the peaks "
+                              "an H100 measured, scanned layers")
     return (f"XLA:GPU {target}, compiled without a GPU (total = the whole donated train step's argument + output + "
-            f"temp − alias, the larger of its programs with Triton's and cuBLAS's GEMMs; within 1.7% of the peaks an "
-            f"H100 measured, scanned layers)")
+            f"temp − alias, {gemms})")
 
 
 def pipeline_row(rows: list[RowSpec]) -> RowSpec:
@@ -220,7 +223,8 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
 def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: str = "custom",
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
          microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
-         context_strategy: str = "all-gather", progress=None, target: str | None = None, fsdp: int = 1) -> Plan:
+         context_strategy: str = "all-gather", progress=None, target: str | None = None, fsdp: int = 1,
+         recorded: autotune.RecordedGemms | None = None) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -238,6 +242,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     progress: a `planning.progress.Progress`, told of each program as it starts compiling.
     target: a GPU (`gpu_target.TARGETS`): each row's stored bytes and total are then XLA:GPU's, from that row's
     layer and its whole train step compiled for the GPU (`on_target`); FLOPs and collectives stay XLA:CPU's.
+    recorded: with a target, the GEMM choices a GPU run recorded: each row's whole step compiles with them where the
+    file holds that step's (`autotune.step_bytes`), and the file must hold some row's.
     fsdp = F: the state of every weight split over F ranks (FSDP; with data, HSDP) and each row's working memory
     holding the gathered weights (`memory.fsdp_gathered_bytes`); the layers compile as before (an fsdp rank runs b
     sequences like a data rank: its stored activations are the same)."""
@@ -273,8 +279,12 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     if target is not None:
         step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
                     virtual_stages=virtual_stages, context=context, strategy=context_strategy, fsdp=fsdp)
-        rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress)
+        rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress, recorded)
                 for r, c in zip(rows, measured)]
+        if recorded is not None and all(r.memory_source == target_source(target) for r in rows):
+            raise ConfigError(f"--autotune-results {recorded.source}: holds none of these steps' GEMM choices (its "
+                              f"cuBLAS GEMMs are in none of the programs); record it from this model, shape, "
+                              f"micro-batch, policy and mesh on a {target}, with this JAX's XLA")
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
     return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
@@ -288,11 +298,13 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
 
 
 def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbatches: int, in_flight_layers: float,
-              context: int, target: str, step: dict, progress=None) -> Row:
+              context: int, target: str, step: dict, progress=None,
+              recorded: autotune.RecordedGemms | None = None) -> Row:
     """Row `row` with XLA:GPU's figures for `target`: one layer's stored bytes (its layer compiled for the GPU)
     and the total, the whole train step's peak per device compiled for the GPU at the model's depth and dtype
     on the full mesh (`gpu_target.step_parallel`); the working column is what that peak holds beyond state and
-    stored activations."""
+    stored activations. With `recorded` GEMM choices that hold this step's, the total is its program with them.
+    """
     layer = ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
                            context_strategy=step["strategy"])
     whole = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, **step)
@@ -300,14 +312,17 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
         progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
                            f"target device(s)")
     stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
-    total = gpu_target.step_bytes(cfg, whole, c.remat, micro_batch, microbatches if step["pipeline"] > 1 else 1, target)
+    m = microbatches if step["pipeline"] > 1 else 1
+    total = recorded and autotune.step_bytes(cfg, whole, c.remat, micro_batch, m, target, recorded)
+    source = target_source(target, recorded.source if total else None)
+    total = total or gpu_target.step_bytes(cfg, whole, c.remat, micro_batch, m, target)
     activations = row.deferred_stash_bytes_per_device + activation_bytes(
         stored, in_flight_layers, non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
     state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
     return dataclasses.replace(
         row, measured_bytes_per_layer=stored, ratio=stored / row.formula_bytes_per_layer if row.formula_bytes_per_layer
         else None, activation_bytes_per_device=activations, working_bytes_per_device=total - state - activations,
-        total_bytes_per_device=total, memory_source=target_source(target))
+        total_bytes_per_device=total, memory_source=source)
 
 
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,

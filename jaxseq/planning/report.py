@@ -58,7 +58,7 @@ def _format_rows(p: Plan) -> list[str]:
     cl, cu = _unit(max(r.collective_bytes_per_layer for r in p.rows), BYTES_LAYER)
     fl, fu = _unit(max(r.flops_per_layer for r in p.rows), FLOP_UNITS)
     al, au = _unit(max(r.activation_bytes_per_device for r in p.rows), BYTES_MODEL)
-    wl, wu = _unit(max(r.working_bytes_per_device for r in p.rows), BYTES_MODEL)
+    wl, wu = _unit(max(abs(r.working_bytes_per_device) for r in p.rows), BYTES_MODEL)  # negative where the step reuses
     tl, tu = _unit(max(r.total_bytes_per_device for r in p.rows), BYTES_MODEL)
     lines = [f"{'config':<22}{'remat':<14}{'SP':<4}{'t':>3}{'stored ' + bl:>12}{'formula ' + bl:>13}{'ratio':>8}"
              f"{fl:>9}{'recompute':>11}{'coll. ' + cl:>11}{'activ. ' + al:>12}{'work. ' + wl:>11}{'total ' + tl:>11}"]
@@ -150,6 +150,17 @@ def _format_measured_headlines(p: Plan) -> list[str]:
     return lines
 
 
+def _memory_sources(p: Plan) -> str:
+    """Where the rows' memory figures come from: one source, or each with the rows that read it (a recorded file of
+    GEMM choices can hold some rows' steps and not others')."""
+    rows = {}
+    for r in p.rows:
+        rows.setdefault(r.memory_source, []).append(r.config)
+    if len(rows) == 1:
+        return next(iter(rows))
+    return "; ".join(f"{', '.join(names)}: {source}" for source, names in rows.items())
+
+
 def _format_whole_model(p: Plan) -> str:
     """The state per device in GiB (of the first stage with a pipeline) and what the other columns hold."""
     cfg, t = p.config, p.tensor
@@ -163,7 +174,7 @@ def _format_whole_model(p: Plan) -> str:
         f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
         f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
         f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
-        + (f"the rest of the whole train step's peak. Stored, activ., work. and total: {state.memory_source}"
+        + (f"the rest of the whole train step's peak. Stored, activ., work. and total: {_memory_sources(p)}"
            if state.memory_source != CPU_SOURCE else
            "the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
            + (f" + FSDP's gathered weights, {state.fsdp_gathered_bytes_per_device / GIB:.2f} GiB (one layer's, or "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def compile_step(session: Session, state, position: int):
     evaluation batch has the train batch's shape and sharding."""
     compile_start = time.perf_counter()
     batch = session.batch(position)
-    step_fn = session.step_fn.lower(state, batch, session.key).compile()
+    step_fn = session.step_fn.lower(state, batch, session.key).compile(compiler_options=recording(session))
     eval_fn = session.eval_fn.lower(state.params, batch).compile()
     available = aot.device_bytes(session.devices)
     aot.check_fits(aot.step_bytes(step_fn), available)
@@ -234,6 +235,13 @@ def compile_step(session: Session, state, position: int):
         print(f"compiled the train step, the evaluation{' and the sample' if sampler else ''} in "
               f"{time.perf_counter() - compile_start:.1f} s", flush=True)
     return dataclasses.replace(session, eval_fn=eval_fn, sampler=sampler), step_fn, batch
+
+
+def recording(session: Session) -> dict | None:
+    """The train step's compile options: on a GPU run's main process with `--record-autotune FILE`, where XLA:GPU
+    writes its autotuner's choices (train.py refuses the flag on other devices); else none."""
+    path = session.run.train.record_autotune
+    return {"xla_gpu_dump_autotune_results_to": os.path.abspath(path)} if path and D.is_main_process() else None
 
 
 class PendingMetrics:
