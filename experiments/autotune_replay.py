@@ -10,8 +10,9 @@ compiles for the H100 target on this CPU-only machine three ways:
 - with every GEMM a Triton fusion (XLA's default without a device);
 - with every GEMM handed to cuBLAS.
 `plan --target` without a file takes the larger of the last two. Each is set beside the device's
-`peak_bytes_in_use`. The replay needs JAX >= 0.11 (JAX 0.10's XLA cannot read the file) and JAX's CUDA plugin
-(requirements-gpu-target-newest.txt). It takes about 15 minutes on the 2-core machine.
+`peak_bytes_in_use`. The replay is the device's program only on the JAX that recorded it (0.11.2, with its CUDA
+plugin: requirements-gpu-device.txt); on 0.12 it names the GEMMs it finds no choice for, and JAX 0.10's XLA cannot
+read the file. It takes about 15 minutes on the 2-core machine.
 
 It also counts the fusions that two runs' files both hold but chose differently: the autotuner times its candidates,
 so a close call can go either way.
@@ -59,9 +60,11 @@ def replay(target: str = "h100") -> list[dict]:
         recorded = autotune.RecordedGemms(str(r["file"]))
         peaks = {g: aot.step_bytes(gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g))
                  for g in gpu_target.GEMMS}
+        replayed = autotune.replay(cfg, ParallelConfig(), policy, b, 1, target, recorded)
         out.append({**{k: v for k, v in r.items() if k not in ("config", "file")}, "layer_loop": cfg.layer_loop,
                     "file": str(r["file"].relative_to(ROOT)), "recorded_cublas_choices": recorded.cublas_choices,
-                    "replay_bytes": autotune.step_bytes(cfg, ParallelConfig(), policy, b, 1, target, recorded),
+                    "replay_bytes": replayed["bytes"], "fusions_without_a_choice": replayed["missing"],
+                    "gemms_without_a_choice": sum(1 for m in replayed["missing"] if autotune.GEMM_FUSION.match(m)),
                     "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
                     "target_bytes": max(peaks.values())})
     return out
@@ -87,17 +90,21 @@ def table(rows: list[dict], split: dict, jax_version: str) -> str:
              "H100 target with the autotuner's choices that run recorded (`plan --target h100 --autotune-results "
              "FILE`), and as `plan --target` does without them (the larger of the all-Triton and all-cuBLAS "
              "programs), against the device's peak_bytes_in_use. MiB per device.", "",
-             "| configuration | measured | with its choices | error | --target (no file) | error | Triton | cuBLAS |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| configuration | measured | with its choices | error | fusions / GEMMs without a choice | "
+             "--target (no file) | error | Triton | cuBLAS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         replayed = r["replay_bytes"]
         lines.append(f"| {r['label']} | {r['measured_bytes'] / MIB:,.1f} | "
-                     + (f"{replayed / MIB:,.1f} | {error(r, 'replay_bytes')}" if replayed else "no GEMM matched | ")
-                     + f" | {r['target_bytes'] / MIB:,.1f} | {error(r, 'target_bytes')} | "
+                     + (f"{replayed / MIB:,.1f} | {error(r, 'replay_bytes')}" if replayed else "refused | ")
+                     + f" | {len(r['fusions_without_a_choice'])} / {r['gemms_without_a_choice']}"
+                     f" | {r['target_bytes'] / MIB:,.1f} | {error(r, 'target_bytes')} | "
                      f"{r['triton_bytes'] / MIB:,.1f} | {r['cublas_bytes'] / MIB:,.1f} |")
     replayed = [r for r in rows if r["replay_bytes"]]
-    worst = lambda key, rs: max(abs(r[key] / r["measured_bytes"] - 1) for r in rs) * 100
-    lines += ["", f"Largest |error|: with the recorded choices {worst('replay_bytes', replayed):.2f}% "
+    worst = lambda key, rs: max((abs(r[key] / r["measured_bytes"] - 1) * 100 for r in rs), default=float("nan"))
+    lines += ["", "Refused: a GEMM of the step found no recorded choice (XLA would make it a Triton fusion, which is "
+                  "not the device's program); `plan` then gives the larger of the two programs. Fusions without a "
+                  "choice: those XLA names when asked to refuse them (`xla_gpu_require_complete_aot_autotune_results`).",
+              "", f"Largest |error|: with the recorded choices {worst('replay_bytes', replayed):.2f}% "
                   f"({len(replayed)} of {len(rows)} replayed), without them {worst('target_bytes', rows):.1f}%.", "",
               f"The run's files hold {split['fusions']} distinct fusions; {split['chosen_differently']} of them were "
               f"chosen differently by two of its runs ({split['gemms_chosen_differently']} GEMMs between cuBLAS and "

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes and totals), or each layer of --search; default: XLA:CPU on simulated devices")
     p.add_argument("--autotune-results", default=None, metavar="FILE",
                    help="with --target: the GEMM choices a GPU run recorded (jaxseq.train --record-autotune FILE, "
-                        "JAX >= 0.11): each row's whole train step compiles with them where the file holds that "
-                        "step's, instead of the larger of the all-Triton and all-cuBLAS programs")
+                        "planned with the JAX that recorded it): each row's whole train step compiles with them where "
+                        "the file holds a choice for each of its GEMMs, instead of the larger of the all-Triton and "
+                        "all-cuBLAS programs")
     p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "

@@ -289,24 +289,32 @@ RECORDS_ON_THIS_XLA = tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
                                                    "(test_recorded_choices_of_another_step_are_refused_in_one_line)")
 def test_with_the_h100s_recorded_gemm_choices_the_step_is_its_measured_peak():
     """Unrolled layers under `full` at micro-batch 4, where the device's autotuner gave 14 GEMMs to cuBLAS and 1 to
-    Triton: the all-Triton program is 3.3% under the H100's peak and the all-cuBLAS one 5.9–9.2% over it (so
+    Triton: the all-Triton program is 3.3% under the H100's peak and the all-cuBLAS one 5.9-9.2% over it (so
     `plan --target`, the larger, missed by that much). Compiled here with the choices that run recorded
-    (`planning.autotune`: relabelled for this CUDA build, in a process of its own), it is the measured peak, to the
-    byte on JAX 0.11.2 and 0.12 (experiments/results/autotune_replay_jax*.md)."""
+    (`planning.autotune`: relabelled for this CUDA build, in a process of its own), on the JAX the H100 ran
+    (0.11.2, requirements-gpu-device.txt), it is the measured peak within 2.2 KB. Another XLA's fusions differ: on
+    JAX 0.12, 3 of the step's GEMMs find no recorded choice, and the step is refused (the plan gives the larger
+    program) rather than passed off as the device's (experiments/results/autotune_replay_jax*.md)."""
     from jaxseq.planning import autotune
 
-    (model,) = json.loads((RECORDED / "gpu.json").read_text())["models"].values()
+    check = json.loads((RECORDED / "gpu.json").read_text())
+    (model,) = check["models"].values()
     run = model["unrolled"]["full"]
     cfg = replace(ModelConfig(**model["config"]), layer_loop="unrolled")
     recorded = autotune.RecordedGemms(str(RECORDED / "autotune" / Path(run["autotune_results"]).name))
     assert recorded.cublas_choices == 14
-    replayed = autotune.step_bytes(cfg, ParallelConfig(), "full", model["micro_batch"], 1, "h100", recorded)
-    assert replayed == pytest.approx(run["peak_bytes_in_use"], rel=0.002), (replayed, run["peak_bytes_in_use"])
+    replayed = autotune.replay(cfg, ParallelConfig(), "full", model["micro_batch"], 1, "h100", recorded)
+    gemms = [m for m in replayed["missing"] if autotune.GEMM_FUSION.match(m)]
+    if jax.__version__ == check["jax_version"]:
+        assert replayed["bytes"] == pytest.approx(run["peak_bytes_in_use"], abs=4096) and not gemms, replayed
+    else:
+        assert replayed["bytes"] is None and gemms, replayed
 
 
 def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_path):
     """`plan --target --autotune-results` with a file recorded from another step (gpt3-1.3b's, for tiny): no row's
-    GEMMs are in it, which the plan says in one line rather than passing XLA's defaults off as the device's. On
+    GEMMs are in it, which the plan says in one line rather than passing XLA's defaults off as the device's
+    choices. On
     JAX 0.10 the file cannot be read at all: one line too. A file that is not autotune results is refused before
     anything compiles."""
     from jaxseq.planning import autotune
@@ -315,7 +323,7 @@ def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_p
     (model,) = json.loads((RECORDED / "gpu.json").read_text())["models"].values()
     recorded = autotune.RecordedGemms(str(RECORDED / "autotune" / Path(model["policies"]["full"]["autotune_results"]).name))
     cfg = replace(preset("tiny"), attention="fused")
-    message = ("holds none of these steps' GEMM choices" if RECORDS_ON_THIS_XLA else
+    message = ("holds the choices of none of these steps" if RECORDS_ON_THIS_XLA else
                rf"this JAX's XLA \({jax.__version__}\) cannot read it")
     with pytest.raises(ConfigError, match=message) as e:
         plan(cfg, 1, 2, devices, policies=("full",), target="h100", recorded=recorded)

@@ -66,9 +66,17 @@ def test_one_jax_version_everywhere():
 
 def test_the_gpu_target_plugin_is_at_each_pinned_jax_version():
     """JAX's CUDA plugin must match jaxlib exactly: the pinned one for requirements-gpu-target.txt, the newest for
-    its -newest twin (.ci/run installs each after the suite it belongs to)."""
+    its -newest twin (.ci/run installs each after the suite it belongs to), and the GPU's own JAX (0.11.2) in
+    requirements-gpu-device.txt, which pins everything else as the newest does."""
+    device = _pins("requirements-gpu-device.txt")
+    assert device["jax"] == device["jaxlib"] == "0.11.2"
+    assert {k: v for k, v in device.items() if k not in ("jax", "jaxlib")} == {
+        k: v for k, v in {**_pins("requirements-newest.txt"), **_pins("requirements-gpu-target-newest.txt")}.items()
+        if k not in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")} | {
+        "jax-cuda12-plugin": "0.11.2", "jax-cuda12-pjrt": "0.11.2"}
     for runtime, target in (("requirements.txt", "requirements-gpu-target.txt"),
-                            ("requirements-newest.txt", "requirements-gpu-target-newest.txt")):
+                            ("requirements-newest.txt", "requirements-gpu-target-newest.txt"),
+                            ("requirements-gpu-device.txt", "requirements-gpu-device.txt")):
         jax_version, plugin = _pins(runtime)["jax"], _pins(target)
         assert plugin["jax-cuda12-plugin"] == plugin["jax-cuda12-pjrt"] == jax_version, target
         assert f"pip install -r {target}" in _read(".ci/run")

@@ -4,8 +4,13 @@ Without a device XLA cannot autotune, so `plan --target` takes the larger of the
 (planning/gpu_target.py). A GPU run can record what its autotuner chose (`xla_gpu_dump_autotune_results_to`:
 `jaxseq.train --record-autotune FILE`, experiments/gpu.py), and a compile for the target can load it
 (`xla_gpu_load_autotune_results_from`): XLA looks each fusion up by its HLO's fingerprint and the device's
-description, and takes the device's choice where it finds one. On an H100 this reproduced each of ten measured peaks
-within 0.13%, most of them to the byte (experiments/results/autotune_replay.md).
+description, and takes the device's choice where it finds one. A step is the device's program only where every
+one of its GEMMs finds its choice: XLA makes a GEMM it finds none for a Triton fusion, which may hold more or less
+than the device's (JAX 0.12 finds few of gpt3-1.3b's GEMMs at micro-batch 32 in JAX 0.11.2's file, and that
+program is 12% under the peak). So the step compiles first with XLA asked to refuse any fusion it finds no choice
+for, and XLA's log names those fusions. Where only fusions other than GEMMs lack a choice (10 of the optimizer
+update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's default. On an H100 with the device's JAX this reproduced eight measured peaks within 0.13%, six
+of them within 2.2 KB (experiments/results/autotune_replay_jax0.11.2.md).
 
 Three facts about XLA shape this module:
 - XLA loads such a file once per process and keeps its choices for every later compile. So each step compiles with
@@ -13,7 +18,8 @@ Three facts about XLA shape this module:
 - A cuBLAS choice carries the CUDA build of the XLA that made it ("13.0.0"), and an XLA of another build ("12.9.0")
   skips it, so the file is relabelled with this plugin's build (`relabelled`). A plan reads buffers, which follow the
   choice of cuBLAS or Triton; the cuBLAS algorithm within that choice only sizes a workspace.
-- JAX 0.10's XLA cannot read the format that JAX 0.11's writes.
+- Only the XLA that wrote a file finds all of a step's fusions in it. JAX 0.12 finds no choice for 3 to 10 of each
+  gpt3-1.3b step's GEMMs in 0.11.2's files, and JAX 0.10's XLA cannot read the format at all.
 
 The autotuner times its candidates, so a close call can go either way from one run to the next. The same GEMM took
 cuBLAS in one 2026-11-27 run and Triton in another. A file therefore holds one run's choices.
@@ -33,6 +39,9 @@ from pathlib import Path
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
 
 LOAD = "xla_gpu_load_autotune_results_from"
+COMPLETE = "xla_gpu_require_complete_aot_autotune_results"  # a fusion without a recorded choice: NOT_FOUND, logged
+MISSING = re.compile(r"Could not get config for HLO: %(\S+) = ")  # XLA's log line for each such fusion
+GEMM_FUSION = re.compile(r"^(gemm_fusion|cublas|triton_gemm)")  # XLA:GPU's names for a GEMM's fusion
 CUDA_BUILD_VERSION = re.compile(r'(optimal_backend_version: )"\d+\.\d+\.\d+"')  # a cuBLAS choice's CUDA build
 CUBLAS_CHOICE = re.compile(r"backend: CUBLAS")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -78,13 +87,19 @@ def cuda_build_version() -> str:
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str, recorded: RecordedGemms) -> int | None:
-    """The step's peak bytes per device compiled for `target` with the `recorded` choices, in a process of its own;
-    None where the file holds none of this step's GEMMs: it holds cuBLAS choices and the program calls no cuBLAS GEMM
-    (another model, shape, policy, mesh, GPU or XLA recorded it; XLA makes each GEMM it has no choice for a Triton
-    fusion)."""
+    """The step's peak bytes per device compiled for `target` with the `recorded` choices; None where the file lacks a
+    choice for any of the step's GEMMs (another model, shape, policy, mesh, GPU or XLA recorded it)."""
+    return replay(cfg, parallel, remat, micro_batch, microbatches, target, recorded)["bytes"]
+
+
+def replay(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+           target: str, recorded: RecordedGemms) -> dict:
+    """The step compiled for `target` with the `recorded` choices in a process of its own (`main`): its bytes (None
+    where a GEMM found no choice), the fusions that found none, and its cuBLAS GEMMs."""
     request = {"model": dataclasses.asdict(cfg), "parallel": dataclasses.asdict(parallel), "remat": remat,
                "micro_batch": micro_batch, "microbatches": microbatches, "target": target, "file": recorded.path}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="0")  # XLA's log names the fusions without a choice
     proc = subprocess.run([sys.executable, "-m", "jaxseq.planning.autotune", json.dumps(request)],
                           capture_output=True, text=True, env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("{")), None)
@@ -94,10 +109,9 @@ def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
             import jax
 
             raise ConfigError(f"--autotune-results {recorded.source}: this JAX's XLA ({jax.__version__}) cannot read it "
-                              f"({error[-120:]}); XLA:GPU's files from JAX 0.11 on need JAX >= 0.11 here too")
+                              f"({error[-120:]}); plan with the JAX that recorded it (XLA:GPU's files from JAX 0.11 on)")
         raise ConfigError(f"--autotune-results {recorded.source}: the step did not compile with it ({error[-200:]})")
-    out = json.loads(line)
-    return None if recorded.cublas_choices and not out["cublas_gemms"] else out["bytes"]
+    return json.loads(line)
 
 
 def cublas_gemms(hlo_text: str) -> int:
@@ -105,18 +119,46 @@ def cublas_gemms(hlo_text: str) -> int:
     return len(re.findall(r'custom_call_target="__cublas', hlo_text))
 
 
+def compile_logged(compile_step, options: dict):
+    """`compile_step(options)` with this process's fd 2 (where XLA logs) caught: (the program or None where XLA
+    raised NOT_FOUND for a fusion without a choice, the log)."""
+    import jax
+
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            compiled = compile_step(options)
+        except jax.errors.JaxRuntimeError as e:
+            if "NOT_FOUND" not in str(e):
+                raise
+            compiled = None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        return compiled, log.read().decode(errors="replace")
+
+
 def main(argv: list[str]) -> int:
-    """The child: one step compiled with one file of choices (`step_bytes`'s request), its bytes and cuBLAS GEMMs
-    printed as one line of JSON."""
+    """The child: one step compiled with one file of choices (`step_bytes`'s request): one line of JSON, its bytes
+    (null where a GEMM found no choice), the fusions that found none, and its cuBLAS GEMMs."""
     from jaxseq.planning import gpu_target
 
     gpu_target.cpu_only()
     from jaxseq.training import aot
 
     r = json.loads(argv[0])
-    compiled = gpu_target.compile_step(ModelConfig(**r["model"]), ParallelConfig(**r["parallel"]), r["remat"],
-                                       r["micro_batch"], r["microbatches"], r["target"], options={LOAD: r["file"]})
-    print(json.dumps({"bytes": aot.step_bytes(compiled), "cublas_gemms": cublas_gemms(compiled.as_text())}), flush=True)
+    step = lambda options: gpu_target.compile_step(ModelConfig(**r["model"]), ParallelConfig(**r["parallel"]),
+                                                   r["remat"], r["micro_batch"], r["microbatches"], r["target"],
+                                                   options=options)
+    compiled, log = compile_logged(step, {LOAD: r["file"], COMPLETE: True})
+    missing = MISSING.findall(log)
+    complete = compiled is not None or (missing and not any(GEMM_FUSION.match(m) for m in missing))
+    if compiled is None and complete:  # only fusions beside the GEMMs lack a choice: XLA's default for those
+        compiled = step({LOAD: r["file"]})
+    print(json.dumps({"bytes": aot.step_bytes(compiled) if complete else None, "missing": missing,
+                      "cublas_gemms": cublas_gemms(compiled.as_text()) if complete else None}), flush=True)
     return 0
 
 

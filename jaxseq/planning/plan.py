@@ -44,8 +44,7 @@ CPU_SOURCE = "XLA:CPU, simulated devices (total = state + stored × layers in fl
 
 
 def target_source(target: str, recorded: str | None = None) -> str:
-    gemms = (f"its GEMMs as a GPU run's autotuner chose them, recorded in {recorded} (Triton, XLA's default, for any "
-             f"it holds no choice for); ten H100 peaks within 0.13%"
+    gemms = (f"its GEMMs as a GPU run's autotuner chose them, recorded in {recorded}; eight H100 peaks within 0.13%"
              if recorded else "the larger of its programs with Triton's and cuBLAS's GEMMs; within 1.7% of the peaks "
                               "an H100 measured, scanned layers")
     return (f"XLA:GPU {target}, compiled without a GPU (total = the whole donated train step's argument + output + "
@@ -243,7 +242,7 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     target: a GPU (`gpu_target.TARGETS`): each row's stored bytes and total are then XLA:GPU's, from that row's
     layer and its whole train step compiled for the GPU (`on_target`); FLOPs and collectives stay XLA:CPU's.
     recorded: with a target, the GEMM choices a GPU run recorded: each row's whole step compiles with them where the
-    file holds that step's (`autotune.step_bytes`), and the file must hold some row's.
+    file holds a choice for each of its GEMMs (`autotune.step_bytes`), and the file must hold some row's.
     fsdp = F: the state of every weight split over F ranks (FSDP; with data, HSDP) and each row's working memory
     holding the gathered weights (`memory.fsdp_gathered_bytes`); the layers compile as before (an fsdp rank runs b
     sequences like a data rank: its stored activations are the same)."""
@@ -282,9 +281,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
         rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress, recorded)
                 for r, c in zip(rows, measured)]
         if recorded is not None and all(r.memory_source == target_source(target) for r in rows):
-            raise ConfigError(f"--autotune-results {recorded.source}: holds none of these steps' GEMM choices (its "
-                              f"cuBLAS GEMMs are in none of the programs); record it from this model, shape, "
-                              f"micro-batch, policy and mesh on a {target}, with this JAX's XLA")
+            raise ConfigError(f"--autotune-results {recorded.source}: holds the choices of none of these steps (each "
+                              f"has a GEMM it holds no choice for); record it from this model, shape, micro-batch, "
+                              f"policy and mesh on a {target}, with this JAX's XLA")
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
     return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
