@@ -102,12 +102,14 @@ def search_memory(cfg, micro_batch: int, where: str, target: str) -> dict:
 
 
 LATER = RESULTS / "gpu_h100_2026-11-27"  # experiments/gpu.py and gpu_followup.py on an H100, at other shapes
+THIRD = RESULTS / "gpu_2026-11-27_autotune" / "h100"  # experiments/gpu.py on an H100 again: `lean` unrolled
 
 
 def later_runs() -> list[dict]:
     """What the H100 measured on 2026-11-27 with today's program: gpt3-1.3b's rows at micro-batch 4 again, `lean` at
     three sequence lengths, `none` at micro-batch 8 and `full` at 32 (preallocated, gpu_followup.py), and unrolled
-    layers (`lax.split`, followup_2_unstack.json): each a config, policy, micro-batch, peak and median step."""
+    layers (`lax.split`, followup_2_unstack.json), and `lean` unrolled from a third run (the rest of that run repeats
+    these shapes): each a config, policy, micro-batch, peak and median step."""
     from jaxseq.config import ModelConfig, replace
 
     check = json.loads((LATER / "gpu.json").read_text())
@@ -125,7 +127,9 @@ def later_runs() -> list[dict]:
     unrolled = json.loads((LATER / "followup_2_unstack.json").read_text())["runs"]
     rows += [row(f"{p}, unrolled, b=4", replace(cfg, layer_loop="unrolled"), p, 4, unrolled[name])
              for p, name in (("none", "unrolled_none"), ("full", "unrolled_full"))]
-    return rows
+    (third,) = json.loads((THIRD / "gpu.json").read_text())["models"].values()  # the one shape it added
+    return rows + [row("lean, unrolled, b=4 (third run)", replace(cfg, layer_loop="unrolled"), "lean", 4,
+                       third["unrolled"]["lean"])]
 
 
 def later_shapes(target: str = "h100") -> list[dict]:

@@ -290,12 +290,14 @@ RECORDS_ON_THIS_XLA = tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
 def test_with_the_h100s_recorded_gemm_choices_the_step_is_its_measured_peak():
     """Unrolled layers under `full` at micro-batch 4, where the device's autotuner gave 14 GEMMs to cuBLAS and 1 to
     Triton: the all-Triton program is 3.3% under the H100's peak and the all-cuBLAS one 5.9-9.2% over it (so
-    `plan --target`, the larger, missed by that much). Compiled here with the choices that run recorded
-    (`planning.autotune`: relabelled for this CUDA build, in a process of its own), on the JAX the H100 ran
-    (0.11.2, requirements-gpu-device.txt), it is the measured peak within 2.2 KB. Another XLA's fusions differ: on
-    JAX 0.12, 3 of the step's GEMMs find no recorded choice, and the step is refused (the plan gives the larger
-    program) rather than passed off as the device's (experiments/results/autotune_replay_jax*.md)."""
+    `plan --target`, the larger, missed by that much). A plan's row compiled here with the choices that run recorded
+    (`plan.recorded_totals`: `planning.autotune`, relabelled for this CUDA build, in a process of its own), on the
+    JAX the H100 ran (0.11.2, requirements-gpu-device.txt), is the measured peak within 4 KB. Another XLA's fusions
+    differ: on JAX 0.12, 3 of the step's GEMMs find no recorded choice, and the file is refused in one line rather
+    than passed off as the device's choices (experiments/results/autotune_replay_jax*.md)."""
     from jaxseq.planning import autotune
+    from jaxseq.planning.measure import RowSpec
+    from jaxseq.planning.plan import recorded_totals
 
     check = json.loads((RECORDED / "gpu.json").read_text())
     (model,) = check["models"].values()
@@ -303,12 +305,15 @@ def test_with_the_h100s_recorded_gemm_choices_the_step_is_its_measured_peak():
     cfg = replace(ModelConfig(**model["config"]), layer_loop="unrolled")
     recorded = autotune.RecordedGemms(str(RECORDED / "autotune" / Path(run["autotune_results"]).name))
     assert recorded.cublas_choices == 14
-    replayed = autotune.replay(cfg, ParallelConfig(), "full", model["micro_batch"], 1, "h100", recorded)
-    gemms = [m for m in replayed["missing"] if autotune.GEMM_FUSION.match(m)]
+    row = RowSpec("full", "full", False, 1, "full")
+    step = dict(data=1, distributed_optimizer=False, pipeline=1, schedule="1f1b", virtual_stages=1, context=1,
+                strategy="all-gather", fsdp=1)
+    found = lambda: recorded_totals(cfg, [row], model["micro_batch"], 1, "h100", step, recorded)
     if jax.__version__ == check["jax_version"]:
-        assert replayed["bytes"] == pytest.approx(run["peak_bytes_in_use"], abs=4096) and not gemms, replayed
+        assert found()[row] == pytest.approx(run["peak_bytes_in_use"], abs=4096)
     else:
-        assert replayed["bytes"] is None and gemms, replayed
+        with pytest.raises(ConfigError, match="holds the choices of none of these steps"):
+            found()
 
 
 def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_path):

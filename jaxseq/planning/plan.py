@@ -278,12 +278,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     if target is not None:
         step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
                     virtual_stages=virtual_stages, context=context, strategy=context_strategy, fsdp=fsdp)
-        rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress, recorded)
-                for r, c in zip(rows, measured)]
-        if recorded is not None and all(r.memory_source == target_source(target) for r in rows):
-            raise ConfigError(f"--autotune-results {recorded.source}: holds the choices of none of these steps (each "
-                              f"has a GEMM it holds no choice for); record it from this model, shape, micro-batch, "
-                              f"policy and mesh on a {target}, with this JAX's XLA")
+        found = recorded_totals(cfg, list(measured), micro_batch, n_micro, target, step, recorded, progress)
+        rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress,
+                          recorded and recorded.source, found.get(c)) for r, c in zip(rows, measured)]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
     return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
@@ -296,13 +293,37 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                 context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy), fsdp=fsdp)
 
 
+def recorded_totals(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, microbatches: int, target: str,
+                    step: dict, recorded: autotune.RecordedGemms | None, progress=None) -> dict:
+    """Row → its whole step's peak compiled with the `recorded` GEMM choices, for the rows whose every GEMM the file
+    holds a choice for (`autotune.step_bytes`); one line, before any other GPU program compiles, where it holds
+    none's."""
+    if recorded is None:
+        return {}
+    found = {}
+    for c in configs:
+        whole = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, **step)
+        if progress is not None:
+            progress.compiling(f"{c.name} for {target}: the whole train step with the recorded GEMM choices")
+        total = autotune.step_bytes(cfg, whole, c.remat, micro_batch, microbatches if step["pipeline"] > 1 else 1,
+                                    target, recorded)
+        if total is not None:
+            found[c] = total
+    if not found:
+        raise ConfigError(f"--autotune-results {recorded.source}: holds the choices of none of these steps (each has a "
+                          f"GEMM it holds no choice for); record it from this model, shape, micro-batch, policy and "
+                          f"mesh on a {target}, and plan with the JAX that recorded it")
+    return found
+
+
 def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbatches: int, in_flight_layers: float,
-              context: int, target: str, step: dict, progress=None,
-              recorded: autotune.RecordedGemms | None = None) -> Row:
+              context: int, target: str, step: dict, progress=None, recorded: str | None = None,
+              recorded_total: int | None = None) -> Row:
     """Row `row` with XLA:GPU's figures for `target`: one layer's stored bytes (its layer compiled for the GPU)
     and the total, the whole train step's peak per device compiled for the GPU at the model's depth and dtype
     on the full mesh (`gpu_target.step_parallel`); the working column is what that peak holds beyond state and
-    stored activations. With `recorded` GEMM choices that hold this step's, the total is its program with them.
+    stored activations. Where the step was compiled with the GEMM choices recorded in file `recorded`
+    (`recorded_totals`), the total is that program's, `recorded_total`.
     """
     layer = ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
                            context_strategy=step["strategy"])
@@ -311,17 +332,15 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
         progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
                            f"target device(s)")
     stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
-    m = microbatches if step["pipeline"] > 1 else 1
-    total = recorded and autotune.step_bytes(cfg, whole, c.remat, micro_batch, m, target, recorded)
-    source = target_source(target, recorded.source if total else None)
-    total = total or gpu_target.step_bytes(cfg, whole, c.remat, micro_batch, m, target)
+    total = recorded_total or gpu_target.step_bytes(cfg, whole, c.remat, micro_batch,
+                                                    microbatches if step["pipeline"] > 1 else 1, target)
     activations = row.deferred_stash_bytes_per_device + activation_bytes(
         stored, in_flight_layers, non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
     state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
     return dataclasses.replace(
         row, measured_bytes_per_layer=stored, ratio=stored / row.formula_bytes_per_layer if row.formula_bytes_per_layer
         else None, activation_bytes_per_device=activations, working_bytes_per_device=total - state - activations,
-        total_bytes_per_device=total, memory_source=source)
+        total_bytes_per_device=total, memory_source=target_source(target, recorded if recorded_total else None))
 
 
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,
