@@ -82,7 +82,7 @@ ALLOWED = {
                       "planning.gpu_target", "planning.in_flight", "planning.measure", "planning.memory", "remat",
                       "training.aot"},
     "planning.gpu_target": {"config", "mesh", "planning.hlo", "planning.measure", "training.aot"},
-    "planning.autotune": {"config", "planning.gpu_target", "training.aot"},
+    "planning.autotune": {"config", "planning.gpu_target", "planning.hlo", "training.aot"},
     "planning.report": {"models.model", "planning.memory", "planning.plan"},
     "planning.kernel_time": {"config", "hardware", "models.model", "remat"},
     "planning.progress": set(),

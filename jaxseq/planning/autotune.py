@@ -9,8 +9,9 @@ one of its GEMMs finds its choice: XLA makes a GEMM it finds none for a Triton f
 than the device's (JAX 0.12 finds few of gpt3-1.3b's GEMMs at micro-batch 32 in JAX 0.11.2's file, and that
 program is 12% under the peak). So the step compiles first with XLA asked to refuse any fusion it finds no choice
 for, and XLA's log names those fusions. Where only fusions other than GEMMs lack a choice (10 of the optimizer
-update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's default. On an H100 with the device's JAX this reproduced eight measured peaks within 0.13%, six
-of them within 2.2 KB (experiments/results/autotune_replay_jax0.11.2.md).
+update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's default. On an
+H100 with the device's JAX this reproduced eight measured peaks within 0.13%, six of them within 2.2 KB
+(experiments/results/autotune_replay_jax0.11.2.md).
 
 Three facts about XLA shape this module:
 - XLA loads such a file once per process and keeps its choices for every later compile. So each step compiles with
@@ -37,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
+from jaxseq.planning.hlo import CUBLAS
 
 LOAD = "xla_gpu_load_autotune_results_from"
 COMPLETE = "xla_gpu_require_complete_aot_autotune_results"  # a fusion without a recorded choice: NOT_FOUND, logged
@@ -116,7 +118,7 @@ def replay(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: 
 
 def cublas_gemms(hlo_text: str) -> int:
     """The GEMMs a compiled XLA:GPU program hands to cuBLAS (its `__cublas$…` custom calls)."""
-    return len(re.findall(r'custom_call_target="__cublas', hlo_text))
+    return hlo_text.count(f'custom_call_target="{CUBLAS}')
 
 
 def compile_logged(compile_step, options: dict):
