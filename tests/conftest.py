@@ -1,5 +1,7 @@
 """Every test runs on 8 simulated host devices (set before JAX initialises its backend)."""
 
+import ctypes.util
+import gc
 import os
 import shutil
 import subprocess
@@ -23,6 +25,13 @@ def xla_knows(flag: str) -> bool:
     return probe.returncode == 0
 
 
+# jemalloc for the xdist workers and the commands the tests start, where the system has it (Debian's
+# libjemalloc2, which .ci/run installs): XLA's compiler allocates many small objects, and glibc's malloc is
+# 16% of a compile-bound test's time. The same programs and results; a pipelined test in 18.1 s against 22.2 s.
+# LD_PRELOAD reaches only processes started after this line: the workers, not this (controlling) process.
+if FLAGS_VARIABLE not in os.environ and (jemalloc := ctypes.util.find_library("jemalloc")):
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), jemalloc)))
+
 if FLAGS_VARIABLE not in os.environ:
     flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     os.environ[FLAGS_VARIABLE] = flags + (" " + LEGACY_CPU_FUSION if xla_knows(LEGACY_CPU_FUSION) else "")
@@ -31,6 +40,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector less often, and never over what the imports made (`gc.freeze`): tracing a
+# step makes many containers, and at the default thresholds (700, 10, 10) the collector took 7% of a
+# compile-bound test's time (8% less at these thresholds, in each of 4 runs). Only this process's; nothing a test
+# reads.
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)
 
 # The same count as the option the training command sets: `jaxseq.train.main([... "--host-devices", "8"])`
 # then runs in the pytest process (JAX refuses to change it once the backend has started).

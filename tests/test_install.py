@@ -42,7 +42,9 @@ def test_the_main_job_installs_runtime_requirements_only():
 def test_ci_runs_exactly_the_readme_test_command():
     test = _readme_commands()[1]
     ci = [line for line in _read(".ci/run").splitlines() if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert ci[0] == test
+    # The first line that installs Python packages or runs tests is it; before it, only a system package the
+    # tests' processes preload where it is installed (libjemalloc2: tests/conftest.py).
+    assert next(line for line in ci if "pip install" in line or "pytest" in line) == test
 
 
 def test_pyproject_declares_every_runtime_requirement():
