@@ -28,11 +28,11 @@ def xla_knows(flag: str) -> bool:
 # jemalloc for the xdist workers and the commands the tests start, where the system has it (Debian's
 # libjemalloc2, which .ci/run installs): XLA's compiler allocates many small objects, and glibc's malloc is
 # 16% of a compile-bound test's time. The same programs and results; a pipelined test in 18.1 s against 22.2 s.
-# LD_PRELOAD reaches only processes started after this line: the workers, not this (controlling) process.
-if FLAGS_VARIABLE not in os.environ and (jemalloc := ctypes.util.find_library("jemalloc")):
-    os.environ["LD_PRELOAD"] = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), jemalloc)))
-
+# LD_PRELOAD reaches only processes started after this: the workers, not this (controlling) process. And the
+# first process's XLA flags (below), which the workers inherit.
 if FLAGS_VARIABLE not in os.environ:
+    if jemalloc := ctypes.util.find_library("jemalloc"):
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), jemalloc)))
     flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     os.environ[FLAGS_VARIABLE] = flags + (" " + LEGACY_CPU_FUSION if xla_knows(LEGACY_CPU_FUSION) else "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + os.environ[FLAGS_VARIABLE]).strip()
