@@ -220,6 +220,21 @@ def test_a_searchs_gpu_layer_moves_what_the_whole_steps_layer_loops_move():
         assert costs.layer(1, False, "lean", b).moved_bytes == hlo.layer_loop_bytes(step.as_text(), cfg.layers) > 0
 
 
+def test_a_searchs_context_layers_compile_with_the_attention_their_strategy_runs():
+    """cuDNN's attention does not take the all-gather context strategy's mask (`config.cudnn_compiles`): the search's
+    layer at c = 2 compiles with XLA's attention, as `train` runs that layout (it raised inside XLA's partitioner with
+    `plan --search --target --attention fused` at any c > 1); at c = 1 with cuDNN's."""
+    from jaxseq.config import on_platform
+    from jaxseq.planning.measure import Compiler, RowSpec
+
+    cfg = on_platform(replace(preset("tiny"), attention="fused", dtype="bfloat16"), "gpu")
+    row = RowSpec("search", "selective", False, 1, None)
+    for context, cudnn in ((2, False), (1, True)):
+        compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
+        grad = compiler.layer_programs(row)[0]  # the layer's loss and gradients, where it raised
+        assert (CUDNN_ATTENTION in compiler._compile(*grad).as_text()) == cudnn, context
+
+
 def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():
     """experiments/gpu.py's `largest_micro_batch`: doubling the micro-batch while the step compiled for the H100 fits
     the device's limit; a device with no target description gets none."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from jaxseq.config import ModelConfig, ParallelConfig, replace
+from jaxseq.config import ModelConfig, ParallelConfig, cudnn_compiles, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.planning import hlo
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, state_bytes
@@ -74,6 +74,8 @@ class Compiler:
                  strategy: str = "all-gather", progress=None):
         # the readers find a layer in the scan's loop: an unrolled model's layers are measured as scanned ones
         self.cfg, self.b, self.devices, self.workers = replace(cfg, layer_loop="scan"), micro_batch, devices, workers
+        if cfg.fused_kernel == "cudnn" and not cudnn_compiles(ParallelConfig(context=context, context_strategy=strategy)):
+            self.cfg = replace(self.cfg, fused_kernel="xla")  # XLA's attention, as `train` runs this context strategy
         self.context, self.strategy = context, strategy  # every program on a context × tensor mesh
         self.progress = progress  # a `planning.progress.Progress`: a line as each program starts compiling
         self._cache: dict = {}
