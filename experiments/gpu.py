@@ -307,8 +307,9 @@ def run_child(spec: dict) -> dict:
 
 
 def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int, devices, policies=POLICIES) -> dict:
-    """policy → `jaxseq.plan`'s predicted peak bytes per device (state + stored activations + the step's working
-    memory) for `cfg` at `tensor`, one micro-batch; its rows compiled as `plan.plan` compiles them."""
+    """policy → `jaxseq.plan`'s predicted peak bytes per device (the state's share of the peak, `State.at_peak`, +
+    stored activations + the step's working memory) for `cfg` at `tensor`, one micro-batch; its rows compiled as
+    `plan.plan` compiles them."""
     from jaxseq.planning.measure import Compiler, RowSpec
     from jaxseq.planning.memory import state_bytes
     from jaxseq.planning.plan import make_row
@@ -320,7 +321,7 @@ def predicted_peaks(cfg, tensor: int, sequence_parallel: bool, micro_batch: int,
     state = state_bytes(cfg, tensor)
     rows = {p: make_row(cfg, c, measured[p], micro_batch, cfg.layers, measured["none"].flops_per_layer, state)
             for p, c in zip(policies, specs)}
-    return {p: {"total_bytes": r.total_bytes_per_device, "state_bytes": state.total,
+    return {p: {"total_bytes": r.total_bytes_per_device, "state_bytes": state.at_peak,
                 "activation_bytes": r.activation_bytes_per_device, "working_bytes": r.working_bytes_per_device}
             for p, r in rows.items()}
 

@@ -155,11 +155,13 @@ class Compiler:
         return _flops(self._compile("grad", 0, "none", c.tensor, c.sequence_parallel))
 
     def working_bytes(self, c: RowSpec) -> int:
-        """The float32 train step's temporaries at L=2 minus its gradients and stored activations."""
+        """The train step's temporaries at L=2 minus the state's share of them at the peak (the compute copy and
+        its gradients: `State.at_peak`) and the stored activations."""
         step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
         cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype=self.step_dtype)
         stored = hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
-        accounted = state_bytes(cfg, c.tensor).gradients + activation_bytes(
+        state = state_bytes(cfg, c.tensor)
+        accounted = state.weight_copy + state.loop_gradients + activation_bytes(
             stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
         return step.memory_analysis().temp_size_in_bytes - accounted
 

@@ -32,11 +32,21 @@ class _Leaf:
     sharded: bool  # over data or pipe (master_specs): the step gathers a full copy of it
     fsdp: int = 1  # the fsdp ranks it is split over (FSDP: each layer gathers it as it goes; its gradient is a shard)
     fsdp_run: bool = False  # the run has fsdp ranks: the weights enter the step float32, each layer casts its own
+    pipelined: bool = False  # the run has a pipeline: its executor accumulates float32 gradients tick by tick
 
     @property
     def gradient_elements(self) -> int:
         """Its float32 gradient on one device: whole (reduced once a step), or under FSDP its shard."""
         return self.elements // self.fsdp
+
+    def loop_gradient_bytes(self, cfg: ModelConfig) -> int:
+        """Its gradient while the backward layer loop runs, where the step peaks: the gradient of the compute copy
+        the step differentiates (a cast leaf's in the compute dtype, carried by the loop), cast to float32 after
+        the loop, when the stored activations are freed (read from the step compiled for an H100). Float32 under
+        FSDP (each layer's reduce-scattered shard) and under a pipeline (its executor's accumulators)."""
+        if self.fsdp_run or self.pipelined or not self.cast:
+            return 4 * self.gradient_elements
+        return self.elements * cfg.itemsize
 
     def copy_bytes(self, cfg: ModelConfig) -> int:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
@@ -78,7 +88,8 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
             n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
             split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe", "fsdp")]))
             out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast,
-                             any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1, fsdp > 1))
+                             any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1, fsdp > 1,
+                             pipe > 1))
     return out
 
 
@@ -100,13 +111,28 @@ class State:
     (no copy); with it every step gathers a full copy, LayerNorm parameters included (in f32)."""
 
     params: int  # fp32 master weights
-    gradients: int
+    gradients: int  # float32, what clipping and AdamW read
     optimizer: int  # Adam moments
     weight_copy: int
+    loop_gradients: int  # those alive in the backward layer loop instead (`_Leaf.loop_gradient_bytes`)
+    gradient_shards: int  # the distributed optimizer's: the float32 gradients reduce-scattered onto the master shards
 
     @property
     def total(self) -> int:
         return self.params + self.gradients + self.optimizer + self.weight_copy
+
+    @property
+    def at_peak(self) -> int:
+        """The state's share of the step's peak, in the backward layer loop: the float32 gradients are not made
+        yet, the compute copy's gradients (`loop_gradients`) are; in a bfloat16 step 2 bytes a parameter less."""
+        return self.params + self.loop_gradients + self.optimizer + self.weight_copy
+
+    @property
+    def after_loop(self) -> int:
+        """The state after the backward layer loop, the activations freed: master weights, moments, the float32
+        gradients, and where the distributed optimizer reduce-scatters them their shards beside them (the
+        collective's input and output): the peak of a step that keeps few activations."""
+        return self.params + self.optimizer + self.gradients + self.gradient_shards
 
 
 def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
@@ -143,7 +169,9 @@ def fsdp_gathered_bytes(cfg: ModelConfig, tensor: int, fsdp: int) -> int:
 def _state(leaves: list[_Leaf], cfg: ModelConfig) -> State:
     gradients = sum(l.gradient_elements for l in leaves)
     master = sum(l.master_elements for l in leaves)
-    return State(4 * master, 4 * gradients, 8 * master, sum(l.copy_bytes(cfg) for l in leaves))
+    shards = sum(l.master_elements for l in leaves if l.sharded and not (l.pipelined or l.fsdp_run))  # over data
+    return State(4 * master, 4 * gradients, 8 * master, sum(l.copy_bytes(cfg) for l in leaves),
+                 sum(l.loop_gradient_bytes(cfg) for l in leaves), 4 * shards)
 
 
 def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool, context: int = 1) -> int:
@@ -163,8 +191,9 @@ def activation_bytes(stored_bytes_per_layer: float, in_flight_layers: float, non
     return stored_bytes_per_layer * in_flight_layers + non_layer_bytes
 
 
-def peak_bytes(state: float, activations: float, working: float, accumulator: float = 0) -> float:
-    """The train step's peak per device (the first pipeline stage): state + stored activations + the
-    step's working memory, + the fp32 gradient accumulator of an unpipelined step over m > 1
-    micro-batches (the search's; the plan compiles one micro-batch per step)."""
-    return state + activations + working + accumulator
+def peak_bytes(state: float, activations: float, working: float, accumulator: float = 0, after_loop: float = 0) -> float:
+    """The train step's peak per device (the first pipeline stage): in the backward layer loop, the state's share of
+    it (`State.at_peak`) + stored activations + the step's working memory, + the fp32 gradient accumulator of an
+    unpipelined step over m > 1 micro-batches (the search's; the plan compiles one micro-batch per step); or after
+    that loop, the state alone (`State.after_loop`: the accumulator is its float32 gradients), where that is more."""
+    return max(state + activations + working + accumulator, after_loop)

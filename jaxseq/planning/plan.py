@@ -417,7 +417,7 @@ def _state_columns(state: State, activations: int, working: int) -> dict:
     """A row's state bytes, and its total: the step's peak (`memory.peak_bytes`)."""
     return dict(params_bytes_per_device=state.params, gradient_bytes_per_device=state.gradients,
                 optimizer_bytes_per_device=state.optimizer, weight_copy_bytes_per_device=state.weight_copy,
-                total_bytes_per_device=peak_bytes(state.total, activations, working))
+                total_bytes_per_device=peak_bytes(state.at_peak, activations, working, after_loop=state.after_loop))
 
 
 def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:

@@ -104,7 +104,7 @@ class SearchCosts:
             state = state_bytes(stage, tensor, data, distributed_optimizer, pipe, fsdp)
             parameters = parameter_elements_per_device(stage, tensor)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
-            self._states[key] = search.StateCost(state.total, parameters, state.params, parameters - outside_layers,
+            self._states[key] = search.StateCost(state.at_peak, parameters, state.params, parameters - outside_layers,
                                                  state.weight_copy, parts["layers"].weight_copy, state.gradients,
-                                                 fsdp_gathered_bytes(stage, tensor, fsdp))
+                                                 fsdp_gathered_bytes(stage, tensor, fsdp), state.after_loop)
         return self._states[key]

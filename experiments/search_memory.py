@@ -1,0 +1,110 @@
+"""`plan --search --target`'s memory, its parts added up, against the whole train step compiled for the H100, in
+each kind of layout the search ranks: one GPU, gradient accumulation, tensor parallelism + SP, the distributed
+optimizer, a pipeline, FSDP and context parallelism, at gpt3-1.3b's width with 8 layers. No GPU needed.
+
+    pip install -r requirements-gpu-target.txt
+    python experiments/search_memory.py   # writes experiments/results/search_memory.{json,md} (about 4 minutes on 2 cores)
+
+Why: the search ranks every candidate by its parts (`search.memory`: the state's share of the peak, stored bytes per
+layer × layers in flight, the working memory of its layer's 2-layer step, the pipeline executor's buffers) and
+compiles only its best few whole (`--verify`). A candidate the parts put over the budget is never verified, so parts
+that run high drop configurations that fit. "float32 gradients" is the same sum with the state counted as it was
+before `memory.State.at_peak`: the float32 gradients at the peak, where the backward layer loop carries the compute
+copy's (bf16) and makes the float32 ones only after it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "experiments" / "results"
+MIB = 2**20
+LAYERS = 8  # of gpt3-1.3b's layer; the parts' layer programs have two, the whole steps eight
+TARGET = "h100"
+
+
+def candidates():
+    from jaxseq.planning.search_space import Candidate
+
+    return {  # Candidate(t, p, v, d, b, remat, SP, distributed optimizer, m, ...)
+        "one GPU, b=2, none": Candidate(1, 1, 1, 1, 2, "none", False, False, 1),
+        "one GPU, b=1, m=4 accumulated, selective": Candidate(1, 1, 1, 1, 1, "selective", False, False, 4),
+        "t=2 + SP, b=2, none": Candidate(2, 1, 1, 1, 2, "none", True, False, 1),
+        "t=2 + SP, d=2, distributed optimizer, b=2, lean": Candidate(2, 1, 1, 2, 2, "lean", True, True, 1),
+        "d=4, distributed optimizer, b=1, m=2, full": Candidate(1, 1, 1, 4, 1, "full", False, True, 2),
+        "p=2 (1F1B), b=1, m=4, selective": Candidate(1, 2, 1, 1, 1, "selective", False, False, 4),
+        "FSDP f=2, b=2, selective": Candidate(1, 1, 1, 1, 2, "selective", False, False, 1, fsdp=2),
+        "t=2 + SP, c=2 all-gather, b=1, selective": Candidate(2, 1, 1, 1, 1, "selective", True, False, 1, context=2),
+    }
+
+
+def measure() -> list[dict]:
+    from jaxseq.config import on_platform, preset, replace
+    from jaxseq.planning import gpu_target
+    from jaxseq.planning import search as S
+    from jaxseq.planning.memory import state_bytes
+    from jaxseq.planning.search_costs import SearchCosts
+    from jaxseq.training import aot
+
+    cfg = on_platform(replace(preset("gpt3-1.3b"), layers=LAYERS, attention="fused"), "gpu")
+    costs = SearchCosts(cfg, gpu_target.target_devices(TARGET, 8))
+    rows = []
+    for label, c in candidates().items():
+        start = time.perf_counter()
+        layer, state = S.costs_of(cfg, c, costs)
+        parts = S.memory(cfg, c, layer, state).total_bytes
+        counted = state_bytes(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
+                              c.distributed_optimizer, c.pipe, c.fsdp)
+        parallel = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
+                                            distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
+                                            schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
+                                            strategy=c.context_strategy, fsdp=c.fsdp)
+        step = gpu_target.compile_step(cfg, parallel, c.remat, c.micro_batch, c.microbatches, TARGET)  # Triton's
+        rows.append({"configuration": label, "candidate": c.label(), "parts_bytes": parts,
+                     "float32_gradients_bytes": parts + counted.gradients - counted.loop_gradients,
+                     "compiled_bytes": aot.step_bytes(step), "seconds": time.perf_counter() - start})
+        print(f"{label}: parts {parts / MIB:,.0f} MiB, compiled {rows[-1]['compiled_bytes'] / MIB:,.0f} MiB", flush=True)
+    return rows
+
+
+def table(rows: list[dict], jax_version: str) -> str:
+    error = lambda r, key: f"{100 * (r[key] / r['compiled_bytes'] - 1):+.1f}%"
+    lines = ["# The search's memory against the whole step compiled for the H100 (`python experiments/search_memory.py`)",
+             "", f"gpt3-1.3b's layer, {LAYERS} layers, s = 2048, bf16, cuDNN attention where the layout runs it; jax "
+             f"{jax_version} and its CUDA plugin, no GPU. Compiled: the whole donated train step for the {TARGET.upper()} "
+             "(argument + output + temp − alias, Triton's GEMMs: what the parts' layer programs compile). Parts: "
+             "`plan --search --target`'s memory (`search.memory`). float32 gradients: the same parts with the state "
+             "counted as before `memory.State.at_peak`. MiB per device.", "",
+             "| configuration | candidate | compiled | parts | error | float32 gradients | error |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['configuration']} | `{r['candidate']}` | {r['compiled_bytes'] / MIB:,.0f} | "
+                     f"{r['parts_bytes'] / MIB:,.0f} | {error(r, 'parts_bytes')} | "
+                     f"{r['float32_gradients_bytes'] / MIB:,.0f} | {error(r, 'float32_gradients_bytes')} |")
+    worst = lambda key: max(abs(r[key] / r["compiled_bytes"] - 1) for r in rows)
+    lines += ["", f"Largest |error|: the parts {100 * worst('parts_bytes'):.1f}%, with float32 gradients "
+              f"{100 * worst('float32_gradients_bytes'):.1f}%."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    from jaxseq.planning import gpu_target
+
+    gpu_target.cpu_only()
+    import jax
+
+    rows = measure()
+    out = {"jax_version": jax.__version__, "target": TARGET, "layers": LAYERS, "units": "bytes per device", "rows": rows}
+    (RESULTS / "search_memory.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / "search_memory.md").write_text(table(rows, jax.__version__))
+    print(table(rows, jax.__version__))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
