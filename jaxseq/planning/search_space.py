@@ -38,7 +38,7 @@ class TimeModel:
     link_efficiency: float = LINK_EFFICIENCY
     # FSDP's gathers and reduce-scatters hidden behind the compute of a micro-batch where they fit (charged only
     # beyond it), as MaxText's pipelined, asynchronous gathers are: its Llama 2 70B FSDP=64 step on 64 H100s
-    # measured within 1% of the compute alone (experiments/results/fsdp.md). False: nothing overlapped, the bound
+    # measured within 5% of the compute alone (experiments/results/fsdp.md). False: nothing overlapped, the bound
     # jaxseq's own program is held to until a GPU measures it.
     fsdp_overlap: bool = False
     # Each tick of the pipeline priced as jaxseq's lock-step executor runs it: the slowest stage's op (F, B, W at a
