@@ -32,6 +32,8 @@ stage of the SPMD program allocates the same buffers):
   + with gradient accumulation and no pipeline (m > 1, p = 1): the fp32 accumulator of jaxseq's step (each
     data rank sums its own gradients before the step's one reduction, so it is whole even with the
     distributed optimizer, as Megatron's gradient buffer).
+  or, where that is more, the state after the backward layer loop (`memory.State.after_loop`: the float32
+    gradients made, beside their shards where the distributed optimizer reduce-scatters them).
   + with a pipeline, the executor's own buffers (`ExecutorBuffers`, one term per buffer of
     `parallel.pipeline`): receive buffers, the switch's stash-slot output and a backward's copy of the slot
     it reads, a backward's copy of its chunk's weights (interleaved), the float32 embedding gradients a
