@@ -45,6 +45,7 @@ def candidates():
 
 def measure() -> list[dict]:
     from jaxseq.config import on_platform, preset, replace
+    from jaxseq.plan import candidate_parallel
     from jaxseq.planning import gpu_target
     from jaxseq.planning import search as S
     from jaxseq.planning.memory import state_bytes
@@ -60,11 +61,7 @@ def measure() -> list[dict]:
         parts = S.memory(cfg, c, layer, state).total_bytes
         counted = state_bytes(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
                               c.distributed_optimizer, c.pipe, c.fsdp)
-        parallel = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
-                                            distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
-                                            schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
-                                            strategy=c.context_strategy, fsdp=c.fsdp)
-        step = gpu_target.compile_step(cfg, parallel, c.remat, c.micro_batch, c.microbatches, TARGET)  # Triton's
+        step = gpu_target.compile_step(cfg, candidate_parallel(c), c.remat, c.micro_batch, c.microbatches, TARGET)  # Triton's
         rows.append({"configuration": label, "candidate": c.label(), "parts_bytes": parts,
                      "float32_gradients_bytes": parts + counted.gradients - counted.loop_gradients,
                      "compiled_bytes": aot.step_bytes(step), "seconds": time.perf_counter() - start})

@@ -235,14 +235,19 @@ def _search(args) -> int:
     return 0
 
 
+def candidate_parallel(c: search_space.Candidate) -> ParallelConfig:
+    """The mesh search candidate `c`'s whole train step compiles on (`gpu_target.step_parallel`)."""
+    return gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
+                                    distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
+                                    schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
+                                    strategy=c.context_strategy, fsdp=c.fsdp)
+
+
 def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.Candidate) -> tuple[int, int | None]:
     """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
     `gpu_target.step_parallel` sizes it): its peak bytes per device and, where its time is priced on them (no
     pipeline: `search.program_step_time`), its memory-bound kernels' bytes, else None (its HLO not read)."""
-    parallel = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, data=c.data,
-                                        distributed_optimizer=c.distributed_optimizer, pipeline=c.pipe,
-                                        schedule=c.schedule, virtual_stages=c.virtual, context=c.context,
-                                        strategy=c.context_strategy, fsdp=c.fsdp)
+    parallel = candidate_parallel(c)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
     if c.pipe > 1:
         return gpu_target.step_bytes(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target), None

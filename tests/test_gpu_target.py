@@ -219,15 +219,14 @@ def test_a_searchs_memory_adds_up_to_the_whole_step_compiled_for_the_gpu(candida
     before any float32 one is made (`memory.State.at_peak`); counting float32 gradients there (2 bytes a parameter
     more), the parts came out more than 5% above it here, 8–14% at gpt3-1.3b's shape."""
     from jaxseq.config import on_platform
+    from jaxseq.plan import candidate_parallel
     from jaxseq.planning.search_costs import SearchCosts
 
     cfg = on_platform(SEARCHED, "gpu")
     layer, state = S.costs_of(cfg, candidate, SearchCosts(cfg, G.target_devices("h100", 2)))
     parts = S.memory(cfg, candidate, layer, state).total_bytes
-    parallel = G.step_parallel(tensor=candidate.tensor, sequence_parallel=candidate.sequence_parallel,
-                               data=candidate.data, distributed_optimizer=candidate.distributed_optimizer)
-    compiled = aot.step_bytes(G.compile_step(SEARCHED, parallel, candidate.remat, candidate.micro_batch,
-                                             candidate.microbatches, "h100"))
+    compiled = aot.step_bytes(G.compile_step(SEARCHED, candidate_parallel(candidate), candidate.remat,
+                                             candidate.micro_batch, candidate.microbatches, "h100"))
     assert abs(parts / compiled - 1) <= 0.03, (parts, compiled)
     assert (parts + 2 * state.parameters) / compiled - 1 > 0.05, (parts, compiled)
 
