@@ -261,6 +261,30 @@ def test_a_searchs_context_layers_compile_with_the_attention_their_strategy_runs
         assert (CUDNN_ATTENTION in compiler._compile(*grad).as_text()) == cudnn, context
 
 
+@pytest.mark.parametrize("dtype,context", [("bfloat16", 1), ("bfloat16", 2), ("float32", 1)])
+def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, context):
+    """The time model's GEMMs for a candidate's layer (`kernel_time.gemm_kernels` on `search.run_kernels`: the
+    kernels `train` runs it with) are the dots of that layer's program compiled for the H100, per layer, each policy's
+    replays included: in bf16 at c = 1 cuDNN's flash kernel runs the attention core (no dot; priced at its own
+    rate); at c = 2 all-gather and in float32 XLA's kernel runs it as two dots, and QKᵀ again in the backward of
+    every policy, `none`'s too (the search priced that core as cuDNN's flash kernel: half its FLOPs, no softmax
+    through HBM, no replay)."""
+    from jaxseq.config import on_platform
+    from jaxseq.planning import kernel_time as K
+    from jaxseq.planning.measure import MEASURE_LAYERS, Compiler
+
+    cfg = on_platform(replace(preset("tiny"), attention="fused", dtype=dtype), "gpu")
+    compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
+    dots = lambda *key: (lambda text: hlo.dot_flops(hlo.parse_hlo(text), hlo.entry_name(text)))(
+        compiler._compile("grad", *key).as_text())
+    for remat in ("none", "full"):
+        candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
+        priced = S.run_kernels(cfg, candidate)
+        assert K.flash(priced) == (dtype == "bfloat16" and context == 1)
+        per_layer = (dots(MEASURE_LAYERS, remat, 1, False) - dots(0, "none", 1, False)) / MEASURE_LAYERS
+        assert per_layer == pytest.approx(sum(g.flops for g in K.gemm_kernels(priced, 1, 1, remat)) / context), remat
+
+
 def test_the_largest_micro_batch_that_fits_is_read_from_the_gpus_programs():
     """experiments/gpu.py's `largest_micro_batch`: doubling the micro-batch while the step compiled for the H100 fits
     the device's limit; a device with no target description gets none."""

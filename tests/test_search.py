@@ -286,19 +286,25 @@ def test_layer_gemms_are_the_formulas_flops(family):
 
 
 def test_with_fused_attention_a_policy_replays_the_attention_core_only_with_the_whole_forward():
-    """A flash kernel keeps the scores on chip and recomputes them in its own backward whatever the policy: with
-    fused attention `selective` and `lean` replay nothing (an H100 measured `selective` at `none`'s step time),
-    `full` the whole forward but its last matmul; with explicit attention `selective` replays QKᵀ."""
+    """cuDNN's flash kernel keeps the scores on chip and recomputes them in its own backward whatever the policy:
+    `selective` and `lean` replay nothing (an H100 measured `selective` at `none`'s step time), `full` the whole
+    forward but its last matmul; with explicit attention `selective` replays QKᵀ. XLA's fused kernel names none of
+    its tensors: every policy replays QKᵀ, `none` too (its program compiled for an H100 has that GEMM:
+    tests/test_gpu_target.py)."""
     from collections import Counter
 
-    def extra(attention, remat):
-        cfg = replace(CFG, attention=attention)
+    def extra(attention, remat, kernel="cudnn", over="none"):
+        cfg = replace(CFG, attention=attention, fused_kernel=kernel)
         gemms = lambda policy: Counter(g.name for g in K.layer_gemms(cfg, 2, 1, policy))
-        return sorted((gemms(remat) - gemms("none")).elements())
+        return sorted((gemms(remat) - gemms(over)).elements())
 
     assert extra("fused", "selective") == extra("fused", "lean") == []
     assert extra("fused", "full") == ["context", "mlp_up", "out", "qkv", "scores"]
     assert extra("explicit", "selective") == ["scores"]
+    assert extra("fused", "none", "xla", over="full") == []  # none replays QKᵀ: a subset of full's GEMMs
+    assert extra("fused", "none", "xla", over="selective") == extra("fused", "lean", "xla", over="selective") == []
+    assert extra("fused", "none", "xla", over="selective") == extra("fused", "selective", "xla", over="none") == []
+    assert K.replayed(replace(CFG, attention="fused"), "none") == ("scores",)
 
 
 def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_program():
@@ -375,13 +381,16 @@ def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_store
     backward (2.5× the work) at its 465 TFLOP/s of the H100's 989, the forward again only where the policy replays
     the attention (full); none of it is a GEMM kernel. The scan's stacks: 5 passes over the stored bytes, 3 copies
     of the layer's parameters."""
-    cfg = replace(CFG, attention="fused")
+    cfg = replace(CFG, attention="fused", fused_kernel="cudnn")
     h100 = HARDWARE["h100"]
     flops = 2 * (2 * CFG.heads) * (2 * 64 * 64 * 8) / 2  # QKᵀ and P·V, b·a = 16 heads of [64, 8], the causal half
     forward, backward, replay = K.fused_attention_seconds(cfg, 2, 1, "full", h100)
     assert forward == pytest.approx(flops / 617e12) and backward == pytest.approx(2.5 * flops / 465e12)
     assert replay == forward and K.fused_attention_seconds(cfg, 2, 1, "selective", h100)[2] == 0.0
     assert K.fused_attention_seconds(CFG, 2, 1, "full", h100) == (0.0, 0.0, 0.0)  # explicit: GEMMs
+    xla = replace(cfg, fused_kernel="xla")  # XLA's fused kernel: GEMMs too
+    assert K.fused_attention_seconds(xla, 2, 1, "full", h100) == (0.0, 0.0, 0.0)
+    assert {g.name for g in K.gemm_kernels(xla, 2, 1, "none")} == {g.name for g in K.layer_gemms(xla, 2, 1, "none")}
     assert not {g.name.split(".")[0] for g in K.gemm_kernels(cfg, 2, 1, "full")} & set(K.ATTENTION_CORE)
     assert {g.name for g in K.gemm_kernels(CFG, 2, 1, "full")} == {g.name for g in K.layer_gemms(CFG, 2, 1, "full")}
     assert K.scan_stack_bytes(1e9, 1e8, 2) == pytest.approx(5e9 + 3 * 2 * 2e8)
@@ -401,8 +410,11 @@ def test_elementwise_bytes_are_the_hand_computation():
     assert K.layer_elementwise_bytes(cfg, 1, 2, True, "none") == 1184 + 1440
     # no dropout: no masks, no attention dropout: forward 32·2·10 + 512 + 128·4 = 1664, backward 32·2·10 + 768 + 768
     assert K.layer_elementwise_bytes(replace(cfg, dropout=0.0), 1, 1, False, "none") == 1664 + 2176
-    # fused attention keeps the scores on chip: 704 + 512 and 704 + 768
-    assert K.layer_elementwise_bytes(replace(cfg, attention="fused"), 1, 1, False, "none") == 1216 + 1472
+    # cuDNN's flash kernel keeps the scores on chip: 704 + 512 and 704 + 768
+    fused = replace(cfg, attention="fused", fused_kernel="cudnn")
+    assert K.layer_elementwise_bytes(fused, 1, 1, False, "none") == 1216 + 1472
+    # XLA's fused kernel: the softmax without dropout (forward + 128·2e, backward + 128·3e), replayed under none too
+    assert K.layer_elementwise_bytes(replace(fused, fused_kernel="xla"), 1, 1, False, "none") == 1728 + 2240 + 512
     # head: embedding 32·(3e + 1 + 2e + 1) = 384, final LayerNorm 32·(2e + 3e) = 320, logits 8·256·3e = 12288
     assert K.head_elementwise_bytes(cfg, 1, 1, False) == 384 + 320 + 12288
     # A layer's time: its GEMMs + those bytes at 0.8 × 1000 GB/s.
@@ -900,6 +912,9 @@ def test_flash_attention_working_memory_is_rows_not_scores():
     assert "caveat (--attention fused)" in text and "4·b·(a/t)·(s/c)·(d + 2) bytes per layer" in text
     assert S.to_json(S.search(small, request(remats=("full",)), HandCosts(), "tiny"))["fused_attention_caveat"] in text
     assert "caveat" not in S.format_result(S.search(CFG, request(remats=("full",)), HandCosts(), "tiny"))
+    # in float32 a GPU runs XLA's attention (`search.run_kernels`), which holds the scores there too: no caveat
+    assert "caveat" not in S.format_result(S.search(replace(small, dtype="float32"), request(remats=("full",)),
+                                                    HandCosts(), "tiny"))
 
 
 @pytest.mark.slow

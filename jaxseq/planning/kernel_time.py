@@ -18,10 +18,13 @@ fraction of HBM bandwidth · bandwidth). The bytes are counted per kernel below 
 papers' runs moved. jaxseq's own layer on a GPU moves what XLA:GPU's fusions move, more than this count; where
 the layer is compiled for the GPU the search reads those bytes from its program instead (`search.compute_seconds`).
 
-Fused attention (`--attention fused`: cuDNN's flash kernel on a GPU) is not two GEMMs through HBM: the scores stay on
-chip, the causal mask's upper half is skipped, and the backward recomputes the scores (5 GEMM-sized products to the
-forward's 2: FlashAttention-2's count). Its time is those FLOPs at the fraction of peak cuDNN's kernels reach on an
-H100 (stated below, not fitted), forward and backward apart; a policy that replays the attention replays the forward.
+Fused attention (`--attention fused`) on cuDNN's flash kernel (`flash`: a GPU in bf16, where it compiles) is not two
+GEMMs through HBM: the scores stay on chip, the causal mask's upper half is skipped, and the backward recomputes the
+scores (5 GEMM-sized products to the forward's 2: FlashAttention-2's count). Its time is those FLOPs at the fraction of
+peak cuDNN's kernels reach on an H100 (stated below, not fitted), forward and backward apart; a policy that replays
+the attention replays the forward. On XLA's kernel (float32, the all-gather context strategy: `config.on_platform`)
+it is explicit attention's GEMMs and softmax without its dropout, the scores through HBM, and every policy replays
+QKᵀ and the softmax (`replayed`).
 
 Shapes per device for one micro-batch of b sequences (s tokens each, M = s·b), t-way tensor parallelism:
 the weight GEMMs take all M tokens (sequence parallelism all-gathers them first), attention's batched
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from jaxseq.config import ModelConfig
 from jaxseq.hardware import Hardware
 from jaxseq.models import model as M
-from jaxseq.remat import POLICIES
+from jaxseq.remat import MATMULS, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
 
@@ -87,13 +90,24 @@ FLASH_BACKWARD_FLOPS = 2.5  # the backward's work / the forward's: QKᵀ again, 
 CAUSAL_FRACTION = 0.5  # of the s × s tiles a causal kernel computes (the masked half skipped)
 
 
+def flash(cfg: ModelConfig) -> bool:
+    """Whether the layer's attention runs cuDNN's flash kernel (`cfg.fused_kernel`, chosen at an edge:
+    `config.on_platform`), the scores never in HBM; else its QKᵀ and scores × V are GEMMs."""
+    return cfg.attention == "fused" and cfg.fused_kernel == "cudnn"
+
+
 def replayed(cfg: ModelConfig, remat: str) -> tuple[str, ...]:
-    """The forward GEMMs `remat` replays. With fused attention the scores never leave the kernel, which recomputes
+    """The forward GEMMs `remat` replays. In cuDNN's flash kernel the scores never leave the kernel, which recomputes
     them in its own backward whatever the policy: a policy replays the attention core only with the whole forward
-    (its QKV matmul: `full`), and `selective` replays nothing (the H100 measured it at `none`'s time and memory)."""
+    (its QKV matmul: `full`), and `selective` replays nothing (the H100 measured it at `none`'s time and memory).
+    XLA's fused kernel (`jax.nn.dot_product_attention`) names none of its tensors, so no policy's list of names keeps
+    its probabilities: every policy replays QKᵀ (its program compiled for an H100 has that GEMM in every policy's
+    backward, `none`'s included: tests/test_gpu_target.py)."""
     replays = POLICIES[remat].replays
-    if cfg.attention == "fused" and "qkv" not in replays:
+    if flash(cfg) and "qkv" not in replays:
         return tuple(name for name in replays if name not in ATTENTION_CORE)
+    if cfg.attention == "fused" and not flash(cfg):
+        return tuple(name for name in MATMULS if name in replays or name == "scores")
     return replays
 
 
@@ -106,8 +120,8 @@ def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
 
 def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardware) -> tuple[float, float, float]:
     """One layer's flash attention kernels on one device: (forward, backward, the forward the policy replays, 0.0
-    where it replays none). With explicit attention, all 0.0: its QKᵀ and scores × V are GEMMs (`layer_gemms`)."""
-    if cfg.attention != "fused":
+    where it replays none). Without the flash kernel, all 0.0: its QKᵀ and scores × V are GEMMs (`layer_gemms`)."""
+    if not flash(cfg):
         return 0.0, 0.0, 0.0
     shapes = forward_gemms(cfg, b, t)
     flops = CAUSAL_FRACTION * sum(shapes[name].flops for name in ATTENTION_CORE)
@@ -117,9 +131,8 @@ def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Ha
 
 
 def gemm_kernels(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
-    """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where a fused kernel runs it."""
-    fused = cfg.attention == "fused"
-    return [g for g in layer_gemms(cfg, b, t, remat) if not (fused and g.name.split(".")[0] in ATTENTION_CORE)]
+    """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where the flash kernel runs it."""
+    return [g for g in layer_gemms(cfg, b, t, remat) if not (flash(cfg) and g.name.split(".")[0] in ATTENTION_CORE)]
 
 
 def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
@@ -153,8 +166,9 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     LayerNorms (forward: read, write, 2e; backward: read x and dy, write dx, 3e) and two bias + dropout +
     residual adds (forward: read both, write the sum and the mask, 3e + r; backward: read dy and the mask,
     write 2e + r). Over the MLP's s·b·f/t: bias + GELU (2e; 3e). Over the b·(a/t)·s² attention scores (none
-    with fused attention, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout, its
-    dropout (2e + 1; 2e + 1). A policy that replays QKᵀ runs the softmax and its dropout forward again, one
+    with the flash kernel, which keeps them on chip): scale + mask + softmax (2e; 3e) and, with dropout and explicit
+    attention (a fused kernel drops none), its dropout (2e + 1; 2e + 1). A policy that replays QKᵀ (`replayed`)
+    runs the softmax and its dropout forward again, one
     that replays the QKV matmul (full) the whole forward, one that replays the norms and the MLP's activation
     (`RematPolicy.replays_norms`: lean, dots) their forward (2e over s·b·h twice, and the activation's). Llama
     (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and writes their product (3e over
@@ -163,20 +177,21 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
     mlp = s * b * cfg.mlp_hidden / t
-    scores = 0 if cfg.attention == "fused" else b * cfg.heads / t * s * s
+    scores = 0 if flash(cfg) else b * cfg.heads / t * s * s
+    r_scores = r if cfg.attention == "explicit" else 0
     traits = M.traits(cfg)
     rope = s * b * (cfg.heads + max(cfg.num_kv_heads, t)) * cfg.head_dim / t * 2 * e if traits.rotary else 0.0
     mlp_forward, mlp_backward = (n * e for n in traits.mlp_elementwise)
-    forward_attention = scores * (2 * e + r * (2 * e + 1))
+    forward_attention = scores * (2 * e + r_scores * (2 * e + 1))
     forward = residual * 2 * (2 * e + 3 * e + r) + mlp * mlp_forward + forward_attention + rope
-    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r * (2 * e + 1)) + rope
-    policy = POLICIES[remat]
-    if "qkv" in policy.replays:  # the whole forward
-        replayed = forward
+    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r_scores * (2 * e + 1)) + rope
+    policy, replays = POLICIES[remat], replayed(cfg, remat)
+    if "qkv" in replays:  # the whole forward
+        again = forward
     else:
-        replayed = ((forward_attention if "scores" in policy.replays else 0.0)
-                    + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
-    return forward + backward + replayed
+        again = ((forward_attention if "scores" in replays else 0.0)
+                 + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
+    return forward + backward + again
 
 
 def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:

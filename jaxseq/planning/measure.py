@@ -12,8 +12,9 @@ How the per-layer numbers are read (layers under `lax.scan`, so depth does not m
   and backward (plus the casts of that layer's weights outside the loop, < 0.1%);
 - collectives: those of one forward and one backward iteration of the layer loop;
 - working memory (transients: one layer's recomputation and gradients in flight, the logits' gradient,
-  RNG bits): the compiled float32 train step's temporaries at L=2 minus its gradients and stored
-  activations (`planning.memory`); that remainder does not depend on depth;
+  RNG bits): the compiled train step's temporaries at L=2 (float32 on XLA:CPU, the model's dtype for a GPU:
+  `Compiler.step_dtype`) minus the state's share of them at the peak and the stored activations
+  (`planning.memory`); that remainder does not depend on depth;
 - moved bytes (a layer compiled for a GPU only): what the memory-bound kernels of that train step's layer
   loops read and write, / L (`hlo.layer_loop_bytes`): XLA:GPU's fusions, which the search's time model prices
   in place of Megatron's kernel count (`search.compute_seconds`). XLA:CPU's fusions are not a GPU's: None.
@@ -86,7 +87,7 @@ class Compiler:
 
     def describe(self, key: tuple) -> str:
         kind, layers, remat, tensor, sp = key
-        what = {"grad": "loss and gradients", "step": "float32 train step", "forward": "forward"}[kind]
+        what = {"grad": "loss and gradients", "step": f"{self.step_dtype} train step", "forward": "forward"}[kind]
         return (f"{what}, {layers} layers, {remat}, t={tensor}{' + SP' if sp else ''}, b={self.b}"
                 + (f", c={self.context} {self.strategy}" if self.context > 1 else ""))
 

@@ -45,7 +45,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
   per micro-batch on a stage: compute = L/p × (each GEMM of a layer — forward, backward, the policy's
       replays — at the efficiency of its shape, + the layer's elementwise kernels at HBM bandwidth) + the
       same for the embedding, logits and loss (`planning.kernel_time`: tile and wave quantization on the
-      GPU's SMs, a roofline for the memory-bound ones); + TP/SP collectives = L/p · ring traffic of the
+      GPU's SMs, a roofline for the memory-bound ones; the attention on the kernel `train` gives the candidate:
+      `run_kernels`); + TP/SP collectives = L/p · ring traffic of the
       layer's collectives (compiled HLO) / (link_efficiency · intra-node bandwidth); + pipeline p2p = 2·v
       sends of s·b·h/t activations (Megatron's scatter/gather over the t ranks) / (link_efficiency · p2p
       bandwidth); + at c > 1 the K/V all-gathers or ring sends of each layer (`formulas.context_kv_bytes`) /
@@ -83,7 +84,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
-from jaxseq.config import ConfigError, ModelConfig, replace
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models import formulas as F
 from jaxseq.models import model as M
@@ -347,6 +348,13 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
+def run_kernels(cfg: ModelConfig, c: Candidate) -> ModelConfig:
+    """`cfg` with the attention kernel a GPU runs candidate c on, chosen as `train` chooses it (`config.on_platform`
+    for c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
+    strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`)."""
+    return on_platform(cfg, "gpu", ParallelConfig(context=c.context, context_strategy=c.context_strategy))
+
+
 def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel, layer: LayerCost,
                     layer_parameters: float) -> float:
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
@@ -379,6 +387,7 @@ def program_compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: Ti
     scan's stacks, the optimizer), at the elementwise kernels' fraction of HBM bandwidth."""
     if c.pipe != 1:
         raise ValueError(f"a pipeline's program (p = {c.pipe}) is not priced by its kernels: its ticks are the model's")
+    cfg = run_kernels(cfg, c)
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
     b, t = c.micro_batch, c.tensor
     matmuls = (cfg.layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies)
@@ -425,6 +434,7 @@ def fsdp_bytes(cfg: ModelConfig, c: Candidate, state: StateCost) -> float:
 
 def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost, hw: Hardware,
               tm: TimeModel) -> Time:
+    cfg = run_kernels(cfg, c)
     layers = cfg.layers // c.pipe
     layer = at_context(cfg, c, layer)
     bw = {k: v * 1e9 * tm.link_efficiency for k, v in links(c, hw).items()}
@@ -629,7 +639,8 @@ def format_result(res: Result, top: int = 10) -> str:
         f"time model: each GEMM in waves of {K.TILE[0]}×{K.TILE[1]} tiles at {tm.compute_efficiency:g} of peak or at "
         f"HBM speed if memory-bound, "
         + (f"fused attention at cuDNN's {K.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and {K.FLASH_BACKWARD_EFFICIENCY:.2f} "
-           "(backward) of peak, " if cfg.attention == "fused" else "")
+           "(backward) of peak (in float32 and the all-gather context strategy XLA's kernel: its GEMMs and softmax, "
+           "QKᵀ replayed), " if cfg.attention == "fused" else "")
         + f"{memory_bound_source(res)} at {tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
            "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
@@ -703,8 +714,11 @@ def memory_source(res: Result) -> str:
 
 
 def caveat_applies(res: Result) -> bool:
-    """The fused-attention caveat is XLA:CPU's: a layer compiled for a GPU runs cuDNN's flash kernel in bf16."""
-    return res.config.attention == "fused" and res.target is None
+    """The fused-attention caveat is XLA:CPU's, where #1 runs cuDNN's flash kernel on a GPU (`run_kernels`): a layer
+    compiled for a GPU runs that kernel, and a layout that runs XLA's holds the scores on a GPU too."""
+    best = res.ranked[0].candidate if res.ranked else None
+    return (res.config.attention == "fused" and res.target is None
+            and (best is None or K.flash(run_kernels(res.config, best))))
 
 
 def fused_attention_caveat(res: Result) -> str:
