@@ -110,6 +110,24 @@ def test_fsdp_compiles_for_eight_h100s_gathering_bf16_and_reducing_float32():
     assert {d for r in over_fsdp for d in r.dtypes} == {"f32"}, over_fsdp
 
 
+def test_fsdps_layer_loops_carry_its_weight_and_gradient_stacks_as_they_are():
+    """XLA:GPU lays out a collective's own dimension major. Gathering in place a weight split along a minor dimension
+    (the MLP's output [f, h], the attention's output [heads, d, h]) made the layer loops carry those float32 master and
+    gradient stacks transposed, so the step held a transposed copy beside each (352 MiB of 8.0 GiB at gpt3-1.3b's
+    width, 8 layers, f = 2: experiments/results/search_memory.md). `fsdp.gather` gathers and reduce-scatters over a
+    new leading axis instead: every stack over the layers the loops carry is laid out row-major, as the step's
+    arguments are (one layer's gradient before its reduce-scatter may be carried in another layout: XLA pipelines
+    the reduce-scatter into the next iteration)."""
+    cfg = replace(preset("tiny"), dtype="bfloat16", attention="fused", layers=4)
+    text = G.compile_step(cfg, ParallelConfig(fsdp=2), "selective", 2, 1, "h100").as_text()
+    loops = [line.split(" while(")[0] for line in text.splitlines() if re.search(r"\) while\(", line)]
+    assert len(loops) == 2  # the layer scan, forward and backward
+    for carry in loops:
+        stacks = [(dims, tuple(int(d) for d in layout.split(",")))
+                  for dims, layout in re.findall(r"f32\[([0-9,]+)\]\{([0-9,]+)\}", carry) if dims.split(",")[0] == "4"]
+        assert len(stacks) > 4 and all(layout == tuple(sorted(layout, reverse=True)) for _, layout in stacks), stacks
+
+
 def _attention_kernels(text: str) -> tuple[int, int]:
     """(forward, backward) cuDNN attention calls in a compiled program's text."""
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', text)
