@@ -84,6 +84,7 @@ class RematPolicy:
     recomputes: str  # what backward recomputes
     replays: tuple[str, ...] = ()  # the forward matmuls (MATMULS) backward runs again: its extra FLOPs
     replays_norms: bool = False  # backward runs the LayerNorms and the MLP's activation forward again (no matmul)
+    saves_dots: bool = False  # keeps every dot's output, named or not (JAX's dots_saveable): an untagged kernel's too
 
 
 def _names(names) -> Callable:
@@ -131,7 +132,7 @@ POLICIES: dict[str, RematPolicy] = {
             "dots",
             _dots_or_names(jax.checkpoint_policies.dots_saveable, (MATMUL,)),
             "every matmul output (JAX's dots_saveable), attention scores and context included",
-            "everything between matmuls: LayerNorms, GELU, softmax, dropout", replays_norms=True,
+            "everything between matmuls: LayerNorms, GELU, softmax, dropout", replays_norms=True, saves_dots=True,
         ),
         RematPolicy(
             "dots_no_batch",

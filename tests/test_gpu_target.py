@@ -285,8 +285,8 @@ def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, 
     kernels `train` runs it with) are the dots of that layer's program compiled for the H100, per layer, each policy's
     replays included: in bf16 at c = 1 cuDNN's flash kernel runs the attention core (no dot; priced at its own
     rate); at c = 2 all-gather and in float32 XLA's kernel runs it as two dots, and QKᵀ again in the backward of
-    every policy, `none`'s too (the search priced that core as cuDNN's flash kernel: half its FLOPs, no softmax
-    through HBM, no replay)."""
+    every policy, `none`'s too, but `dots`, which keeps every dot's output (the search priced that core as cuDNN's
+    flash kernel: half its FLOPs, no softmax through HBM, no replay)."""
     from jaxseq.config import on_platform
     from jaxseq.planning import kernel_time as K
     from jaxseq.planning.measure import MEASURE_LAYERS, Compiler
@@ -295,7 +295,7 @@ def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, 
     compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
     dots = lambda *key: (lambda text: hlo.dot_flops(hlo.parse_hlo(text), hlo.entry_name(text)))(
         compiler._compile("grad", *key).as_text())
-    for remat in ("none", "full"):
+    for remat in ("none", "full", "dots"):
         candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
         priced = S.run_kernels(cfg, candidate)
         assert K.flash(priced) == (dtype == "bfloat16" and context == 1)

@@ -290,7 +290,7 @@ def test_with_fused_attention_a_policy_replays_the_attention_core_only_with_the_
     `selective` and `lean` replay nothing (an H100 measured `selective` at `none`'s step time), `full` the whole
     forward but its last matmul; with explicit attention `selective` replays QKᵀ. XLA's fused kernel names none of
     its tensors: every policy replays QKᵀ, `none` too (its program compiled for an H100 has that GEMM:
-    tests/test_gpu_target.py)."""
+    tests/test_gpu_target.py), but `dots`, which keeps every dot's output."""
     from collections import Counter
 
     def extra(attention, remat, kernel="cudnn", over="none"):
@@ -305,6 +305,7 @@ def test_with_fused_attention_a_policy_replays_the_attention_core_only_with_the_
     assert extra("fused", "none", "xla", over="selective") == extra("fused", "lean", "xla", over="selective") == []
     assert extra("fused", "none", "xla", over="selective") == extra("fused", "selective", "xla", over="none") == []
     assert K.replayed(replace(CFG, attention="fused"), "none") == ("scores",)
+    assert K.replayed(replace(CFG, attention="fused"), "dots") == ()  # it keeps the QKᵀ output, an untagged dot
 
 
 def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_program():

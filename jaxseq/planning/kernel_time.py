@@ -23,8 +23,8 @@ GEMMs through HBM: the scores stay on chip, the causal mask's upper half is skip
 scores (5 GEMM-sized products to the forward's 2: FlashAttention-2's count). Its time is those FLOPs at the fraction of
 peak cuDNN's kernels reach on an H100 (stated below, not fitted), forward and backward apart; a policy that replays
 the attention replays the forward. On XLA's kernel (float32, the all-gather context strategy: `config.on_platform`)
-it is explicit attention's GEMMs and softmax without its dropout, the scores through HBM, and every policy replays
-QKᵀ and the softmax (`replayed`).
+it is explicit attention's GEMMs and softmax without its dropout, the scores through HBM, and every policy but
+`dots` replays QKᵀ and the softmax (`replayed`).
 
 Shapes per device for one micro-batch of b sequences (s tokens each, M = s·b), t-way tensor parallelism:
 the weight GEMMs take all M tokens (sequence parallelism all-gathers them first), attention's batched
@@ -101,12 +101,13 @@ def replayed(cfg: ModelConfig, remat: str) -> tuple[str, ...]:
     them in its own backward whatever the policy: a policy replays the attention core only with the whole forward
     (its QKV matmul: `full`), and `selective` replays nothing (the H100 measured it at `none`'s time and memory).
     XLA's fused kernel (`jax.nn.dot_product_attention`) names none of its tensors, so no policy's list of names keeps
-    its probabilities: every policy replays QKᵀ (its program compiled for an H100 has that GEMM in every policy's
-    backward, `none`'s included: tests/test_gpu_target.py)."""
-    replays = POLICIES[remat].replays
+    its probabilities: every policy replays QKᵀ but one that keeps every dot's output (`dots`: the QKᵀ output is
+    one); its program compiled for an H100 has that GEMM in `none`'s backward too (tests/test_gpu_target.py)."""
+    policy = POLICIES[remat]
+    replays = policy.replays
     if flash(cfg) and "qkv" not in replays:
         return tuple(name for name in replays if name not in ATTENTION_CORE)
-    if cfg.attention == "fused" and not flash(cfg):
+    if cfg.attention == "fused" and not flash(cfg) and not policy.saves_dots:
         return tuple(name for name in MATMULS if name in replays or name == "scores")
     return replays
 
