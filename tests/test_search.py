@@ -857,6 +857,30 @@ def test_context_candidates_are_valid():
                                   virtual_stages=c.virtual, schedule=c.schedule)
         validate(cfg, parallel, c.remat, r.gpus, batch_size=r.global_batch,
                  micro_batch_size=c.micro_batch * c.data)
+    # with fused attention the same: the ring computes its blocks itself, explicit attention's layer
+    fused = replace(cfg, attention="fused")
+    assert S.enumerate_candidates(fused, r) == S.enumerate_candidates(cfg, r)
+    assert {S.run_kernels(fused, c).attention for c in cands} == {"fused", "explicit"}
+    assert all((S.run_kernels(fused, c).attention == "explicit") == (c.context_strategy == "ring") for c in cands)
+
+
+@pytest.mark.slow
+def test_a_fused_models_ring_layouts_are_explicit_attentions():
+    """The ring computes its blocks itself whatever `--attention` says (parallel/context.py), so a fused model's
+    search ranks ring layouts too, as the explicit model's (`search.run_kernels`): the same memory and step time,
+    the layer compiled at c, or, where the devices do not hold c·t, scaled from the explicit c = 1 layer (the fused
+    one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring."""
+    fused = replace(preset("tiny"), dtype="bfloat16", attention="fused")
+    r = S.Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,))
+    for devices, source in ((4, "compiled"), (2, "scaled")):
+        ring = {}
+        for cfg in (fused, replace(fused, attention="explicit")):
+            res = S.search(cfg, r, SearchCosts(cfg, jax.devices()[:devices]), "tiny")
+            ring[cfg.attention] = {e.candidate: e for e in res.ranked if e.candidate.context_strategy == "ring"}
+        assert ring["fused"].keys() == ring["explicit"].keys() and len(ring["fused"]) == 4  # SP, distributed optimizer
+        for c, e in ring["fused"].items():
+            assert e.memory == ring["explicit"][c].memory and e.time == ring["explicit"][c].time
+            assert e.layer_source == source
 
 
 @pytest.mark.slow

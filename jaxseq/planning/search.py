@@ -292,6 +292,7 @@ def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
 
 
 def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> Memory:
+    cfg = run_kernels(cfg, c)
     layer = at_context(cfg, c, layer)
     in_flight_layers, _ = schedule_figures(c, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
@@ -349,9 +350,12 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
 
 
 def run_kernels(cfg: ModelConfig, c: Candidate) -> ModelConfig:
-    """`cfg` with the attention kernel a GPU runs candidate c on, chosen as `train` chooses it (`config.on_platform`
-    for c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
-    strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`)."""
+    """`cfg` with the attention a GPU runs candidate c with, chosen as `train` chooses it (`config.on_platform` for
+    c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
+    strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`). The ring computes its blocks
+    itself whatever `--attention` says (parallel/context.py): its layer is explicit attention's."""
+    if c.context > 1 and c.context_strategy == "ring":
+        cfg = replace(cfg, attention="explicit")
     return on_platform(cfg, "gpu", ParallelConfig(context=c.context, context_strategy=c.context_strategy))
 
 
@@ -532,7 +536,7 @@ class Result:
     ranked: list[Evaluated]  # those that fit, fastest first
     evaluated: int
     rejected_families: list[dict] = field(default_factory=list)  # {"tensor", "pipe", "data", "rule", "reason"}
-    compiled: int = 0  # layers measured: distinct (t, SP, remat, and where compiled at c > 1, c and strategy)
+    compiled: int = 0  # layers measured: distinct (t, SP, remat, attention, and where compiled at c > 1, c and strategy)
     target: str | None = None  # the GPU the layers were compiled for (`plan --search --target`), else XLA:CPU
     over_budget: list[Evaluated] = field(default_factory=list)  # fit by the parts, not by the compiled step (`verify`)
 
@@ -569,7 +573,8 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
         raise ConfigError(f"no configuration of {model} fits in {r.hardware.memory_gib:g} GiB per GPU on {r.gpus} GPUs: "
                           f"the least memory is {least.memory.total_bytes / GIB:.1f} GiB ({least.candidate.label()})")
     measured = {(e.candidate.tensor, e.candidate.sequence_parallel, e.candidate.remat, e.layer_context,
-                 e.candidate.context_strategy if e.layer_context > 1 else "") for e in evaluated}
+                 e.candidate.context_strategy if e.layer_context > 1 else "", run_kernels(cfg, e.candidate).attention)
+                for e in evaluated}
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
 
 
@@ -648,7 +653,7 @@ def format_result(res: Result, top: int = 10) -> str:
            else "; pipeline stages asynchronous (Megatron's; jaxseq's executor runs lock-step: --lockstep)"),
         f"memory: {MEMORY_ACCOUNTING}; {memory_source(res)}",
         f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} layers (t, SP, remat; c and "
-        f"strategy where compiled at c > 1) measured from compiled programs",
+        f"strategy where compiled at c > 1; the ring's on explicit attention) measured from compiled programs",
         "",
         f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
         f"{'remat':<10}{'SP':<4}{'DO':<4}"

@@ -18,7 +18,8 @@ class SearchCosts:
     (the working memory, and for a GPU's layer, in its dtype, the bytes its loops move: affine in b, the
     weights' share not growing with b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
     where they do not, its c = 1 layer is measured and `search.at_context` scales it (`LayerCost.context` says
-    which). `measured` (JSON-ready) can be saved and passed back to skip compiling."""
+    which). A ring layer is explicit attention's whatever the model's (`_program`). `measured` (JSON-ready) can be
+    saved and passed back to skip compiling."""
 
     def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None, progress=None):
         self.cfg, self.devices, self.workers = cfg, devices, workers
@@ -35,39 +36,50 @@ class SearchCosts:
         """The context size a layer of (t, c) is compiled at: c where the devices hold c·t, else 1 (scaled)."""
         return context if context * tensor <= len(self.devices) else 1
 
-    def _compiler(self, micro_batch: int, context: int, strategy: str) -> Compiler:
-        key = (micro_batch, context, strategy if context > 1 else "all-gather")
+    def _program(self, tensor: int, sequence_parallel: bool, remat: str, context: int, strategy: str) -> tuple:
+        """(t, SP, remat, c compiled at, strategy, attention) of a layer's program: the ring's layer is explicit
+        attention's whatever the model's (`search.run_kernels`), so a fused model's ring is measured on it, at c or,
+        scaled, from the explicit c = 1 layer."""
+        attention = "explicit" if context > 1 and strategy == "ring" else self.cfg.attention
+        c = self.compiled_at(tensor, context)
+        return tensor, sequence_parallel, remat, c, strategy if c > 1 else "all-gather", attention
+
+    def _name(self, t: int, sp: bool, remat: str, c: int, strategy: str, attention: str) -> str:
+        return self.key(t, sp, remat, c, strategy) + ("" if attention == self.cfg.attention else f" {attention}")
+
+    def _compiler(self, micro_batch: int, context: int, strategy: str, attention: str) -> Compiler:
+        key = (micro_batch, context, strategy if context > 1 else "all-gather", attention)
         if key not in self._compilers:
-            self._compilers[key] = Compiler(self.cfg, micro_batch, self.devices, self.workers, context, key[2],
-                                            self.progress)
+            self._compilers[key] = Compiler(replace(self.cfg, attention=attention), micro_batch, self.devices,
+                                            self.workers, context, key[2], self.progress)
         return self._compilers[key]
 
     def prepare(self, keys, micro_batches=(1, 2)) -> None:
         """Compile what `keys` need: (t, SP, remat) or (t, SP, remat, c, strategy) each."""
         todo = {}
         for key in keys:
-            t, sp, remat, c, strategy = (*key, 1, "all-gather")[:5]
-            c = self.compiled_at(t, c)
-            strategy = strategy if c > 1 else "all-gather"
-            validate(self.cfg, ParallelConfig(data=1, context=c, tensor=t, sequence_parallel=sp,
-                                              context_strategy=strategy), remat)
-            todo[(t, sp, remat, c, strategy)] = RowSpec("search", remat, sp, t, None)
+            program = self._program(*(*key, 1, "all-gather")[:5])
+            t, sp, remat, c, strategy, attention = program
+            validate(replace(self.cfg, attention=attention), ParallelConfig(
+                data=1, context=c, tensor=t, sequence_parallel=sp, context_strategy=strategy), remat)
+            todo[program] = RowSpec("search", remat, sp, t, None)
         affine = max(micro_batches) > 1
-        meshes = []  # per mesh: (c, strategy, its rows, the programs at b = 1 and at b = 2 to compile)
-        for c, strategy in dict.fromkeys((c, strategy) for _, _, _, c, strategy in todo):
-            rows = {self.key(*k): row for k, row in todo.items() if k[3:] == (c, strategy)}
-            one = self._compiler(1, c, strategy)
+        meshes = []  # per mesh: (c, strategy, attention, its rows, the programs at b = 1 and at b = 2 to compile)
+        for mesh in dict.fromkeys(k[3:] for k in todo):
+            rows = {self._name(*k): row for k, row in todo.items() if k[3:] == mesh}
+            one = self._compiler(1, *mesh)
             new = {name: row for name, row in rows.items() if name not in self.measured}
             b2 = {name: row for name, row in rows.items()
                   if affine and self.measured.get(name, {}).get("working_bytes_b2") is None}
-            meshes.append((c, strategy, new, b2,
-                           [k for row in new.values() for k in (one.programs(row) if c == 1 else one.layer_programs(row))],
+            meshes.append((mesh, new, b2,
+                           [k for row in new.values() for k in (one.programs(row) if mesh[0] == 1 else one.layer_programs(row))],
                            [one.layer_programs(row)[1] for row in b2.values()]))  # the float32 step at b = 2
         if self.progress is not None:
-            self.progress.expect(sum(len(self._compiler(1, c, s).todo(k1)) + len(self._compiler(2, c, s).todo(k2))
-                                     for c, s, _, _, k1, k2 in meshes))
-        for c, strategy, new, b2, keys_one, keys_two in meshes:  # one mesh at a time
-            one, two = self._compiler(1, c, strategy), self._compiler(2, c, strategy)
+            self.progress.expect(sum(len(self._compiler(1, *m).todo(k1)) + len(self._compiler(2, *m).todo(k2))
+                                     for m, _, _, k1, k2 in meshes))
+        for mesh, new, b2, keys_one, keys_two in meshes:  # one mesh at a time
+            c = mesh[0]
+            one, two = self._compiler(1, *mesh), self._compiler(2, *mesh)
             one.compile_all(keys_one)
             two.compile_all(keys_two)
             for name, row in new.items():
@@ -82,11 +94,10 @@ class SearchCosts:
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
               strategy: str = "all-gather") -> search.LayerCost:
         """Per device at micro-batch b; `LayerCost.context` is the context size it was compiled at."""
-        c = self.compiled_at(tensor, context)
-        strategy = strategy if c > 1 else "all-gather"
-        name, b = self.key(tensor, sequence_parallel, remat, c, strategy), micro_batch
+        program = self._program(tensor, sequence_parallel, remat, context, strategy)
+        name, b, c = self._name(*program), micro_batch, program[3]
         if name not in self.measured or (b > 1 and self.measured[name]["working_bytes_b2"] is None):
-            self.prepare([(tensor, sequence_parallel, remat, c, strategy)], (b,))
+            self.prepare([(tensor, sequence_parallel, remat, context, strategy)], (b,))
         m = self.measured[name]
         affine = lambda key: m[key] + (b - 1) * (m[f"{key}_b2"] - m[key] if b > 1 else 0)  # b = 1 and 2 compiled
         moved = m.get("moved_bytes_per_layer")  # a GPU's layer only (and not in `measured` saved before it)
