@@ -349,13 +349,18 @@ def links(c: Candidate, hw: Hardware) -> dict[str, float]:
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
 
 
+def layer_attention(cfg: ModelConfig, context: int, strategy: str) -> str:
+    """The attention a layer at context c runs: the ring computes its blocks itself whatever `--attention` says
+    (parallel/context.py), explicit attention's layer; any other layer the model's."""
+    return "explicit" if context > 1 and strategy == "ring" else cfg.attention
+
+
 def run_kernels(cfg: ModelConfig, c: Candidate) -> ModelConfig:
     """`cfg` with the attention a GPU runs candidate c with, chosen as `train` chooses it (`config.on_platform` for
     c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
-    strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`). The ring computes its blocks
-    itself whatever `--attention` says (parallel/context.py): its layer is explicit attention's."""
-    if c.context > 1 and c.context_strategy == "ring":
-        cfg = replace(cfg, attention="explicit")
+    strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`); the ring's own blocks
+    (`layer_attention`)."""
+    cfg = replace(cfg, attention=layer_attention(cfg, c.context, c.context_strategy))
     return on_platform(cfg, "gpu", ParallelConfig(context=c.context, context_strategy=c.context_strategy))
 
 
@@ -644,8 +649,8 @@ def format_result(res: Result, top: int = 10) -> str:
         f"time model: each GEMM in waves of {K.TILE[0]}×{K.TILE[1]} tiles at {tm.compute_efficiency:g} of peak or at "
         f"HBM speed if memory-bound, "
         + (f"fused attention at cuDNN's {K.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and {K.FLASH_BACKWARD_EFFICIENCY:.2f} "
-           "(backward) of peak (in float32 and the all-gather context strategy XLA's kernel: its GEMMs and softmax, "
-           "QKᵀ replayed), " if cfg.attention == "fused" else "")
+           "(backward) of peak (XLA's kernel in float32 and the all-gather context strategy: its GEMMs and softmax, "
+           "QKᵀ replayed; the ring's own blocks as explicit attention's), " if cfg.attention == "fused" else "")
         + f"{memory_bound_source(res)} at {tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
            "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")

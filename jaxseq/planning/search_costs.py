@@ -38,9 +38,9 @@ class SearchCosts:
 
     def _program(self, tensor: int, sequence_parallel: bool, remat: str, context: int, strategy: str) -> tuple:
         """(t, SP, remat, c compiled at, strategy, attention) of a layer's program: the ring's layer is explicit
-        attention's whatever the model's (`search.run_kernels`), so a fused model's ring is measured on it, at c or,
-        scaled, from the explicit c = 1 layer."""
-        attention = "explicit" if context > 1 and strategy == "ring" else self.cfg.attention
+        attention's whatever the model's (`search.layer_attention`), so a fused model's ring is measured on it, at c
+        or, scaled, from the explicit c = 1 layer."""
+        attention = search.layer_attention(self.cfg, context, strategy)
         c = self.compiled_at(tensor, context)
         return tensor, sequence_parallel, remat, c, strategy if c > 1 else "all-gather", attention
 
