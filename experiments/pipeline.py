@@ -233,7 +233,7 @@ def overhead() -> int:
         cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
         plain = ParallelConfig(data=2, tensor=1, sequence_parallel=False)
         unpiped = aot.compile_loss_and_grad(cfg, plain, remat, make_mesh(plain, devices[:2]), MICRO)
-        one_mb = hlo.dot_flops(hlo.parse_hlo(unpiped.as_text()), hlo.entry_name(unpiped.as_text()))
+        one_mb = hlo.program_dot_flops(unpiped.as_text())
         rows = []
         configs = [("pipe=1 data=2 (2 devices)", plain, devices[:2]),
                    ("pipe=1 data=2 tensor=4", ParallelConfig(data=2, tensor=4, sequence_parallel=False), devices)]

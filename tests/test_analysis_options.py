@@ -24,7 +24,7 @@ def _reading(compiled) -> tuple:
     text = compiled.as_text()
     collectives = [(c.kind, c.elements, c.group_size) for backward in (False, True)
                    for c in hlo.loop_collectives(text, 2, backward)]
-    return (hlo.stored_bytes_per_layer(text, 2), hlo.dot_flops(hlo.parse_hlo(text), hlo.entry_name(text)),
+    return (hlo.stored_bytes_per_layer(text, 2), hlo.program_dot_flops(text),
             sorted(collectives))
 
 

@@ -293,8 +293,7 @@ def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, 
 
     cfg = on_platform(replace(preset("tiny"), attention="fused", dtype=dtype), "gpu")
     compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
-    dots = lambda *key: (lambda text: hlo.dot_flops(hlo.parse_hlo(text), hlo.entry_name(text)))(
-        compiler._compile("grad", *key).as_text())
+    dots = lambda *key: hlo.program_dot_flops(compiler._compile("grad", *key).as_text())
     for remat in ("none", "full", "dots"):
         candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
         priced = S.run_kernels(cfg, candidate)
@@ -350,7 +349,7 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     peaks = {}
     for remat in ("none", "selective", "full"):
         scan, unrolled = (compiled(cfg, loop, remat) for loop in ("scan", "unrolled"))
-        dots = [hlo.dot_flops(hlo.parse_hlo(s.as_text()), hlo.entry_name(s.as_text())) for s in (scan, unrolled)]
+        dots = [hlo.program_dot_flops(s.as_text()) for s in (scan, unrolled)]
         assert dots[0] == dots[1] and aot.step_bytes(unrolled) < aot.step_bytes(scan)
         peaks[remat] = aot.step_bytes(unrolled)
     assert peaks["none"] > peaks["selective"] > peaks["full"]

@@ -201,7 +201,7 @@ def test_the_h100s_own_program_reads_as_the_one_compiled_for_it_without_a_gpu():
                    if (r["model"], r["remat"]) == ("gpt3-1.3b", "none"))
     scan, unrolled = read("scan_none"), read("unrolled_none_split")
     assert HLO.CUBLAS in scan
-    flops = [HLO.dot_flops(HLO.parse_hlo(t), HLO.entry_name(t)) for t in (scan, unrolled)]
+    flops = [HLO.program_dot_flops(t) for t in (scan, unrolled)]
     assert flops[0] == flops[1] == pytest.approx(offline["dot_tflop"] * 1e12, rel=1e-9)
     assert HLO.stored_bytes_per_layer(scan, 24) == offline["stored_bytes_per_layer"]
     assert HLO.memory_bound_bytes(scan) == sum(offline["non_gemm_bytes"].values())

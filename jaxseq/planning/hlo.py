@@ -602,6 +602,11 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
     return total
 
 
+def program_dot_flops(hlo_text: str) -> float:
+    """`dot_flops` of a whole program: its entry computation's, loops at their trip counts."""
+    return dot_flops(parse_hlo(hlo_text), entry_name(hlo_text))
+
+
 def compile_partitioned(lowered):
     """(compiled, HLO text as XLA's SPMD partitioner leaves it) of `lowered` (a `jax.jit(...).lower(...)`): the
     collectives the partitioner inserted, each in the element type it chose. Why not the optimized program:
