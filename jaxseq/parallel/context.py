@@ -13,7 +13,10 @@ strategies, equal in result (`ParallelConfig.context_strategy`):
   running log-sum-exp, under a custom_vjp whose backward sends dK/dV around the ring with their blocks and
   recomputes each block against the global log-sum-exp (`jax.nn.dot_product_attention`'s log-sum-exp is not
   differentiable, so merging its blocks under autodiff would give wrong gradients). It computes its blocks
-  itself (flash-style: no scores stored), whatever `ModelConfig.attention` says.
+  itself (flash-style: no scores stored), whatever `ModelConfig.attention` says, at FlashAttention-2's
+  precision: every block product takes the model's dtype and accumulates in float32 (the probabilities and their
+  gradient cast before their products, as explicit attention casts its probabilities); the scores, the running
+  output and the log-sum-exp are float32. In bf16, float32 operands would run as TF32 on a GPU, at half the rate.
 
 Load balance (`sharding.context_chunks`): the sequence in 2c chunks, rank r holding chunks r and 2c−1−r, so a
 ring step is a diagonal block or half a block on every rank (`ring_plan`, `attention_work`). The families only
@@ -263,7 +266,8 @@ def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
                     probs = jnp.exp(scores - block_lse[..., None])
                     if rate:
                         probs = probs * blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
-                    block_out = jnp.einsum("bkgqs,bskd->bqkgd", probs, vh[:, kb].astype(jnp.float32))
+                    block_out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), vh[:, kb],
+                                           preferred_element_type=jnp.float32)
                     merged = jnp.logaddexp(lse[:, qa], block_lse)
                     out = out.at[:, qa].set(out[:, qa] * _to_rows(jnp.exp(lse[:, qa] - merged))
                                             + block_out * _to_rows(jnp.exp(block_lse - merged)))
@@ -285,9 +289,10 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
     accumulators are back with their owners. Returns dq, dk, dv."""
     blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
     c, plan = len(chunks), ring_plan(chunks)
-    qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g, (blk.kv, blk.g)).astype(jnp.float32)
+    qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g.astype(q.dtype), (blk.kv, blk.g))
     lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
-    delta = jnp.sum(gh * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
+    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)  # the model's dtype in, float32 accumulated
+    delta = jnp.sum(gh.astype(jnp.float32) * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
     dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
     zeros = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)
@@ -304,15 +309,15 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
                     if rel == EMPTY:
                         continue
                     probs = jnp.exp(blk.scores(qh[:, qa], kh[:, kb], rel) - lse[:, qa][..., None])
-                    dprobs = jnp.einsum("bqkgd,bskd->bkgqs", gh[:, qa], vh[:, kb].astype(jnp.float32))
+                    dprobs = f32("bqkgd,bskd->bkgqs", gh[:, qa], vh[:, kb])
                     dropped = probs
                     if rate:
                         kept = blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
                         dropped, dprobs = probs * kept, dprobs * kept
-                    dscores = probs * (dprobs - delta[:, qa][..., None]) * scale
-                    dq = dq.at[:, qa].add(jnp.einsum("bkgqs,bskd->bqkgd", dscores, kh[:, kb].astype(jnp.float32)))
-                    dk = dk.at[:, kb].add(jnp.einsum("bkgqs,bqkgd->bskd", dscores, qh[:, qa].astype(jnp.float32)))
-                    dv = dv.at[:, kb].add(jnp.einsum("bkgqs,bqkgd->bskd", dropped, gh[:, qa]))
+                    dscores = (probs * (dprobs - delta[:, qa][..., None]) * scale).astype(q.dtype)
+                    dq = dq.at[:, qa].add(f32("bkgqs,bskd->bqkgd", dscores, kh[:, kb]))
+                    dk = dk.at[:, kb].add(f32("bkgqs,bqkgd->bskd", dscores, qh[:, qa]))
+                    dv = dv.at[:, kb].add(f32("bkgqs,bqkgd->bskd", dropped.astype(q.dtype), gh[:, qa]))
             return dq, dk, dv
         return run
 
