@@ -397,6 +397,42 @@ def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_store
     assert K.scan_stack_bytes(1e9, 1e8, 2) == pytest.approx(5e9 + 3 * 2 * 2e8)
 
 
+@pytest.mark.parametrize("name,context", [("tiny", 2), pytest.param("tiny-llama", 4, marks=pytest.mark.slow)])
+def test_the_search_prices_a_rings_blocks_as_its_layers_program_runs_them(name, context):
+    """A ring layer's GEMMs in the time model (`kernel_time.gemm_kernels` at `search.ring_size`) are the dots of that
+    layer's program on a rank (per layer: the L = 2 program less the L = 0 one): its 2c + 1 blocks of (s/2c)², seven
+    products each whatever the policy (the backward recomputes every block), `full` replaying the forward less the
+    first step's QKᵀ, which XLA merges with the backward's. The search priced explicit attention's whole-sequence
+    products / c: tiny at c = 2, 4.0% (none) to 6.5% (selective) more than the program, its attention core 37% to
+    60% more; llama3-8b at 128k, c = 4, 40% to 59% more, the core 52% to 78%. Grouped-query attention (tiny-llama)
+    at c = 4 in the slow tier."""
+    from jaxseq.planning import hlo
+    from jaxseq.planning.measure import MEASURE_LAYERS, Compiler
+
+    cfg = replace(preset(name), attention="explicit")
+    compiler = Compiler(cfg, 1, jax.devices(), context=context, strategy="ring")
+    dots = lambda *key: hlo.program_dot_flops(compiler._compile("grad", *key).as_text())
+    for remat in ("selective", "full"):
+        candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "ring")
+        priced = sum(g.flops for g in K.gemm_kernels(S.run_kernels(cfg, candidate), 1, 1, remat, S.ring_size(candidate)))
+        per_layer = (dots(MEASURE_LAYERS, remat, 1, False) - dots(0, "none", 1, False)) / MEASURE_LAYERS
+        assert per_layer == pytest.approx(priced / context), remat
+
+
+def test_a_rings_blocks_are_its_attention_work():
+    """`kernel_time.ring_blocks` is the ring plan's work per rank (`context.attention_work`), and a ring's core is
+    c·(2c + 1) blocks' seven products: (2c + 1)/(4c) of explicit attention's seven at c = 1 (selective), so at
+    c = 4 the c ranks' ring does 9/16 of the whole-sequence attention's GEMM FLOPs."""
+    from jaxseq.parallel.context import attention_work
+    from jaxseq.sharding import context_chunks
+
+    for c in (2, 4, 8):
+        assert attention_work(context_chunks(c)) == [K.ring_blocks(c)] * c
+    core = lambda gemms: sum(g.flops for g in gemms if g.name.split(".")[0] in ("scores", "context", "ring"))
+    assert core(K.layer_gemms(CFG, 1, 1, "selective", ring=4)) == pytest.approx(
+        9 / 16 * core(K.layer_gemms(CFG, 1, 1, "selective")))
+
+
 def test_elementwise_bytes_are_the_hand_computation():
     # s=8, b=1, h=4, MLP 16, 2 heads, bf16 (e = 2), dropout: 32 residual-stream, 128 MLP and 128 score elements.
     cfg = ModelConfig(vocab_size=256, seq_len=8, hidden=4, heads=2, layers=1, dtype="bfloat16", dropout=0.1)
@@ -416,6 +452,10 @@ def test_elementwise_bytes_are_the_hand_computation():
     assert K.layer_elementwise_bytes(fused, 1, 1, False, "none") == 1216 + 1472
     # XLA's fused kernel: the softmax without dropout (forward + 128·2e, backward + 128·3e), replayed under none too
     assert K.layer_elementwise_bytes(replace(fused, fused_kernel="xla"), 1, 1, False, "none") == 1728 + 2240 + 512
+    # a ring of 2 (c ranks' blocks: 2·5 of 2² elements × 2 heads = 80) in place of the scores: forward 704 + 512 +
+    # 80·(4 + e), backward 704 + 768 + 80·((4 + e) + (4 + 2e) + e); full its forward again
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "none", ring=2) == 1216 + 480 + 1472 + 1280
+    assert K.layer_elementwise_bytes(cfg, 1, 1, False, "full", ring=2) == 2 * (1216 + 480) + 1472 + 1280
     # head: embedding 32·(3e + 1 + 2e + 1) = 384, final LayerNorm 32·(2e + 3e) = 320, logits 8·256·3e = 12288
     assert K.head_elementwise_bytes(cfg, 1, 1, False) == 384 + 320 + 12288
     # A layer's time: its GEMMs + those bytes at 0.8 × 1000 GB/s.

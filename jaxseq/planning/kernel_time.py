@@ -26,6 +26,11 @@ the attention replays the forward. On XLA's kernel (float32, the all-gather cont
 it is explicit attention's GEMMs and softmax without its dropout, the scores through HBM, and every policy but
 `dots` replays QKᵀ and the softmax (`replayed`).
 
+Under the ring (context parallelism's ring strategy, parallel/context.py) the attention core is the ring's own blocks
+whatever `--attention` says: 2c + 1 query-half × key-half blocks of (s/2c)² a rank (the causal mask's empty blocks
+skipped, its diagonal ones computed whole), seven GEMMs each in the model's dtype (QKᵀ and P·V; the backward
+recomputes every block: QKᵀ, dP, dQ, dK, dV), their scores through HBM in float32 (`ring_gemms`, `ring_bytes`).
+
 Shapes per device for one micro-batch of b sequences (s tokens each, M = s·b), t-way tensor parallelism:
 the weight GEMMs take all M tokens (sequence parallelism all-gathers them first), attention's batched
 GEMMs run b·a/t heads of [s, d] × [d, s] and [s, s] × [s, d]. Each forward GEMM [m, k] × [k, n] has two
@@ -55,6 +60,7 @@ class Gemm:
     n: int
     k: int
     batch: int = 1
+    result_itemsize: int = 0  # bytes per result element; 0: the operands' (a float32 result: 4)
 
     @property
     def flops(self) -> float:
@@ -64,6 +70,12 @@ class Gemm:
         """The two GEMMs of its gradient: [m, n] × [n, k] and [k, m] × [m, n]."""
         return (Gemm(self.name + ".dx", self.m, self.k, self.n, self.batch),
                 Gemm(self.name + ".dw", self.k, self.n, self.m, self.batch))
+
+
+def ring_blocks(ring: int) -> int:
+    """Query-half × key-half blocks of (s/2c)² each of the c ranks of a ring computes: 2c + 1 (the local causal
+    block, then half a block a step: `context.attention_work` with Megatron's chunks)."""
+    return 2 * ring + 1
 
 
 def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
@@ -80,6 +92,26 @@ def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
 
 
 ATTENTION_CORE = ("scores", "context")  # QKᵀ and scores × V: inside a fused (flash) attention kernel
+RING_STEP0_BLOCKS = 3  # the blocks of a ring's first step (its own K/V: the causal diagonals and one whole block)
+
+
+def ring_gemms(cfg: ModelConfig, b: int, t: int, ring: int, remat: str) -> list[Gemm]:
+    """The attention core of one layer as a ring of c ranks computes it (parallel/context.py), all c ranks' work
+    (each rank's is 1/c of it): each rank's `ring_blocks` blocks of n × n, n = s/2c, b·a/t heads each, QKᵀ (float32
+    result) and P·V forward, and backward every block again whatever the policy: QKᵀ, dP = dO·Vᵀ (float32
+    result), dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. A policy that replays the whole forward (its QKV matmul: `full`)
+    replays the ring's forward too, less the first step's QKᵀ, which XLA merges with the backward's (the same
+    queries against the rank's own K: the layer's program has one of each, tests/test_search.py)."""
+    n, d, heads = cfg.seq_len // (2 * ring), cfg.head_dim, b * cfg.heads // t
+    scores = Gemm("ring.scores", n, n, d, heads, result_itemsize=4)
+    context = Gemm("ring.context", n, d, n, heads)
+    backward = [scores, Gemm("ring.dprobs", n, n, d, heads, result_itemsize=4),
+                *(Gemm(f"ring.{name}", n, d, n, heads) for name in ("dq", "dk", "dv"))]
+    blocks = ring * ring_blocks(ring)
+    gemms = blocks * [scores, context, *backward]
+    if "qkv" in POLICIES[remat].replays:
+        gemms += blocks * [context] + (blocks - ring * RING_STEP0_BLOCKS) * [scores]
+    return gemms
 
 # cuDNN's flash attention on an H100 SXM5, bf16, head width 128, 2k tokens: forward 617 and backward 465 TFLOP/s of
 # the 989 peak (Shah et al. 2024, "FlashAttention-3", Figs. 5 and 6, FLOPs counted as there: the forward's two
@@ -112,11 +144,15 @@ def replayed(cfg: ModelConfig, remat: str) -> tuple[str, ...]:
     return replays
 
 
-def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
-    """Every GEMM of one layer's training step: forward, backward, and the forward ones the policy replays."""
+def layer_gemms(cfg: ModelConfig, b: int, t: int, remat: str, ring: int = 1) -> list[Gemm]:
+    """Every GEMM of one layer's training step: forward, backward, and the forward ones the policy replays; under a
+    ring of `ring` > 1 ranks, its blocks (`ring_gemms`) in place of the attention core's."""
     forward = forward_gemms(cfg, b, t)
-    replays = [forward[name] for name in replayed(cfg, remat)]
-    return [*forward.values(), *(g for fwd in forward.values() for g in fwd.backward()), *replays]
+    if ring > 1:
+        forward = {name: g for name, g in forward.items() if name not in ATTENTION_CORE}
+    replays = [forward[name] for name in replayed(cfg, remat) if name in forward]
+    core = ring_gemms(cfg, b, t, ring, remat) if ring > 1 else []
+    return [*forward.values(), *(g for fwd in forward.values() for g in fwd.backward()), *replays, *core]
 
 
 def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardware) -> tuple[float, float, float]:
@@ -131,9 +167,10 @@ def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Ha
     return forward, backward, forward if ATTENTION_CORE[0] in replayed(cfg, remat) else 0.0
 
 
-def gemm_kernels(cfg: ModelConfig, b: int, t: int, remat: str) -> list[Gemm]:
+def gemm_kernels(cfg: ModelConfig, b: int, t: int, remat: str, ring: int = 1) -> list[Gemm]:
     """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where the flash kernel runs it."""
-    return [g for g in layer_gemms(cfg, b, t, remat) if not (flash(cfg) and g.name.split(".")[0] in ATTENTION_CORE)]
+    return [g for g in layer_gemms(cfg, b, t, remat, ring)
+            if not (flash(cfg) and g.name.split(".")[0] in ATTENTION_CORE)]
 
 
 def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
@@ -147,7 +184,8 @@ def gemm_seconds(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float
     waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count) for tm, tn in (TILE, TILE[::-1]))
     wave_flops = hw.sm_count * 2.0 * TILE[0] * TILE[1] * g.k  # every SM computing one tile
     math_s = waves * wave_flops / (compute_efficiency * hw.peak_tflops * 1e12)
-    memory_s = itemsize * g.batch * (g.m * g.k + g.k * g.n + g.m * g.n) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
+    moved = g.batch * (itemsize * (g.m * g.k + g.k * g.n) + (g.result_itemsize or itemsize) * g.m * g.n)
+    memory_s = moved / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
     return max(math_s, memory_s)
 
 
@@ -161,7 +199,8 @@ def gemm_efficiency(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: fl
 # Elementwise kernels: bytes moved
 
 
-def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str) -> float:
+def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str,
+                            ring: int = 1) -> float:
     """HBM bytes of one layer's elementwise kernels, per device (e bytes per activation, one per dropout mask
     element, r = 1 with dropout, else 0). Over the residual stream's s·b·h elements (/t under SP): two
     LayerNorms (forward: read, write, 2e; backward: read x and dy, write dx, 3e) and two bias + dropout +
@@ -174,11 +213,12 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     (`RematPolicy.replays_norms`: lean, dots) their forward (2e over s·b·h twice, and the activation's). Llama
     (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and writes their product (3e over
     s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and RoPE reads and writes q and the rank's
-    K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same)."""
+    K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same). Under a ring (`ring_bytes`), its
+    blocks' in place of the scores'."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
     mlp = s * b * cfg.mlp_hidden / t
-    scores = 0 if flash(cfg) else b * cfg.heads / t * s * s
+    scores = 0 if flash(cfg) or ring > 1 else b * cfg.heads / t * s * s
     r_scores = r if cfg.attention == "explicit" else 0
     traits = M.traits(cfg)
     rope = s * b * (cfg.heads + max(cfg.num_kv_heads, t)) * cfg.head_dim / t * 2 * e if traits.rotary else 0.0
@@ -192,7 +232,20 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     else:
         again = ((forward_attention if "scores" in replays else 0.0)
                  + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
-    return forward + backward + again
+    return forward + backward + again + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
+
+
+def ring_bytes(cfg: ModelConfig, b: int, t: int, ring: int, remat: str) -> float:
+    """HBM bytes of the ring's elementwise kernels over its blocks' elements (`ring_gemms`: all c ranks'), e bytes
+    per activation: forward, the log-sum-exp and probabilities from the float32 scores (read 4, write e); backward,
+    the probabilities again (4 + e) and dS = P∘(dP − rowsum(dO∘O)) (read P and the float32 dP, write dS: 4 + 2e),
+    with dropout the dropped probabilities for dV too (e; the kept factor is drawn from the counter, no mask
+    stored); `full` the forward again. Rows' rescaling (n·d per block) left out."""
+    e, n = cfg.itemsize, cfg.seq_len // (2 * ring)
+    elements = ring * ring_blocks(ring) * b * cfg.heads / t * n * n
+    forward = 4 + e
+    backward = forward + 4 + 2 * e + (e if cfg.dropout > 0 else 0)
+    return elements * (forward + backward + (forward if "qkv" in POLICIES[remat].replays else 0))
 
 
 def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:
@@ -209,10 +262,10 @@ def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: 
 
 
 def layer_matmul_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardware, compute_efficiency: float,
-                         memory_efficiency: float) -> float:
+                         memory_efficiency: float, ring: int = 1) -> float:
     """One layer's GEMMs and fused attention kernels (forward, backward, the policy's replays) on one device."""
     gemms = sum(gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
-                for g in gemm_kernels(cfg, b, t, remat))
+                for g in gemm_kernels(cfg, b, t, remat, ring))
     return gemms + sum(fused_attention_seconds(cfg, b, t, remat, hw))
 
 
@@ -235,10 +288,10 @@ def scan_stack_bytes(stored_bytes: float, layer_parameters: float, itemsize: int
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
-                  compute_efficiency: float, memory_efficiency: float) -> float:
+                  compute_efficiency: float, memory_efficiency: float, ring: int = 1) -> float:
     """One layer's forward, backward and recompute on one device: its GEMMs and attention + its elementwise kernels."""
-    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat)
-    return (layer_matmul_seconds(cfg, b, t, remat, hw, compute_efficiency, memory_efficiency)
+    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring)
+    return (layer_matmul_seconds(cfg, b, t, remat, hw, compute_efficiency, memory_efficiency, ring)
             + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
 

@@ -355,6 +355,12 @@ def layer_attention(cfg: ModelConfig, context: int, strategy: str) -> str:
     return "explicit" if context > 1 and strategy == "ring" else cfg.attention
 
 
+def ring_size(c: Candidate) -> int:
+    """The ring's c where the candidate runs one (its attention core the ring's blocks: `kernel_time.ring_gemms`),
+    else 1."""
+    return c.context if c.context > 1 and c.context_strategy == "ring" else 1
+
+
 def run_kernels(cfg: ModelConfig, c: Candidate) -> ModelConfig:
     """`cfg` with the attention a GPU runs candidate c with, chosen as `train` chooses it (`config.on_platform` for
     c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
@@ -369,7 +375,8 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel,
     """One micro-batch through the last stage (its L/p layers, the logits and the loss): each GEMM at its
     shape's efficiency, fused attention at its kernel's, and the memory-bound kernels at HBM bandwidth
     (`planning.kernel_time`); at context c a rank does 1/c of it (s/c tokens; the causal attention balanced by the
-    2c-chunk order; the GEMMs' smaller shapes' efficiency not modelled). The memory-bound bytes: where the layer
+    2c-chunk order; a ring's attention core its blocks, `kernel_time.ring_gemms`; the GEMMs' smaller shapes' efficiency
+    not modelled). The memory-bound bytes: where the layer
     was compiled for a GPU, what its program's layer loops move (`LayerCost.moved_bytes`, at c already: XLA:GPU's
     fusions, the scan's slices and updates among them) + the zero fill of its stored activations' stacks; less
     the stacks' traffic for unrolled layers (`TimeModel.scan_stacks` False). Else Megatron's kernels, counted
@@ -377,15 +384,15 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel,
     (`layer.stored_bytes`) and its parameters on the device (`layer_parameters`) through the scan's stacked
     buffers (`kernel_time.scan_stack_bytes`)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
-    b, t, sp, layers = c.micro_batch, c.tensor, c.sequence_parallel, cfg.layers // c.pipe
+    b, t, sp, layers, ring = c.micro_batch, c.tensor, c.sequence_parallel, cfg.layers // c.pipe, ring_size(c)
     head = K.head_seconds(cfg, b, t, sp, *efficiencies)
     stacks = K.scan_stack_bytes(layer.stored_bytes, layer_parameters, cfg.itemsize)
     if layer.moved_bytes is None:
-        return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies) + head) / c.context
+        return ((layers * K.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies, ring) + head) / c.context
                 + layers * (stacks if tm.scan_stacks else 0.0) / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
     fill = K.STACK_FILL_PASSES * layer.stored_bytes  # before the loops; the rest of the stacks' traffic is in them
     moved = layer.moved_bytes + (fill if tm.scan_stacks else fill - stacks)
-    return ((layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies) + head) / c.context
+    return ((layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies, ring) + head) / c.context
             + layers * moved / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
 
@@ -399,7 +406,7 @@ def program_compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: Ti
     cfg = run_kernels(cfg, c)
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
     b, t = c.micro_batch, c.tensor
-    matmuls = (cfg.layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies)
+    matmuls = (cfg.layers * K.layer_matmul_seconds(cfg, b, t, c.remat, *efficiencies, ring_size(c))
                + sum(K.gemm_seconds(g, hw, cfg.itemsize, *efficiencies[1:]) for g in K.head_gemms(cfg, b, t)))
     return c.microbatches * matmuls / c.context + moved_bytes / (tm.memory_efficiency * hw.hbm_gb_per_s * 1e9)
 
@@ -650,7 +657,9 @@ def format_result(res: Result, top: int = 10) -> str:
         f"HBM speed if memory-bound, "
         + (f"fused attention at cuDNN's {K.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and {K.FLASH_BACKWARD_EFFICIENCY:.2f} "
            "(backward) of peak (XLA's kernel in float32 and the all-gather context strategy: its GEMMs and softmax, "
-           "QKᵀ replayed; the ring's own blocks as explicit attention's), " if cfg.attention == "fused" else "")
+           "QKᵀ replayed), " if cfg.attention == "fused" else "")
+        + ("the ring's attention as its blocks (2c + 1 of (s/2c)² a rank, 7 GEMMs each, the backward recomputing "
+           "every block), " if any(ring_size(e.candidate) > 1 for e in res.ranked) else "")
         + f"{memory_bound_source(res)} at {tm.memory_efficiency:g} of HBM bandwidth, links at {tm.link_efficiency:g} of bandwidth, "
         + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
            "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
