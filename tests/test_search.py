@@ -249,6 +249,12 @@ def test_a_gemm_is_waves_of_tiles_or_its_bytes_through_memory():
     assert K.gemm_seconds(scores, NODE, 2, 0.5, 0.8) == pytest.approx(111.4112e-6)
     # Its gradient: [m, n] × [n, k] for the input and [k, m] × [m, n] for the other operand.
     assert [(x.m, x.n, x.k, x.batch) for x in scores.backward()] == [(2048, 64, 2048, 10), (64, 2048, 2048, 10)]
+    # The ring's QKᵀ writes float32 scores: 2·10·2·2048·64 + 4·10·2048² = 173,015,040 B, 216.2688 µs.
+    ring = K.Gemm("ring.scores", 2048, 2048, 64, batch=10, result_itemsize=4)
+    assert K.gemm_seconds(ring, NODE, 2, 0.5, 0.8) == pytest.approx(216.2688e-6)
+    # Float32 operands run on TF32 tensor cores at half the 16-bit peak: the compute-bound GEMM above takes twice
+    # as long (26.2144 µs; its 3,596,288 bytes 4.5 µs).
+    assert K.gemm_seconds(g, NODE, 4, 0.5, 0.8) == pytest.approx(2 * 13.1072e-6)
 
 
 def test_gemm_efficiency_rises_to_the_calibrated_peak_fraction():

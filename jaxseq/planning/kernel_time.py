@@ -49,6 +49,9 @@ from jaxseq.models import model as M
 from jaxseq.remat import MATMULS, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
+# Float32 GEMMs run on TF32 tensor cores (XLA:GPU's default precision for float32 dots, JAX's "Matmul precision"
+# docs), at half the 16-bit dense peak on the A100, H100 and H200 (data sheets: 156 of 312, 495 of 989 TFLOP/s).
+TF32_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,12 @@ def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
 
 
 def gemm_seconds(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float, memory_efficiency: float) -> float:
-    """max(waves of tiles at the achieved fraction of peak, operands and result through HBM)."""
+    """max(waves of tiles at the achieved fraction of peak (TF32's for float32 operands), operands and result through
+    HBM)."""
     waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count) for tm, tn in (TILE, TILE[::-1]))
     wave_flops = hw.sm_count * 2.0 * TILE[0] * TILE[1] * g.k  # every SM computing one tile
-    math_s = waves * wave_flops / (compute_efficiency * hw.peak_tflops * 1e12)
+    peak = hw.peak_tflops * (TF32_FRACTION if itemsize == 4 else 1.0)
+    math_s = waves * wave_flops / (compute_efficiency * peak * 1e12)
     moved = g.batch * (itemsize * (g.m * g.k + g.k * g.n) + (g.result_itemsize or itemsize) * g.m * g.n)
     memory_s = moved / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
     return max(math_s, memory_s)
