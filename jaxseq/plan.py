@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--context-sizes", default="1,2,4,8",
-                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP); the ring without a "
-                        "pipeline (default 1,2,4,8)")
+                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP), each with both "
+                        "strategies (default 1,2,4,8)")
     g.add_argument("--fsdp-sizes", default="1",
                    help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
                         "(default 1: no FSDP; e.g. 1,2,4,8)")

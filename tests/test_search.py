@@ -693,12 +693,13 @@ def predicted_and_compiled(cfg: ModelConfig, c: S.Candidate, costs: SearchCosts)
     """The search's memory for candidate c, and the per-device bytes of the real train step (AdamW, donated
     state; the pipeline executor when c.pipe > 1) compiled for its mesh."""
     costs.prepare([(c.tensor, c.sequence_parallel, c.remat)], (c.micro_batch,))  # no-op where measured
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch)
-    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data, c.distributed_optimizer, c.pipe)
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
+    state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
+                        c.distributed_optimizer, c.pipe)
     predicted = S.memory(cfg, c, layer, state).total_bytes
-    parallel = ParallelConfig(data=c.data, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
-                              distributed_optimizer=c.distributed_optimizer, pipe=c.pipe, schedule=c.schedule,
-                              virtual_stages=c.virtual)
+    parallel = ParallelConfig(data=c.data, context=c.context, context_strategy=c.context_strategy, tensor=c.tensor,
+                              sequence_parallel=c.sequence_parallel, distributed_optimizer=c.distributed_optimizer,
+                              pipe=c.pipe, schedule=c.schedule, virtual_stages=c.virtual)
     layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[:parallel.num_devices]))
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     inputs = aot.abstract_step_inputs(layout, optimizer, c.data * c.micro_batch * c.microbatches)
@@ -727,16 +728,21 @@ PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data r
     # ZB-H1: its W stash and W slot on top (within 1.3% here, as 1F1B's)
     S.Candidate(2, 2, 1, 2, 1, "selective", True, False, 4, zero_bubble=True),
     S.Candidate(1, 4, 1, 2, 1, "selective", False, True, 4, zero_bubble=True),
+    # context 2 under a pipeline, the layer compiled at c (within 1.1% for either strategy, 1F1B or interleaved)
+    S.Candidate(2, 2, 1, 1, 1, "selective", True, True, 4, 2, "all-gather"),
+    S.Candidate(2, 2, 2, 1, 1, "selective", True, False, 4, 2, "ring"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("candidate", PIPELINED_CANDIDATES,
                          ids=[f"p{c.pipe}-v{c.virtual}{'-distopt' if c.distributed_optimizer else ''}"
-                              f"{'-zb' if c.zero_bubble else ''}" for c in PIPELINED_CANDIDATES])
+                              f"{'-zb' if c.zero_bubble else ''}{f'-c{c.context}-{c.context_strategy}' if c.context > 1 else ''}"
+                              for c in PIPELINED_CANDIDATES])
 def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
     """jaxseq's own pipelined step, its executor's buffers included (a Megatron-style stage alone is 1.09–1.43×
-    too little here), within 10%: the search ranks nothing that jaxseq cannot run."""
+    too little here), within 10%: the search ranks nothing that jaxseq cannot run. Context parallelism under a
+    pipeline, either strategy: the ring's layouts there are searched too."""
     predicted, compiled = predicted_and_compiled(PIPELINED, candidate, costs)
     assert abs(predicted / compiled - 1) <= 0.10, (predicted, compiled)
 
@@ -886,18 +892,18 @@ def test_short_sequences_keep_context_1():
 
 
 def test_context_candidates_are_valid():
-    """c > 1: t·c·p·d = G, s divisible by 2c (2c·t with SP), the ring not under a pipeline; each one passes the
-    train command's validation, pipelines (interleaved among them) and the ring with accumulation included."""
+    """c > 1: t·c·p·d = G, s divisible by 2c (2c·t with SP), either strategy; each one passes the train command's
+    validation, pipelines (interleaved among them, the ring's too) and the ring with accumulation included."""
     cfg = replace(CFG, seq_len=64)
     r = request(context_sizes=(1, 2, 4, 8))
     cands = [c for c in S.enumerate_candidates(cfg, r) if c.context > 1]
     assert {c.context for c in cands} == {2, 4, 8}
     assert any(c.pipe > 1 and c.virtual > 1 for c in cands)
     assert any(c.context_strategy == "ring" and c.microbatches > 1 for c in cands)
+    assert any(c.context_strategy == "ring" and c.pipe > 1 and c.virtual > 1 for c in cands)
     for c in cands:
         assert c.tensor * c.context * c.pipe * c.data == r.gpus
         assert cfg.seq_len % (2 * c.context * (c.tensor if c.sequence_parallel else 1)) == 0
-        assert c.context_strategy == "all-gather" or c.pipe == 1
         parallel = ParallelConfig(pipe=c.pipe, data=c.data, context=c.context, tensor=c.tensor,
                                   sequence_parallel=c.sequence_parallel, context_strategy=c.context_strategy,
                                   virtual_stages=c.virtual, schedule=c.schedule)

@@ -105,16 +105,21 @@ def ring_gemms(cfg: ModelConfig, b: int, t: int, ring: int, remat: str) -> list[
     result), dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. A policy that replays the whole forward (its QKV matmul: `full`)
     replays the ring's forward too, less the first step's QKᵀ, which XLA merges with the backward's (the same
     queries against the rank's own K: the layer's program has one of each, tests/test_search.py)."""
-    n, d, heads = cfg.seq_len // (2 * ring), cfg.head_dim, b * cfg.heads // t
-    scores = Gemm("ring.scores", n, n, d, heads, result_itemsize=4)
-    context = Gemm("ring.context", n, d, n, heads)
-    backward = [scores, Gemm("ring.dprobs", n, n, d, heads, result_itemsize=4),
-                *(Gemm(f"ring.{name}", n, d, n, heads) for name in ("dq", "dk", "dv"))]
+    (scores, context), backward = ring_block(cfg, b, t, ring)
     blocks = ring * ring_blocks(ring)
     gemms = blocks * [scores, context, *backward]
     if "qkv" in POLICIES[remat].replays:
         gemms += blocks * [context] + (blocks - ring * RING_STEP0_BLOCKS) * [scores]
     return gemms
+
+
+def ring_block(cfg: ModelConfig, b: int, t: int, ring: int) -> tuple[list[Gemm], list[Gemm]]:
+    """One block's GEMMs on one rank of a ring of c: forward (QKᵀ, P·V) and backward (QKᵀ, dP, dQ, dK, dV)."""
+    n, d, heads = cfg.seq_len // (2 * ring), cfg.head_dim, b * cfg.heads // t
+    scores = Gemm("ring.scores", n, n, d, heads, result_itemsize=4)
+    backward = [scores, Gemm("ring.dprobs", n, n, d, heads, result_itemsize=4),
+                *(Gemm(f"ring.{name}", n, d, n, heads) for name in ("dq", "dk", "dv"))]
+    return [scores, Gemm("ring.context", n, d, n, heads)], backward
 
 # cuDNN's flash attention on an H100 SXM5, bf16, head width 128, 2k tokens: forward 617 and backward 465 TFLOP/s of
 # the 989 peak (Shah et al. 2024, "FlashAttention-3", Figs. 5 and 6, FLOPs counted as there: the forward's two
@@ -304,19 +309,21 @@ WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a 
 
 
 def split_layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
-                        compute_efficiency: float, memory_efficiency: float) -> tuple[float, float, float]:
+                        compute_efficiency: float, memory_efficiency: float, ring: int = 1) -> tuple[float, float, float]:
     """`layer_seconds` as zero-bubble pipelining splits it (F, B, W): W the weight GEMMs' gradients (`.dw`), F the
-    forward GEMMs (a fused attention's forward kernel in place of its two) and a third of the elementwise kernels
-    (they run forward and twice as much backward), B the rest (the input gradients, the attention core's backward,
-    the replays)."""
+    forward GEMMs (a fused attention's forward kernel in place of its two; a ring's forward blocks in place of them
+    too) and a third of the elementwise kernels (they run forward and twice as much backward), B the rest (the input
+    gradients, the attention core's backward, the replays)."""
     seconds = lambda g: gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
     forward = forward_gemms(cfg, b, t)
-    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat) / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
-    kernels = {g.name for g in gemm_kernels(cfg, b, t, remat)}
-    f = (sum(seconds(g) for g in forward.values() if g.name in kernels)
+    elementwise = (layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring)
+                   / (memory_efficiency * hw.hbm_gb_per_s * 1e9))
+    kernels = {g.name for g in gemm_kernels(cfg, b, t, remat, ring)}
+    ring_forward = ring * ring_blocks(ring) * ring_block(cfg, b, t, ring)[0] if ring > 1 else []
+    f = (sum(seconds(g) for g in forward.values() if g.name in kernels) + sum(seconds(g) for g in ring_forward)
          + fused_attention_seconds(cfg, b, t, remat, hw)[0] + elementwise / 3)
     w = sum(seconds(forward[name].backward()[1]) for name in WEIGHT_GEMMS)
-    total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency)
+    total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency, ring)
     return f, total - f - w, w
 
 

@@ -11,8 +11,8 @@ and per micro-batch each layer's weights gathered twice and gradients reduce-sca
 
 Validity: t divides the GPUs of a node (tensor parallelism stays on NVLink) and the heads, and divides the
 K/V heads or is a multiple of them (grouped-query attention: split, or each repeated t/kv_heads times);
-t·p·c·d = G with c from `--context-sizes` (context parallelism: c divides the sequence into 2c chunks; the ring
-strategy is not priced under a pipeline);
+t·p·c·d = G with c from `--context-sizes` (context parallelism: c divides the sequence into 2c chunks; either
+strategy, under a pipeline too);
 p·v divides the layers; d·b divides B, m = B/(d·b) micro-batches per step; with p > 1, m ≥ p, and the
 interleaved schedule (v > 1) needs m % p == 0 (`config.validate_pipeline`). SP needs t > 1, the
 distributed optimizer d > 1. v > 1 means Megatron's interleaved 1F1B, v = 1 plain 1F1B (GPipe holds
@@ -187,7 +187,7 @@ def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeMod
     """ZB-H1's bubble in time, Qi et al.'s (p − 1)(T_F + T_B − T_W) over m(T_F + T_B + T_W), at a layer's split
     kernel times (`kernel_time.split_layer_seconds`): the same asynchronous model as 1F1B's (p − 1)/m."""
     f, b, w = K.split_layer_seconds(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw,
-                                    tm.compute_efficiency, tm.memory_efficiency)
+                                    tm.compute_efficiency, tm.memory_efficiency, ring_size(c))
     return (c.pipe - 1) * (f + b - w) / (c.microbatches * (f + b + w))
 
 
@@ -465,7 +465,8 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     _, bubble = schedule_figures(c, cfg.layers)
     if c.pipe > 1 and tm.lockstep:
         bubble = pipeline_schedule(c).lockstep_bubble(*K.split_layer_seconds(
-            cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw, tm.compute_efficiency, tm.memory_efficiency))
+            cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw, tm.compute_efficiency, tm.memory_efficiency,
+            ring_size(c)))
     elif c.zero_bubble:
         bubble = zero_bubble_bubble(cfg, c, hw, tm)
     m = c.microbatches
@@ -689,8 +690,7 @@ def format_result(res: Result, top: int = 10) -> str:
     flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if M.traits(cfg).papers_formulas
              else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
     lines += ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
-                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size (the ring "
-                  "not under a pipeline: the train command runs it, the search does not price it yet), CP s = its "
+                  "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size, CP s = its "
                   "K/V traffic, opt s = the optimizer step (HBM traffic) "
                   "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
                   "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "

@@ -211,9 +211,9 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy; the
-    ring not under a pipeline (the train command runs it, but the search does not price it yet). With fused
-    attention the ring is explicit attention's layer (it computes its blocks itself: `search.run_kernels`)."""
+    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy, under a
+    pipeline too. With fused attention the ring is explicit attention's layer (it computes its blocks itself:
+    `search.run_kernels`)."""
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):
@@ -246,7 +246,7 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
     # ZB-H1 where the executor runs it (a pipeline, one chunk per stage, no FSDP, no K/V head repeated over tensor
     # ranks: `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here)
     zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
-    strategies = [s for s in CONTEXT_STRATEGIES if s == "all-gather" or (c > 1 and p == 1)]
+    strategies = [s for s in CONTEXT_STRATEGIES if s == "all-gather" or c > 1]
     for b in r.micro_batches:
         if r.global_batch % (d * f * b):
             continue
