@@ -13,7 +13,8 @@ strategies, equal in result (`ParallelConfig.context_strategy`):
   running log-sum-exp, under a custom_vjp whose backward sends dK/dV around the ring with their blocks and
   recomputes each block against the global log-sum-exp (`jax.nn.dot_product_attention`'s log-sum-exp is not
   differentiable, so merging its blocks under autodiff would give wrong gradients). It computes its blocks
-  itself (flash-style: no scores stored), whatever `ModelConfig.attention` says, at FlashAttention-2's
+  itself (flash-style: no scores stored; a block's query rows `QUERY_TILE` at a time, so that one tile's scores
+  are alive, not the block's), whatever `ModelConfig.attention` says, at FlashAttention-2's
   precision: every block product takes the model's dtype and accumulates in float32 (the probabilities and their
   gradient cast before their products, as explicit attention casts its probabilities); the scores, the running
   output and the log-sum-exp are float32. In bf16, float32 operands would run as TF32 on a GPU, at half the rate.
@@ -41,6 +42,9 @@ from jaxseq.parallel.region import StageSharder
 from jaxseq.sharding import Sharder, context_chunks, entry_axes, spec_axes
 
 FULL, DIAG, EMPTY = "full", "diag", "empty"  # a query chunk against a key chunk: all visible, causal, none
+# Query rows of a ring block computed at once (the largest power of two dividing s/2c, up to this): a block's float32
+# scores and their gradients are [b, kv, g, rows, s/2c], not (s/2c)², at s = 128k and c = 8 an eighth.
+QUERY_TILE = 1024
 
 
 def sharder(mesh, parallel: ParallelConfig, stage: bool = False) -> Sharder:
@@ -211,6 +215,8 @@ class _Blocks:
         self.b, two_n, self.a, self.d = q.shape
         self.n, self.kv = two_n // 2, k.shape[2]
         self.g = self.a // self.kv
+        self.rows = math.gcd(self.n, QUERY_TILE)  # query rows of a block computed at once
+        self.tiles = self.n // self.rows
         self.chunks, self.scale, self.rate, self.s, self.tensor = chunks, scale, rate, s, tensor
         self.key = jax.random.wrap_key_data(key_data[:2]) if rate else None
         # the first batch row here: this map's own data (× fsdp) rank's, or the enclosing manual region's
@@ -223,15 +229,29 @@ class _Blocks:
     def positions(self, rank, half):
         return jnp.asarray(self.chunks, jnp.int32)[rank, half] * self.n + jnp.arange(self.n)
 
-    def scores(self, qh, kh, rel):
-        """float32 scale·q·kᵀ [b, kv, g, n, n] of one query half against one key half, causal on a diagonal."""
+    def scores(self, qh, kh, rel, row0=0):
+        """float32 scale·q·kᵀ [b, kv, g, rows, n] of query rows row0… of a half against one key half, causal on a
+        diagonal."""
         scores = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=jnp.float32) * self.scale
-        return jnp.where(jnp.tri(self.n, dtype=bool), scores, -jnp.inf) if rel == DIAG else scores
+        if rel != DIAG:
+            return scores
+        rows = row0 + jnp.arange(qh.shape[1])
+        return jnp.where(rows[:, None] >= jnp.arange(self.n)[None, :], scores, -jnp.inf)
+
+    def by_tiles(self, x, axis: int = 1):
+        """x's query axis (n rows, at `axis`) split into the block's tiles, leading: [tiles, …, rows, …]."""
+        shape = (*x.shape[:axis], self.tiles, self.rows, *x.shape[axis + 1:])
+        return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+    def from_tiles(self, x, axis: int = 1):
+        """The inverse of `by_tiles`: [tiles, …, rows, …] → the query axis of n rows at `axis`."""
+        x = jnp.moveaxis(x, 0, axis)
+        return x.reshape(*x.shape[:axis], self.n, *x.shape[axis + 2:])
 
     def kept(self, q_pos, k_pos):
         """The attention-probs dropout's kept/scaled factor for these positions: the elements of the mask the
         whole-sequence attention draws ([b, kv, g, s, s], `ops.bernoulli_at`), so the ring equals it."""
-        shape = (self.b, self.kv, self.g, self.n, self.n)
+        shape = (self.b, self.kv, self.g, q_pos.shape[0], self.n)
         heads = jnp.arange(self.kv) + (jax.lax.axis_index("tensor") * self.kv if self.tensor > 1 else 0)
         coords = {1: heads, 3: q_pos, 4: k_pos}
         coords[0] = jnp.arange(self.b) + self.row0
@@ -242,6 +262,58 @@ class _Blocks:
 
 def _to_rows(x):  # [b, kv, g, n] → [b, n, kv, g, 1], to scale an output block row by row
     return jnp.moveaxis(x, -1, 1)[..., None]
+
+
+def _over_tiles(blk: _Blocks, tile, carry, xs):
+    """`tile(carry, xs)` over the block's query tiles (xs split by `_Blocks.by_tiles` beforehand): a scan, so that
+    one tile's [b, kv, g, rows, n] scores are alive at a time; one tile runs as it is."""
+    if blk.tiles == 1:
+        carry, out = tile(carry, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda x: x[None], out)
+    return jax.lax.scan(tile, carry, xs)
+
+
+def _forward_block(blk: _Blocks, qh, kh, vh, rel, q_pos, k_pos):
+    """One block: its output [b, n, kv, g, d] and log-sum-exp [b, kv, g, n] (float32), its query rows a tile at a
+    time."""
+    def tile(_, xs):
+        q, row0, pos = xs
+        scores = blk.scores(q, kh, rel, row0)
+        lse = jax.nn.logsumexp(scores, axis=-1)
+        probs = jnp.exp(scores - lse[..., None])
+        if blk.rate:
+            probs = probs * blk.kept(pos, k_pos)
+        return None, (jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(vh.dtype), vh, preferred_element_type=jnp.float32), lse)
+
+    rows0 = jnp.arange(blk.tiles) * blk.rows
+    _, (out, lse) = _over_tiles(blk, tile, None, (blk.by_tiles(qh), rows0, q_pos.reshape(blk.tiles, blk.rows)))
+    return blk.from_tiles(out), blk.from_tiles(lse, 3)
+
+
+def _backward_block(blk: _Blocks, qh, kh, vh, gh, lse, delta, rel, q_pos, k_pos, zeros):
+    """One block's dQ [b, n, kv, g, d] and dK, dV [b, n, kv, d] (float32), recomputed against the global
+    log-sum-exp, its query rows a tile at a time (dK and dV summed over them)."""
+    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)  # the model's dtype in, float32 accumulated
+
+    def tile(carry, xs):
+        dk, dv = carry
+        q, g, lse_rows, delta_rows, row0, pos = xs
+        probs = jnp.exp(blk.scores(q, kh, rel, row0) - lse_rows[..., None])
+        dprobs = f32("bqkgd,bskd->bkgqs", g, vh)
+        dropped = probs
+        if blk.rate:
+            kept = blk.kept(pos, k_pos)
+            dropped, dprobs = probs * kept, dprobs * kept
+        dscores = (probs * (dprobs - delta_rows[..., None]) * blk.scale).astype(q.dtype)
+        dk = dk + f32("bkgqs,bqkgd->bskd", dscores, q)
+        dv = dv + f32("bkgqs,bqkgd->bskd", dropped.astype(q.dtype), g)
+        return (dk, dv), f32("bkgqs,bskd->bqkgd", dscores, kh)
+
+    rows0 = jnp.arange(blk.tiles) * blk.rows
+    xs = (blk.by_tiles(qh), blk.by_tiles(gh), blk.by_tiles(lse, 3), blk.by_tiles(delta, 3), rows0,
+          q_pos.reshape(blk.tiles, blk.rows))
+    (dk, dv), dq = _over_tiles(blk, tile, (zeros, zeros), xs)
+    return blk.from_tiles(dq), dk, dv
 
 
 def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
@@ -261,13 +333,8 @@ def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
                     rel = pattern[qa][kb]
                     if rel == EMPTY:
                         continue
-                    scores = blk.scores(qh[:, qa], kh[:, kb], rel)
-                    block_lse = jax.nn.logsumexp(scores, axis=-1)
-                    probs = jnp.exp(scores - block_lse[..., None])
-                    if rate:
-                        probs = probs * blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
-                    block_out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), vh[:, kb],
-                                           preferred_element_type=jnp.float32)
+                    block_out, block_lse = _forward_block(blk, qh[:, qa], kh[:, kb], vh[:, kb], rel,
+                                                          blk.positions(blk.rank, qa), blk.positions(src, kb))
                     merged = jnp.logaddexp(lse[:, qa], block_lse)
                     out = out.at[:, qa].set(out[:, qa] * _to_rows(jnp.exp(lse[:, qa] - merged))
                                             + block_out * _to_rows(jnp.exp(block_lse - merged)))
@@ -291,7 +358,6 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
     c, plan = len(chunks), ring_plan(chunks)
     qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g.astype(q.dtype), (blk.kv, blk.g))
     lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
-    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)  # the model's dtype in, float32 accumulated
     delta = jnp.sum(gh.astype(jnp.float32) * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
     dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
@@ -308,16 +374,12 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
                     rel = pattern[qa][kb]
                     if rel == EMPTY:
                         continue
-                    probs = jnp.exp(blk.scores(qh[:, qa], kh[:, kb], rel) - lse[:, qa][..., None])
-                    dprobs = f32("bqkgd,bskd->bkgqs", gh[:, qa], vh[:, kb])
-                    dropped = probs
-                    if rate:
-                        kept = blk.kept(blk.positions(blk.rank, qa), blk.positions(src, kb))
-                        dropped, dprobs = probs * kept, dprobs * kept
-                    dscores = (probs * (dprobs - delta[:, qa][..., None]) * scale).astype(q.dtype)
-                    dq = dq.at[:, qa].add(f32("bkgqs,bskd->bqkgd", dscores, kh[:, kb]))
-                    dk = dk.at[:, kb].add(f32("bkgqs,bqkgd->bskd", dscores, qh[:, qa]))
-                    dv = dv.at[:, kb].add(f32("bkgqs,bqkgd->bskd", dropped.astype(q.dtype), gh[:, qa]))
+                    dq_block, dk_block, dv_block = _backward_block(
+                        blk, qh[:, qa], kh[:, kb], vh[:, kb], gh[:, qa], lse[:, qa], delta[:, qa], rel,
+                        blk.positions(blk.rank, qa), blk.positions(src, kb), zeros[:, 0])
+                    dq = dq.at[:, qa].add(dq_block)
+                    dk = dk.at[:, kb].add(dk_block)
+                    dv = dv.at[:, kb].add(dv_block)
             return dq, dk, dv
         return run
 
