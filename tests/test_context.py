@@ -118,14 +118,15 @@ def test_the_rings_products_take_bf16_and_accumulate_in_float32(gpt_reference):
 
 def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, monkeypatch):
     """A ring block's query rows run `context.QUERY_TILE` at a time (a scan), so one tile's float32 scores are
-    alive, not the block's (s/2c)². Tiled (4 tiles of 4 rows at s = 64, c = 2) the ring equals context 1, dropout
-    included; at s = 2048 (blocks of 512², 8 MiB of scores each) tiles of 128 rows take the step's transient from
+    alive, not the block's (s/2c)². Tiled (4 tiles of 4 rows at s = 64, c = 2, or 2 of 8) the ring equals
+    context 1, dropout included; at s = 2048 (blocks of 512², 8 MiB of scores each) tiles of 128 rows take the step's transient from
     63.7 MiB to 19.4 MiB on XLA:CPU (jax 0.10; on the H100's program at s = 16384 tiles of 1024 rows take it from
     4,652 to 497 MiB)."""
     from jaxseq.parallel import context as CTX
 
-    monkeypatch.setattr(CTX, "QUERY_TILE", 4)
-    assert_same(loss_and_grads(GPT, context_mesh(2, "ring"), "selective"), gpt_reference)
+    for rows in (4, 8):  # a scan of 4 tiles; 2 tiles, straight-line code
+        monkeypatch.setattr(CTX, "QUERY_TILE", rows)
+        assert_same(loss_and_grads(GPT, context_mesh(2, "ring"), "selective"), gpt_reference)
     cfg = replace(GPT, seq_len=2048, dtype="bfloat16", dropout=0.0)
     parallel = ParallelConfig(data=1, context=2, tensor=1, context_strategy="ring")
     mesh = make_mesh(parallel, jax.devices()[:2])

@@ -315,16 +315,24 @@ def test_context_layer_stores_the_formula_exactly(strategy):
 
 @pytest.mark.parametrize("name,t,sp,b,c", [  # GPT at c = 4 in the slow tier (13 s of ring compiles)
     pytest.param("tiny", 2, True, 2, 4, marks=pytest.mark.slow), ("tiny-llama", 4, False, 1, 2)])
-def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c):
+def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c, monkeypatch):
     """`dots` with the ring keeps every matmul output of the ring's forward: the 2c + 1 blocks a rank computes
     (context.attention_work), each a float32 q·kᵀ [b, a/t, n, n] and probs·v [b, n, a/t, d] (n = s/2c), and
     neither the ring's output nor its log-sum-exp (recomputed from the blocks): formulas.RING_POLICY_TERMS.
-    GPT with dropout and SP; Llama with its 2 K/V heads repeated to t = 4."""
+    GPT with dropout and SP; Llama with its 2 K/V heads repeated to t = 4; a block's query rows a tile at a time
+    (`context.QUERY_TILE`) the same: its tiles' outputs stacked (and two tiles, straight-line code, no loop the
+    plan's reader takes for the layer loop: as a scan of 2 they were, and the search failed on llama3-8b at 32k,
+    c = 8)."""
+    from jaxseq.parallel import context as CTX
+
     cfg = replace(preset(name), dtype="bfloat16")
     parallel = ParallelConfig(data=1, context=c, tensor=t, sequence_parallel=sp, context_strategy="ring")
-    text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
     formula = F.activation_bytes(cfg, "dots", b, t, sp, c, "ring")
-    assert hlo.stored_bytes_per_layer(text, cfg.layers) == formula
+    n = cfg.seq_len // (2 * c)
+    for rows in (CTX.QUERY_TILE, n // 2, n // 4):  # one tile (n ≤ 16 here), two (straight-line), four (a scan)
+        monkeypatch.setattr(CTX, "QUERY_TILE", rows)
+        text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
+        assert hlo.stored_bytes_per_layer(text, cfg.layers) == formula, rows
     n, e = cfg.seq_len // (2 * c), cfg.itemsize
     tokens, local = b * cfg.seq_len // c, cfg.heads // t
     blocks = (2 * c + 1) * 4 * b * local * n * (n + cfg.head_dim)

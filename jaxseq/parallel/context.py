@@ -266,11 +266,16 @@ def _to_rows(x):  # [b, kv, g, n] → [b, n, kv, g, 1], to scale an output block
 
 def _over_tiles(blk: _Blocks, tile, carry, xs):
     """`tile(carry, xs)` over the block's query tiles (xs split by `_Blocks.by_tiles` beforehand): a scan, so that
-    one tile's [b, kv, g, rows, n] scores are alive at a time; one tile runs as it is."""
-    if blk.tiles == 1:
-        carry, out = tile(carry, jax.tree.map(lambda x: x[0], xs))
-        return carry, jax.tree.map(lambda x: x[None], out)
-    return jax.lax.scan(tile, carry, xs)
+    one tile's [b, kv, g, rows, n] scores are alive at a time. One or two tiles run as straight-line code: the
+    plan measures a layer from a scan of 2 layers (`planning.measure.MEASURE_LAYERS`), and a loop of 2 tiles
+    inside it was taken for a layer loop (XLA:CPU rewrote the program's layer loops around it)."""
+    if blk.tiles > 2:
+        return jax.lax.scan(tile, carry, xs)
+    outs = []
+    for i in range(blk.tiles):
+        carry, out = tile(carry, jax.tree.map(lambda x: x[i], xs))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *x: jnp.stack(x), *outs)
 
 
 def _forward_block(blk: _Blocks, qh, kh, vh, rel, q_pos, k_pos):
