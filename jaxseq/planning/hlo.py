@@ -573,10 +573,11 @@ def loop_carry(hlo_text: str, trip_count: int) -> list[tuple[str, tuple[int, ...
     return while_loop(parse_hlo(hlo_text), trip_count).arrays()
 
 
-def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None) -> float:
+def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None, loops_once: bool = False) -> float:
     """FLOPs of the dots computation `comp` runs (2 × output elements × contracted size), following fusions
-    and calls, a `while` × its known trip count (NaN if unknown), a `conditional` at its dearest branch.
-    Why: cost_analysis() counts a loop body once; dots are the matmuls, the FLOPs that matter on a GPU."""
+    and calls, a `while` × its known trip count (NaN if unknown; once with `loops_once`, as cost_analysis() counts
+    it), a `conditional` at its dearest branch. Why: cost_analysis() counts a loop body once; dots are the matmuls,
+    the FLOPs that matter on a GPU."""
     memo = {} if memo is None else memo
     if comp in memo:
         return memo[comp]
@@ -592,14 +593,23 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
             dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
             total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in dims.split(",") if i]))
         elif ins.opcode in (*_FUSIONS, "call"):
-            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
+            total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo, loops_once)
         elif ins.opcode == "while":
-            n = ins.trip_count()
-            total += n * dot_flops(comps, ins.attr("body"), memo) if n is not None else float("nan")
+            n = 1 if loops_once else ins.trip_count()
+            total += n * dot_flops(comps, ins.attr("body"), memo, loops_once) if n is not None else float("nan")
         elif ins.opcode == "conditional":
-            total += max(dot_flops(comps, b, memo) for b in ins.branches())
+            total += max(dot_flops(comps, b, memo, loops_once) for b in ins.branches())
     memo[comp] = total
     return total
+
+
+def inner_loop_dot_flops(hlo_text: str, num_layers: int) -> float:
+    """The dot FLOPs of one layer that `cost_analysis()` leaves out: it counts a loop's body once, so of a loop
+    inside a layer (the ring's scan over a block's query tiles) one iteration; the others' dots, over the forward
+    and backward layer loops' bodies."""
+    comps = parse_hlo(hlo_text)
+    return sum(dot_flops(comps, loop.body) - dot_flops(comps, loop.body, loops_once=True)
+               for loop in layer_loops(comps, num_layers))
 
 
 def program_dot_flops(hlo_text: str) -> float:

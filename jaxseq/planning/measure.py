@@ -9,7 +9,8 @@ wrong tensor is the most common surprise in practice.
 How the per-layer numbers are read (layers under `lax.scan`, so depth does not matter):
 - stored bytes: the stacked buffers the forward layer loop writes, / L (`hlo.stored_bytes_per_layer`);
 - FLOPs: `cost_analysis()` counts a loop body once, so flops(L=2) − flops(L=0) is one layer's forward
-  and backward (plus the casts of that layer's weights outside the loop, < 0.1%);
+  and backward (plus the casts of that layer's weights outside the loop, < 0.1%), + the dots of the iterations
+  it leaves out of a loop inside the layer (the ring's query tiles: `hlo.inner_loop_dot_flops`);
 - collectives: those of one forward and one backward iteration of the layer loop;
 - working memory (transients: one layer's recomputation and gradients in flight, the logits' gradient,
   RNG bits): the compiled train step's temporaries at L=2 (float32 on XLA:CPU, the model's dtype for a GPU:
@@ -135,7 +136,7 @@ class Compiler:
         compiled = self._compile("grad", L, c.remat, c.tensor, c.sequence_parallel)
         text = compiled.as_text()
         stored = hlo.stored_bytes_per_layer(text, L)
-        flops = _flops(compiled) - self.head_flops(c)
+        flops = _flops(compiled) - self.head_flops(c) + hlo.inner_loop_dot_flops(text, L)  # a ring's tile loops
         return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c), self.moved_bytes(c))
 
     @staticmethod
