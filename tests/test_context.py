@@ -91,6 +91,7 @@ def test_fused_attention_under_all_gather_equals_context_1(llama_reference):
                 llama_reference)
 
 
+@pytest.mark.slow  # the fast tier holds the ring against context 1 (test_gpt_with_dropout_equals_context_1)
 def test_the_rings_products_take_bf16_and_accumulate_in_float32(gpt_reference):
     """FlashAttention-2's precision, which explicit attention's matches (it casts its probabilities to the model's
     dtype before scores × V): in a bf16 model every product of the ring's blocks (QKᵀ and P·V; the backward's
@@ -116,6 +117,7 @@ def test_the_rings_products_take_bf16_and_accumulate_in_float32(gpt_reference):
     assert ring_loss <= 1e-4 and ring_grads <= 1.1 * whole_grads, (ring_loss, ring_grads, whole_grads)
 
 
+@pytest.mark.slow  # the fast tier holds the ring against context 1 (test_gpt_with_dropout_equals_context_1)
 def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, monkeypatch):
     """A ring block's query rows run `context.QUERY_TILE` at a time (a scan), so one tile's float32 scores are
     alive, not the block's (s/2c)². Tiled (4 tiles of 4 rows at s = 64, c = 2, or 2 of 8) the ring equals

@@ -403,7 +403,8 @@ def test_fused_attention_is_priced_as_a_flash_kernel_and_the_stacks_by_the_store
     assert K.scan_stack_bytes(1e9, 1e8, 2) == pytest.approx(5e9 + 3 * 2 * 2e8)
 
 
-@pytest.mark.parametrize("name,context", [("tiny", 2), pytest.param("tiny-llama", 4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier holds the block count (test_a_rings_blocks_are_its_attention_work)
+@pytest.mark.parametrize("name,context", [("tiny", 2), ("tiny-llama", 4)])
 def test_the_search_prices_a_rings_blocks_as_its_layers_program_runs_them(name, context):
     """A ring layer's GEMMs in the time model (`kernel_time.gemm_kernels` at `search.ring_size`) are the dots of that
     layer's program on a rank (per layer: the L = 2 program less the L = 0 one): its 2c + 1 blocks of (s/2c)², seven
@@ -411,7 +412,7 @@ def test_the_search_prices_a_rings_blocks_as_its_layers_program_runs_them(name, 
     first step's QKᵀ, which XLA merges with the backward's. The search priced explicit attention's whole-sequence
     products / c: tiny at c = 2, 4.0% (none) to 6.5% (selective) more than the program, its attention core 37% to
     60% more; llama3-8b at 128k, c = 4, 40% to 59% more, the core 52% to 78%. Grouped-query attention (tiny-llama)
-    at c = 4 in the slow tier."""
+    at c = 4."""
     from jaxseq.planning import hlo
     from jaxseq.planning.measure import MEASURE_LAYERS, Compiler
 
