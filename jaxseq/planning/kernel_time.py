@@ -114,12 +114,14 @@ def ring_gemms(cfg: ModelConfig, b: int, t: int, ring: int, remat: str) -> list[
 
 
 def ring_block(cfg: ModelConfig, b: int, t: int, ring: int) -> tuple[list[Gemm], list[Gemm]]:
-    """One block's GEMMs on one rank of a ring of c: forward (QKᵀ, P·V) and backward (QKᵀ, dP, dQ, dK, dV)."""
+    """One block's GEMMs on one rank of a ring of c: forward (QKᵀ, P·V) and backward (QKᵀ, dP, dQ, dK, dV), each
+    priced whole (the ring runs its query rows a tile at a time: the same FLOPs, `context.QUERY_TILE`)."""
     n, d, heads = cfg.seq_len // (2 * ring), cfg.head_dim, b * cfg.heads // t
     scores = Gemm("ring.scores", n, n, d, heads, result_itemsize=4)
     backward = [scores, Gemm("ring.dprobs", n, n, d, heads, result_itemsize=4),
                 *(Gemm(f"ring.{name}", n, d, n, heads) for name in ("dq", "dk", "dv"))]
     return [scores, Gemm("ring.context", n, d, n, heads)], backward
+
 
 # cuDNN's flash attention on an H100 SXM5, bf16, head width 128, 2k tokens: forward 617 and backward 465 TFLOP/s of
 # the 989 peak (Shah et al. 2024, "FlashAttention-3", Figs. 5 and 6, FLOPs counted as there: the forward's two
