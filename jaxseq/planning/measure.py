@@ -181,8 +181,8 @@ class Compiler:
         return [("forward", L, "none", tensor, False) for L in (MEASURE_LAYERS, 0)]
 
     def forward_flops_per_layer(self, tensor: int) -> float:
-        fwd, zero = (_flops(self._compile(*k)) for k in self.forward_programs(tensor))
-        return fwd - zero
+        fwd, zero = (self._compile(*k) for k in self.forward_programs(tensor))
+        return _flops(fwd) - _flops(zero) + hlo.inner_loop_dot_flops(fwd.as_text(), MEASURE_LAYERS)  # a ring's tiles
 
     def _collectives(self, text: str, tensor: int) -> dict:
         """Bytes of the activation collectives of one layer (forward + backward), at the model's
