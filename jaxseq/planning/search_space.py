@@ -246,7 +246,7 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
     # ZB-H1 where the executor runs it (a pipeline, one chunk per stage, no FSDP, no K/V head repeated over tensor
     # ranks: `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here)
     zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
-    strategies = [s for s in CONTEXT_STRATEGIES if s == "all-gather" or c > 1]
+    strategies = CONTEXT_STRATEGIES if c > 1 else ("all-gather",)
     for b in r.micro_batches:
         if r.global_batch % (d * f * b):
             continue
