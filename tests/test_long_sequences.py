@@ -56,6 +56,20 @@ def test_the_counter_is_jaxs_past_2_32_elements():
         assert int(flat.max()) >= 2**32
 
 
+def test_the_counter_sums_inner_axes_in_one_word_up_to_2_32():
+    """Axes 1 and 2 of [5, 2¹⁶, 2¹⁶ − 1] span 2³² − 2¹⁶ indices: summed in the low word alone, exactly; axis 0 (whose
+    rows may lie past the global shape's: `bernoulli_rows`) adds past 2³² with its carry: numpy's 64-bit index."""
+    shape = (5, 2**16, 2**16 - 1)
+    for rows, mid, cols in (([4], [2**16 - 1], [2**16 - 2]), ([0, 1, 7], [0, 2**15, 2**16 - 1], [0, 1, 2**16 - 2])):
+        coords = {0: np.asarray(rows), 1: np.asarray(mid), 2: np.asarray(cols)}
+        size = tuple(len(c) for c in coords.values())
+        hi, lo = jax.jit(partial(O.element_index, size, global_shape=shape))(coords)
+        flat = (np.asarray(rows, np.uint64)[:, None, None] * np.uint64(shape[1] * shape[2])
+                + np.asarray(mid, np.uint64)[None, :, None] * np.uint64(shape[2]) + np.asarray(cols, np.uint64)[None, None, :])
+        np.testing.assert_array_equal(hi, flat >> np.uint64(32))
+        np.testing.assert_array_equal(lo, flat & np.uint64(0xFFFFFFFF))
+
+
 def test_bernoulli_rows_past_2_32_elements():
     """Rows 2²⁰ and 2²⁰ + 1 of a [R, 64, 1024] mask (element indices past 2³⁶): JAX's entries."""
     first, shape = 2**20, (2, 64, 1024)

@@ -252,17 +252,24 @@ def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None, caller: 
 
 def element_index(shape, coords: dict, global_shape):
     """(high, low) uint32 words of the row-major index in `global_shape` of each entry of `shape` (coords as
-    in `bernoulli_at`): the counter JAX's threefry draws element i at (`jax._src.random.prng.iota_2x32_shape`)."""
-    hi, lo, stride = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32), 1
-    for axis in range(len(shape) - 1, -1, -1):
-        if axis in coords:
-            index = jnp.asarray(coords[axis]).astype(jnp.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
-            index = jnp.broadcast_to(index, shape)
-        else:
-            index = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-        add_hi, add_lo = _mul_u64(index, stride)
-        new_lo = lo + add_lo
-        hi, lo = hi + add_hi + (new_lo < lo).astype(jnp.uint32), new_lo
+    in `bernoulli_at`): the counter JAX's threefry draws element i at (`jax._src.random.prng.iota_2x32_shape`).
+    The inner axes whose global extents multiply to under 2³² add their index × stride in the low word alone (no
+    carry can occur); each outer axis adds a 64-bit product, with its carry, and so does axis 0 always (a rank's rows
+    count past `global_shape[0]`: `bernoulli_rows`). Why: a mask is as large as the attention scores, each op of
+    its index runs once per element, and the ring compiles one mask per block; the 64-bit arithmetic on every
+    axis was most of a ring layer's compile time."""
+    along = lambda v, axis: jnp.broadcast_to(v.reshape([-1 if a == axis else 1 for a in range(len(shape))]), shape)
+    index = lambda axis: (jnp.asarray(coords[axis]) if axis in coords
+                          else jnp.arange(shape[axis])).astype(jnp.uint32).reshape(-1)
+    hi, lo = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32)
+    stride, axis = 1, len(shape) - 1
+    while axis > 0 and stride * global_shape[axis] < 2**32:
+        lo = lo + along(index(axis) * jnp.uint32(stride), axis)
+        stride, axis = stride * global_shape[axis], axis - 1
+    for axis in range(axis, -1, -1):
+        add_hi, add_lo = _mul_u64(index(axis), stride)
+        new_lo = lo + along(add_lo, axis)
+        hi, lo = hi + along(add_hi, axis) + (new_lo < lo).astype(jnp.uint32), new_lo
         stride *= global_shape[axis]
     return hi, lo
 
