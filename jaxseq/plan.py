@@ -97,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--context-sizes", default="1,2,4,8",
-                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP), each with both "
-                        "strategies (default 1,2,4,8)")
+                   help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP), each with every "
+                        "strategy of --context-strategies (default 1,2,4,8)")
+    g.add_argument("--context-strategies", default="all-gather,ring",
+                   help="context-parallel strategies to try at c > 1: all-gather, ring (default both)")
     g.add_argument("--fsdp-sizes", default="1",
                    help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
                         "(default 1: no FSDP; e.g. 1,2,4,8)")
@@ -202,7 +204,8 @@ def search_request(args) -> search_space.Request:
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
-                     search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str))
+                     search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
+                     search.parse_list(args.context_strategies, str))
 
 
 def _search(args) -> int:

@@ -231,6 +231,8 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
      "error: --autotune-results at.textproto: GEMM choices for a GPU's program; it needs --target"),
     (["--preset", "tiny", "--search", "--gpus", "8", "--global-batch", "8", "--target", "h100", "--autotune-results",
       "at.textproto"], "error: --autotune-results: a recorded file holds one step's GEMM choices; --search compiles"),
+    (["--preset", "tiny", "--search", "--gpus", "8", "--global-batch", "8", "--context-strategies", "ring,ulysses"],
+     "error: context strategy 'ulysses' is not known; valid: all-gather, ring"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

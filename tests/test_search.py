@@ -915,6 +915,11 @@ def test_context_candidates_are_valid():
     assert S.enumerate_candidates(fused, r) == S.enumerate_candidates(cfg, r)
     assert {S.run_kernels(fused, c).attention for c in cands} == {"fused", "explicit"}
     assert all((S.run_kernels(fused, c).attention == "explicit") == (c.context_strategy == "ring") for c in cands)
+    # --context-strategies ring: the ring's candidates alone (c = 1 unchanged); a strategy not known, one line
+    ring = S.enumerate_candidates(cfg, replace(r, context_strategies=("ring",)))
+    assert ring == [c for c in S.enumerate_candidates(cfg, r) if c.context == 1 or c.context_strategy == "ring"]
+    with pytest.raises(ConfigError, match="context strategy 'ulysses' is not known; valid: all-gather, ring"):
+        S.space.validate_request(cfg, replace(r, context_strategies=("ring", "ulysses")))
 
 
 @pytest.mark.slow
@@ -922,15 +927,18 @@ def test_a_fused_models_ring_layouts_are_explicit_attentions():
     """The ring computes its blocks itself whatever `--attention` says (parallel/context.py), so a fused model's
     search ranks ring layouts too, as the explicit model's (`search.run_kernels`): the same memory and step time,
     the layer compiled at c, or, where the devices do not hold c·t, scaled from the explicit c = 1 layer (the fused
-    one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring."""
+    one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring. The
+    ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled)."""
     fused = replace(preset("tiny"), dtype="bfloat16", attention="fused")
-    r = S.Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,))
+    r = S.Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,),
+                  context_strategies=("ring",))
     for devices, source in ((4, "compiled"), (2, "scaled")):
         ring = {}
         for cfg in (fused, replace(fused, attention="explicit")):
             res = S.search(cfg, r, SearchCosts(cfg, jax.devices()[:devices]), "tiny")
-            ring[cfg.attention] = {e.candidate: e for e in res.ranked if e.candidate.context_strategy == "ring"}
+            ring[cfg.attention] = {e.candidate: e for e in res.ranked}
         assert ring["fused"].keys() == ring["explicit"].keys() and len(ring["fused"]) == 4  # SP, distributed optimizer
+        assert all(c.context_strategy == "ring" for c in ring["fused"])
         for c, e in ring["fused"].items():
             assert e.memory == ring["explicit"][c].memory and e.time == ring["explicit"][c].time
             assert e.layer_source == source

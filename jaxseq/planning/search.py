@@ -767,6 +767,7 @@ def to_json(res: Result, top: int = 10) -> dict:
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
         "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes), "schedules": list(r.schedules),
+        "context_strategies": list(r.context_strategies),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
@@ -808,6 +809,6 @@ def calibrate_compute_efficiency(cfg: ModelConfig, r: Request, c: Candidate, cos
 
 def parse_list(text: str, kind=int) -> tuple:
     try:
-        return tuple(kind(x) for x in text.split(",") if x.strip())
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None

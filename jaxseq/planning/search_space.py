@@ -70,6 +70,7 @@ class Request:
     context_sizes: tuple[int, ...] = (1,)  # c to try (context parallelism: `context_candidates`)
     fsdp_sizes: tuple[int, ...] = (1,)  # F to try: the data-parallel ranks d·F of a mesh split into F FSDP ranks
     schedules: tuple[str, ...] = ("1f1b",)  # 1f1b: 1F1B and, v > 1, interleaved; zb-h1: ZB-H1 too (`SEARCH_SCHEDULES`)
+    context_strategies: tuple[str, ...] = CONTEXT_STRATEGIES  # those to try at c > 1 (Megatron-LM's --cp-comm-type)
 
     @property
     def budget_bytes(self) -> float:
@@ -105,6 +106,11 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
         if schedule not in SEARCH_SCHEDULES:
             raise ConfigError(f"schedule {schedule!r} is not searched; valid: {', '.join(SEARCH_SCHEDULES)} (1f1b "
                               "includes the interleaved schedule, v > 1)")
+    for strategy in r.context_strategies:
+        if strategy not in CONTEXT_STRATEGIES:
+            raise ConfigError(f"context strategy {strategy!r} is not known; valid: {', '.join(CONTEXT_STRATEGIES)}")
+    if not r.context_strategies:
+        raise ConfigError(f"no context strategy to try; valid: {', '.join(CONTEXT_STRATEGIES)}")
     for f in r.fsdp_sizes:
         if not isinstance(f, int) or f <= 0:
             raise ConfigError(f"fsdp size {f!r} must be a positive integer")
@@ -211,7 +217,7 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy, under a
+    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy asked, under a
     pipeline too. With fused attention the ring is explicit attention's layer (it computes its blocks itself:
     `search.run_kernels`)."""
     out = []
@@ -246,7 +252,7 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
     # ZB-H1 where the executor runs it (a pipeline, one chunk per stage, no FSDP, no K/V head repeated over tensor
     # ranks: `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here)
     zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
-    strategies = CONTEXT_STRATEGIES if c > 1 else ("all-gather",)
+    strategies = r.context_strategies if c > 1 else ("all-gather",)
     for b in r.micro_batches:
         if r.global_batch % (d * f * b):
             continue
