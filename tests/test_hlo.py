@@ -65,6 +65,38 @@ def test_the_loop_with_a_trip_count_and_its_branches():
         HLO.while_loop(comps, 4)
 
 
+NESTED = """HloModule n
+
+%tile (p: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %p = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %w = f32[8,16]{1,0} get-tuple-element(%p), index=2
+  %d = f32[4,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) get-tuple-element(%p)
+}
+
+%layer (p: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %p = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  ROOT %tiles = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%p), body=%tile, backend_config={"known_trip_count":{"n":"2"}}
+}
+
+ENTRY %main (init: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %init = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  ROOT %layers = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), body=%layer, backend_config={"known_trip_count":{"n":"2"}}
+}
+"""
+
+
+def test_a_loop_nested_in_one_of_the_same_trip_count_is_part_of_its_body():
+    """A scan of 2 query tiles inside a layer loop of 2 (the ring's, at MEASURE_LAYERS = 2) is not a second layer
+    loop, nor a second loop of that trip count; its dots run 2 × 2 times."""
+    comps = HLO.parse_hlo(NESTED)
+    assert [loop.name for loop in HLO.outer_loops(comps, 2)] == ["layers"]
+    assert HLO.while_loop(comps, 2).name == "layers"
+    assert [loop.name for loop in HLO.layer_loops(comps, 2)] == ["layers"]
+    assert HLO.program_dot_flops(NESTED) == 4 * ONE_DOT
+
+
 def test_runs_per_call_multiplies_a_loop_body_by_its_trip_count():
     runs = HLO.runs_per_call(PROGRAM)
     assert runs == {"main": 1, "body": 3, "idle": 3, "busy": 3, "matmul": 3}

@@ -125,28 +125,32 @@ class ScanLoop:
     written: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # stacked buffers it writes
 
 
+def outer_loops(comps: dict[str, list[Instr]], trip_count: int) -> list[Instr]:
+    """The `while` ops of this known trip count that no other such loop runs: a loop of the same count nested in
+    one (a ring's scan over 2 query tiles in a layer loop of 2) is part of its body, not one of them."""
+    loops = [(comp, ins) for comp, instrs in comps.items() for ins in instrs
+             if ins.opcode == "while" and ins.trip_count() == trip_count]
+    inside = {name for _, loop in loops for name in _called(comps, loop.attr("body"))}
+    return [ins for comp, ins in loops if comp not in inside]
+
+
 def layer_loops(comps: dict[str, list[Instr]], num_layers: int) -> list[ScanLoop]:
     loops = []
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode != "while":
+    for ins in outer_loops(comps, num_layers):
+        body = ins.attr("body")
+        loop = ScanLoop(ins.name, body, "transpose(" in _op_name(ins.rest))
+        root = comps[body][-1]
+        by_name = {i.name: i for i in comps[body]}
+        for elem, operand in zip(_tuple_elements(ins.shape), root.operands()):
+            dims = elem[1]
+            if not dims or dims[0] != num_layers:
                 continue
-            if ins.trip_count() != num_layers:
-                continue
-            body = ins.attr("body")
-            loop = ScanLoop(ins.name, body, "transpose(" in _op_name(ins.rest))
-            root = comps[body][-1]
-            by_name = {i.name: i for i in comps[body]}
-            for idx, (elem, operand) in enumerate(zip(_tuple_elements(ins.shape), root.operands())):
-                dt, dims = elem
-                if not dims or dims[0] != num_layers:
-                    continue
-                producer = by_name.get(operand)
-                if producer is not None and producer.opcode == "fusion-done":  # an asynchronous fusion: its start
-                    producer = by_name.get(producer.operands()[0])
-                if _writes_slice(comps, producer):
-                    loop.written.append(elem)
-            loops.append(loop)
+            producer = by_name.get(operand)
+            if producer is not None and producer.opcode == "fusion-done":  # an asynchronous fusion: its start
+                producer = by_name.get(producer.operands()[0])
+            if _writes_slice(comps, producer):
+                loop.written.append(elem)
+        loops.append(loop)
     return loops
 
 
@@ -559,9 +563,9 @@ def _fusion_bytes(instrs: list[Instr]) -> int:
 
 
 def while_loop(comps: dict[str, list[Instr]], trip_count: int) -> Instr:
-    """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop); ValueError otherwise."""
-    loops = [ins for instrs in comps.values() for ins in instrs
-             if ins.opcode == "while" and ins.trip_count() == trip_count]
+    """The one `while` whose known trip count is `trip_count` (a pipeline's tick loop; `outer_loops`); ValueError
+    otherwise."""
+    loops = outer_loops(comps, trip_count)
     if len(loops) != 1:
         raise ValueError(f"{len(loops)} while loops with trip count {trip_count} (expected exactly one)")
     return loops[0]
