@@ -1,5 +1,5 @@
 """planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
-form XLA prints them, a loop found by its trip count, how often each computation runs, the dot FLOPs a
+form XLA prints them, a loop found by its trip count (not one nested in another of that count), how often each computation runs, the dot FLOPs a
 program runs with loops counted × their trip count and a conditional at its dearest branch, and the bytes its
 kernels move."""
 
