@@ -9,8 +9,9 @@ context parallelism, and the K/V traffic per layer per strategy.
 Compiled: the loss-and-gradient program at L = 2 on c·t simulated devices at s = COMPILE_SEQ (both strategies),
 its stored bytes per layer read from the HLO (`planning.hlo`). The curve against s is the formula, which
 equals the compiled layer to the byte at every (c, strategy) compiled here (and at tiny shapes for every
-policy, tests/test_plan.py). Memory per device = state (fp32 master weights, gradients, Adam moments, the bf16
-copy; data = 1, shapes only) + stored bytes × L + the embedding/logits activations + the K/V transient at
+policy, tests/test_plan.py). Memory per device = the state at the backward's peak (`memory.State.at_peak`: fp32
+master weights, Adam moments, the bf16 copy and its gradients, not yet the float32 ones; data = 1, shapes only) +
+stored bytes × L + the embedding/logits activations + the K/V transient at
 backward's peak (`formulas.context_kv_bytes`); the step's other working memory (one layer's recompute, the
 logits' gradient) is NOT included: a floor, not the peak.
 """
@@ -52,7 +53,7 @@ def memory_floor(cfg, c: int, strategy: str) -> dict:
     """Per device, bytes (see the module docstring: no working memory beyond the K/V transient)."""
     stored = F.activation_bytes(cfg, REMAT, B, T, True, c, strategy)
     kv = F.context_kv_bytes(cfg, B, T, c, strategy)
-    state = state_bytes(cfg, T).total
+    state = state_bytes(cfg, T).at_peak
     activations = stored * cfg.layers + non_layer_activation_bytes(cfg, B, T, True, c)
     return {"stored_per_layer": stored, "state": state, "activations": activations,
             "kv_transient_backward": kv["transient_backward"], "kv_traffic_per_layer": kv["traffic"],
