@@ -36,7 +36,7 @@ def jax_counter(global_shape, index):
 
 def jax_mask(global_shape, index):
     """The entries at `index` of jax.random.bernoulli(KEY, 1 − RATE, global_shape), from JAX's counter."""
-    return np.asarray(O._uniform_below(KEY, 1.0 - RATE, *jax_counter(global_shape, index)))
+    return np.asarray(O._uniform_below(jax.random.key_data(KEY), 1.0 - RATE, *jax_counter(global_shape, index)))
 
 
 def test_the_counter_is_jaxs_past_2_32_elements():

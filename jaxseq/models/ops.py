@@ -247,7 +247,12 @@ def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None, caller: 
     attention-probability mask of s = 128k tokens (b·a·s² ≫ 2³² elements), is one global mask."""
     global_shape = tuple(shape if global_shape is None else global_shape)
     _check_threefry(key, global_shape, caller)
-    return _uniform_below(key, p, *element_index(shape, coords, global_shape))
+    # Every axis's coordinates pass an optimization barrier with the key: the counter depends on positions alone, the
+    # same in every layer, and JAX's partial evaluation of the layer scan moves what does not vary with the loop out
+    # of it, so that a ring's counters (8 bytes a score) were made for every query tile of a block at once.
+    coords = {axis: jnp.asarray(coords[axis]) if axis in coords else jnp.arange(n) for axis, n in enumerate(shape)}
+    coords, words = jax.lax.optimization_barrier((coords, jax.random.key_data(key)))
+    return _uniform_below(words, p, *element_index(shape, coords, global_shape))
 
 
 def element_index(shape, coords: dict, global_shape):
@@ -258,26 +263,33 @@ def element_index(shape, coords: dict, global_shape):
     count past `global_shape[0]`: `bernoulli_rows`). Why: a mask is as large as the attention scores, each op of
     its index runs once per element, and the ring compiles one mask per block; the 64-bit arithmetic on every
     axis was most of a ring layer's compile time."""
+    if not shape:
+        return jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32)
     along = lambda v, axis: jnp.broadcast_to(v.reshape([-1 if a == axis else 1 for a in range(len(shape))]), shape)
     index = lambda axis: (jnp.asarray(coords[axis]) if axis in coords
                           else jnp.arange(shape[axis])).astype(jnp.uint32).reshape(-1)
-    hi, lo = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32)
+    hi = lo = None  # no constant start: every word is made from the coordinates (`bernoulli_at`'s barrier)
     stride, axis = 1, len(shape) - 1
     while axis > 0 and stride * global_shape[axis] < 2**32:
-        lo = lo + along(index(axis) * jnp.uint32(stride), axis)
+        term = along(index(axis) * jnp.uint32(stride), axis)
+        lo = term if lo is None else lo + term
         stride, axis = stride * global_shape[axis], axis - 1
     for axis in range(axis, -1, -1):
-        add_hi, add_lo = _mul_u64(index(axis), stride)
-        new_lo = lo + along(add_lo, axis)
-        hi, lo = hi + along(add_hi, axis) + (new_lo < lo).astype(jnp.uint32), new_lo
+        add_hi, add_lo = (along(w, axis) for w in _mul_u64(index(axis), stride))
+        if lo is None:
+            hi, lo = add_hi, add_lo
+        else:
+            new_lo = lo + add_lo
+            carry = (new_lo < lo).astype(jnp.uint32)
+            hi, lo = (carry if hi is None else hi + carry) + add_hi, new_lo
         stride *= global_shape[axis]
     return hi, lo
 
 
-def _uniform_below(key, p: float, index_hi, index_lo):
-    """Whether the float32 uniform JAX draws at the 64-bit element index (index_hi, index_lo) is below p."""
+def _uniform_below(words, p: float, index_hi, index_lo):
+    """Whether the float32 uniform JAX draws with a threefry key's `words` (`jax.random.key_data`) at the 64-bit
+    element index (index_hi, index_lo) is below p."""
     u = lambda v: jnp.asarray(v, jnp.uint32)
-    words = jax.random.key_data(key)
     bits1, bits2 = threefry2x32_p.bind(words[0], words[1], index_hi, index_lo)
     bits = bits1 ^ bits2
     # The primitive's type drops the manual axes its inputs vary over (inside shard_map): restore them.

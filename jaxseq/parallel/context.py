@@ -235,7 +235,9 @@ class _Blocks:
         scores = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=jnp.float32) * self.scale
         if rel != DIAG:
             return scores
-        rows = row0 + jnp.arange(qh.shape[1])
+        # The rows pass an optimization barrier with the queries: the mask is the same in every layer, and JAX's
+        # partial evaluation of the layer scan moved it out of the loop, made for every query tile of the block at once.
+        rows, _ = jax.lax.optimization_barrier((row0 + jnp.arange(qh.shape[1]), qh))
         return jnp.where(rows[:, None] >= jnp.arange(self.n)[None, :], scores, -jnp.inf)
 
     def by_tiles(self, x, axis: int = 1):
