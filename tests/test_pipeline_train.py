@@ -67,7 +67,10 @@ def test_generate_and_convert_on_a_pipelined_run(runs, tmp_path):
     """`python -m jaxseq.generate` and `python -m jaxseq.convert to-hf` read the pipe=2 run directory (saved
     with the distributed optimizer, config.json saying pipe=2): the same text and the same HF tensors as
     from the same checkpoint under the pipe=1 config (its copy resumed on pipe=1), and HF tensors equal to
-    the pipe=1 reference's step-2 weights (trained without a pipeline) within f32 training noise."""
+    the pipe=1 reference's step-2 weights (trained without a pipeline) within f32 training noise: 1e-5 of each
+    tensor's largest entry, and 1e-7 at least, since the key bias's gradient is zero in exact arithmetic (softmax
+    is shift-invariant) and Adam makes its entries from rounding alone (about 1e-8 here), which two differently
+    compiled programs round differently."""
     piped, same_on_pipe1, ref = runs["piped"], os.path.join(runs["to1"], "checkpoints", "2"), \
         os.path.join(runs["ref"], "checkpoints", "2")
     assert json.load(open(os.path.join(runs["to1"], "config.json")))["parallel"]["pipe"] == 1
@@ -82,7 +85,7 @@ def test_generate_and_convert_on_a_pipelined_run(runs, tmp_path):
     for k in tensors[0]:
         np.testing.assert_array_equal(tensors[0][k], tensors[1][k], err_msg=k)
         scale = np.max(np.abs(tensors[2][k])) or 1.0
-        np.testing.assert_allclose(tensors[0][k], tensors[2][k], rtol=0, atol=1e-5 * scale, err_msg=k)
+        np.testing.assert_allclose(tensors[0][k], tensors[2][k], rtol=0, atol=max(1e-5 * scale, 1e-7), err_msg=k)
 
 
 @pytest.mark.parametrize("parallel,layers,batch,micro,message", [

@@ -199,8 +199,8 @@ def dropout(x, rate: float, key, mask_name: str, order=None, seq_axes=(1,), seq_
         keep = bernoulli_at(key, 1.0 - rate, x.shape, coords, global_shape)
     elif manual_data:
         keep = bernoulli_rows(key, 1.0 - rate, x.shape, shard.first_row(x.shape[0]))
-    else:
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    else:  # jax.random.bernoulli's mask, its counter made in the layer loop (`bernoulli_at`'s barrier)
+        keep = bernoulli_at(key, 1.0 - rate, x.shape, {})
     keep = checkpoint_name(keep, mask_name)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
@@ -249,7 +249,8 @@ def bernoulli_at(key, p: float, shape, coords: dict, global_shape=None, caller: 
     _check_threefry(key, global_shape, caller)
     # Every axis's coordinates pass an optimization barrier with the key: the counter depends on positions alone, the
     # same in every layer, and JAX's partial evaluation of the layer scan moves what does not vary with the loop out
-    # of it, so that a ring's counters (8 bytes a score) were made for every query tile of a block at once.
+    # of it, so that a ring's counters (8 bytes a score) were made for every query tile of a block at once (and
+    # jax.random.bernoulli's, the same in every layer, were held whole beside the loop).
     coords = {axis: jnp.asarray(coords[axis]) if axis in coords else jnp.arange(n) for axis, n in enumerate(shape)}
     coords, words = jax.lax.optimization_barrier((coords, jax.random.key_data(key)))
     return _uniform_below(words, p, *element_index(shape, coords, global_shape))
