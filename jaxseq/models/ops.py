@@ -264,25 +264,18 @@ def element_index(shape, coords: dict, global_shape):
     count past `global_shape[0]`: `bernoulli_rows`). Why: a mask is as large as the attention scores, each op of
     its index runs once per element, and the ring compiles one mask per block; the 64-bit arithmetic on every
     axis was most of a ring layer's compile time."""
-    if not shape:
-        return jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32)
     along = lambda v, axis: jnp.broadcast_to(v.reshape([-1 if a == axis else 1 for a in range(len(shape))]), shape)
     index = lambda axis: (jnp.asarray(coords[axis]) if axis in coords
                           else jnp.arange(shape[axis])).astype(jnp.uint32).reshape(-1)
-    hi = lo = None  # no constant start: every word is made from the coordinates (`bernoulli_at`'s barrier)
+    hi = lo = jnp.uint32(0)  # scalars: every whole-shape word is made from the coordinates (`bernoulli_at`'s barrier)
     stride, axis = 1, len(shape) - 1
     while axis > 0 and stride * global_shape[axis] < 2**32:
-        term = along(index(axis) * jnp.uint32(stride), axis)
-        lo = term if lo is None else lo + term
+        lo = lo + along(index(axis) * jnp.uint32(stride), axis)
         stride, axis = stride * global_shape[axis], axis - 1
     for axis in range(axis, -1, -1):
         add_hi, add_lo = (along(w, axis) for w in _mul_u64(index(axis), stride))
-        if lo is None:
-            hi, lo = add_hi, add_lo
-        else:
-            new_lo = lo + add_lo
-            carry = (new_lo < lo).astype(jnp.uint32)
-            hi, lo = (carry if hi is None else hi + carry) + add_hi, new_lo
+        new_lo = lo + add_lo
+        hi, lo = hi + add_hi + (new_lo < lo).astype(jnp.uint32), new_lo
         stride *= global_shape[axis]
     return hi, lo
 
