@@ -1,8 +1,9 @@
-"""ZB-H1 beside 1F1B and interleaved 1F1B on 8 simulated CPU devices (pipe=4 × tensor=2 + SP): the tick
+"""ZB-H1 (over 1 and 2 chunks per stage) beside 1F1B and interleaved 1F1B on 8 simulated CPU devices (pipe=4 ×
+tensor=2 + SP): the tick
 counts, each tick branch's dot FLOPs and the per-device memory of the compiled program, the collectives in its
 tick loop, and the lock-step step time those FLOPs imply (`Schedule.lockstep_time`).
 
-    python experiments/zero_bubble.py     # writes experiments/results/zero_bubble.{json,md} (~1 min on 2 cores)
+    python experiments/zero_bubble.py     # writes experiments/results/zero_bubble.{json,md} (~2 min on 2 cores)
     python experiments/zero_bubble.py searches  # the search with ZB-H1, asynchronous and --lockstep pricing:
                                                 # experiments/results/zero_bubble_search.md (~3 min)
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "experiments" / "results"
 
 P, T, MICRO, LAYERS = 4, 2, 2, 8
-RUNS = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+RUNS = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))
 MS = (4, 8, 16)
 
 
@@ -58,13 +59,15 @@ def searches() -> int:
                              f"{e['time_s']['total']:.3f} | {100 * e['bubble']:.1f}% |")
             print(lines[-1], flush=True)
     lines += ["", "Asynchronous pricing is Megatron's (and the calibration's): ZB-H1's bubble is Qi et al.'s "
-              "(p − 1)(F + B − W)/(m(F + B + W)). Lock-step (`--lockstep`) is jaxseq's executor: a tick costs its "
+              "(p − 1)(F + B − W)/(v·m(F + B + W)). Lock-step (`--lockstep`) is jaxseq's executor: a tick costs its "
               "slowest stage's op, so 1F1B's and interleaving's ticks cost a whole backward and ZB-H1's cost B, "
               "which at these shapes (the attention core's backward, 2/3 of the elementwise kernels, the policy's "
               "replays) is well above F and W: ZB-H1 then gains less than at the experiment's equal F, B and W. Its "
-              "memory is the other cost: the SPMD program gives every stage p W-stash slots of L/p layers, L layers' "
-              "worth of weight-matmul inputs and output gradients (GPT-3 175B, t = 8 + SP: 9.7 GB), so with "
-              "selective recompute it does not fit 80 GB where 1F1B does."]
+              "memory is the other cost: the SPMD program gives every stage p W-stash slots, each of one chunk's "
+              "L/(p·v) layers, L/v layers' worth of weight-matmul inputs and output gradients (GPT-3 175B, t = 8 + "
+              "SP: 9.7 GB with one chunk per stage, where selective recompute does not fit 80 GB; 1.6 GB over 6). "
+              "Over v chunks per stage ZB-H1 holds 1F1B's activations (interleaving's warm-up holds more) for a "
+              "third of interleaving's bubble in ticks, so the search's best ZB-H1 candidates are interleaved ones."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "zero_bubble_search.md").write_text("\n".join(lines) + "\n")
     return 0
@@ -122,12 +125,13 @@ def main() -> int:
 
 
 def report(rows) -> str:
-    lines = ["# ZB-H1 beside 1F1B and interleaved 1F1B (compiled, 8 simulated devices)", "",
+    lines = ["# ZB-H1, one and two chunks per stage, beside 1F1B and interleaved 1F1B (compiled, 8 simulated devices)", "",
              f"`python experiments/zero_bubble.py`: GPT-2 124M's shapes with {LAYERS} layers, s = 256, micro-batch "
              f"{MICRO}, pipe = {P} × tensor = {T} + SP, selective recompute, bf16. Dot FLOPs per device from XLA's "
              "compiled tick-loop branches; the lock-step time is Σ over ticks of the slowest stage's branch FLOPs "
-             "(a model: dots at one rate, nothing else), divided by the ideal m·v·(F + B + W).", "",
-             "| schedule | m | ticks (= trip count) | bubble in ticks | paper | F / B / W GFLOP per device | lock-step "
+             "(a model: dots at one rate, nothing else), divided by the ideal m·v·(F + B + W). Formula: the papers' "
+             "(p − 1)/m, (p − 1)/(v·m) interleaved, (p − 1)/(3m) for ZB-H1; ZB-H1 over v chunks: (p − 1)/(3·v·m).", "",
+             "| schedule | m | ticks (= trip count) | bubble in ticks | formula | F / B / W GFLOP per device | lock-step "
              "time / ideal | stage 0 in flight | W stash slots | step MiB per device |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -141,7 +145,10 @@ def report(rows) -> str:
               "which any stage runs a backward takes B, so their time is well above their bubble in ticks. "
               "ZB-H1's ticks each run one of F, B, W, whose costs are close, so its lock-step time stays near "
               "its bubble; the price is the W stash (p slots of each layer's weight-matmul inputs and output "
-              "gradients) in the step's memory.", ""]
+              "gradients) in the step's memory. Over v = 2 chunks per stage (PyTorch's interleaved zero bubble, "
+              "ZB1P) the ops are a chunk's, half a stage's: a third of interleaving's bubble, stage 0 holding 1F1B's "
+              "activations (p·v chunks of L/(p·v) layers, where interleaving's warm-up holds more), and a W stash of "
+              "the same p slots, each of L/(p·v) layers: half ZB-H1's.", ""]
     return "\n".join(lines)
 
 

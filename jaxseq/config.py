@@ -299,9 +299,6 @@ def resolve_schedule(name: str, virtual_stages: int) -> str:
         raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule, not gpipe")
     if name == "interleaved" and virtual_stages == 1:
         raise ConfigError("schedule=interleaved needs virtual_stages ≥ 2 (with 1 it is 1f1b)")
-    if name == "zb-h1" and virtual_stages > 1:
-        raise ConfigError(f"virtual_stages={virtual_stages}: zb-h1 runs one chunk per stage (1f1b with "
-                          "virtual_stages > 1 is the interleaved schedule)")
     return "interleaved" if name == "1f1b" and virtual_stages > 1 else name
 
 
@@ -318,9 +315,9 @@ def validate_pipeline(pipe: int, microbatches: int, virtual_stages: int = 1, sch
     if pipe > 1 and microbatches < pipe:
         raise ConfigError(f"microbatches={microbatches} is fewer than pipe={pipe} stages "
                           "(m = batch_size / micro_batch_size must be ≥ p)")
-    if name == "interleaved" and microbatches % pipe:
+    if virtual_stages > 1 and microbatches % pipe:
         raise ConfigError(f"microbatches={microbatches} is not a multiple of pipe={pipe} "
-                          "(the interleaved schedule needs m % p == 0)")
+                          f"({name} with virtual_stages={virtual_stages} needs m % p == 0)")
     return name
 
 

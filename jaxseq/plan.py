@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
                         "(the state table shows both)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved); default 1")
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved, or zb-h1 over v chunks); default 1")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
     p.add_argument("--context", type=int, default=1,
                    help="context-parallel size c: every row compiled on c × t simulated devices (default 1)")

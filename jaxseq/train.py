@@ -132,10 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Defaults of None: a flag not given keeps a resumed run's saved value (`resumed_configs`).
     a("--schedule", choices=SCHEDULES,
       help=f"pipeline schedule when the mesh has pipe > 1 (default {ParallelConfig().schedule}; with "
-           "--virtual-stages > 1: interleaved)")
+           "--virtual-stages > 1: interleaved; zb-h1 then runs over the chunks)")
     a("--virtual-stages", type=int,
-      help="chunks per pipeline stage (Megatron's interleaved schedule; layers must divide by pipe × this; "
-           "default 1)")
+      help="chunks per pipeline stage (Megatron's interleaved schedule, or zb-h1 over them; layers must divide "
+           "by pipe × this; default 1)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="split LayerNorm/dropout regions along the sequence (default on for the CPU demo)")
     a("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,

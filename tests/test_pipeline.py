@@ -168,13 +168,14 @@ def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, refer
 
 # ZB-H1: the backward split into B (input gradients) and W (the kernels' gradients, deferred); p=2 and p=4 with
 # tensor=2 + SP (data parallelism: the Llama case below).
-ZB_CASES = [("zb-h1", 2, 1, 4, 1, 2, True), ("zb-h1", 4, 1, 8, 1, 2, True)]
+ZB_CASES = [("zb-h1", 2, 1, 4, 1, 2, True), ("zb-h1", 4, 1, 8, 1, 2, True), ("zb-h1", 2, 2, 4, 2, 2, True)]
 
 
 @pytest.mark.parametrize("case,remat", [(ZB_CASES[0], REMAT), *(pytest.param(ZB_CASES[0], r, marks=pytest.mark.slow)
                                                                   for r in ("full", "dots")),
-                                        pytest.param(ZB_CASES[1], REMAT, marks=pytest.mark.slow)],
-                         ids=["t2sp-selective", "t2sp-full", "t2sp-dots", "p4-t2sp"])
+                                        pytest.param(ZB_CASES[1], REMAT, marks=pytest.mark.slow),
+                                        pytest.param(ZB_CASES[2], "full", marks=pytest.mark.slow)],
+                         ids=["t2sp-selective", "t2sp-full", "t2sp-dots", "p4-t2sp", "v2-d2-t2sp-full"])
 def test_zero_bubble_equals_unpipelined(case, remat, pipelined, params, reference):
     """Loss and every gradient (the kernels', from W, included) equal the one-device reference, dropout on.
     Pairwise over the policies: a name whitelist (selective; `lean` in the Llama test below), the whole replay

@@ -243,11 +243,12 @@ def test_bad_input_is_one_line(argv, message, capsys):
 
 
 # (schedule, v, m) at p = 2, tensor = 4 + SP (8 devices), L = 8: k = 4, 4, 2 layers per chunk (compiled with 2).
-PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4)]
+PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4), ("zb-h1", 2, 4)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, v, m", PIPELINED, ids=[c[0] for c in PIPELINED])
+@pytest.mark.parametrize("schedule, v, m", PIPELINED,
+                         ids=[c[0] + (f"-v{c[1]}" if c[0] == "zb-h1" and c[1] > 1 else "") for c in PIPELINED])
 def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v, m, small_plan):
     """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's
     in-flight count × k × the bytes the unpipelined layer stores (the plan's per-layer figure), and equals the

@@ -126,6 +126,7 @@ def test_forward_only_runs_the_forwards_in_order_with_no_stash(name, p, m, v):
 @pytest.mark.parametrize("args,message", [
     (("1f1b", 4, 2, 1, 8), "fewer than pipe=4"),
     (("interleaved", 4, 6, 2, 16), "not a multiple of pipe=4"),
+    (("zb-h1", 4, 6, 2, 16), r"not a multiple of pipe=4 \(zb-h1 with virtual_stages=2 needs m % p == 0\)"),
     (("1f1b", 2, 4, 1, 3), "layers=3 is not divisible by pipe×virtual_stages = 2×1"),
     (("interleaved", 2, 4, 2, 6), "layers=6 is not divisible by pipe×virtual_stages = 2×2"),
     (("gpipe", 2, 4, 2, 8), "needs the interleaved schedule"),

@@ -17,69 +17,101 @@ from jaxseq.planning.in_flight import compiled_in_flight
 from jaxseq.planning.measure import RowSpec
 
 SHAPES = [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+# With v chunks per stage (m a multiple of p, as interleaving needs): m = p, the smallest, and m > p.
+SHAPES_V = [(p, m, 1) for p, m in SHAPES] + [(2, 2, 2), (2, 4, 2), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3),
+                                             (8, 16, 2), (4, 16, 4)]
 
 
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_every_op_once_and_dependencies_respected(p, m):
-    sched = S.Schedule.make("zb-h1", p, m)
+@pytest.mark.parametrize("p,m,v", SHAPES_V)
+def test_every_op_once_and_dependencies_respected(p, m, v):
+    sched = S.Schedule.make("zb-h1", p, m, v)
     when = {}
     for t, row in enumerate(sched.timeline):
         for s, op in enumerate(row):
             if op is not None:
                 assert (s, op) not in when
                 when[(s, op)] = t
-    assert set(when) == {(s, S.Op(k, i, 0)) for s in range(p) for i in range(m) for k in "FBW"}
+    assert set(when) == {(s, S.Op(k, i, c)) for s in range(p) for i in range(m) for c in range(v) for k in "FBW"}
     for (s, op), t in when.items():
-        if op.kind == "F" and s > 0:
-            assert when[(s - 1, op)] < t
+        i, c = op.mb, op.chunk
+        if op.kind == "F" and (s > 0 or c > 0):
+            assert when[(s - 1, op) if s > 0 else (p - 1, S.Op("F", i, c - 1))] < t  # its input
         if op.kind == "B":
-            assert when[(s, S.Op("F", op.mb, 0))] < t
-            if s < p - 1:
-                assert when[(s + 1, op)] < t  # the input gradient of the next stage, not its W
+            assert when[(s, S.Op("F", i, c))] < t
+            if s < p - 1 or c < v - 1:  # the input gradient of the next stage (chunk), not its W
+                assert when[(s + 1, op) if s < p - 1 else (0, S.Op("B", i, c + 1))] < t
         if op.kind == "W":
-            assert when[(s, S.Op("B", op.mb, 0))] < t
+            assert when[(s, S.Op("B", i, c))] < t
 
 
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_bubble_is_a_third_of_1f1b_at_unit_costs(p, m):
-    """Qi et al.: (p − 1)/(3m) at F = B = W, from the tick table: 3m + p − 1 ticks of which p − 1 idle."""
-    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
-    assert zb.ticks == 3 * m + p - 1 and zb.idle_ticks == p - 1 and zb.busy_ticks == 3 * m
-    assert zb.bubble == pytest.approx((p - 1) / (3 * m)) == zb.paper_bubble
+@pytest.mark.parametrize("p,m,v", SHAPES_V)
+def test_bubble_is_a_third_of_1f1b_at_unit_costs(p, m, v):
+    """Qi et al.: (p − 1)/(3m) at F = B = W, from the tick table: 3m + p − 1 ticks of which p − 1 idle; with v
+    chunks 3mv + p − 1 ticks, (p − 1)/(3vm): a third of interleaved 1F1B's (p − 1)/(vm)."""
+    zb, one = S.Schedule.make("zb-h1", p, m, v), S.Schedule.make("1f1b", p, m, v)
+    assert zb.ticks == 3 * m * v + p - 1 and zb.idle_ticks == p - 1 and zb.busy_ticks == 3 * m * v
+    assert zb.bubble == pytest.approx((p - 1) / (3 * v * m)) == zb.paper_bubble
     assert zb.bubble == pytest.approx(one.bubble / 3)
 
 
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_in_flight_equals_1f1b_and_the_w_stash_is_named(p, m):
-    """Activations held between an F and its B: 1F1B's p − s on stage s. Deferred W's: s + 1, at most p; the
-    executor's one SPMD program gives every stage p W stash slots."""
-    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
-    assert [zb.in_flight(s) for s in range(p)] == [one.in_flight(s) for s in range(p)] == [p - s for s in range(p)]
-    assert zb.depths["stash"] == one.depths["stash"] == p
+@pytest.mark.parametrize("p,m,v", SHAPES_V)
+def test_in_flight_is_1f1b_s_and_the_w_stash_is_named(p, m, v):
+    """Activations held between an F and its B: 1F1B's p − s on stage s; with v chunks (v − 1)·p + p − s chunks
+    of L/(pv) layers, so stage 0 holds L layers as under 1F1B, where interleaved 1F1B's holds L·(1 + (p − 1)/(pv)).
+    Deferred W's: s + 1, at most p; the executor's one SPMD program gives every stage p W stash slots."""
+    zb, one = S.Schedule.make("zb-h1", p, m, v), S.Schedule.make("1f1b", p, m, v)
+    assert [zb.in_flight(s) for s in range(p)] == [v * p - s for s in range(p)]
+    assert zb.in_flight_layers(p * v * 4) == S.Schedule.make("1f1b", p, m).in_flight_layers(p * v * 4) == p * v * 4
+    if v == 1:
+        assert [one.in_flight(s) for s in range(p)] == [p - s for s in range(p)] and one.depths["stash"] == p
+    else:
+        assert one.in_flight(0) >= zb.in_flight(0)  # interleaved 1F1B's warm-up: 2(p − s − 1) + (v − 1)·p
+    assert zb.depths["stash"] == v * p
     assert [zb.deferred(s) for s in range(p)] == [min(s + 1, m) for s in range(p)]
     assert zb.depths["w"] == max(zb.deferred(s) for s in range(p)) and one.depths["w"] == 0
     assert all(one.deferred(s) == 0 for s in range(p))
 
 
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_lockstep_time_weighs_each_tick_by_its_slowest_op(p, m):
+@pytest.mark.parametrize("p,m,v", SHAPES_V)
+def test_lockstep_time_weighs_each_tick_by_its_slowest_op(p, m, v):
     """At F = B = W = 1 (1F1B's whole backward costs 2): 1F1B's first p ticks run forwards only and every later
     tick some stage's backward, 4m + 3p − 4 units (docs/DESIGN.md: (2m + 2(p − 1)) ticks at t_b ≈ 2t_f); ZB-H1's
-    ticks cost 1 each, 3m + p − 1."""
-    zb, one = S.Schedule.make("zb-h1", p, m), S.Schedule.make("1f1b", p, m)
-    assert one.lockstep_time(1, 1, 1) == 4 * m + 3 * p - 4
-    assert zb.lockstep_time(1, 1, 1) == 3 * m + p - 1
+    ticks cost 1 each, 3mv + p − 1."""
+    zb = S.Schedule.make("zb-h1", p, m, v)
+    assert zb.lockstep_time(1, 1, 1) == 3 * m * v + p - 1
     assert zb.lockstep_bubble(1, 1, 1) == pytest.approx(zb.bubble)
-    assert one.lockstep_bubble(1, 1, 1) == pytest.approx((4 * m + 3 * p - 4) / (3 * m) - 1)
+    if v == 1:
+        one = S.Schedule.make("1f1b", p, m)
+        assert one.lockstep_time(1, 1, 1) == 4 * m + 3 * p - 4
+        assert one.lockstep_bubble(1, 1, 1) == pytest.approx((4 * m + 3 * p - 4) / (3 * m) - 1)
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 7)])
-def test_slot_tables_pair_each_w_with_its_b(p, m):
-    sched = S.Schedule.make("zb-h1", p, m)
+def test_the_order_is_pytorchs_interleaved_zero_bubble():
+    """Each stage's F/B/W order equals PyTorch's `ScheduleInterleavedZeroBubble` (ZB1P: the same warm-up, each
+    stage's first s weight gradients deferred), v = 1…3; its op lists, built without a process group, are the
+    outside reference (torch is pinned in requirements-test.txt)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    kind = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.BACKWARD_INPUT: "B",
+            schedules._ComputationType.BACKWARD_WEIGHT: "W"}
+    for p, m, v in [(2, 2, 1), (2, 6, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3),
+                    (4, 12, 3)]:
+        theirs = object.__new__(schedules.ScheduleInterleavedZeroBubble)  # its op lists need no stages
+        theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
+        theirs.number_of_rounds = max(1, m // p)
+        theirs.microbatches_per_round = m // theirs.number_of_rounds
+        for s in range(p):
+            ops = [S.Op(kind[a.computation_type], a.microbatch_index, a.stage_index // p)
+                   for a in theirs._calculate_single_rank_operations(s) if a is not None]
+            assert S.Schedule.make("zb-h1", p, m, v).order(s) == ops, (p, m, v, s)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 1), (4, 8, 1), (3, 7, 1), (4, 8, 2)])
+def test_slot_tables_pair_each_w_with_its_b(p, m, v):
+    sched = S.Schedule.make("zb-h1", p, m, v)
     tab, written = sched.tables, {}
     for t in range(sched.ticks):
         for s in range(p):
-            key = (s, int(tab["mb"][t, s]))
+            key = (s, int(tab["mb"][t, s]), int(tab["chunk"][t, s]))
             if tab["kind"][t, s] == S.BACKWARD:
                 assert 0 <= tab["w_slot"][t, s] < sched.depths["w"]
                 assert tab["w_slot"][t, s] not in {v for k, v in written.items() if k[0] == s}  # a free slot
@@ -106,7 +138,6 @@ def test_cli_prints_the_timeline_the_bubble_and_the_w_stash(capsys):
 
 
 @pytest.mark.parametrize("parallel,model,message", [
-    (dict(pipe=2, schedule="zb-h1", virtual_stages=2), "tiny", "virtual_stages=2: zb-h1 runs one chunk per stage"),
     (dict(pipe=2, data=2, fsdp=2, schedule="zb-h1"), "tiny", "schedule=zb-h1 with fsdp=2 is not supported"),
     (dict(pipe=2, tensor=4, schedule="zb-h1"), "tiny-llama", "tensor=4 > kv_heads=2 is not supported"),
 ])

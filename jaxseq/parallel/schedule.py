@@ -11,14 +11,15 @@ assignment; with v = 1 stage s holds the s-th block of L/p layers).
   Interleaved 1F1B: Megatron-LM's `forward_backward_pipelining_with_interleaving` op order. ZB-H1 (Qi et al.,
   Zero Bubble Pipeline Parallelism, 2024): 1F1B's order with each B followed by its W, except that stage s
   defers its first s W's to the end, where 1F1B's cool-down would idle; stage s then holds at most p − s
-  micro-batches' activations, as 1F1B, plus at most s + 1 deferred W's inputs (`deferred`).
+  micro-batches' activations, as 1F1B, plus at most s + 1 deferred W's inputs (`deferred`). Over v chunks per
+  stage, the same rule in the interleaved numbering (PyTorch's `ScheduleInterleavedZeroBubble`).
 - `tick_table`: the lock-step timeline the executor runs, one op (or idle) per stage per tick. Each stage
   runs its next op as soon as what it depends on ran at an earlier tick (an activation or gradient
   computed at tick t is sent between ticks t and t + 1). For 1F1B and interleaved that takes
   2mv + 2(p − 1) ticks, so the idle share equals the paper's bubble (p − 1)/m, (p − 1)/(v·m); ZB-H1 takes
-  3m + p − 1 ticks, a bubble of (p − 1)/(3m) at F = B = W. `lockstep_time` weighs the ticks by what each op
-  costs: a tick takes its slowest stage's op, so 1F1B's ticks, where some stage runs a whole backward,
-  cost B + W, while ZB-H1's cost one of F, B, W.
+  3mv + p − 1 ticks, a bubble of (p − 1)/(3·v·m) at F = B = W ((p − 1)/(3m) with one chunk, the paper's).
+  `lockstep_time` weighs the ticks by what each op costs: a tick takes its slowest stage's op, so 1F1B's
+  ticks, where some stage runs a whole backward, cost B + W, while ZB-H1's cost one of F, B, W.
 - Buffer slots: the executor keeps each F's residuals in a stash slot until its B, and each received
   activation / gradient in a receive slot until it is consumed; slots are assigned here, lowest free first,
   so the buffers' depths are the schedule's true in-flight counts.
@@ -66,36 +67,42 @@ def stage_order(schedule: str, p: int, m: int, v: int, s: int) -> list[Op]:
             ops += [Op("F", warmup + i, 0), Op("B", i, 0)]
         return ops + [Op("B", i, 0) for i in range(m - warmup, m)]
     if schedule == "zb-h1":
-        return _zb_h1_order(p, m, s)
-    # Megatron-LM's interleaved order: virtual micro-batch k runs chunk (k mod pv) // p of micro-batch
-    # (k // pv)·p + k mod p going forward; backward visits the chunks in reverse.
+        return _zb_h1_order(p, m, v, s)
+    # Megatron-LM's interleaved order: after its warm-up forwards, a stage alternates F and B.
     total = m * v
-
-    def forward(k):
-        return Op("F", (k // (p * v)) * p + k % p, (k % (p * v)) // p)
-
-    def backward(k):
-        return Op("B", (k // (p * v)) * p + k % p, v - 1 - (k % (p * v)) // p)
-
     warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+    forward, backward = _interleaved_ops(p, v)
     ops = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
         ops += [forward(warmup + k), backward(k)]
     return ops + [backward(k) for k in range(total - warmup, total)]
 
 
-def _zb_h1_order(p: int, m: int, s: int) -> list[Op]:
+def _interleaved_ops(p: int, v: int):
+    """Megatron-LM's interleaved numbering: virtual micro-batch k runs chunk (k mod pv) // p of micro-batch
+    (k // pv)·p + k mod p going forward; backward visits the chunks in reverse. With v = 1, micro-batch k."""
+    forward = lambda k: Op("F", (k // (p * v)) * p + k % p, (k % (p * v)) // p)
+    backward = lambda k: Op("B", (k // (p * v)) * p + k % p, v - 1 - (k % (p * v)) // p)
+    return forward, backward
+
+
+def _zb_h1_order(p: int, m: int, v: int, s: int) -> list[Op]:
     """ZB-H1: 1F1B's F and B order, each B followed by its W, but stage s's first s W's wait until after its
-    last B (the last stages' B's then reach stage 0 one tick apart, and the W's fill 1F1B's cool-down)."""
-    warmup = min(p - s - 1, m)
-    ops, weights = [Op("F", i, 0) for i in range(warmup)], iter(range(m))
-    for i in range(m - warmup):
-        ops += [Op("F", warmup + i, 0), Op("B", i, 0)]
-        if i >= s:
-            ops.append(Op("W", next(weights), 0))
-    for i in range(m - warmup, m):
-        ops += [Op("B", i, 0), Op("W", next(weights), 0)]
-    return ops + [Op("W", i, 0) for i in weights]
+    last B (the last stages' B's then reach stage 0 one tick apart, and the W's fill 1F1B's cool-down).
+    With v chunks per stage, the same over the interleaved numbering after (p − s − 1) + (v − 1)·p warm-up
+    forwards (interleaved 1F1B warms up with 2(p − s − 1) + (v − 1)·p: there a B follows each F at once, here
+    a W between them gives the gradients time to return): PyTorch's `ScheduleInterleavedZeroBubble` (ZB1P)."""
+    total = m * v
+    warmup = min(p - s - 1 + (v - 1) * p, total)
+    forward, backward = _interleaved_ops(p, v)
+    ops, deferred = [forward(k) for k in range(warmup)], []
+    for k in range(total):
+        b = backward(k)
+        ops += ([forward(warmup + k)] if warmup + k < total else []) + [b]
+        deferred.append(Op("W", b.mb, b.chunk))
+        if len(deferred) > s:
+            ops.append(deferred.pop(0))
+    return ops + deferred
 
 
 def lockstep_ticks(p: int, m: int, v: int) -> int:
@@ -105,9 +112,9 @@ def lockstep_ticks(p: int, m: int, v: int) -> int:
 
 def paper_bubble(schedule: str, p: int, m: int, v: int) -> float:
     """Narayanan et al.: bubble time relative to the ideal time, (p − 1)/m; (p − 1)/(v·m) interleaved. Qi et al.:
-    (p − 1)/(3m) for ZB-H1 at F = B = W."""
+    (p − 1)/(3m) for ZB-H1 at F = B = W; with v chunks, (p − 1)/(3·v·m) (its 3mv + p − 1 ticks)."""
     if schedule == "zb-h1":
-        return (p - 1) / (3 * m)
+        return (p - 1) / (3 * v * m)
     return (p - 1) / (v * m) if schedule == "interleaved" else (p - 1) / m
 
 
@@ -345,9 +352,10 @@ class Schedule:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        formula, ticks = {"interleaved": ("(p−1)/(v·m)", "2mv + 2(p−1)"), "zb-h1": ("(p−1)/(3m)", "3m + p − 1")}.get(
+        zb = ("(p−1)/(3·v·m)", "3mv + p − 1") if self.v > 1 else ("(p−1)/(3m)", "3m + p − 1")
+        formula, ticks = {"interleaved": ("(p−1)/(v·m)", "2mv + 2(p−1)"), "zb-h1": zb}.get(
             self.name, ("(p−1)/m", "2mv + 2(p−1)"))
-        expected = 3 * self.m + self.p - 1 if self.split_backward else lockstep_ticks(self.p, self.m, self.v)
+        expected = 3 * self.m * self.v + self.p - 1 if self.split_backward else lockstep_ticks(self.p, self.m, self.v)
         lines = [f"{self.name}: p={self.p} stages, v={self.v} chunk(s) per stage, m={self.m} micro-batches",
                  f"ticks {self.ticks} (lock-step {ticks} = {expected}), busy {self.busy_ticks} and idle "
                  f"{self.idle_ticks} per stage",

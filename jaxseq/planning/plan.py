@@ -374,7 +374,7 @@ def _schedule_figures(cfg: ModelConfig, pipeline: int, schedule: str, virtual_st
 
 
 def _deferred_layers(cfg: ModelConfig, pipeline: int, schedule: str, virtual_stages: int, microbatches: int) -> int:
-    """Layers' worth of W stash every stage allocates under zb-h1 (its slots × L/p layers); 0 otherwise."""
+    """Layers' worth of W stash every stage allocates under zb-h1 (its slots × L/(p·v) layers); 0 otherwise."""
     if pipeline == 1 or schedule != "zb-h1":
         return 0
     sched = Schedule.make(schedule, pipeline, microbatches, virtual_stages, cfg.layers)

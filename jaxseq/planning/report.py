@@ -191,7 +191,7 @@ def format_in_flight(p: Plan) -> list[str]:
     unit, u = _unit(f.compiled_stash_bytes, BYTES_MODEL)
     big, bu = _unit(f.stash_bytes, BYTES_MODEL)
     layer, lu = _unit(row.measured_bytes_per_layer, BYTES_LAYER)
-    formula = {"interleaved": "(p−1)/(v·m)", "zb-h1": "(p−1)/(3m)"}.get(p.schedule, "(p−1)/m")
+    formula = {"interleaved": "(p−1)/(v·m)", "zb-h1": "(p−1)/(3·v·m)" if v > 1 else "(p−1)/(3m)"}.get(p.schedule, "(p−1)/m")
     deferred = []
     if f.w_slots:
         w, wu = _unit(f.compiled_w_stash_bytes, BYTES_MODEL)

@@ -167,11 +167,12 @@ def schedule_figures(c: Candidate, layers: int) -> tuple[int, float]:
 
 
 def deferred_stash_bytes(cfg: ModelConfig, c: Candidate) -> float:
-    """ZB-H1's W stash on every stage: its slots × L/p layers × `formulas.deferred_stash_bytes`; 0 otherwise."""
+    """ZB-H1's W stash on every stage: its slots × L/(p·v) layers × `formulas.deferred_stash_bytes`; 0 otherwise."""
     if not c.zero_bubble:
         return 0.0
     slots = pipeline_schedule(c).depths["w"]
-    return slots * (cfg.layers // c.pipe) * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel)
+    return (slots * (cfg.layers // (c.pipe * c.virtual))
+            * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel))
 
 
 def zero_bubble_gather_bytes(cfg: ModelConfig, c: Candidate) -> float:
@@ -185,10 +186,11 @@ def zero_bubble_gather_bytes(cfg: ModelConfig, c: Candidate) -> float:
 
 def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
     """ZB-H1's bubble in time, Qi et al.'s (p − 1)(T_F + T_B − T_W) over m(T_F + T_B + T_W), at a layer's split
-    kernel times (`kernel_time.split_layer_seconds`): the same asynchronous model as 1F1B's (p − 1)/m."""
+    kernel times (`kernel_time.split_layer_seconds`): the same asynchronous model as 1F1B's (p − 1)/m; with v
+    chunks per stage each op is a chunk's, 1/v of a stage's layers, and the bubble 1/v of it, as interleaving's."""
     f, b, w = K.split_layer_seconds(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw,
                                     tm.compute_efficiency, tm.memory_efficiency, ring_size(c))
-    return (c.pipe - 1) * (f + b - w) / (c.microbatches * (f + b + w))
+    return (c.pipe - 1) * (f + b - w) / (c.virtual * c.microbatches * (f + b + w))
 
 
 @dataclass(frozen=True)
@@ -634,13 +636,19 @@ FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's 
              "memory: the state over f plus one layer's gathered weights and gradient (memory.fsdp_gathered_bytes)")
 
 
-ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (one chunk per stage, the backward split into B and W; searched at c = 1, "
-                    "without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/(m(T_F + T_B + T_W)) "
-                    "at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + the W stash (p slots of "
-                    "L/p layers' weight-matmul inputs and output gradients: formulas.deferred_stash_bytes), TP + the two "
+ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (the backward split into B and W; v = 2z: over 2 chunks per stage, interleaved; "
+                    "searched at c = 1, without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/"
+                    "(v·m(T_F + T_B + T_W)) at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + "
+                    "the W stash (p slots of L/(p·v) layers' weight-matmul inputs and output gradients: "
+                    "formulas.deferred_stash_bytes; stage 0's activations L layers, 1F1B's), TP + the two "
                     "[b, s, h] all-gathers per layer W adds under SP; both "
                     "schedules priced as Megatron's asynchronous stages run them, where jaxseq's lock-step executor "
                     "gains more from ZB-H1 (docs/parallelism.md)")
+
+
+def _v_cell(c: Candidate) -> str:
+    """The v column: chunks per stage; zb: ZB-H1, 2z: ZB-H1 over 2 chunks per stage."""
+    return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
 
 
 def format_result(res: Result, top: int = 10) -> str:
@@ -680,7 +688,7 @@ def format_result(res: Result, top: int = 10) -> str:
         step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
         step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
         lines.append(
-            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {'zb' if c.zero_bubble else c.virtual:>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
+            f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {_v_cell(c):>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"

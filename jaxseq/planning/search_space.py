@@ -134,7 +134,7 @@ class Candidate:
     context: int = 1  # c: G = t·p·d·c·f
     context_strategy: str = "all-gather"
     fsdp: int = 1  # f: FSDP ranks, which split the batch's rows as data ranks do and every weight's state
-    zero_bubble: bool = False  # ZB-H1 (v = 1): the backward split into B and W (`parallel.schedule`)
+    zero_bubble: bool = False  # ZB-H1 (over v chunks per stage): the backward split into B and W (`parallel.schedule`)
 
     @property
     def schedule(self) -> str:
@@ -249,8 +249,8 @@ def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, ranks:
 def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, f: int, sps) -> list[Candidate]:
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
-    # ZB-H1 where the executor runs it (a pipeline, one chunk per stage, no FSDP, no K/V head repeated over tensor
-    # ranks: `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here)
+    # ZB-H1 where the executor runs it (a pipeline, no FSDP, no K/V head repeated over tensor ranks:
+    # `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here), with every v
     zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
     strategies = r.context_strategies if c > 1 else ("all-gather",)
     for b in r.micro_batches:
@@ -267,6 +267,6 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
                     for sp in sps:
                         for dist in ((False, True) if d * c > 1 else (False,)):
                             out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f))
-                            if v == 1 and zero_bubble:
+                            if zero_bubble:
                                 out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f, True))
     return out
