@@ -570,16 +570,17 @@ def test_fsdp_time_and_memory_are_the_hand_computation():
 
 
 def test_zero_bubble_candidates_where_the_executor_runs_them():
-    """--schedules 1f1b,zb-h1: each 1F1B and interleaved candidate (p > 1, c = 1, f = 1) once more as ZB-H1 over
-    its v chunks, nothing else changes; the default enumerates none."""
-    assert not any(c.zero_bubble for c in S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2))))
-    found = S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2), schedules=("1f1b", "zb-h1")))
+    """--schedules 1f1b,zb-h1: each 1F1B and interleaved candidate (p > 1, f = 1) once more as ZB-H1 over its v
+    chunks, at every context size, nothing else changes; the default enumerates none."""
+    space = dict(fsdp_sizes=(1, 2), context_sizes=(1, 2))
+    assert not any(c.zero_bubble for c in S.enumerate_candidates(CFG, request(**space)))
+    found = S.enumerate_candidates(CFG, request(**space, schedules=("1f1b", "zb-h1")))
     zb = [c for c in found if c.zero_bubble]
     assert {replace(c, zero_bubble=False) for c in zb} == {
-        c for c in found if not c.zero_bubble and c.pipe > 1 and c.context == 1 and c.fsdp == 1}
-    assert {c.virtual for c in zb} == {1, 2}
+        c for c in found if not c.zero_bubble and c.pipe > 1 and c.fsdp == 1}
+    assert {c.virtual for c in zb} == {1, 2} and {c.context for c in zb} == {1, 2}
     assert zb and all(c.schedule == "zb-h1" for c in zb)
-    assert set(found) - set(zb) == set(S.enumerate_candidates(CFG, request(fsdp_sizes=(1, 2))))
+    assert set(found) - set(zb) == set(S.enumerate_candidates(CFG, request(**space)))
     with pytest.raises(ConfigError, match="schedule 'gpipe' is not searched; valid: 1f1b, zb-h1"):
         S.space.validate_request(CFG, request(schedules=("gpipe",)))
 
@@ -739,6 +740,7 @@ PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data r
     S.Candidate(2, 2, 1, 2, 1, "selective", True, False, 4, zero_bubble=True),
     S.Candidate(1, 4, 1, 2, 1, "selective", False, True, 4, zero_bubble=True),
     S.Candidate(2, 2, 2, 2, 1, "selective", True, False, 4, zero_bubble=True),  # over 2 chunks per stage
+    S.Candidate(2, 2, 1, 1, 1, "selective", True, False, 4, 2, "all-gather", zero_bubble=True),  # its stash / c
     # context 2 under a pipeline, the layer compiled at c (within 1.1% for either strategy, 1F1B or interleaved)
     S.Candidate(2, 2, 1, 1, 1, "selective", True, True, 4, 2, "all-gather"),
     S.Candidate(2, 2, 2, 1, 1, "selective", True, False, 4, 2, "ring"),

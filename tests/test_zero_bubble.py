@@ -188,13 +188,16 @@ def test_an_f_stashes_what_it_stashes_under_1f1b_for_every_policy(family, polici
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tensor,sp", [("tiny", 2, True), ("tiny-llama", 2, False)])
-def test_the_w_stash_formula_is_the_compiled_carry(family, tensor, sp, devices):
+@pytest.mark.parametrize("family,tensor,sp,context", [("tiny", 2, True, 1), ("tiny-llama", 2, False, 1),
+                                                      ("tiny", 2, True, 2)])
+def test_the_w_stash_formula_is_the_compiled_carry(family, tensor, sp, context, devices):
     """`formulas.deferred_stash_bytes`, which the plan adds to each row, against the W stash buffers of the
-    compiled pipelined step's tick loop (per device, with and without SP; Llama's Q and K/V share one input)."""
+    compiled pipelined step's tick loop (per device, with and without SP; Llama's Q and K/V share one input; at
+    context 2 a rank's s/2 tokens)."""
     cfg = replace(STASH_CFG[family], hidden=64, seq_len=32)
-    f = compiled_in_flight(cfg, RowSpec("row", "selective", sp, tensor, None), 2, devices, "zb-h1", 2, 1, 4)
+    f = compiled_in_flight(cfg, RowSpec("row", "selective", sp, tensor, None), 2, devices, "zb-h1", 2, 1, 4,
+                           context, "all-gather")
     assert f.w_slots == 2
     per_layer = f.compiled_w_stash_bytes / (f.w_slots * f.compiled_layers_per_chunk)
-    assert per_layer == formulas.deferred_stash_bytes(cfg, 2, tensor, sp)
+    assert per_layer == formulas.deferred_stash_bytes(cfg, 2, tensor, sp, context)
     assert f.w_stash_bytes == f.compiled_w_stash_bytes * f.layers_per_chunk // f.compiled_layers_per_chunk

@@ -214,13 +214,14 @@ def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
             "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
 
 
-def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool) -> float:
+def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, context: int = 1) -> float:
     """Bytes per device one layer keeps from its B to its W under zb-h1 (`deferred`): each weight matmul's
     input and output gradient, in the compute dtype. Column-parallel (QKV, MLP up): the input as the layer
     stores it (sequence-split under SP, W gathers it again) and the output gradient split over t; row-parallel
     (projection, MLP down): the input split over t and the output gradient as it arrives (sequence-split under
-    SP, whole without: the gradient of the partial sums)."""
-    s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
+    SP, whole without: the gradient of the partial sums). Under context parallelism every weight matmul runs on
+    the rank's s/c tokens (K and V are gathered or passed after their projection), so all of it is / c."""
+    s, h, w, f, d = cfg.seq_len // context, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     up = family(cfg).TRAITS.mlp_up_widths * f
     stream = b * s * h / (t if sequence_parallel else 1)  # a [b, s, h] tensor as SP stores it
     elements = (stream + b * s * (w + 2 * cfg.num_kv_heads * d) / t  # QKV (Llama: Q and K/V, one input)

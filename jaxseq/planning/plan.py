@@ -398,7 +398,7 @@ def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_fli
     `deferred_layers` layers' W stash too."""
     b = micro_batch
     formula = formula_bytes_per_layer(cfg, c, b, context, strategy)
-    deferred = deferred_layers * formulas.deferred_stash_bytes(cfg, b, c.tensor, c.sequence_parallel)
+    deferred = deferred_layers * formulas.deferred_stash_bytes(cfg, b, c.tensor, c.sequence_parallel, context)
     activations = deferred + activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
                                               non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
     return Row(

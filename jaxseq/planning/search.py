@@ -172,16 +172,18 @@ def deferred_stash_bytes(cfg: ModelConfig, c: Candidate) -> float:
         return 0.0
     slots = pipeline_schedule(c).depths["w"]
     return (slots * (cfg.layers // (c.pipe * c.virtual))
-            * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel))
+            * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.context))
 
 
 def zero_bubble_gather_bytes(cfg: ModelConfig, c: Candidate) -> float:
     """The TP traffic ZB-H1 adds per layer and micro-batch: under SP its W stash keeps the row-parallel matmuls'
     output gradients sequence-split, so W all-gathers them again ([b, s, h] each, two per layer; the compiled
-    step's W branch holds four all-gathers per layer where 1F1B's backward has two fewer)."""
+    step's W branch holds four all-gathers per layer where 1F1B's backward has two fewer); a context rank's s/c
+    tokens."""
     if not (c.zero_bubble and c.sequence_parallel and c.tensor > 1):
         return 0.0
-    return 2 * ring_traffic("all-gather", c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize, c.tensor)
+    tokens = c.micro_batch * cfg.seq_len // c.context
+    return 2 * ring_traffic("all-gather", tokens * cfg.hidden * cfg.itemsize, c.tensor)
 
 
 def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
@@ -637,7 +639,7 @@ FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's 
 
 
 ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (the backward split into B and W; v = 2z: over 2 chunks per stage, interleaved; "
-                    "searched at c = 1, without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/"
+                    "searched without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/"
                     "(v·m(T_F + T_B + T_W)) at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + "
                     "the W stash (p slots of L/(p·v) layers' weight-matmul inputs and output gradients: "
                     "formulas.deferred_stash_bytes; stage 0's activations L layers, 1F1B's), TP + the two "

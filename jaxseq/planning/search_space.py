@@ -250,8 +250,8 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
     # ZB-H1 where the executor runs it (a pipeline, no FSDP, no K/V head repeated over tensor ranks:
-    # `config.validate_zero_bubble`), at c = 1 (its W stash is not scaled to s/c tokens here), with every v
-    zero_bubble = "zb-h1" in r.schedules and p > 1 and c == 1 and f == 1 and t <= cfg.num_kv_heads
+    # `config.validate_zero_bubble`), with every v and context size
+    zero_bubble = "zb-h1" in r.schedules and p > 1 and f == 1 and t <= cfg.num_kv_heads
     strategies = r.context_strategies if c > 1 else ("all-gather",)
     for b in r.micro_batches:
         if r.global_batch % (d * f * b):
