@@ -110,6 +110,26 @@ def test_fsdp_compiles_for_eight_h100s_gathering_bf16_and_reducing_float32():
     assert {d for r in over_fsdp for d in r.dtypes} == {"f32"}, over_fsdp
 
 
+def test_the_distributed_optimizer_gathers_the_compute_copy_not_the_float32_masters():
+    """data=4 × tensor=2 + SP, bf16, the distributed optimizer, compiled for eight H100s: every weight's all-gather
+    over data moves the bf16 compute copy, each rank's master shard cast before it is gathered (Megatron's 2 bytes
+    a parameter); only the parameters that stay float32 (the norms') are gathered in float32. Left to the
+    partitioner the masters were gathered in float32 and cast after, twice the bytes."""
+    import numpy as np
+
+    from jaxseq.models import model as M
+
+    parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=True)
+    cfg = replace(preset("tiny"), dtype="bfloat16", dropout=0.0)
+    gathers = hlo.all_gathers(G.compile_step(cfg, parallel, "selective", 2, 1, "h100").as_text(), 4)
+    shapes = jax.tree.leaves(M.param_shapes(cfg, 2), is_leaf=lambda x: isinstance(x, tuple))
+    size = lambda dims: int(np.prod(dims))
+    largest_float32 = max(size(d) for d, cast in zip(shapes, jax.tree.leaves(M.cast_mask(cfg))) if not cast)
+    assert largest_float32 < min(size(d) for d in shapes if len(d) > 2)  # the norms' against any kernel's
+    assert max(size(g.dims) for g in gathers if g.dtype == "bf16") >= max(size(d) for d in shapes) // 2
+    assert max(size(g.dims) for g in gathers if g.dtype != "bf16") <= largest_float32, gathers
+
+
 def test_fsdps_layer_loops_carry_its_weight_and_gradient_stacks_as_they_are():
     """XLA:GPU lays out a collective's own dimension major. Gathering in place a weight split along a minor dimension
     (the MLP's output [f, h], the attention's output [heads, d, h]) made the layer loops carry those float32 master and

@@ -126,9 +126,13 @@ def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
 
     def gradients(params, batch, key):
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
-        # distributed optimizer): a gather inside a pipeline tick's branch would deadlock. Under FSDP they enter
-        # float32, split over `fsdp`: each layer casts its shard and gathers it (`parallel.fsdp.gather`).
-        weights = params if layout.parallel.fsdp > 1 else M.cast_params(params, layout.model)
+        # distributed optimizer): a gather inside a pipeline tick's branch would deadlock. The cast is pinned to
+        # the master weights' shards, so that what is gathered is the compute copy: left to the partitioner, it
+        # gathered the float32 masters and cast after (twice the bytes over `data`, on XLA:CPU and XLA:GPU alike).
+        # Under FSDP they enter float32, split over `fsdp`: each layer casts its shard and gathers it
+        # (`parallel.fsdp.gather`).
+        weights = params if layout.parallel.fsdp > 1 else constrain(M.cast_params(params, layout.model),
+                                                                    layout.master_shardings)
         loss, grads = loss_and_grad(constrain(weights, layout.param_shardings), batch, key, layout=layout,
                                     remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
