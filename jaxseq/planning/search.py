@@ -265,11 +265,12 @@ class Memory:
     fsdp_gathered_bytes: float = 0.0  # FSDP: one layer's (or embedding table's) gathered weights and gradient
     deferred_stash_bytes: float = 0.0  # ZB-H1: of the activations, the W stash (`deferred_stash_bytes`)
     after_loop_bytes: float = 0.0  # the state after the backward layer loop (`StateCost.after_loop_bytes`)
+    held_copy_bytes: float = 0.0  # accumulating: the tables' compute copy beside their gradients (`accumulation_held_copy_bytes`)
 
     @property
     def total_bytes(self) -> float:
         return peak_bytes(self.state_bytes, self.activation_bytes, self.working_bytes + self.fsdp_gathered_bytes,
-                          self.accumulator_bytes, self.after_loop_bytes) + self.executor.total_bytes
+                          self.accumulator_bytes + self.held_copy_bytes, self.after_loop_bytes) + self.executor.total_bytes
 
 
 def at_context(cfg: ModelConfig, c: Candidate, layer: LayerCost) -> LayerCost:
@@ -303,10 +304,28 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
     activations += deferred_stash_bytes(cfg, c)  # ZB-H1's W stash
     # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data (under
     # FSDP each micro-batch's gradients are reduce-scattered over fsdp at once: the sum is of the shards)
-    accumulator = state.gradients if c.pipe == 1 and c.microbatches > 1 else 0.0
+    accumulating = c.pipe == 1 and c.microbatches > 1
+    accumulator = state.gradients if accumulating else 0.0
+    held_copy = accumulation_held_copy_bytes(cfg, c, state) if accumulating else 0.0
     executor = executor_buffers(cfg, c, layer, state) if c.pipe > 1 else NO_EXECUTOR
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor,
-                  state.fsdp_gathered_bytes, deferred_stash_bytes(cfg, c), state.after_loop_bytes)
+                  state.fsdp_gathered_bytes, deferred_stash_bytes(cfg, c), state.after_loop_bytes, held_copy)
+
+
+def accumulation_held_copy_bytes(cfg: ModelConfig, c: Candidate, state: StateCost) -> float:
+    """What a step over m > 1 micro-batches holds that the one-micro-batch layer program's working memory gives back:
+    the compute copy of the weights outside the layers (the embedding and LM head tables). In one micro-batch's step
+    XLA frees that copy at its last use and makes the tables' gradients in its place; accumulating, the copy is made
+    once before the micro-batch loop and lives beside every micro-batch's gradients (read from the H100 programs'
+    buffer assignments: gpt3-1.3b's bf16 table, 196 MiB, beside its gradient at 2, 4 and 8 layers;
+    experiments/search_memory.py). Where the step peaks at the head instead (one rank's logits of a large vocabulary
+    over a long sequence: Llama 3 8B at t = 1, s = 8192), the copy was live there already and this counts it twice
+    (the parts then 4.9% above the compiled step). The cast copy only: a float32 step computes on its masters (on
+    their gathered copy under the distributed optimizer, which XLA:CPU's programs free as before). Under FSDP the
+    tables are gathered at each use: none."""
+    if c.fsdp > 1 or cfg.dtype == "float32":
+        return 0.0
+    return state.weight_copy_bytes - state.layer_copy_bytes
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -512,7 +531,8 @@ class Evaluated:
                                "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
                                "w_stash": mem.deferred_stash_bytes / GIB,
                                "fsdp_gathered": mem.fsdp_gathered_bytes / GIB,
-                               "accumulator": mem.accumulator_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
+                               "accumulator": mem.accumulator_bytes / GIB,
+                               "accumulation_held_copy": mem.held_copy_bytes / GIB, "in_flight_layers": mem.in_flight_layers,
                                "pipeline_executor": {k: v / GIB for k, v in asdict(mem.executor).items()}},
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
