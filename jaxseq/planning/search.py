@@ -320,7 +320,8 @@ def accumulation_held_copy_bytes(cfg: ModelConfig, c: Candidate, state: StateCos
     buffer assignments: gpt3-1.3b's bf16 table, 196 MiB, beside its gradient at 2, 4 and 8 layers;
     experiments/search_memory.py). Where the step peaks at the head instead (one rank's logits of a large vocabulary
     over a long sequence: Llama 3 8B at t = 1, s = 8192), the copy was live there already and this counts it twice
-    (the parts then 4.9% above the compiled step). The cast copy only: a float32 step computes on its masters (on
+    (the parts then 4.8% above the compiled step). How much of it a step holds is XLA's choice: jax 0.12's XLA:GPU
+    holds about half (docs/planning.md). The cast copy only: a float32 step computes on its masters (on
     their gathered copy under the distributed optimizer, which XLA:CPU's programs free as before). Under FSDP the
     tables are gathered at each use: none."""
     if c.fsdp > 1 or cfg.dtype == "float32":
