@@ -110,6 +110,13 @@ def lockstep_ticks(p: int, m: int, v: int) -> int:
     return 2 * m * v + 2 * (p - 1)
 
 
+def paper_bubble_formula(schedule: str, v: int) -> str:
+    """`paper_bubble` as printed: the formula of the schedule the executor runs at v chunks per stage."""
+    if schedule == "zb-h1":
+        return "(p−1)/(3·v·m)" if v > 1 else "(p−1)/(3m)"
+    return "(p−1)/(v·m)" if schedule == "interleaved" else "(p−1)/m"
+
+
 def paper_bubble(schedule: str, p: int, m: int, v: int) -> float:
     """Narayanan et al.: bubble time relative to the ideal time, (p − 1)/m; (p − 1)/(v·m) interleaved. Qi et al.:
     (p − 1)/(3m) for ZB-H1 at F = B = W; with v chunks, (p − 1)/(3·v·m) (its 3mv + p − 1 ticks)."""
@@ -352,9 +359,8 @@ class Schedule:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        zb = ("(p−1)/(3·v·m)", "3mv + p − 1") if self.v > 1 else ("(p−1)/(3m)", "3m + p − 1")
-        formula, ticks = {"interleaved": ("(p−1)/(v·m)", "2mv + 2(p−1)"), "zb-h1": zb}.get(
-            self.name, ("(p−1)/m", "2mv + 2(p−1)"))
+        formula = paper_bubble_formula(self.name, self.v)
+        ticks = ("3mv + p − 1" if self.v > 1 else "3m + p − 1") if self.split_backward else "2mv + 2(p−1)"
         expected = 3 * self.m * self.v + self.p - 1 if self.split_backward else lockstep_ticks(self.p, self.m, self.v)
         lines = [f"{self.name}: p={self.p} stages, v={self.v} chunk(s) per stage, m={self.m} micro-batches",
                  f"ticks {self.ticks} (lock-step {ticks} = {expected}), busy {self.busy_ticks} and idle "

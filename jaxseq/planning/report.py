@@ -4,6 +4,7 @@ activations, the training state with and without the distributed optimizer, and 
 from __future__ import annotations
 
 from jaxseq.models import model as M
+from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
 from jaxseq.planning.plan import CPU_SOURCE, Plan, recommend
 
@@ -191,7 +192,7 @@ def format_in_flight(p: Plan) -> list[str]:
     unit, u = _unit(f.compiled_stash_bytes, BYTES_MODEL)
     big, bu = _unit(f.stash_bytes, BYTES_MODEL)
     layer, lu = _unit(row.measured_bytes_per_layer, BYTES_LAYER)
-    formula = {"interleaved": "(p−1)/(v·m)", "zb-h1": "(p−1)/(3·v·m)" if v > 1 else "(p−1)/(3m)"}.get(p.schedule, "(p−1)/m")
+    formula = paper_bubble_formula(p.schedule, v)
     deferred = []
     if f.w_slots:
         w, wu = _unit(f.compiled_w_stash_bytes, BYTES_MODEL)

@@ -301,7 +301,8 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
     layer = at_context(cfg, c, layer)
     in_flight_layers, _ = schedule_figures(c, cfg.layers)
     activations = activation_bytes(layer.stored_bytes, in_flight_layers, layer.non_layer_activation_bytes)
-    activations += deferred_stash_bytes(cfg, c)  # ZB-H1's W stash
+    w_stash = deferred_stash_bytes(cfg, c)  # ZB-H1's
+    activations += w_stash
     # each data rank's own float32 sum over the micro-batches, reduced once after them: never split over data (under
     # FSDP each micro-batch's gradients are reduce-scattered over fsdp at once: the sum is of the shards)
     accumulating = c.pipe == 1 and c.microbatches > 1
@@ -309,7 +310,7 @@ def memory(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -
     held_copy = accumulation_held_copy_bytes(cfg, c, state) if accumulating else 0.0
     executor = executor_buffers(cfg, c, layer, state) if c.pipe > 1 else NO_EXECUTOR
     return Memory(state.total_bytes, activations, layer.working_bytes, accumulator, in_flight_layers, executor,
-                  state.fsdp_gathered_bytes, deferred_stash_bytes(cfg, c), state.after_loop_bytes, held_copy)
+                  state.fsdp_gathered_bytes, w_stash, state.after_loop_bytes, held_copy)
 
 
 def accumulation_held_copy_bytes(cfg: ModelConfig, c: Candidate, state: StateCost) -> float:
