@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from jaxseq.remat import POLICIES
+from jaxseq.remat import segments
 
 FAMILIES = ("gpt", "llama")  # model families (models/gpt.py, models/llama.py)
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
@@ -503,6 +503,15 @@ def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: 
         validate_pipeline(parallel.pipe, m, parallel.virtual_stages, parallel.schedule)
 
 
+def validate_remat(remat: str, chunk_layers: int) -> None:
+    """A registered policy, or a block spec (`remat.block_spec`) whose N fits a chunk of `chunk_layers` layers
+    (the stack, a pipeline stage's, or a stage's chunk's under interleaving: where Megatron-LM counts N)."""
+    try:
+        segments(remat, chunk_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def validate(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -514,7 +523,6 @@ def validate(
     """Check everything once, at the edge; the core then trusts its inputs."""
     validate_model(model)
     validate_parallel(model, parallel, num_devices)
-    if remat not in POLICIES:
-        raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
+    validate_remat(remat, model.layers // (parallel.pipe * parallel.virtual_stages))
     if batch_size is not None:
         validate_batch(parallel, batch_size, micro_batch_size)

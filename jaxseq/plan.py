@@ -293,6 +293,8 @@ def _plan(args) -> int:
         if args.budget_gib is not None:
             chosen, rejected = recommend(p, args.budget_gib * GIB)
             out["budget"] = {"budget_gib": args.budget_gib, "recommended": chosen and chosen.config,
+                             "recommended_remat": chosen and chosen.remat,
+                             "recommended_total_bytes_per_device": chosen and chosen.total_bytes_per_device,
                              "rejected": [{"config": r.config, "reason": why} for r, why in rejected]}
         print(json.dumps(out, indent=1))
     else:

@@ -147,3 +147,46 @@ POLICIES: dict[str, RematPolicy] = {
 
 def remat_policy(name: str) -> RematPolicy:
     return POLICIES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block recompute: Megatron-LM's `--recompute-method block --recompute-num-layers N`, as a spec "full:N" (the rest
+# of the layers store everything: "full:N+none") or "POLICY:N+POLICY". Megatron counts N per pipeline stage, per
+# chunk of a stage under interleaving (NeMo's activation-recomputation docs), which is what `layers` below sees: the
+# stacked layers of one chunk (the whole stack without a pipeline).
+
+
+def block_spec(spec: str) -> tuple[str, int, str] | None:
+    """(first policy, its layers per chunk N, the rest's policy) of a block spec; None for a plain policy name.
+    ValueError with one line for a malformed or unknown spec."""
+    if spec in POLICIES:
+        return None
+    head, _, rest = spec.partition("+")
+    first, _, count = head.partition(":")
+    rest = rest or "none"
+    valid = f"valid: {', '.join(POLICIES)}, or POLICY:N[+POLICY] (the first N layers of each chunk, e.g. full:4+none)"
+    if not count.isdigit() or int(count) < 1 or first not in POLICIES or rest not in POLICIES:
+        raise ValueError(f"remat={spec!r} is not a registered policy or block spec; {valid}")
+    if first == rest:
+        raise ValueError(f"remat={spec!r} puts every layer under {first!r}: write remat={first!r}")
+    return first, int(count), rest
+
+
+def segments(spec: str, layers: int) -> list[tuple[str, int]]:
+    """A chunk of `layers` layers' policies, in order: [(policy, count)], counts > 0 (a block spec's N ≤ layers)."""
+    block = block_spec(spec)
+    if block is None:
+        return [(spec, layers)]
+    first, n, rest = block
+    if n > layers:
+        raise ValueError(f"remat={spec!r}: {n} layers under {first!r}, but a chunk (the stack, or L/(p·v) layers "
+                         f"under a pipeline) has {layers}: N must be 1…{layers}")
+    return [(first, n)] + ([(rest, layers - n)] if n < layers else [])
+
+
+def layer_counts(spec: str, layers: int, chunks: int = 1) -> dict[str, int]:
+    """How many of the model's `layers` run under each policy, its stack split into `chunks` equal chunks (p·v)."""
+    counts: dict[str, int] = {}
+    for policy, count in segments(spec, layers // chunks):
+        counts[policy] = counts.get(policy, 0) + count * chunks
+    return counts

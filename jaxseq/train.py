@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="shard the fp32 master weights and Adam moments over data (ZeRO-1): 12/d bytes per parameter "
            "instead of 12")
     a("--remat", help=f"remat policy: {', '.join(POLICIES)} (default {TrainConfig().remat}; on GPUs with "
-                      f"--attention fused {GPU_FUSED_REMAT}, measured there to hold less and run faster)")
+                      f"--attention fused {GPU_FUSED_REMAT}, measured there to hold less and run faster); or "
+                      "full:N[+POLICY], Megatron's block recompute: the first N layers of each pipeline chunk under "
+                      "full, the rest under POLICY (default none)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
     a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default {ModelConfig().layer_loop}; "

@@ -83,7 +83,7 @@ ALLOWED = {
                       "training.aot"},
     "planning.gpu_target": {"config", "mesh", "planning.hlo", "planning.measure", "training.aot"},
     "planning.autotune": {"config", "planning.gpu_target", "planning.hlo", "training.aot"},
-    "planning.report": {"models.model", "parallel.schedule", "planning.memory", "planning.plan"},
+    "planning.report": {"models.model", "parallel.schedule", "planning.memory", "planning.plan", "remat"},
     "planning.kernel_time": {"config", "hardware", "models.model", "remat"},
     "planning.progress": set(),
     "planning.search": {"config", "hardware", "models.formulas", "models.model", "parallel.schedule", "planning.kernel_time",

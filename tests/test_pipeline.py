@@ -126,12 +126,13 @@ REMAT_CASE = ("1f1b", 2, 1, 4, 1, 2, True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "full:3+selective"])
 def test_remat_policies_inside_a_stage(remat, pipelined, params, reference):
     """What a stage stashes and recomputes follows the policy (test_stash_keeps_no_weights_or_keys checks
     the stash of `full`); the values do not change: loss and gradients equal the unpipelined model.
     `none`, `selective` (above) and `full` span the name whitelists (`lean` is another whitelist), `dots`
-    JAX's by-primitive policies (as `dots_no_batch`); each compile costs ~10 s, so not all six."""
+    JAX's by-primitive policies (as `dots_no_batch`); each compile costs ~10 s, so not all six. `full:3+selective`:
+    block recompute of each stage's 4 layers, 3 under full, then 1 under selective (two scans in the stage)."""
     loss, grads, batch, key = _run(pipelined, REMAT_CASE, params, remat)
     _assert_close(loss, grads, *reference(params, batch, key, REMAT_CASE[3]))
 

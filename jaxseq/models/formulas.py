@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from jaxseq.config import ConfigError, ModelConfig
 from jaxseq.models.model import family
-from jaxseq.remat import POLICIES
+from jaxseq.remat import POLICIES, layer_counts
 
 
 @dataclass(frozen=True)
@@ -231,15 +231,17 @@ def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bo
     return elements * cfg.itemsize
 
 
-def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None) -> float:
+def train_flops(cfg: ModelConfig, batch: int, remat: str | None = None, chunks: int = 1) -> float:
     """Matmul FLOPs of one training iteration over `batch` sequences: three times every forward
     matmul (forward, and backward's two), logits included, plus the forward matmuls the remat policy
     replays in backward (None: model FLOPs). For attention width h and MLP width 4h the model FLOPs
     are exactly the paper's 72·B·s·L·h²·(1 + s/(6h) + V/(12hL)); the replays match XLA's cost
-    analysis (tests/test_flops.py), where the paper's hardware formulas assume more recompute."""
+    analysis (tests/test_flops.py), where the paper's hardware formulas assume more recompute.
+    A block spec's replays are its policies' by layer (`remat.layer_counts`, the stack in `chunks` = p·v chunks)."""
     matmuls = layer_matmul_flops(cfg, batch)
     logits = 2 * batch * cfg.seq_len * cfg.hidden * cfg.vocab_size
     flops = 3 * (cfg.layers * sum(matmuls.values()) + logits)
     if remat is not None:
-        flops += cfg.layers * sum(matmuls[m] for m in POLICIES[remat].replays)
+        for policy, layers in layer_counts(remat, cfg.layers, chunks).items():
+            flops += layers * sum(matmuls[m] for m in POLICIES[policy].replays)
     return flops

@@ -154,14 +154,37 @@ def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
     scan does not need: without it, CSE undoes the checkpoint of unrolled layers); compile time grows with depth.
 
     Under FSDP each layer's weights are gathered over `fsdp` inside the checkpointed body, just before use: no
-    policy names the gathered weights, so backward gathers them again rather than keeping every layer's."""
+    policy names the gathered weights, so backward gathers them again rather than keeping every layer's.
+
+    A block spec (`remat.block_spec`, Megatron's block recompute) runs these k layers as consecutive segments, each
+    under its own policy: the first N, then the rest (one scan each)."""
+    segments = R.segments(remat, jax.tree.leaves(stacked)[0].shape[0])
+    if len(segments) == 1:
+        return _segment(x, stacked, keys, cfg, shard, remat)
+    starts = [sum(count for _, count in segments[:i]) for i in range(len(segments))]
+    parts = split_layers(stacked, tuple(count for _, count in segments))
+    for (policy, count), start, part in zip(segments, starts, parts):
+        x = _segment(x, part, None if keys is None else keys[start:start + count], cfg, shard, policy)
+    return x
+
+
+def split_layers(stacked, sizes: tuple[int, ...]) -> list:
+    """[k, …] leaves → consecutive [size, …] parts, by `lax.split` (its gradient one concatenate, as `unstack`'s)."""
+    leaves, tree = jax.tree.flatten(stacked)
+    split = [jax.lax.split(a, sizes, axis=0) for a in leaves]
+    return [tree.unflatten([parts[i] for parts in split]) for i in range(len(sizes))]
+
+
+def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
+    """Layers [k, …] under one registered remat policy."""
     axes, cast = layer_axes(cfg, shard.tensor), cast_mask(cfg)["layers"]
+    count = jax.tree.leaves(stacked)[0].shape[0]
 
     def layer(x, p, key):
         return block(x, shard.gather_weights(p, axes=axes, cast=cast, dtype=cfg.dtype), key, cfg, shard)
 
     unrolled = cfg.layer_loop == "unrolled"
-    body = jax.checkpoint(layer, policy=R.remat_policy(remat).policy, prevent_cse=unrolled)
+    body = jax.checkpoint(layer, policy=R.remat_policy(policy).policy, prevent_cse=unrolled or count == 1)
     if unrolled:
         for i, p in enumerate(unstack(stacked)):
             x = body(x, p, None if keys is None else keys[i])

@@ -432,11 +432,66 @@ def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
             for r in p.rows]
     return dataclasses.replace(p, rows=rows)
 
+def chunk_layers(p: Plan) -> int:
+    """Layers in each pipeline chunk (L/(p·v)): where a block spec counts its N, as Megatron-LM does."""
+    return p.config.layers // (p.pipeline * p.virtual_stages)
+
+
+def block_row(p: Plan, first: Row, rest: Row, n: int) -> Row:
+    """Megatron-LM's block recompute, composed from two rows of one (t, SP): the first n layers of each chunk of k
+    (`chunk_layers`) under `first`'s policy, the other k − n under `rest`'s (remat spec `first:n+rest`,
+    `remat.block_spec`). Per layer, stored bytes, FLOPs and collectives are the rows' mean weighted n/k; so are the
+    activations, exact for every schedule (each chunk in flight holds n layers of each kind, and both rows the same
+    embedding/logits part). Its peak is the larger of its two backward loops' (the rest's runs first):
+    the rest's, holding every stored activation with `rest`'s working memory: `rest`'s total less the activations
+    n/k of the way to `first`'s; then the first layers', the chunk's k − n rest layers' activations freed, with
+    `first`'s working memory. Against the step compiled for the H100 and by XLA:CPU:
+    tests/test_block_recompute.py."""
+    w = n / chunk_layers(p)
+    mix = lambda a, b: b + w * (a - b)
+    activations = mix(first.activation_bytes_per_device, rest.activation_bytes_per_device)
+    freed = (chunk_layers(p) - n) * rest.measured_bytes_per_layer
+    total, working = max(
+        (rest.total_bytes_per_device - (rest.activation_bytes_per_device - activations), rest.working_bytes_per_device),
+        (first.total_bytes_per_device + (activations - first.activation_bytes_per_device) - freed,
+         first.working_bytes_per_device))
+    formula = (mix(first.formula_bytes_per_layer, rest.formula_bytes_per_layer)
+               if first.formula_bytes_per_layer and rest.formula_bytes_per_layer else None)
+    stored = mix(first.measured_bytes_per_layer, rest.measured_bytes_per_layer)
+    collectives = {k: mix(first.collectives.get(k, 0), v) for k, v in rest.collectives.items()}
+    return dataclasses.replace(
+        rest, config=f"{rest.config} + {first.remat}:{n}", remat=f"{first.remat}:{n}+{rest.remat}",
+        measured_bytes_per_layer=stored, formula_bytes_per_layer=formula, ratio=stored / formula if formula else None,
+        flops_per_layer=mix(first.flops_per_layer, rest.flops_per_layer),
+        recompute_overhead_pct=mix(first.recompute_overhead_pct, rest.recompute_overhead_pct),
+        collective_bytes_per_layer=sum(collectives.values()), collectives=collectives,
+        activation_bytes_per_device=activations, working_bytes_per_device=working,
+        total_bytes_per_device=total,
+        memory_source=f"composed from the rows {first.config} and {rest.config} ({n} of {chunk_layers(p)} layers "
+                      f"per chunk under {first.remat})")
+
+
+def least_block_rows(p: Plan, budget_bytes: float) -> list[Row]:
+    """For each row on `p.tensor` devices that recomputes less than `full` at its SP and does not fit: its block
+    recompute with the fewest `full` layers per chunk that fits (`block_row`), where one does short of full."""
+    full = {r.sequence_parallel: r for r in p.rows if r.tensor == p.tensor and r.remat == "full"}
+    out = []
+    for rest in p.rows:
+        first = full.get(rest.sequence_parallel)
+        if (rest.tensor != p.tensor or first is None or rest.total_bytes_per_device <= budget_bytes
+                or rest.recompute_overhead_pct >= first.recompute_overhead_pct):
+            continue
+        blocks = (block_row(p, first, rest, n) for n in range(1, chunk_layers(p)))
+        out += [b for b in blocks if b.total_bytes_per_device <= budget_bytes][:1]
+    return out
+
+
 def recommend(p: Plan, budget_bytes: float) -> tuple[Row | None, list[tuple[Row, str]]]:
     """The configuration on `p.tensor` devices with the least recompute that fits, and why each
     cheaper one does not. Order: measured recompute overhead, then collective bytes (SP's extra
-    backward all-gathers), then memory."""
-    candidates = sorted((r for r in p.rows if r.tensor == p.tensor),
+    backward all-gathers), then memory. Among them Megatron-LM's block recompute of the rows that do not fit
+    (`least_block_rows`): the fewest layers per chunk under `full` that make them fit."""
+    candidates = sorted([*(r for r in p.rows if r.tensor == p.tensor), *least_block_rows(p, budget_bytes)],
                         key=lambda r: (round(r.recompute_overhead_pct, 2), r.collective_bytes_per_layer,
                                        r.total_bytes_per_device))
     rejected = []

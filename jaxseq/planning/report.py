@@ -6,7 +6,8 @@ from __future__ import annotations
 from jaxseq.models import model as M
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
-from jaxseq.planning.plan import CPU_SOURCE, Plan, recommend
+from jaxseq.planning.plan import CPU_SOURCE, Plan, chunk_layers, recommend
+from jaxseq.remat import block_spec
 
 
 def _fmt(x, spec, missing="-"):
@@ -294,4 +295,9 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
         lines.append(f"  recommended: {chosen.config} (remat={chosen.remat}, sequence_parallel="
                      f"{chosen.sequence_parallel}): {chosen.total_bytes_per_device / GIB:.1f} GiB, recompute "
                      f"{chosen.recompute_overhead_pct:+.2f}% FLOPs")
+        block = block_spec(chosen.remat)
+        if block:
+            lines.append(f"    {block[1]} of each chunk's {chunk_layers(p)} layers under {block[0]}, the rest under "
+                         f"{block[2]}: train with --remat {chosen.remat} (Megatron-LM: --recompute-granularity full "
+                         f"--recompute-method block --recompute-num-layers {block[1]}); {chosen.memory_source}")
     return "\n".join(lines)

@@ -36,14 +36,15 @@ def memory_gib(device=None) -> float | None:
 
 
 def throughput(cfg: ModelConfig, remat: str, batch_size: int, steps: int, seconds: float, num_devices: int,
-               peak: float | None) -> dict:
-    """tokens/s, model and hardware TFLOP/s per device, and MFU (None without a known peak)."""
+               peak: float | None, chunks: int = 1) -> dict:
+    """tokens/s, model and hardware TFLOP/s per device, and MFU (None without a known peak). chunks: the stack's
+    p·v pipeline chunks, in each of which a block remat spec recomputes its first N layers."""
     per_device = steps / seconds / num_devices / 1e12
     model_tflops = train_flops(cfg, batch_size) * per_device
     return {
         "tokens_per_sec": batch_size * cfg.seq_len * steps / seconds,
         "tflops_per_device": model_tflops,
-        "hardware_tflops_per_device": train_flops(cfg, batch_size, remat) * per_device,
+        "hardware_tflops_per_device": train_flops(cfg, batch_size, remat, chunks) * per_device,
         "mfu": None if not peak else model_tflops / peak,
     }
 

@@ -1,0 +1,136 @@
+"""Megatron-LM's block recompute (`--remat full:N[+POLICY]`): the first N layers of each chunk under `full`, the rest
+under POLICY. Checked against XLA's own programs: each segment's layer loop stores its policy's bytes, the FLOPs
+are the policies' by layer, loss and gradients equal `none`'s, and the plan's composed row is the compiled step's
+peak."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.mesh import make_mesh
+from jaxseq.models import formulas as F
+from jaxseq.models import model as M
+from jaxseq.parallel.layout import Layout
+from jaxseq.planning import hlo as HLO
+from jaxseq.planning import measure
+from jaxseq.planning import memory
+from jaxseq.planning import plan as P
+from jaxseq.planning import report
+from jaxseq.remat import layer_counts, segments
+from jaxseq.training import aot
+from jaxseq.training import train_step as T
+
+from compiled import MEMORY_CFG, hlo
+
+
+@pytest.mark.parametrize("remat, parallel, message", [
+    ("full:0", ParallelConfig(), "remat='full:0' is not a registered policy or block spec; valid: none, "),
+    ("fulll:2", ParallelConfig(), "or POLICY:N[+POLICY] (the first N layers of each chunk, e.g. full:4+none)"),
+    ("full:2+full", ParallelConfig(), "remat='full:2+full' puts every layer under 'full': write remat='full'"),
+    ("full:9", ParallelConfig(), "remat='full:9': 9 layers under 'full', but a chunk (the stack, or L/(p·v) layers "
+                                 "under a pipeline) has 8: N must be 1…8"),
+    ("full:5", ParallelConfig(pipe=2), "has 4: N must be 1…4"),  # Megatron's N: per pipeline stage …
+    ("full:3", ParallelConfig(pipe=2, schedule="interleaved", virtual_stages=2), "has 2: N must be 1…2"),  # … chunk
+])
+def test_a_bad_block_spec_is_one_line(remat, parallel, message):
+    with pytest.raises(ConfigError) as e:
+        validate(replace(preset("tiny"), layers=8), parallel, remat)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_block_spec_counts_its_layers_per_chunk_as_megatron():
+    validate(replace(preset("tiny"), layers=8), ParallelConfig(pipe=2), "full:4")  # all of a stage: allowed
+    assert segments("full:3+selective", 4) == [("full", 3), ("selective", 1)]
+    assert segments("full:4", 4) == [("full", 4)] and segments("lean", 4) == [("lean", 4)]
+    # 8 layers in p·v = 4 chunks of 2: 1 under full in each
+    assert layer_counts("full:1", 8, chunks=4) == {"full": 4, "none": 4}
+    cfg = preset("gpt3-1.3b")
+    replays = lambda remat: F.train_flops(cfg, 1, remat) - F.train_flops(cfg, 1)
+    assert F.train_flops(cfg, 1, "full:6+selective", chunks=2) == pytest.approx(
+        F.train_flops(cfg, 1) + (12 * replays("full") + 12 * replays("selective")) / cfg.layers)
+
+
+@pytest.mark.slow
+def test_each_segment_stores_what_its_policy_stores():
+    """`full:2` of 6 layers (t = 4 + SP): two forward layer loops, 2 layers storing what `full` stores per layer and
+    4 what `none` stores (each per layer from its own policy's program), and the replays of 2 layers of `full`."""
+    cfg = replace(MEMORY_CFG, layers=6)
+    text = hlo("full:2", True, cfg=cfg)
+    forward = {n: [l for l in HLO.layer_loops(HLO.parse_hlo(text), n) if not l.backward] for n in (2, 4)}
+    written = {n: sum(HLO.array_bytes(dt, dims) for loop in loops for dt, dims in loop.written)
+               for n, loops in forward.items()}
+    per_layer = {p: HLO.stored_bytes_per_layer(hlo(p, True), MEMORY_CFG.layers) for p in ("full", "none")}
+    assert written == {2: 2 * per_layer["full"], 4: 4 * per_layer["none"]}
+    flops = {p: dot_flops(hlo(p, True, cfg=cfg)) for p in ("none", "full", "full:2")}
+    assert flops["full:2"] - flops["none"] == pytest.approx((flops["full"] - flops["none"]) * 2 / 6, rel=1e-9)
+    assert layer_counts("full:2", 6) == {"full": 2, "none": 4}
+
+
+def dot_flops(text: str) -> float:
+    """The program's matmul FLOPs, each layer loop × its trip count (cost_analysis() counts a loop body once)."""
+    return HLO.dot_flops(HLO.parse_hlo(text), HLO.entry_name(text))
+
+
+@pytest.mark.slow
+def test_block_recompute_computes_what_none_computes():
+    """Loss and every gradient, dropout on, data 2 × tensor 4 + SP: a block spec changes what is kept, not a value."""
+    cfg = replace(preset("tiny"), layers=4, dtype="float32", dropout=0.1)
+    params = M.init_params(jax.random.key(1), cfg, tensor=4)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, cfg.seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
+    layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()))
+    (loss, grads), (ref_loss, ref_grads) = (T.make_loss_and_grad(layout, remat)(params, batch, jax.random.key(2))
+                                            for remat in ("full:1+lean", "none"))
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(jax.device_get(ref_grads))):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * np.max(np.abs(r)))
+
+
+# float32 (XLA:CPU's bf16 temporaries are not a GPU's), as tests/test_plan.py's whole-model peak
+PLAN_CFG = ModelConfig(vocab_size=1500, seq_len=128, hidden=64, heads=8, layers=6, dtype="float32", dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """The plan's `none` and `full` rows at t = 4 + SP for 6 layers (each measured at 2, as `plan` does)."""
+    compiler = measure.Compiler(PLAN_CFG, 2, jax.devices())
+    specs = [measure.RowSpec(f"tp+sp+{remat}", remat, True, 4, None) for remat in ("none", "full")]
+    measured = [compiler.measure(spec) for spec in specs]
+    state = memory.state_bytes(PLAN_CFG, 4)
+    made = [P.make_row(PLAN_CFG, spec, m, 2, PLAN_CFG.layers, measured[0].flops_per_layer, state)
+            for spec, m in zip(specs, measured)]
+    return P.Plan("small", PLAN_CFG, 4, 2, made, {}, 0.0, 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_composed_block_row_is_the_compiled_steps_peak_with_xla_cpus_copy_of_the_weights(rows, n):
+    """The plan's block row (`plan.block_row`, from its `full` and `none` rows) against memory_analysis() of the real
+    6-layer float32 train step compiled with `full:n`: above it by one copy of the layers' weights, which XLA:CPU
+    makes to split the stack (`model.split_layers`); a bf16 step casts the masters into the two parts, and the H100's
+    program is the composed row's (tests/test_gpu_target.py). A one-layer segment (n = 1 or 5 here) is outside this:
+    without a loop XLA:CPU's scheduler moves its recompute, as it does unrolled layers' (config refuses those)."""
+    row = P.block_row(rows, rows.row("tp+sp+full"), rows.row("tp+sp+none"), n)
+    parallel = ParallelConfig(tensor=4, sequence_parallel=True)
+    ma = aot.compile_train_step(PLAN_CFG, parallel, f"full:{n}", make_mesh(parallel, jax.devices()[:4]),
+                                2).memory_analysis()
+    compiled_peak = ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    state = memory.state_bytes_by_part(PLAN_CFG, 4)
+    assert row.remat == f"full:{n}+none"
+    assert 0 < compiled_peak - row.total_bytes_per_device <= 1.1 * state["layers"].params, (row, compiled_peak)
+
+
+@pytest.mark.slow
+def test_a_budget_between_none_and_full_recommends_the_fewest_full_layers_that_fit(rows):
+    none, full = rows.row("tp+sp+none"), rows.row("tp+sp+full")
+    blocks = [P.block_row(rows, full, none, n) for n in range(1, 6)]
+    budget = (blocks[1].total_bytes_per_device + blocks[2].total_bytes_per_device) / 2  # n = 3 fits, 2 does not
+    chosen, rejected = P.recommend(rows, budget)
+    assert chosen.remat == "full:3+none" and chosen.total_bytes_per_device == blocks[2].total_bytes_per_device
+    assert none.recompute_overhead_pct < chosen.recompute_overhead_pct < full.recompute_overhead_pct
+    assert [r.config for r, _ in rejected] == ["tp+sp+none"]
+    text = report.format_recommendation(rows, budget / 2**30)
+    assert "train with --remat full:3+none" in text and "--recompute-num-layers 3" in text
+    assert P.recommend(rows, none.total_bytes_per_device)[0].remat == "none"  # what fits needs no block
