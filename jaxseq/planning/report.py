@@ -297,7 +297,9 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
                      f"{chosen.recompute_overhead_pct:+.2f}% FLOPs")
         block = block_spec(chosen.remat)
         if block:
-            lines.append(f"    {block[1]} of each chunk's {chunk_layers(p)} layers under {block[0]}, the rest under "
-                         f"{block[2]}: train with --remat {chosen.remat} (Megatron-LM: --recompute-granularity full "
-                         f"--recompute-method block --recompute-num-layers {block[1]}); {chosen.memory_source}")
+            megatron = (f" (Megatron-LM: --recompute-granularity full --recompute-method block --recompute-num-layers "
+                        f"{block[1]})" if block[2] == "none" else "")
+            lines.append(f"    block recompute: {block[1]} of each chunk's {chunk_layers(p)} layers under {block[0]}, the "
+                         f"rest under {block[2]}: train with --remat {chosen.remat}{megatron}; its memory "
+                         f"{chosen.memory_source}")
     return "\n".join(lines)
