@@ -176,7 +176,8 @@ def split_layers(stacked, sizes: tuple[int, ...]) -> list:
 
 
 def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
-    """Layers [k, …] under one registered remat policy."""
+    """Layers [k, …] under one registered remat policy. A scan of one layer is no loop to XLA (it removes a loop of
+    one trip), so its checkpoint is kept from CSE as unrolled layers' are."""
     axes, cast = layer_axes(cfg, shard.tensor), cast_mask(cfg)["layers"]
     count = jax.tree.leaves(stacked)[0].shape[0]
 
