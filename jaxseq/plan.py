@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-gbit-per-s", type=float, help="InfiniBand Gb/s per GPU (a100 200, h100 400)")
     g.add_argument("--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes b to try (default 1,2,4,8)")
     g.add_argument("--remat-policies", default="none,selective,full", help="remat policies to try")
+    g.add_argument("--block-recompute", action="store_true",
+                   help="also Megatron's block recompute (remat full:N+POLICY): where a configuration does not fit "
+                        "under a policy and fits under full, the fewest full layers per chunk that make it fit")
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--context-sizes", default="1,2,4,8",
                    help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP), each with every "
@@ -205,7 +208,7 @@ def search_request(args) -> search_space.Request:
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
                      search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
-                     search.parse_list(args.context_strategies, str))
+                     search.parse_list(args.context_strategies, str), args.block_recompute)
 
 
 def _search(args) -> int:

@@ -87,7 +87,7 @@ ALLOWED = {
     "planning.kernel_time": {"config", "hardware", "models.model", "remat"},
     "planning.progress": set(),
     "planning.search": {"config", "hardware", "models.formulas", "models.model", "parallel.schedule", "planning.kernel_time",
-                        "planning.memory", "planning.search_space"},
+                        "planning.memory", "planning.search_space", "remat"},
     "planning.search_space": {"config", "hardware", "remat"},
     "planning.search_costs": {"config", "planning.measure", "planning.memory", "planning.search"},
     # the commands

@@ -463,18 +463,29 @@ def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_p
 
 
 @pytest.mark.slow
-def test_block_recompute_compiled_for_the_h100_is_the_plans_composed_row():
+def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_composition():
     """Megatron's block recompute (`--remat full:N`) compiled for the H100 (gpt3-1.3b's width, 6 layers, micro-batch
     4, cuDNN attention): the whole step's peak (Triton's and cuBLAS's programs, the larger) against the plan's row
-    composed from its `none` and `full` rows (`plan.block_row`). Measured 2026-11-28: N = 1…5 at 0.0%, −0.7%, −0.3%,
-    −0.2%, −1.3% (the composed row below the compiled step); two of them here. No copy of the weights, as XLA:CPU's float32 step makes
-    (tests/test_block_recompute.py): the bf16 cast writes the two segments' parts."""
+    composed from its `none` and `full` rows (`plan.block_row`) and the search's memory composed from its two layers
+    (`search.block_memory`, `plan --search --target --block-recompute`). Measured 2026-11-28, N = 1…5: the plan
+    0.0%, −0.7%, −0.3%, −0.2%, −1.3%; the search −1.0% to −2.6% (its plain `none` −1.0%, `full` −2.3%); two N here.
+    No copy of the weights, as XLA:CPU's float32 step makes (tests/test_block_recompute.py): the bf16 cast writes
+    the two segments' parts."""
+    from jaxseq.config import on_platform
     from jaxseq.planning import plan as P
+    from jaxseq.planning.search_costs import SearchCosts
 
     cfg = replace(preset("gpt3-1.3b"), layers=6, dtype="bfloat16", attention="fused")
     p = P.plan(cfg, 1, 4, jax.devices(), "gpt3-1.3b", policies=["full"], target="h100")
+    searched = on_platform(cfg, "gpu")
+    costs = SearchCosts(searched, G.target_devices("h100", 2))
+    plain = {remat: S.Candidate(1, 1, 1, 1, 4, remat, False, False, 1) for remat in ("none", "full")}
+    layers = {remat: S.costs_of(searched, c, costs) for remat, c in plain.items()}
+    memory = {remat: S.memory(searched, plain[remat], *layers[remat]) for remat in plain}
     parallel = G.step_parallel(tensor=1, sequence_parallel=False)
     for n in (2, 5):
-        composed = P.block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
         compiled = G.step_bytes(cfg, parallel, f"full:{n}", 4, 1, "h100")
+        composed = P.block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
+        parts = S.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes, n, 6).total_bytes
         assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)
+        assert abs(parts / compiled - 1) <= 0.03, (n, parts, compiled)

@@ -92,6 +92,7 @@ from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, peak_bytes
+from jaxseq.remat import block_spec
 from jaxseq.planning import search_space as space
 from jaxseq.planning.search_space import (GIB, Candidate, FamilyReason, Request, TimeModel, enumerate_candidates,
                                           families, family_reason)
@@ -595,6 +596,8 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
     keys = sorted({(c.tensor, c.sequence_parallel, c.remat, c.context, c.context_strategy) for c in candidates})
     costs.prepare(keys, r.micro_batches)
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
+    if r.block_recompute:
+        evaluated += least_blocks(cfg, r, evaluated, costs)
     ranked = sorted((e for e in evaluated if e.fits), key=lambda e: (e.time.total_s, e.memory.total_bytes, e.candidate))
     rejected = []
     for f, reason in reasons.items():
@@ -613,7 +616,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
                           f"the least memory is {least.memory.total_bytes / GIB:.1f} GiB ({least.candidate.label()})")
     measured = {(e.candidate.tensor, e.candidate.sequence_parallel, e.candidate.remat, e.layer_context,
                  e.candidate.context_strategy if e.layer_context > 1 else "", run_kernels(cfg, e.candidate).attention)
-                for e in evaluated}
+                for e in evaluated if block_spec(e.candidate.remat) is None}
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
 
 
@@ -632,9 +635,9 @@ def verify(res: Result, count: int, step_costs, costs: Costs) -> Result:
             compiled_bytes, moved = step_costs(e.candidate)
             seconds = None
             if e.candidate.pipe == 1 and moved is not None:
-                layer, state = costs_of(res.config, e.candidate, costs)
-                seconds = program_step_time(res.config, e.candidate, layer, state, r.hardware, r.time_model,
-                                            moved).total_s
+                seconds = sum(w * program_step_time(res.config, c, *costs_of(res.config, c, costs), r.hardware,
+                                                    r.time_model, moved).total_s
+                              for c, w in policy_weights(res.config, e.candidate))
             e = replace(e, compiled_bytes=compiled_bytes, compiled_step_s=seconds)
             if e.compiled_bytes > res.request.budget_bytes:
                 over.append(replace(e, fits=False))
@@ -646,6 +649,64 @@ def verify(res: Result, count: int, step_costs, costs: Costs) -> Result:
                           f"its train step compiled for the {res.target}: the least is "
                           f"{min(e.compiled_bytes for e in over) / GIB:.1f} GiB")
     return replace(res, ranked=kept, over_budget=over)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block recompute (`Request.block_recompute`): Megatron-LM's --recompute-method block, between a policy and full
+
+
+def policy_weights(cfg: ModelConfig, c: Candidate) -> list[tuple[Candidate, float]]:
+    """Candidate c as its plain policies, each with its share of a chunk's layers: [(c, 1)] for a plain policy;
+    for a block spec (`remat.block_spec`) its first policy's n/k and its rest's (k − n)/k."""
+    block = block_spec(c.remat)
+    if block is None:
+        return [(c, 1.0)]
+    first, n, rest = block
+    k = cfg.layers // (c.pipe * c.virtual)
+    return [(replace(c, remat=first), n / k), (replace(c, remat=rest), 1 - n / k)]
+
+
+def block_memory(rest: Memory, full: Memory, rest_stored: float, n: int, k: int) -> Memory:
+    """The first n layers of each chunk of k under `full`, the rest under `rest`'s policy, as the plan composes it
+    (`plan.block_row`): the activations and the executor's buffers n/k of the way from rest's to full's; the peak
+    the larger of the two backward loops': the rest's (every stored activation held, its working memory), or the
+    recomputed layers' (a chunk's k − n rest layers freed, `rest_stored` bytes each; full's working memory)."""
+    mix = lambda a, b: b + n / k * (a - b)
+    executor = ExecutorBuffers(**{f: mix(getattr(full.executor, f), getattr(rest.executor, f))
+                                  for f in asdict(rest.executor)})
+    activations = mix(full.activation_bytes, rest.activation_bytes)
+    return max(replace(rest, activation_bytes=activations, executor=executor),
+               replace(full, activation_bytes=activations - (k - n) * rest_stored, executor=executor),
+               key=lambda m: m.total_bytes)
+
+
+def block_time(rest: Time, full: Time, w: float) -> Time:
+    """Each part of the step time a fraction w of the way from rest's to full's: exact for the per-layer sums
+    (compute, TP collectives), the bubble's share (a product of two of them) approximate."""
+    return Time(**{f: v + w * (getattr(full, f) - v) for f, v in asdict(rest).items()})
+
+
+def least_blocks(cfg: ModelConfig, r: Request, evaluated: list[Evaluated], costs: Costs) -> list[Evaluated]:
+    """For each configuration that does not fit under a policy that recomputes less than `full`, where the same
+    configuration under `full` fits: Megatron's block recompute with the fewest `full` layers per chunk that fits."""
+    by_candidate = {e.candidate: e for e in evaluated}
+    out = []
+    for e in evaluated:
+        c = e.candidate
+        full = by_candidate.get(replace(c, remat="full"))
+        k = cfg.layers // (c.pipe * c.virtual)
+        if e.fits or c.remat == "full" or full is None or not full.fits or k < 2:
+            continue
+        stored = at_context(run_kernels(cfg, c), c, costs_of(cfg, c, costs)[0]).stored_bytes
+        for n in range(1, k):
+            mem = block_memory(e.memory, full.memory, stored, n, k)
+            if mem.total_bytes <= r.budget_bytes:
+                t = block_time(e.time, full.time, n / k)
+                tflops = train_flops(cfg, r.global_batch) / t.total_s / r.gpus / 1e12
+                out.append(Evaluated(replace(c, remat=f"full:{n}+{c.remat}"), mem, t, tflops,
+                                     tflops / r.hardware.peak_tflops, True, e.layer_context))
+                break
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,6 +731,12 @@ ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (the backward split into B and W; v = 2z: ove
                     "gains more from ZB-H1 (docs/parallelism.md)")
 
 
+BLOCK_NOTE = ("full:N+POLICY: Megatron-LM's block recompute (--recompute-method block --recompute-num-layers N where "
+              "POLICY is none), added where a configuration does not fit under POLICY and fits under full: the first "
+              "N layers of each chunk (L/(p·v)) under full, the fewest that fit; its memory the larger of the two "
+              "backward loops' peaks (search.block_memory), its time N/(L/(p·v)) of the way from POLICY's to full's")
+
+
 def _v_cell(c: Candidate) -> str:
     """The v column: chunks per stage; zb: ZB-H1, 2z: ZB-H1 over 2 chunks per stage."""
     return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
@@ -681,6 +748,7 @@ def format_result(res: Result, top: int = 10) -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
+    remat_width = max([10, *(len(e.candidate.remat) + 1 for e in res.ranked[:top])])  # block specs are longer
     lines = [
         f"{res.model}: h={cfg.hidden} a={cfg.heads}{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} {cfg.dtype}; "
         f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, peak {hw.peak_tflops:g} TFLOP/s, "
@@ -703,7 +771,7 @@ def format_result(res: Result, top: int = 10) -> str:
         f"strategy where compiled at c > 1; the ring's on explicit attention) measured from compiled programs",
         "",
         f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
-        f"{'remat':<10}{'SP':<4}{'DO':<4}"
+        f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}"
         f"{'mem GiB':>8}{step_head}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}{'p2p s':>8}{'DP s':>8}"
         f"{'CP s':>8}{fsdp_head}{'opt s':>8}  CP strategy, layer",
     ]
@@ -714,7 +782,7 @@ def format_result(res: Result, top: int = 10) -> str:
         lines.append(
             f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {_v_cell(c):>2} {c.context:>2} {c.data:>4}{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
-            f"{c.remat:<10}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
+            f"{c.remat:<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
             f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
@@ -738,6 +806,8 @@ def format_result(res: Result, top: int = 10) -> str:
         lines += [FSDP_NOTE]
     if "zb-h1" in r.schedules:
         lines += [ZERO_BUBBLE_NOTE]
+    if r.block_recompute:
+        lines += [BLOCK_NOTE]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:

@@ -71,6 +71,8 @@ class Request:
     fsdp_sizes: tuple[int, ...] = (1,)  # F to try: the data-parallel ranks d·F of a mesh split into F FSDP ranks
     schedules: tuple[str, ...] = ("1f1b",)  # 1f1b: 1F1B and, v > 1, interleaved; zb-h1: ZB-H1 too (`SEARCH_SCHEDULES`)
     context_strategies: tuple[str, ...] = CONTEXT_STRATEGIES  # those to try at c > 1 (Megatron-LM's --cp-comm-type)
+    # also Megatron-LM's block recompute (`search.least_blocks`): full on the fewest layers per chunk that fit
+    block_recompute: bool = False
 
     @property
     def budget_bytes(self) -> float:
@@ -96,6 +98,9 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for remat in r.remats:
         if remat not in POLICIES:
             raise ConfigError(f"remat={remat!r} is not a registered policy; valid: {', '.join(POLICIES)}")
+    if r.block_recompute and "full" not in r.remats:
+        raise ConfigError(f"block recompute runs some layers under full: add full to the remat policies "
+                          f"({','.join(r.remats)})")
     for t in r.tensor_sizes or ():
         if not isinstance(t, int) or t <= 0 or hw.gpus_per_node % t:
             raise ConfigError(f"tensor size {t!r} must divide gpus_per_node={hw.gpus_per_node}")
