@@ -22,6 +22,7 @@ from jaxseq.planning.plan import plan, recommend
 from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts
+from jaxseq.remat import block_spec
 
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
@@ -291,13 +292,15 @@ def _plan(args) -> int:
                  target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args))
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
+    chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
+    compiled = block_on_target(args, p, chosen)
     if args.json:
         out = p.to_json()
         if args.budget_gib is not None:
-            chosen, rejected = recommend(p, args.budget_gib * GIB)
             out["budget"] = {"budget_gib": args.budget_gib, "recommended": chosen and chosen.config,
                              "recommended_remat": chosen and chosen.remat,
                              "recommended_total_bytes_per_device": chosen and chosen.total_bytes_per_device,
+                             "recommended_compiled_bytes_per_device": compiled,
                              "rejected": [{"config": r.config, "reason": why} for r, why in rejected]}
         print(json.dumps(out, indent=1))
     else:
@@ -305,7 +308,25 @@ def _plan(args) -> int:
         if args.budget_gib is not None:
             print()
             print(format_recommendation(p, args.budget_gib))
+            if compiled is not None:
+                print(f"    its whole train step compiled for the {args.target} with --remat {chosen.remat}: "
+                      f"{compiled / GIB:.1f} GiB per device ({'within' if compiled <= args.budget_gib * GIB else 'over'}"
+                      f" the budget; the composed row {chosen.total_bytes_per_device / GIB:.1f} GiB)")
     return 0
+
+
+def block_on_target(args, p, chosen) -> int | None:
+    """With --target, a recommended block recompute (composed from two rows, `plan.block_row`) compiled as it would
+    run: its whole train step's peak per device for the GPU (`gpu_target.step_bytes`); None otherwise."""
+    if args.target is None or chosen is None or block_spec(chosen.remat) is None:
+        return None
+    parallel = gpu_target.step_parallel(tensor=p.tensor, sequence_parallel=chosen.sequence_parallel, data=p.data,
+                                        distributed_optimizer=p.distributed_optimizer, pipeline=p.pipeline,
+                                        schedule=p.schedule, virtual_stages=p.virtual_stages, context=p.context,
+                                        strategy=p.context_strategy, fsdp=p.fsdp)
+    Progress("plan").compiling(f"{chosen.remat} for {args.target}: the whole train step")
+    return gpu_target.step_bytes(p.config, parallel, chosen.remat, p.micro_batch,
+                                 p.microbatches if p.pipeline > 1 else 1, args.target)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ ALLOWED = {
     "plan": {"cli", "config", "hardware", "planning.autotune", "planning.gpu_target", "planning.memory", "planning.plan",
              "planning.progress",
              "planning.report",
-             "planning.search", "planning.search_costs", "planning.search_space"},
+             "planning.search", "planning.search_costs", "planning.search_space", "remat"},
     "generate": {"cli", "config", "mesh", "training.data", "training.rundir", "training.sampling"},
     "convert": {"cli", "config", "mesh", "models.model", "training.conversion"},
     "data": {"cli", "config", "training.data"},

@@ -3,6 +3,8 @@ under POLICY. Checked against XLA's own programs: each segment's layer loop stor
 are the policies' by layer, loss and gradients equal `none`'s, and the plan's composed row is the compiled step's
 peak."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -101,7 +103,9 @@ def rows():
     state = memory.state_bytes(PLAN_CFG, 4)
     made = [P.make_row(PLAN_CFG, spec, m, 2, PLAN_CFG.layers, measured[0].flops_per_layer, state)
             for spec, m in zip(specs, measured)]
-    return P.Plan("small", PLAN_CFG, 4, 2, made, {}, 0.0, 0.0)
+    return P.Plan("small", PLAN_CFG, 4, 2, made, P.formula_flops_per_layer(PLAN_CFG, 2, 4),
+                  compiler.forward_flops_per_layer(4), 0.0,
+                  parameters_per_device=memory.parameter_elements_per_device(PLAN_CFG, 4)[0])
 
 
 @pytest.mark.slow
@@ -165,3 +169,30 @@ def test_the_search_adds_each_unfitting_policys_fewest_full_layers_that_fit():
                                                  + n / k * (plain["full"].time.compute_s - plain[rest].time.compute_s))
     with pytest.raises(ConfigError, match="block recompute runs some layers under full: add full"):
         S.search(SEARCH_CFG, request(remats=("none", "selective"), block_recompute=True), costs)
+
+
+@pytest.mark.slow
+def test_with_a_target_the_recommended_block_is_compiled_as_it_would_run(rows, monkeypatch, capsys):
+    """`plan --target h100 --budget-gib B`: a recommended block spec (composed from two rows) is then compiled as a
+    whole train step for the GPU, its peak printed beside the composed row's (the compile itself stands in here; the
+    H100's program against the composition: tests/test_gpu_target.py)."""
+    from jaxseq import plan as plan_command
+    from jaxseq.planning import gpu_target
+
+    none, full = rows.row("tp+sp+none"), rows.row("tp+sp+full")
+    budget = P.block_row(rows, full, none, 3).total_bytes_per_device
+    asked = []
+    monkeypatch.setattr(plan_command, "plan", lambda *a, **k: rows)
+    monkeypatch.setattr(plan_command, "format_table", lambda p: "")  # the paper's rows' table: not these two
+    monkeypatch.setattr(gpu_target, "step_bytes", lambda cfg, parallel, remat, b, m, target: asked.append(
+        (cfg, parallel, remat, b, m, target)) or 12345 * 2**20)
+    argv = ["--tensor", "4", "--micro-batch-size", "2", "--target", "h100", "--budget-gib", str(budget / 2**30)]
+    assert plan_command.main(argv) == 0
+    assert ("its whole train step compiled for the h100 with --remat full:3+none: 12.1 GiB per device (over the "
+            "budget") in capsys.readouterr().out
+    (cfg, parallel, remat, b, m, target), = asked
+    assert (cfg, remat, b, m, target) == (PLAN_CFG, "full:3+none", 2, 1, "h100")
+    assert (parallel.tensor, parallel.sequence_parallel, parallel.num_devices) == (4, True, 4)
+    assert plan_command.main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["budget"]
+    assert (out["recommended_remat"], out["recommended_compiled_bytes_per_device"]) == ("full:3+none", 12345 * 2**20)

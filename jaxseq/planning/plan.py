@@ -432,6 +432,7 @@ def with_optimizer(p: Plan, data: int, distributed_optimizer: bool) -> Plan:
             for r in p.rows]
     return dataclasses.replace(p, rows=rows)
 
+
 def chunk_layers(p: Plan) -> int:
     """Layers in each pipeline chunk (L/(p·v)): where a block spec counts its N, as Megatron-LM does."""
     return p.config.layers // (p.pipeline * p.virtual_stages)
@@ -467,8 +468,8 @@ def block_row(p: Plan, first: Row, rest: Row, n: int) -> Row:
         collective_bytes_per_layer=sum(collectives.values()), collectives=collectives,
         activation_bytes_per_device=activations, working_bytes_per_device=working,
         total_bytes_per_device=total,
-        memory_source=f"composed from the rows {first.config} and {rest.config} (plan.block_row; within 1.3% of the "
-                      f"whole step compiled for the H100 at gpt3-1.3b's width)")
+        memory_source=f"composed from the rows {first.config} and {rest.config} (plan.block_row), theirs from "
+                      f"{rest.memory_source.split(' (')[0]}")
 
 
 def least_block_rows(p: Plan, budget_bytes: float) -> list[Row]:

@@ -92,10 +92,10 @@ from jaxseq.models.formulas import paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import kernel_time as K
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, peak_bytes
-from jaxseq.remat import block_spec
 from jaxseq.planning import search_space as space
 from jaxseq.planning.search_space import (GIB, Candidate, FamilyReason, Request, TimeModel, enumerate_candidates,
                                           families, family_reason)
+from jaxseq.remat import block_spec
 
 # ---------------------------------------------------------------------------------------------
 # What the compiled programs say (supplied by planning.search_costs.SearchCosts, or by hand in tests)
