@@ -146,6 +146,11 @@ class ParallelConfig:
         return self.pipe * self.data * self.fsdp * self.context * self.tensor
 
     @property
+    def chunks(self) -> int:
+        """The layer stack's pipeline chunks, p·v (1 without a pipeline): where a block remat spec counts its N."""
+        return self.pipe * self.virtual_stages
+
+    @property
     def batch_ranks(self) -> int:
         """Ranks that each hold other rows of the batch: data × fsdp."""
         return self.data * self.fsdp
@@ -523,6 +528,6 @@ def validate(
     """Check everything once, at the edge; the core then trusts its inputs."""
     validate_model(model)
     validate_parallel(model, parallel, num_devices)
-    validate_remat(remat, model.layers // (parallel.pipe * parallel.virtual_stages))
+    validate_remat(remat, model.layers // parallel.chunks)
     if batch_size is not None:
         validate_batch(parallel, batch_size, micro_batch_size)

@@ -18,7 +18,7 @@ from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform,
 from jaxseq.hardware import HARDWARE
 from jaxseq.planning import autotune, gpu_target, search, search_space
 from jaxseq.planning.memory import GIB
-from jaxseq.planning.plan import plan, recommend
+from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts
@@ -316,17 +316,10 @@ def _plan(args) -> int:
 
 
 def block_on_target(args, p, chosen) -> int | None:
-    """With --target, a recommended block recompute (composed from two rows, `plan.block_row`) compiled as it would
-    run: its whole train step's peak per device for the GPU (`gpu_target.step_bytes`); None otherwise."""
+    """With --target, a recommended block recompute compiled as it would run (`compiled_block_bytes`); else None."""
     if args.target is None or chosen is None or block_spec(chosen.remat) is None:
         return None
-    parallel = gpu_target.step_parallel(tensor=p.tensor, sequence_parallel=chosen.sequence_parallel, data=p.data,
-                                        distributed_optimizer=p.distributed_optimizer, pipeline=p.pipeline,
-                                        schedule=p.schedule, virtual_stages=p.virtual_stages, context=p.context,
-                                        strategy=p.context_strategy, fsdp=p.fsdp)
-    Progress("plan").compiling(f"{chosen.remat} for {args.target}: the whole train step")
-    return gpu_target.step_bytes(p.config, parallel, chosen.remat, p.micro_batch,
-                                 p.microbatches if p.pipeline > 1 else 1, args.target)
+    return compiled_block_bytes(p, chosen, args.target, Progress("plan"))
 
 
 if __name__ == "__main__":

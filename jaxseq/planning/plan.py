@@ -483,8 +483,23 @@ def least_block_rows(p: Plan, budget_bytes: float) -> list[Row]:
                 or rest.recompute_overhead_pct >= first.recompute_overhead_pct):
             continue
         blocks = (block_row(p, first, rest, n) for n in range(1, chunk_layers(p)))
-        out += [b for b in blocks if b.total_bytes_per_device <= budget_bytes][:1]
+        fitting = next((b for b in blocks if b.total_bytes_per_device <= budget_bytes), None)
+        out += [fitting] if fitting else []
     return out
+
+
+def compiled_block_bytes(p: Plan, row: Row, target: str, progress=None) -> int:
+    """Block row `row` (composed from two rows, `block_row`) compiled as it would run: its whole train step's peak
+    per device for GPU `target`, on the plan's full mesh (`gpu_target.step_parallel`, as `on_target` compiles each
+    row's)."""
+    whole = gpu_target.step_parallel(tensor=row.tensor, sequence_parallel=row.sequence_parallel, data=p.data,
+                                     distributed_optimizer=p.distributed_optimizer, pipeline=p.pipeline,
+                                     schedule=p.schedule, virtual_stages=p.virtual_stages, context=p.context,
+                                     strategy=p.context_strategy, fsdp=p.fsdp)
+    if progress is not None:
+        progress.compiling(f"{row.remat} for {target}: the whole train step")
+    return gpu_target.step_bytes(p.config, whole, row.remat, p.micro_batch, p.microbatches if p.pipeline > 1 else 1,
+                                 target)
 
 
 def recommend(p: Plan, budget_bytes: float) -> tuple[Row | None, list[tuple[Row, str]]]:

@@ -167,12 +167,17 @@ def schedule_figures(c: Candidate, layers: int) -> tuple[int, float]:
     return (layers, 0.0) if sched is None else (sched.in_flight_layers(layers), sched.bubble)
 
 
+def chunk_layers(cfg: ModelConfig, c: Candidate) -> int:
+    """Layers in each of candidate c's pipeline chunks, L/(p·v) (the stack without a pipeline)."""
+    return cfg.layers // (c.pipe * c.virtual)
+
+
 def deferred_stash_bytes(cfg: ModelConfig, c: Candidate) -> float:
     """ZB-H1's W stash on every stage: its slots × L/(p·v) layers × `formulas.deferred_stash_bytes`; 0 otherwise."""
     if not c.zero_bubble:
         return 0.0
     slots = pipeline_schedule(c).depths["w"]
-    return (slots * (cfg.layers // (c.pipe * c.virtual))
+    return (slots * chunk_layers(cfg, c)
             * F.deferred_stash_bytes(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.context))
 
 
@@ -232,7 +237,7 @@ NO_EXECUTOR = ExecutorBuffers(receive_bytes=0.0, tick_slot_bytes=0.0, chunk_weig
 def executor_buffers(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost) -> ExecutorBuffers:
     """The executor's own buffers for candidate c (a pipeline), from shapes and the schedule's depths."""
     depth = pipeline_schedule(c).depths
-    k = cfg.layers // (c.pipe * c.virtual)
+    k = chunk_layers(cfg, c)
     activation = (c.micro_batch * cfg.seq_len * cfg.hidden * cfg.itemsize / (c.tensor if c.sequence_parallel else 1)
                   / c.context)  # one context rank's tokens
     chunk_parameters = state.layer_parameters / c.virtual
@@ -662,7 +667,7 @@ def policy_weights(cfg: ModelConfig, c: Candidate) -> list[tuple[Candidate, floa
     if block is None:
         return [(c, 1.0)]
     first, n, rest = block
-    k = cfg.layers // (c.pipe * c.virtual)
+    k = chunk_layers(cfg, c)
     return [(replace(c, remat=first), n / k), (replace(c, remat=rest), 1 - n / k)]
 
 
@@ -694,7 +699,7 @@ def least_blocks(cfg: ModelConfig, r: Request, evaluated: list[Evaluated], costs
     for e in evaluated:
         c = e.candidate
         full = by_candidate.get(replace(c, remat="full"))
-        k = cfg.layers // (c.pipe * c.virtual)
+        k = chunk_layers(cfg, c)
         if e.fits or c.remat == "full" or full is None or not full.fits or k < 2:
             continue
         stored = at_context(run_kernels(cfg, c), c, costs_of(cfg, c, costs)[0]).stored_bytes

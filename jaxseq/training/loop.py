@@ -317,7 +317,7 @@ class Progress:
         record = {"step": at, "loss": loss, "lr": self._learning_rate(at - 1), "grad_norm": grad_norm,
                   **throughput(self._run.model, settings.remat, settings.batch_size, at - self._last_step,
                                finished - self._last_time, len(self._devices), self._peak,
-                               self._run.parallel.pipe * self._run.parallel.virtual_stages),
+                               self._run.parallel.chunks),
                   "memory_gib": memory_gib()}
         self._last_time, self._last_step = finished, at
         return record
