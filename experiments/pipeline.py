@@ -44,6 +44,7 @@ def main() -> int:
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
+    from jaxseq.planning.stash import stash_layout
     from jaxseq.training import train_step as T
     from jaxseq.config import ParallelConfig, preset, replace
     from jaxseq.mesh import make_mesh
@@ -65,7 +66,7 @@ def main() -> int:
             compiled = PL.make_loss_and_grad(layout, remat, m).lower(params, batch, key).compile()
             compile_s = time.perf_counter() - start
             mem = compiled.memory_analysis()
-            stash, _ = PL.stash_layout(layout, remat, m, MICRO)
+            stash, _ = stash_layout(layout, remat, m, MICRO)
             # Per device: the stash leaves are global over `data` (batch axis 2 of [k, b, s, …]).
             slot = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash) // parallel.data
             rows.append({
@@ -532,7 +533,6 @@ def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
     import re
     from collections import Counter
 
-    from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel import ticks
     from jaxseq.planning import hlo
 
@@ -543,7 +543,7 @@ def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
     stash_at = {n for n, (dt, dims) in enumerate(carry) if len(dims) > 3 and dims[:2] == (sched.depths["stash"], k)}
     shapes = {carry[n] for n in stash_at}
     taken = Counter(int(b) for b in ticks.tick_rows(sched)[:, stage, 0])
-    forward_ticks = sum(taken[b] for b in (PL.Branch.FORWARD, PL.Branch.FORWARD_FIRST, PL.Branch.FORWARD_LAST))
+    forward_ticks = sum(taken[b] for b in (ticks.Branch.FORWARD, ticks.Branch.FORWARD_FIRST, ticks.Branch.FORWARD_LAST))
     moved = Counter()
 
     def visit(comp: str, stash: set, runs: int):

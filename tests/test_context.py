@@ -26,6 +26,7 @@ from jaxseq.training import rundir
 from jaxseq.training import train_step as T
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel import pipeline as PL
+from jaxseq.planning.stash import stash_layout
 from jaxseq.parallel.layout import Layout
 
 GPT = replace(preset("tiny"), dtype="float32", dropout=0.1)
@@ -200,7 +201,7 @@ def test_a_pipeline_stashes_one_context_ranks_tokens():
     def slot_bytes(context: int):
         parallel = ParallelConfig(pipe=2, context=context, tensor=2, sequence_parallel=True)
         mesh = make_mesh(parallel, jax.devices()[: parallel.num_devices])
-        stash, _ = PL.stash_layout(Layout(GPT, parallel, mesh), "selective", 2, 2)
+        stash, _ = stash_layout(Layout(GPT, parallel, mesh), "selective", 2, 2)
         assert all(a.shape[2] == GPT.seq_len // context for a in stash), [a.shape for a in stash]  # [k, b, s/c, …]
         return sum(a.size * a.dtype.itemsize for a in stash)
     assert slot_bytes(2) * 2 == slot_bytes(1)

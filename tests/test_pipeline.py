@@ -12,6 +12,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.models import ops as O
 from jaxseq.parallel import pipeline as PL
+from jaxseq.planning.stash import stash_layout
 from jaxseq.parallel import ticks
 from jaxseq.planning import hlo
 from jaxseq.sharding import Sharder
@@ -331,10 +332,10 @@ def test_stash_keeps_no_weights_or_keys(devices):
     parallel = ParallelConfig(pipe=2)
     layout = Layout(CFG, parallel, make_mesh(parallel, devices[:2]))
     k = CFG.layers // 2
-    stash, reused = PL.stash_layout(layout, "full", 4, MICRO)
+    stash, reused = stash_layout(layout, "full", 4, MICRO)
     # Full recompute: each layer keeps only its input.
     assert [(a.shape, a.dtype) for a in stash] == [((k, MICRO, CFG.seq_len, CFG.hidden), np.float32)]
-    stash, reused = PL.stash_layout(layout, REMAT, 4, MICRO)
+    stash, reused = stash_layout(layout, REMAT, 4, MICRO)
     weight_shapes = {(k, *a.shape[1:]) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
     assert all(a.shape[:3] == (k, MICRO, CFG.seq_len) for a in stash)
     assert {a.shape for a in reused} <= weight_shapes | {(k,)}  # weights and the k layer keys
@@ -440,7 +441,7 @@ HEAP_PACKING = 2048  # bytes: GPipe's growth was 256 B under the bound at 14ed96
 
 def _stash_slot_bytes(devices) -> int:
     parallel = ParallelConfig(pipe=2)
-    stash, _ = PL.stash_layout(Layout(CFG, parallel, make_mesh(parallel, devices[:2])), REMAT, 4, MICRO)
+    stash, _ = stash_layout(Layout(CFG, parallel, make_mesh(parallel, devices[:2])), REMAT, 4, MICRO)
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash)
 
 

@@ -1,8 +1,6 @@
 """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism, 2024): its schedule as data, its split backward's
 stash, and its one-line refusals. The executor's losses, gradients and FLOPs: tests/test_pipeline.py."""
 
-import jax
-import numpy as np
 import pytest
 
 from jaxseq import remat as R
@@ -10,7 +8,7 @@ from jaxseq import schedule as schedule_command
 from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas
-from jaxseq.parallel import pipeline as PL
+from jaxseq.planning.stash import residual_layouts
 from jaxseq.parallel import schedule as S
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning.in_flight import compiled_in_flight
@@ -179,7 +177,7 @@ def test_an_f_stashes_what_it_stashes_under_1f1b_for_every_policy(family, polici
     shapes = lambda avals: [(a.dtype, a.shape) for a in avals]
     w_stashes = set()
     for policy in policies:
-        split, whole = PL.residual_layouts(zb, policy, 4, 2), PL.residual_layouts(one, policy, 4, 2)
+        split, whole = residual_layouts(zb, policy, 4, 2), residual_layouts(one, policy, 4, 2)
         assert shapes(split["stash"]) == shapes(whole["stash"]), policy
         assert sorted(map(str, shapes(split["reused"]))) == sorted(map(str, shapes(whole["reused"]))), policy
         w_stashes.add(tuple(shapes(split["w_stash"])))

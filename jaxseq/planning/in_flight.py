@@ -9,11 +9,12 @@ import jax
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel import pipeline
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.parallel.ticks import Branch
+from jaxseq.parallel.ticks import Branch, schedule_of
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo
+from jaxseq.planning.stash import stash_layout, w_stash_layout
 from jaxseq.planning.measure import RowSpec
 from jaxseq.training import aot
 
@@ -70,7 +71,7 @@ def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -
 
 def _in_order(carry: list, avals: list, matches) -> tuple[list, list]:
     """(the carry's arrays that match `avals` one by one in order, the carry after the last of them): the tick
-    loop's carry keeps the order of `pipeline.Buffers`, the stash before the W stash, whose arrays can have the
+    loop's carry keeps the order of `tick_programs.Buffers`, the stash before the W stash, whose arrays can have the
     same leading dimensions."""
     found, i = [], 0
     for a in avals:
@@ -107,12 +108,12 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
         raise ConfigError(f"the pipelined step at pipeline={p} × context={context} × tensor={c.tensor} compiles on "
                           f"{n} simulated devices; {len(devices)} available")
     layout = Layout(small, parallel, make_mesh(parallel, devices[:n]))
-    sched = PL.schedule_of(parallel, m, small.layers)
+    sched = schedule_of(parallel, m, small.layers)
     params, batch = aot.abstract_inputs(layout, micro_batch * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
-    compiled = aot.compile_for_analysis(PL.make_loss_and_grad(layout, c.remat, m).lower(params, batch, key))
+    compiled = aot.compile_for_analysis(pipeline.make_loss_and_grad(layout, c.remat, m).lower(params, batch, key))
     carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
-    slot_avals, _ = PL.stash_layout(layout, c.remat, m, micro_batch)
+    slot_avals, _ = stash_layout(layout, c.remat, m, micro_batch)
 
     depth = sched.depths["stash"]
 
@@ -126,7 +127,7 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     if len(stash) != len(slot_avals):
         raise RuntimeError(f"the compiled tick loop's stash ({stash}) does not match one slot's residuals "
                            f"({[(a.dtype, a.shape) for a in slot_avals]}) × {sched.depths['stash']} slots")
-    w_slot_avals = PL.w_stash_layout(layout, c.remat, m, micro_batch)
+    w_slot_avals = w_stash_layout(layout, c.remat, m, micro_batch)
 
     def is_w_stash_of(dt, dims, aval):  # [depth w, k_c, …] per device; the aval is one global slot [k_c, …]
         return (len(dims) == aval.ndim + 1 and dims[:2] == (sched.depths["w"], k_c) and hlo.array_bytes(dt, ()) ==
