@@ -307,7 +307,7 @@ def remat_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict], target: str, jax_version: str) -> str:
-    lines = [f"# The plan against the H100's measured peaks (`python experiments/gpu_target.py`)", "",
+    lines = ["# The plan against the H100's measured peaks (`python experiments/gpu_target.py`)", "",
              f"Measured: one H100 80GB HBM3, JAX 0.11.2, bf16, cuDNN attention (called as it is, before "
              f"models/cudnn_attention.py), micro-batch 4 × 2048 tokens "
              f"({MEASURED.relative_to(ROOT)}). `--target {target}`: the whole donated train step compiled for the "
