@@ -10,7 +10,9 @@ of the same op with respect to its weight, whose forward product XLA drops as de
 unsplit backward's matmuls once each, and nothing replays the forward beyond what the remat policy does.
 
 Which op a weight's W runs is found by tracing the chunk once with probe-less `Deferred` weights
-(`Taps.discover`): each op records its function, the weights it takes and the shapes of its x and y. The
+(`Taps.discover`): each op records its function, the weights it takes and the shapes of its x and y. A kernel
+that feeds several matmuls in a layer has a probe, a stash entry and a W op per use, and W sums their gradients
+(one probe shared by the uses would sum their (x, dy) pairs, which is no weight gradient). The
 functions close over static configuration only (a spec, the model config, the Sharder), so W can run them
 again. Under sequence parallelism the column-parallel op is the whole all-gather + matmul: the stash keeps
 the sequence-split input and W gathers it again, as Megatron-LM's weight-gradient GEMM does.
@@ -40,8 +42,9 @@ class TapOp(NamedTuple):
 
 
 class Taps:
-    """The deferred ops of one pipeline chunk's layers, keyed by the path of each op's first weight. Filled at
-    trace time by `discover`; read by the probes (`probes`) and by W (`weight_gradients`)."""
+    """The deferred ops of one pipeline chunk's layers, keyed by use (`use_key`: the path of each op's first weight,
+    and which use of it in the layer). Filled at trace time by `discover`; read by the probes (`probes`) and by W
+    (`weight_gradients`)."""
 
     def __init__(self):  # static data of `Deferred`: hashed and compared by identity (object's own)
         self.ops: dict[str, TapOp] = {}
@@ -55,9 +58,12 @@ class Taps:
             raise RuntimeError(f"zb-h1: the kernels {sorted(missing)} reach no deferred matmul")
 
     def wrap(self, weights: dict, probes: dict | None) -> dict:
-        """weights with each kernel as a `Deferred` (its op's probe on the op's first kernel)."""
-        return map_kernels(lambda path, w: Deferred(w, None if probes is None else probes.get(path), path, self),
-                            weights)
+        """weights with each kernel as a `Deferred`, holding the probes of the ops it is the first kernel of, one
+        per use in a layer's order (none where it is no op's first)."""
+        def uses(path: str) -> tuple:
+            return tuple(probes[use_key(path, i)] for i in range(len(probes)) if use_key(path, i) in probes)
+
+        return map_kernels(lambda path, w: Deferred(w, None if probes is None else uses(path), path, self), weights)
 
     def probes(self, layers: int) -> dict:
         """Zero probes, [layers, …] per op: (x, y) as the op's input and output."""
@@ -74,7 +80,8 @@ class Taps:
 
     def weight_gradients(self, weights: dict, stash: dict) -> dict:
         """{kernel path: gradient [layers, …]} from one W stash slot ({op key: (x, dy) [layers, …]}) and the
-        chunk's weights ([layers, …] per leaf): per layer, each op's VJP with respect to its weights."""
+        chunk's weights ([layers, …] per leaf): per layer, each op's VJP with respect to its weights, summed over
+        the ops a kernel takes part in."""
         by_path = dict(_kernel_items(weights))
 
         def layer(_, inputs):
@@ -83,7 +90,8 @@ class Taps:
             for key, op in self.ops.items():
                 x, dy = slot[key]
                 _, vjp = jax.vjp(lambda ws: op.fn(x, ws), jax.tree.unflatten(op.treedef, [w[p] for p in op.paths]))
-                grads.update(zip(op.paths, jax.tree.leaves(vjp(dy)[0])))
+                for path, g in zip(op.paths, jax.tree.leaves(vjp(dy)[0])):
+                    grads[path] = grads[path] + g if path in grads else g
             return None, grads
 
         _, grads = jax.lax.scan(layer, None, (by_path, stash))
@@ -92,11 +100,13 @@ class Taps:
 
 @jax.tree_util.register_pytree_node_class
 class Deferred:
-    """A kernel whose gradient is deferred: its value, its op's probe (or None: discovery, or not the op's first
-    kernel), its path in the layer's parameters and the chunk's `Taps`."""
+    """A kernel whose gradient is deferred: its value, its ops' probes (one per use in the layer, of the ops it is
+    the first kernel of; None: discovery), its path in the layer's parameters and the chunk's `Taps`. `uses` counts
+    the ops that have taken it as their first kernel in this trace (each trace of a layer unflattens its own)."""
 
     def __init__(self, value, probe, path: str, taps: Taps):
         self.value, self.probe, self.path, self.taps = value, probe, path, taps
+        self.uses = 0
 
     def tree_flatten(self):
         return (self.value, self.probe), (self.path, self.taps)
@@ -124,14 +134,24 @@ def apply(op: Callable, x, w):
         raise ValueError("a deferred op's weights are all deferred or none is")
     plain = jax.tree.map(lambda a: a.value, w, is_leaf=is_deferred)
     first = leaves[0]
+    use, first.uses = first.uses, first.uses + 1
     if first.probe is None:
         y = op(x, plain)
         aval = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-        first.taps.record(first.path, TapOp(op, tuple(a.path for a in leaves), jax.tree.structure(plain), aval(x),
-                                            jax.tree.map(aval, y)))
+        first.taps.record(use_key(first.path, use), TapOp(op, tuple(a.path for a in leaves), jax.tree.structure(plain),
+                                                          aval(x), jax.tree.map(aval, y)))
         return y
+    if use >= len(first.probe):  # not an assert: a use without a probe would lose its gradient
+        raise RuntimeError(f"zb-h1: the kernel {first.path} feeds {use + 1} deferred matmuls in a layer where "
+                           f"discovery found {len(first.probe)}")
     # The output carries the name the dot policies save (they cannot see a dot inside a custom VJP).
-    return jax.tree.map(lambda y: checkpoint_name(y, R.MATMUL), _deferred(op, x, plain, first.probe))
+    return jax.tree.map(lambda y: checkpoint_name(y, R.MATMUL), _deferred(op, x, plain, first.probe[use]))
+
+
+def use_key(path: str, use: int) -> str:
+    """The key of an op by its first kernel's path and which use of that kernel it is in a layer (from 0): the
+    path alone for the first use, "path#2" for the second, and so on."""
+    return path if use == 0 else f"{path}#{use + 1}"
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -2,9 +2,10 @@
 optimizer state, each layer gathering its weights inside the layer loop (parallel/fsdp.py).
 
 Against one device (the outside reference: the same model unsplit): the loss and every gradient the step hands to
-the optimizer, in five layouts (both families, tensor + SP, HSDP with accumulation, a pipeline, context). From the
-compiled program: where the gathers and reduce-scatters over `fsdp` run, and the state bytes per device. Resume
-across fsdp sizes and onto a mesh without fsdp; bad input in one line. Float32 (tiny models, 8 devices).
+the optimizer, in six layouts (both families, tensor + SP, HSDP with accumulation with and without the distributed
+optimizer, a pipeline, context). From the compiled program: where the gathers and reduce-scatters over `fsdp` run,
+what HSDP's distributed optimizer gathers over `data`, and the state bytes per device. Resume across fsdp sizes and
+onto a mesh without fsdp; bad input in one line. Float32 (tiny models, 8 devices) but the programs read.
 """
 
 from functools import lru_cache
@@ -32,6 +33,8 @@ LAYOUTS = {
     "fsdp=8 m=2": (GPT, ParallelConfig(fsdp=8), 2),
     "fsdp=4,tensor=2+sp llama": (LLAMA, ParallelConfig(fsdp=4, tensor=2, sequence_parallel=True), 1),
     "data=2,fsdp=2,tensor=2 m=2": (GPT, ParallelConfig(data=2, fsdp=2, tensor=2), 2),
+    "data=2,fsdp=2,tensor=2 m=2 distributed optimizer": (
+        GPT, ParallelConfig(data=2, fsdp=2, tensor=2, distributed_optimizer=True), 2),
     "pipe=2,fsdp=2,tensor=2+sp m=2": (GPT, ParallelConfig(pipe=2, fsdp=2, tensor=2, sequence_parallel=True), 2),
     "fsdp=2,context=2,tensor=2 ring llama": (LLAMA, ParallelConfig(fsdp=2, context=2, tensor=2,
                                                                     context_strategy="ring"), 1),
@@ -94,10 +97,10 @@ def bf16_program(devices):
     return parallel, mesh, compiled.as_text(), text, compiled.memory_analysis()
 
 
-def _fsdp_groups(mesh) -> set:
-    """The device groups of the `fsdp` axis (ids of devices that differ only in their fsdp index)."""
+def _fsdp_groups(mesh, axis: str = "fsdp") -> set:
+    """The device groups of the `fsdp` axis, or another (ids of devices that differ only in their index on it)."""
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    moved = np.moveaxis(ids, mesh.axis_names.index("fsdp"), -1).reshape(-1, mesh.shape["fsdp"])
+    moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
     return {tuple(sorted(g)) for g in moved.tolist()}
 
 
@@ -161,6 +164,41 @@ def test_state_bytes_per_device_are_twelve_bytes_a_parameter_over_fsdp(bf16_prog
     assert 0 <= extra <= 64, (memory.argument_size_in_bytes, split, whole)  # the key and the step counter
     planned = state_bytes(GPT, parallel.tensor, fsdp=parallel.fsdp)  # `plan --fsdp`'s count
     assert (planned.params + planned.optimizer, planned.gradients) == (12 * (split + whole), 4 * (split + whole))
+
+
+@pytest.mark.slow
+def test_hsdp_with_the_distributed_optimizer_gathers_the_compute_copy_over_data(devices):
+    """data=2 × fsdp=2 × tensor=2, bf16, the distributed optimizer: the weights the masters split over `data` are
+    gathered over it once a step, each as its compute copy (cast on the master shard first), as without FSDP. In
+    the program as partitioned (before XLA:CPU promotes collectives to float32), every all-gather over the data
+    groups is bf16 but the norm scales' and biases' (float32, as they compute), and together they move each
+    data-split weight's fsdp and tensor shard at its compute dtype's bytes. Left to the partitioner they moved the
+    float32 masters (here 111,872 bytes of float32 against these 57,216)."""
+    parallel = ParallelConfig(data=2, fsdp=2, tensor=2, distributed_optimizer=True)
+    cfg = replace(GPT, dtype="bfloat16", dropout=0.0)
+    mesh = make_mesh(parallel)
+    layout = Layout(cfg, parallel, mesh)
+    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
+    step = T.make_train_step(layout, "selective", optimizer)
+    _, partitioned = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
+    data = _fsdp_groups(mesh, "data")
+    gathered = {"bf16": 0, "f32": 0}  # bytes per device of every all-gather over the data groups
+    for instrs in HLO.parse_hlo(partitioned).values():
+        for ins in instrs:
+            if ins.opcode == "all-gather" and {tuple(sorted(g)) for g in HLO.replica_groups(ins.rest) or ()} == data:
+                for dtype, dims in ins.arrays():
+                    gathered[dtype] = gathered.get(dtype, 0) + HLO.array_bytes(dtype, dims)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    leaves = [jax.tree.leaves(layout.param_shapes, is_leaf=lambda x: isinstance(x, tuple)),
+              jax.tree.leaves(layout.master_specs, is_leaf=is_spec),
+              jax.tree.leaves(layout.param_specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask(cfg))]
+    want = {"bf16": 0, "f32": 0}  # each leaf the masters split over data: its compute shard, whole over data
+    for shape, master, compute, cast in zip(*leaves):
+        if "data" in master:
+            split = np.prod([parallel.fsdp if a == "fsdp" else parallel.tensor for a in compute if a])
+            want["bf16" if cast else "f32"] += HLO.array_bytes("bf16" if cast else "f32", shape) // int(split)
+    assert want["bf16"] > 10 * want["f32"] > 0
+    assert gathered == want
 
 
 @pytest.mark.slow

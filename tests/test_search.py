@@ -536,8 +536,9 @@ def test_fsdp_candidates_split_the_data_ranks():
 
 def test_fsdp_time_and_memory_are_the_hand_computation():
     """t=1 p=1 d=4 f=4, b=1, m=2, full: FSDP's gathers and reduce-scatters per micro-batch over the f ranks (t·f = 4
-    fits a node: NVLink), the data ranks' reduction of the gradient shards between nodes, no weight copy, one
-    layer's gathered weights and gradient in the memory, the accumulator of shards."""
+    fits a node: NVLink), the data ranks' reduction of the gradient shards between nodes (with the distributed
+    optimizer a reduce-scatter and the gather of their bf16 copy), no weight copy, one layer's gathered weights and
+    gradient in the memory, the accumulator of shards."""
     c = S.Candidate(1, 1, 1, 4, 1, "full", False, False, 2, fsdp=4)
     costs, tm = HandCosts(), S.TimeModel(compute_efficiency=0.5, memory_efficiency=0.8, link_efficiency=0.8)
     layer, state = costs.layer(1, False, "full", 1), costs.state(CFG, 1, 4, False, 1, 4)
@@ -548,6 +549,10 @@ def test_fsdp_time_and_memory_are_the_hand_computation():
     assert t.fsdp_s == pytest.approx(2 * (gathers + scatters) / 160e9)
     # the data ranks (t·f·d = 16 > 4: between nodes) all-reduce the fp32 gradient shards, 2(d − 1)/d
     assert t.dp_s == pytest.approx(2 * 3 / 4 * 4 * 41_000_000 / 4 / 10e9)
+    # HSDP with the distributed optimizer: the gradient shards reduce-scattered over data, their bf16 compute copy
+    # gathered back, (d − 1)/d each
+    dist = S.step_time(CFG, replace(c, distributed_optimizer=True), layer, costs.state(CFG, 1, 4, True, 1, 4), NODE, tm)
+    assert dist.dp_s == pytest.approx(3 / 4 * (4 + 2) * 41_000_000 / 4 / 10e9)
     # no compute copy under FSDP: the optimizer step moves the master shards' 32 bytes per element alone
     assert t.optimizer_s == pytest.approx(32 * 41_000_000 / 4 / 800e9)
     assert t.total_s == pytest.approx(t.compute_s + t.tp_s + t.dp_s + t.optimizer_s + t.fsdp_s)

@@ -1,8 +1,13 @@
 """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism, 2024): its schedule as data, its split backward's
-stash, and its one-line refusals. The executor's losses, gradients and FLOPs: tests/test_pipeline.py."""
+stash (a kernel used twice in a layer included), and its one-line refusals. The executor's losses, gradients and
+FLOPs: tests/test_pipeline.py."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from jaxseq import deferred as D
 from jaxseq import remat as R
 from jaxseq import schedule as schedule_command
 from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
@@ -199,3 +204,57 @@ def test_the_w_stash_formula_is_the_compiled_carry(family, tensor, sp, context, 
     per_layer = f.compiled_w_stash_bytes / (f.w_slots * f.compiled_layers_per_chunk)
     assert per_layer == formulas.deferred_stash_bytes(cfg, 2, tensor, sp, context)
     assert f.w_stash_bytes == f.compiled_w_stash_bytes * f.layers_per_chunk // f.compiled_layers_per_chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# One kernel, two deferred matmuls in a layer
+
+def _toy_layers(x, weights):
+    """[k] layers of tanh(mm(tanh(mm(x, w)), w)): the layer's one kernel feeds two deferred matmuls."""
+    mm = lambda x, w: x @ w
+
+    def layer(x, w):
+        return jnp.tanh(D.apply(mm, jnp.tanh(D.apply(mm, x, w["kernel"])), w["kernel"])), None
+
+    return jax.lax.scan(layer, x, weights)[0]
+
+
+def test_a_kernel_used_twice_in_a_layer_gets_both_uses_gradients():
+    """The split backward (B's probes, W's `Taps.weight_gradients`) of a toy layer whose kernel feeds two matmuls:
+    the W stash holds each use's (x, dy), and the kernel's gradient is jax.vjp's of the plain layers, both uses
+    summed (keyed by the kernel alone, the second use overwrote the first and shared its probe: here one stash
+    entry, and the gradient off by 4.21 where its largest entry is 3.88)."""
+    k, b, h = 2, 4, 8
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, dy = jax.random.normal(keys[0], (b, h)), jax.random.normal(keys[1], (b, h))
+    weights = {"kernel": jax.random.normal(keys[2], (k, h, h)) / np.sqrt(h)}
+    _, plain_vjp = jax.vjp(_toy_layers, x, weights)
+    want_dx, want = plain_vjp(dy)
+
+    taps = D.Taps()
+    taps.discover(_toy_layers, weights, x)
+    kernels, others = D.split_kernels(weights)
+    split = lambda x, others, probes: _toy_layers(x, taps.wrap(D.merge_kernels(kernels, others), probes))
+    _, b_vjp = jax.vjp(split, x, others, taps.probes(k))
+    dx, _, stash = b_vjp(dy)
+    assert len(stash) == 2  # the W stash: each use's (x, dy), [k, …]
+    first, second = (stash[D.use_key("['kernel']", use)] for use in (0, 1))
+    np.testing.assert_allclose(first[0][0], x, rtol=1e-6)  # layer 0's first matmul's input: the layers' input
+    np.testing.assert_allclose(second[0][0], jnp.tanh(x @ weights["kernel"][0]), rtol=1e-6)
+    got = taps.weight_gradients(weights, stash)["['kernel']"]
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, want["kernel"], rtol=1e-5, atol=1e-5 * np.abs(want["kernel"]).max())
+
+
+def test_a_use_that_discovery_did_not_see_is_refused_naming_the_kernel():
+    """A layer that feeds a kernel to more deferred matmuls than the discovery trace saw would lose those uses'
+    gradients: refused in one line naming the kernel."""
+    x, weights = jnp.ones((4, 8)), {"kernel": jnp.ones((2, 8, 8))}
+    once = lambda x, weights: jax.lax.scan(lambda x, w: (D.apply(lambda x, w: x @ w, x, w["kernel"]), None),
+                                           x, weights)[0]
+    taps = D.Taps()
+    taps.discover(once, weights, x)
+    kernels, others = D.split_kernels(weights)
+    with pytest.raises(RuntimeError, match=r"the kernel \['kernel'\] feeds 2 deferred matmuls .* found 1") as e:
+        _toy_layers(x, taps.wrap(D.merge_kernels(kernels, others), taps.probes(2)))
+    assert "\n" not in str(e.value)

@@ -52,8 +52,8 @@ class _Leaf:
         """The compute-dtype copy a step makes: a gathered one of a data-sharded leaf (LayerNorm
         parameters in f32), a cast one of a replicated leaf, none of a replicated f32 leaf. Under FSDP none
         (each layer casts and gathers its weights as it runs: `fsdp_gathered_bytes`) but where the distributed
-        optimizer or a pipeline splits the master further: that is gathered over data or pipe, float32, its fsdp
-        shard."""
+        optimizer or a pipeline splits the master further: that is gathered over data or pipe in the compute dtype
+        and held float32, its fsdp shard (`train_step.fsdp_weights`)."""
         e = cfg.itemsize
         if self.fsdp_run:
             return 4 * self.elements // self.fsdp if self.sharded else 0

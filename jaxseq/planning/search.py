@@ -57,7 +57,8 @@ Time per step (a stated model; the slowest stage is the last, which also runs th
       SP the two all-gathers per layer its W adds (`zero_bubble_gather_bytes`).
   data-parallel gradient reduction after the flush: fp32 gradients of the stage's parameters, ring
       all-reduce 2(d − 1)/d · 4N bytes, or with the distributed optimizer a reduce-scatter (d − 1)/d · 4N
-      plus the all-gather of the compute copy (d − 1)/d · 2N, / (link_efficiency · d's bandwidth).
+      plus the all-gather of the compute copy (d − 1)/d · 2N, / (link_efficiency · d's bandwidth); under FSDP
+      N is the device's fsdp shards.
   Nothing overlaps (as in Megatron-LM 2021–22): TP collectives sit between the matmuls that need them,
   p2p blocks the 1F1B step, the gradient reduction follows the pipeline flush.
   Links: a group inside one node uses the intra-node bandwidth, otherwise the inter-node one (ranks
@@ -506,8 +507,8 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
         fsdp = max(0.0, fsdp - compute)
     grads = state.gradients  # under FSDP the shards: each rank reduces its own over data × context
     reduce = c.data * c.context  # gradients reduce over data × context (context ranks are data ranks to weights)
-    if c.distributed_optimizer:  # the compute copy gathered back: under FSDP its float32 fsdp shard
-        copy = itemsize * state.parameters if c.fsdp == 1 else grads
+    if c.distributed_optimizer:  # the compute copy gathered back: under FSDP of the fsdp shards (grads' elements)
+        copy = itemsize * (state.parameters if c.fsdp == 1 else grads / 4)
         dp_bytes = ring_traffic("reduce-scatter", grads, reduce) + ring_traffic("all-gather", copy, reduce)
     else:
         dp_bytes = ring_traffic("all-reduce", grads, reduce)

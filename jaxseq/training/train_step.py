@@ -96,7 +96,8 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     Under a pipeline the embedding's and final norm's master weights and moments are split over `pipe`
     too: the step gathers their compute copy once and the executor reduce-scatters their gradients over `pipe`.
     Under FSDP every weight stays split over `fsdp` in the step: each layer gathers its weights as it uses them and
-    reduce-scatters their float32 gradients at once (`parallel.fsdp`); the rest is reduced over data as above.
+    reduce-scatters their float32 gradients at once (`parallel.fsdp`); the rest is reduced over data as above. What
+    the masters split further (over `data`, `pipe`) is gathered once as the compute copy first (`fsdp_weights`).
     """
     gradients = step_gradients(layout, remat, micro_batches)
 
@@ -130,15 +131,33 @@ def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
         # the master weights' shards, so that what is gathered is the compute copy: left to the partitioner, it
         # gathered the float32 masters and cast after (twice the bytes over `data`, on XLA:CPU and XLA:GPU alike).
         # Under FSDP they enter float32, split over `fsdp`: each layer casts its shard and gathers it
-        # (`parallel.fsdp.gather`).
-        weights = params if layout.parallel.fsdp > 1 else constrain(M.cast_params(params, layout.model),
-                                                                    layout.master_shardings)
+        # (`parallel.fsdp.gather`); `fsdp_weights` gathers over `data` (or `pipe`) what the masters split further.
+        weights = fsdp_weights(params, layout) if layout.parallel.fsdp > 1 else constrain(
+            M.cast_params(params, layout.model), layout.master_shardings)
         loss, grads = loss_and_grad(constrain(weights, layout.param_shardings), batch, key, layout=layout,
                                     remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
         return loss, constrain(grads, layout.master_shardings)
 
     return gradients
+
+
+def fsdp_weights(params, layout: Layout) -> dict:
+    """Under FSDP, the float32 weights the step's region takes, in their compute layout (split over `fsdp` and
+    `tensor`). A master leaf split further (over `data` by the distributed optimizer, the embedding group's over
+    `pipe`) is cast to the compute dtype on its shard, gathered so, and made float32 again: the gather moves the
+    compute copy (left to the partitioner, it moved the float32 masters: twice the bytes over `data`), and the
+    region still gets float32 weights, whose gradients `fsdp.gather` reduce-scatters in float32. The values are
+    those the region computes with (its gather casts them to the compute dtype again, exactly)."""
+    dtype = jnp.dtype(layout.model.dtype)
+
+    def one(w, cast, master, compute):
+        if master == compute:  # nothing to gather: the master shard itself
+            return w
+        copy = jax.lax.with_sharding_constraint(w.astype(dtype) if cast else w, master)
+        return jax.lax.with_sharding_constraint(copy, compute).astype(w.dtype)
+
+    return jax.tree.map(one, params, M.cast_mask(layout.model), layout.master_shardings, layout.param_shardings)
 
 
 def make_loss_and_grad(layout: Layout, remat: str):
