@@ -276,8 +276,10 @@ def read_yaml(path: str):
         raise ConfigError(f"--config {path!r} is not valid YAML: {problem}{where}") from None
 
 
-# What a resume neither restores nor reports: how this launch finds the run, and what the platform decides.
-NOT_RESTORED = {"train": {"resume", "run_dir"}, "model": {"matmul", "fused_kernel"}}
+# What a resume neither restores nor reports: how this launch finds the run, what the platform decides, and the
+# settings of one launch on one machine (its simulated devices, its device's peak, a GPU's autotuner record).
+NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune"},
+                "model": {"matmul", "fused_kernel"}}
 
 
 def resumed_configs(saved: dict, configs: dict) -> dict:
@@ -294,18 +296,49 @@ def resumed_configs(saved: dict, configs: dict) -> dict:
     return resumed
 
 
-def resume_changes(saved: dict, run: RunConfig) -> list[str]:
-    """What a resumed run changes of the saved one ("steps 200 → 400", "mesh data=2 × tensor=4 → …")."""
+def resume_changes(saved: dict, run: RunConfig, dropped: frozenset[str] = frozenset()) -> list[str]:
+    """What a resumed run changes of the saved one ("steps 200 → 400", "mesh data=2 × tensor=4 → …"), but the
+    parallel settings in `dropped` (`drop_unusable`), which the resume line reports apart."""
     changes = []
     if saved["parallel"].mesh_text() != run.parallel.mesh_text():
         changes.append(f"mesh {saved['parallel'].mesh_text()} → {run.parallel.mesh_text()}")
     for section in SECTIONS:
-        skip = NOT_RESTORED.get(section, set()) | (set(MESH_AXES) if section == "parallel" else set())
+        skip = NOT_RESTORED.get(section, set()) | (set(MESH_AXES) | dropped if section == "parallel" else set())
         for f in dataclasses.fields(SECTIONS[section]):
             before, after = getattr(saved[section], f.name), getattr(getattr(run, section), f.name)
             if f.name not in skip and before != after:
                 changes.append(f"{f.name} {before!r} → {after!r}")
     return changes
+
+
+def drop_unusable(model: ModelConfig, parallel: ParallelConfig, given: set[str]) -> tuple[ParallelConfig, dict]:
+    """A resumed run's parallel settings that came back from config.json and that its mesh (a new one, --mesh) cannot
+    use, set to their defaults: (the parallel config, {field: why it was dropped}). A setting given on this launch
+    is the user's and is kept: `validate` refuses it in one line."""
+    p, default, dropped = parallel, ParallelConfig(), {}
+
+    def drop(name: str, why: str) -> None:
+        if name not in given and getattr(p, name) != getattr(default, name):
+            dropped[name] = f"{name} {getattr(p, name)!r} ({why})"
+
+    if p.pipe == 1:
+        if not {"schedule", "virtual_stages"} & given:  # one given: the pair is the user's
+            drop("schedule", "no pipeline")
+            drop("virtual_stages", "no pipeline")
+    else:
+        if model.layers % (p.pipe * p.virtual_stages):
+            drop("virtual_stages", f"layers={model.layers} is not divisible by pipe × virtual_stages = "
+                                   f"{p.pipe}×{p.virtual_stages}")
+        if p.schedule == "interleaved" and "virtual_stages" in dropped:
+            drop("schedule", "interleaving needs virtual_stages ≥ 2")
+        if p.schedule == "zb-h1" and (p.fsdp > 1 or p.tensor > model.num_kv_heads):
+            drop("schedule", f"zb-h1 takes neither fsdp > 1 nor tensor > kv_heads={model.num_kv_heads}")
+    if p.sequence_parallel and (p.tensor == 1 or model.seq_len % p.tensor):
+        drop("sequence_parallel", "tensor=1" if p.tensor == 1 else f"tensor={p.tensor} does not divide "
+                                                                   f"seq_len={model.seq_len}")
+    if p.distributed_optimizer and p.fsdp > 1 and p.data * p.context == 1:
+        drop("distributed_optimizer", f"fsdp={p.fsdp} with data=1 already splits the optimizer state")
+    return replace(p, **{name: getattr(default, name) for name in dropped}), dropped
 
 
 def check_architecture(saved: ModelConfig, model: ModelConfig) -> None:
@@ -362,14 +395,16 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     if mesh_text is None and resumed:  # the saved run's (`resumed_configs`), on this machine's devices
         mesh_text = _saved_mesh(configured)
         if configured.num_devices != len(devices):
+            simulate = (f", or --host-devices {configured.num_devices} to simulate the run's"
+                        if devices[0].platform == "cpu" else "")
             raise ConfigError(f"--resume: the run's mesh {configured.mesh_text()} needs {configured.num_devices} "
-                              f"devices, and there are {len(devices)}: pass --mesh for these")
+                              f"devices, and there are {len(devices)}: pass --mesh for these{simulate}")
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
     axes = parse_mesh(mesh_text, len(devices))
-    if sequence_parallel is None:  # a resume keeps the saved one (meaningless at tensor = 1)
-        sequence_parallel = axes["tensor"] > 1 and (configured.sequence_parallel or not resumed)
+    if sequence_parallel is None:  # a resume keeps the saved one (`drop_unusable` drops it at tensor = 1)
+        sequence_parallel = configured.sequence_parallel if resumed else axes["tensor"] > 1
     schedule, virtual_stages = pipeline
     return replace(configured, **axes, sequence_parallel=sequence_parallel,
                    schedule=configured.schedule if schedule is None else schedule,
@@ -412,6 +447,10 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     initial weights), resolved, then validated: the loop receives a final RunConfig. A resume starts
     from the run's saved configuration (`resumed_configs`) and says in one line what it changes."""
     configs, mesh_text, sequence_parallel = configs_from_args(args)
+    run_dir = configs["train"].run_dir
+    if configs["train"].resume and not rundir.has_checkpoints(run_dir):  # refused before anything is created
+        raise ConfigError(f"--resume: no checkpoint in {rundir.checkpoint_dir(run_dir)}: nothing to resume (pass the "
+                          f"--run-dir of a run that saved one, or leave --resume out to start a run there)")
     saved = None
     if configs["train"].resume and os.path.isfile(os.path.join(configs["train"].run_dir, rundir.CONFIG)):
         if "train.init_from" in configs["explicit"]:
@@ -426,6 +465,12 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
                                     process_id=args.process_id, heartbeat_timeout_s=args.heartbeat_timeout)
     parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
                                 (args.schedule, args.virtual_stages), resumed=saved is not None)
+    dropped = {}
+    if saved is not None:
+        given = {name for name, value in (("schedule", args.schedule), ("virtual_stages", args.virtual_stages),
+                                          ("sequence_parallel", sequence_parallel)) if value is not None}
+        given |= {key.split(".", 1)[1] for key in configs["explicit"] if key.startswith("parallel.")}
+        parallel, dropped = drop_unusable(configs["model"], parallel, given)
     corpus = load_corpus(train.data, train.tokenizer)
     # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more,
     # and a resumed model keeps its own where the data's fits in it.
@@ -455,11 +500,20 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
     check_run_dir(run.train.run_dir)
     if saved is not None and D.is_main_process():
-        changes = resume_changes(saved, run)
-        where = os.path.join(run.train.run_dir, rundir.CONFIG)
-        print(f"resume: the run as saved in {where}" + (", changed as asked: " + ", ".join(changes) if changes
-                                                         else " (nothing changed)"), flush=True)
+        print(resume_line(saved, run, dropped), flush=True)
     return run, corpus
+
+
+def resume_line(saved: dict, run: RunConfig, dropped: dict) -> str:
+    """`resume: the run as saved in RUN/config.json`, what this launch asked to change, and what the resume
+    dropped (`drop_unusable`)."""
+    changes = resume_changes(saved, run, frozenset(dropped))
+    line = f"resume: the run as saved in {os.path.join(run.train.run_dir, rundir.CONFIG)}"
+    if changes:
+        line += ", changed as asked: " + ", ".join(changes)
+    if dropped:
+        line += f"; dropped, as the mesh {run.parallel.mesh_text()} cannot use them: " + ", ".join(dropped.values())
+    return line + ("" if changes or dropped else " (nothing changed)")
 
 
 def main(argv=None) -> int:
