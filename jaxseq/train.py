@@ -23,7 +23,9 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while the modules below import (
         signal.signal(_signal, _stopped_while_importing)
 
 import argparse  # noqa: E402 (after the handlers above)
+import ctypes.util  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax
@@ -85,8 +87,11 @@ def _field_section(key: str) -> str:
         section, key = key.split(".", 1)
         if section == "parallel" and key in MESH_FIELDS:
             raise ConfigError(f"parallel.{key} is set with --mesh / --sequence-parallel, not as a config field")
-        if section not in SECTIONS or key not in _fields(section):
-            raise ConfigError(f"unknown config field {section}.{key!r}")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} (in {section}.{key}); valid: {', '.join(SECTIONS)}")
+        if key not in _fields(section):
+            raise ConfigError(f"unknown config field {section}.{key}; valid {section} fields: "
+                              f"{', '.join(sorted(_fields(section)))}")
         return section
     owners = [s for s in SECTIONS if key in _fields(s)]
     if not owners:
@@ -218,7 +223,7 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r} is not key=value")
+            raise ConfigError(f"override {item!r} is not key=value" + _expanded_glob_hint(item, args.data))
         pairs[key] = value
     configs = override(configs, pairs)
     if configs["train"].init_from:
@@ -228,6 +233,16 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
         configs["optimizer"] = replace(configs["optimizer"], decay_steps=configs["train"].steps)
     configs["explicit"] = frozenset(explicit)
     return configs, args.mesh, args.sequence_parallel
+
+
+def _expanded_glob_hint(item: str, data: str | None) -> str:
+    """Where a stray argument is a file after --data: the shell expanded an unquoted glob (`--data notes/*.md`
+    reached argparse as `--data notes/a.md notes/b.md`), so say how to pass the glob itself."""
+    if data is None or not os.path.exists(item):
+        return ""
+    glob = os.path.join(os.path.dirname(data), "*" + os.path.splitext(data)[1])
+    return (f": it is a file, as when the shell expands an unquoted --data glob into {data} {item} …; quote the glob "
+            f"(--data '{glob}')")
 
 
 def preset_configs(name: str) -> dict:
@@ -255,6 +270,9 @@ def yaml_fields(path: str) -> tuple[str | None, dict]:
     for key, value in loaded.items():
         if key in SECTIONS and isinstance(value, dict):
             fields.update({f"{key}.{k}": v for k, v in value.items()})
+        elif isinstance(value, dict):
+            raise ConfigError(f"--config {path!r}: unknown section {key!r}; valid: {', '.join(SECTIONS)} (or flat "
+                              "field names)")
         else:
             fields[key] = value
     return (None if name is None else str(name)), fields
@@ -382,6 +400,23 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run_dir={run_dir!r} is not writable ({e.strerror})") from None
 
 
+def gpu_here() -> tuple[bool, bool]:
+    """(JAX's CUDA plugin is installed, this machine has an NVIDIA driver), read without starting JAX's backends; the
+    driver is looked for only where the plugin is."""
+    plugin = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+    driver = plugin and (os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None)
+    return plugin, driver
+
+
+def cpu_without_a_gpu(platforms: str | None, plugin: bool, driver: bool) -> bool:
+    """Whether the run asks JAX for the CPU alone before its backends start: the CUDA plugin is installed (`plan
+    --target` needs it), the machine has no NVIDIA driver, and JAX_PLATFORMS chose nothing. The run is on the CPU
+    either way; asked first, the plugin skips its check of the CUDA libraries, which without a GPU fails with a
+    17-line "Jax plugin configuration error" traceback at every start (`plan` does the same: `gpu_target.cpu_only`).
+    The "Could not find cuda drivers" lines the plugin's library prints as it loads remain (docs/training.md)."""
+    return not platforms and plugin and not driver
+
+
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
                      sequence_parallel: bool | None, configured: ParallelConfig,
                      pipeline: tuple[str | None, int | None], resumed: bool = False) -> ParallelConfig:
@@ -390,6 +425,8 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     schedule and virtual stages from `pipeline` where given. `resumed`: `configured` is the saved
     run's, whose mesh and sequence parallelism are kept unless given."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
+    if cpu_without_a_gpu(jax.config.jax_platforms, *gpu_here()):
+        jax.config.update("jax_platforms", "cpu")
     D.initialize(distributed)
     devices = available_devices()
     if mesh_text is None and resumed:  # the saved run's (`resumed_configs`), on this machine's devices

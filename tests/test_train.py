@@ -165,6 +165,34 @@ def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     assert message in out.stderr and out.stderr.startswith("error: "), out.stderr[-2000:]
 
 
+def test_an_unquoted_data_glob_the_shell_expanded_says_to_quote_it(tmp_path):
+    """`--data notes/*.md` unquoted reaches the command as `--data notes/a.md notes/b.md notes/c.md`: the files after
+    the first are taken for key=value overrides, and the one line says to quote the glob."""
+    names = [tmp_path / f"{c}.md" for c in "abc"]
+    for name in names:
+        name.write_text("notes\n")
+    out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), "--data", *map(str, names), check=False)
+    assert out.returncode == 2 and out.stderr == (
+        f"error: override '{names[1]}' is not key=value: it is a file, as when the shell expands an unquoted --data "
+        f"glob into {names[0]} {names[1]} …; quote the glob (--data '{tmp_path}/*.md')\n"), out.stderr
+
+
+def test_without_a_gpu_the_cuda_plugin_is_told_to_stay_out():
+    """With JAX's CUDA plugin installed (for `plan --target`) on a machine without an NVIDIA driver, train asks JAX for
+    the CPU before its backends start: the plugin then skips its check of the CUDA libraries, which failed with a
+    17-line "Jax plugin configuration error" traceback before every run. A platform the user chose (JAX_PLATFORMS),
+    a driver, or no plugin: nothing is asked. (The plugin is not installed here: the decision alone is tested.)"""
+    from jaxseq.train import cpu_without_a_gpu, gpu_here
+
+    assert cpu_without_a_gpu(None, plugin=True, driver=False)
+    assert cpu_without_a_gpu("", plugin=True, driver=False)
+    assert not cpu_without_a_gpu("cuda", plugin=True, driver=False)
+    assert not cpu_without_a_gpu(None, plugin=True, driver=True)
+    assert not cpu_without_a_gpu(None, plugin=False, driver=False)
+    plugin, driver = gpu_here()
+    assert isinstance(plugin, bool) and isinstance(driver, bool) and (plugin or not driver)
+
+
 def test_a_value_of_the_default_mesh_says_so(tmp_path):
     """No --mesh: the 8 simulated devices' default data=2 × tensor=4 does not divide 6 heads; the one line says the
     mesh was the default, not asked for, and names one that works (docs/training.md's YAML example gives it)."""
@@ -453,6 +481,24 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, messag
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --config") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("model: {hiden: 64}\n", "unknown config field model.hiden; valid model fields: attention, dropout, dtype, "),
+    ("optimizer:\n  learning_rate: 1e-3\n", "unknown config field optimizer.learning_rate; valid optimizer fields: "
+                                            "b1, b2, clip_norm, decay_steps, eps, lr, "),
+    ("modle: {hidden: 64}\n", "unknown section 'modle'; valid: model, optimizer, train, parallel (or flat field "),
+])
+def test_a_typo_in_the_yaml_file_names_the_valid_fields(tmp_path, capsys, content, message):
+    """A misspelt field under a section (`model: {hiden: …}`) is one line naming the section's valid fields, a
+    misspelt section the sections; before, `unknown config field model.'hiden'` alone."""
+    from jaxseq.train import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag, message", [
