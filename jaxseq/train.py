@@ -117,8 +117,8 @@ EPILOG = ("Trailing key=value pairs override any config field (model, optimizer,
           "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
           "the shapes (the paper's model FLOPs, plus the forward matmuls the remat policy replays; "
           "tests hold them to XLA's cost analysis) divided by that time; memory_gib is the backend's "
-          "own count of device memory in use (null where it reports none, as on CPU); a step refused as too "
-          "large for the device is measured by the compiled step's memory_analysis().")
+          "own count of device memory in use; a figure not known (mfu without a peak, memory_gib on CPU) is left "
+          "out. A step refused as too large for the device is measured by the compiled step's memory_analysis().")
 
 
 def build_parser() -> argparse.ArgumentParser:

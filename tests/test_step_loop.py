@@ -286,6 +286,22 @@ def test_every_record_times_its_own_steps(tmp_path, devices, monkeypatch):
     assert len(rates) == 4 and all(rate < tokens / 0.3 for rate in rates) and max(rates) < 3 * min(rates), rates
 
 
+def test_a_record_leaves_out_what_is_not_known(tmp_path, devices, capsys):
+    """On CPU there is no peak for MFU and no count of device memory: a record (the printed line and metrics.jsonl)
+    leaves `mfu` and `memory_gib` out, where every line ended `mfu=None memory_gib=None`; with a peak given, MFU is
+    there."""
+    run, _ = _run(tmp_path, steps=4, log_every=1, checkpoint_every=10_000)
+    known = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "hardware_tflops_per_device"}
+    for peak in (None, 100.0):
+        run = replace(run, train=replace(run.train, peak_tflops=peak))
+        progress = loop.Progress(run, devices, lambda step: 1e-3, 0)
+        progress.write(progress.record(1, 2.0, 0.5, time.perf_counter() + 1.0))
+        progress.close(loop.C.manager(str(tmp_path / "checkpoints")))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [set(json.loads(line)) for line in f] == [known, known | {"mfu"}]
+    assert "None" not in capsys.readouterr().out
+
+
 def test_a_signal_saves_and_ends_the_run_with_128_plus_its_number(tmp_path, devices, own_signal_handlers,
                                                                    monkeypatch, capsys):
     """SIGINT during the steps (as Ctrl-C sends it): a checkpoint at the step every process agrees on, then

@@ -322,7 +322,8 @@ class Progress:
     def record(self, at: int, loss: float, grad_norm: float, finished: float) -> dict:
         """Step `at`'s record; its throughput over the steps since the previous record, timed from when
         that one's step was seen complete to `finished`, when this one's was (not when each is written: a
-        record written one step late would take the next step's time, and the last the remainder)."""
+        record written one step late would take the next step's time, and the last the remainder). A figure not
+        known here is left out: `mfu` without a known peak, `memory_gib` where the backend reports none (CPU)."""
         settings = self._run.train
         record = {"step": at, "loss": loss, "lr": self._learning_rate(at - 1), "grad_norm": grad_norm,
                   **throughput(self._run.model, settings.remat, settings.batch_size, at - self._last_step,
@@ -330,7 +331,7 @@ class Progress:
                                self._run.parallel.chunks),
                   "memory_gib": memory_gib()}
         self._last_time, self._last_step = finished, at
-        return record
+        return {key: value for key, value in record.items() if value is not None}
 
     def restart_clock(self) -> None:
         """Evaluation is not training time."""
