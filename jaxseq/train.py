@@ -331,8 +331,8 @@ def resume_changes(saved: dict, run: RunConfig, dropped: frozenset[str] = frozen
 
 def drop_unusable(model: ModelConfig, parallel: ParallelConfig, given: set[str]) -> tuple[ParallelConfig, dict]:
     """A resumed run's parallel settings that came back from config.json and that its mesh (a new one, --mesh) cannot
-    use, set to their defaults: (the parallel config, {field: why it was dropped}). A setting given on this launch
-    is the user's and is kept: `validate` refuses it in one line."""
+    use, set to their defaults: (the parallel config, {field: what was dropped and why, e.g. "schedule 'zb-h1' (no
+    pipeline)"}). A setting given on this launch is the user's and is kept: `validate` refuses it in one line."""
     p, default, dropped = parallel, ParallelConfig(), {}
 
     def drop(name: str, why: str) -> None:
