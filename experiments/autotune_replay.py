@@ -64,7 +64,7 @@ def replay(target: str = "h100") -> list[dict]:
         out.append({**{k: v for k, v in r.items() if k not in ("config", "file")}, "layer_loop": cfg.layer_loop,
                     "file": str(r["file"].relative_to(ROOT)), "recorded_cublas_choices": recorded.cublas_choices,
                     "replay_bytes": replayed["bytes"], "fusions_without_a_choice": replayed["missing"],
-                    "gemms_without_a_choice": sum(1 for m in replayed["missing"] if autotune.GEMM_FUSION.match(m)),
+                    "gemms_without_a_choice": len(replayed["gemms"]),
                     "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
                     "target_bytes": max(peaks.values())})
     return out

@@ -23,7 +23,9 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while the modules below import (
         signal.signal(_signal, _stopped_while_importing)
 
 import argparse  # noqa: E402 (after the handlers above)
+import ctypes.util  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax
@@ -85,8 +87,11 @@ def _field_section(key: str) -> str:
         section, key = key.split(".", 1)
         if section == "parallel" and key in MESH_FIELDS:
             raise ConfigError(f"parallel.{key} is set with --mesh / --sequence-parallel, not as a config field")
-        if section not in SECTIONS or key not in _fields(section):
-            raise ConfigError(f"unknown config field {section}.{key!r}")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} (in {section}.{key}); valid: {', '.join(SECTIONS)}")
+        if key not in _fields(section):
+            raise ConfigError(f"unknown config field {section}.{key}; valid {section} fields: "
+                              f"{', '.join(sorted(_fields(section)))}")
         return section
     owners = [s for s in SECTIONS if key in _fields(s)]
     if not owners:
@@ -112,8 +117,8 @@ EPILOG = ("Trailing key=value pairs override any config field (model, optimizer,
           "evaluation excluded); tflops_per_device, hardware_tflops_per_device and mfu are formulas of "
           "the shapes (the paper's model FLOPs, plus the forward matmuls the remat policy replays; "
           "tests hold them to XLA's cost analysis) divided by that time; memory_gib is the backend's "
-          "own count of device memory in use (null where it reports none, as on CPU); a step refused as too "
-          "large for the device is measured by the compiled step's memory_analysis().")
+          "own count of device memory in use; a figure not known (mfu without a peak, memory_gib on CPU) is left "
+          "out. A step refused as too large for the device is measured by the compiled step's memory_analysis().")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +223,7 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r} is not key=value")
+            raise ConfigError(f"override {item!r} is not key=value" + _expanded_glob_hint(item, args.data))
         pairs[key] = value
     configs = override(configs, pairs)
     if configs["train"].init_from:
@@ -228,6 +233,16 @@ def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
         configs["optimizer"] = replace(configs["optimizer"], decay_steps=configs["train"].steps)
     configs["explicit"] = frozenset(explicit)
     return configs, args.mesh, args.sequence_parallel
+
+
+def _expanded_glob_hint(item: str, data: str | None) -> str:
+    """Where a stray argument is a file after --data: the shell expanded an unquoted glob (`--data notes/*.md`
+    reached argparse as `--data notes/a.md notes/b.md`), so say how to pass the glob itself."""
+    if data is None or not os.path.exists(item):
+        return ""
+    glob = os.path.join(os.path.dirname(data), "*" + os.path.splitext(data)[1])
+    return (f": it is a file, as when the shell expands an unquoted --data glob into {data} {item} …; quote the glob "
+            f"(--data '{glob}')")
 
 
 def preset_configs(name: str) -> dict:
@@ -255,6 +270,9 @@ def yaml_fields(path: str) -> tuple[str | None, dict]:
     for key, value in loaded.items():
         if key in SECTIONS and isinstance(value, dict):
             fields.update({f"{key}.{k}": v for k, v in value.items()})
+        elif isinstance(value, dict):
+            raise ConfigError(f"--config {path!r}: unknown section {key!r}; valid: {', '.join(SECTIONS)} (or flat "
+                              "field names)")
         else:
             fields[key] = value
     return (None if name is None else str(name)), fields
@@ -276,8 +294,10 @@ def read_yaml(path: str):
         raise ConfigError(f"--config {path!r} is not valid YAML: {problem}{where}") from None
 
 
-# What a resume neither restores nor reports: how this launch finds the run, and what the platform decides.
-NOT_RESTORED = {"train": {"resume", "run_dir"}, "model": {"matmul", "fused_kernel"}}
+# What a resume neither restores nor reports: how this launch finds the run, what the platform decides, and the
+# settings of one launch on one machine (its simulated devices, its device's peak, a GPU's autotuner record).
+NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune"},
+                "model": {"matmul", "fused_kernel"}}
 
 
 def resumed_configs(saved: dict, configs: dict) -> dict:
@@ -294,18 +314,49 @@ def resumed_configs(saved: dict, configs: dict) -> dict:
     return resumed
 
 
-def resume_changes(saved: dict, run: RunConfig) -> list[str]:
-    """What a resumed run changes of the saved one ("steps 200 → 400", "mesh data=2 × tensor=4 → …")."""
+def resume_changes(saved: dict, run: RunConfig, dropped: frozenset[str] = frozenset()) -> list[str]:
+    """What a resumed run changes of the saved one ("steps 200 → 400", "mesh data=2 × tensor=4 → …"), but the
+    parallel settings in `dropped` (`drop_unusable`), which the resume line reports apart."""
     changes = []
     if saved["parallel"].mesh_text() != run.parallel.mesh_text():
         changes.append(f"mesh {saved['parallel'].mesh_text()} → {run.parallel.mesh_text()}")
     for section in SECTIONS:
-        skip = NOT_RESTORED.get(section, set()) | (set(MESH_AXES) if section == "parallel" else set())
+        skip = NOT_RESTORED.get(section, set()) | (set(MESH_AXES) | dropped if section == "parallel" else set())
         for f in dataclasses.fields(SECTIONS[section]):
             before, after = getattr(saved[section], f.name), getattr(getattr(run, section), f.name)
             if f.name not in skip and before != after:
                 changes.append(f"{f.name} {before!r} → {after!r}")
     return changes
+
+
+def drop_unusable(model: ModelConfig, parallel: ParallelConfig, given: set[str]) -> tuple[ParallelConfig, dict]:
+    """A resumed run's parallel settings that came back from config.json and that its mesh (a new one, --mesh) cannot
+    use, set to their defaults: (the parallel config, {field: what was dropped and why, e.g. "schedule 'zb-h1' (no
+    pipeline)"}). A setting given on this launch is the user's and is kept: `validate` refuses it in one line."""
+    p, default, dropped = parallel, ParallelConfig(), {}
+
+    def drop(name: str, why: str) -> None:
+        if name not in given and getattr(p, name) != getattr(default, name):
+            dropped[name] = f"{name} {getattr(p, name)!r} ({why})"
+
+    if p.pipe == 1:
+        if not {"schedule", "virtual_stages"} & given:  # one given: the pair is the user's
+            drop("schedule", "no pipeline")
+            drop("virtual_stages", "no pipeline")
+    else:
+        if model.layers % (p.pipe * p.virtual_stages):
+            drop("virtual_stages", f"layers={model.layers} is not divisible by pipe × virtual_stages = "
+                                   f"{p.pipe}×{p.virtual_stages}")
+        if p.schedule == "interleaved" and "virtual_stages" in dropped:
+            drop("schedule", "interleaving needs virtual_stages ≥ 2")
+        if p.schedule == "zb-h1" and (p.fsdp > 1 or p.tensor > model.num_kv_heads):
+            drop("schedule", f"zb-h1 takes neither fsdp > 1 nor tensor > kv_heads={model.num_kv_heads}")
+    if p.sequence_parallel and (p.tensor == 1 or model.seq_len % p.tensor):
+        drop("sequence_parallel", "tensor=1" if p.tensor == 1 else f"tensor={p.tensor} does not divide "
+                                                                   f"seq_len={model.seq_len}")
+    if p.distributed_optimizer and p.fsdp > 1 and p.data * p.context == 1:
+        drop("distributed_optimizer", f"fsdp={p.fsdp} with data=1 already splits the optimizer state")
+    return replace(p, **{name: getattr(default, name) for name in dropped}), dropped
 
 
 def check_architecture(saved: ModelConfig, model: ModelConfig) -> None:
@@ -349,6 +400,23 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run_dir={run_dir!r} is not writable ({e.strerror})") from None
 
 
+def gpu_here() -> tuple[bool, bool]:
+    """(JAX's CUDA plugin is installed, this machine has an NVIDIA driver), read without starting JAX's backends; the
+    driver is looked for only where the plugin is."""
+    plugin = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+    driver = plugin and (os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None)
+    return plugin, driver
+
+
+def cpu_without_a_gpu(platforms: str | None, plugin: bool, driver: bool) -> bool:
+    """Whether the run asks JAX for the CPU alone before its backends start: the CUDA plugin is installed (`plan
+    --target` needs it), the machine has no NVIDIA driver, and JAX_PLATFORMS chose nothing. The run is on the CPU
+    either way; asked first, the plugin skips its check of the CUDA libraries, which without a GPU fails with a
+    17-line "Jax plugin configuration error" traceback at every start (`plan` does the same: `gpu_target.cpu_only`).
+    The "Could not find cuda drivers" lines the plugin's library prints as it loads remain (docs/training.md)."""
+    return not platforms and plugin and not driver
+
+
 def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_text: str | None,
                      sequence_parallel: bool | None, configured: ParallelConfig,
                      pipeline: tuple[str | None, int | None], resumed: bool = False) -> ParallelConfig:
@@ -357,19 +425,23 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     schedule and virtual stages from `pipeline` where given. `resumed`: `configured` is the saved
     run's, whose mesh and sequence parallelism are kept unless given."""
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
+    if cpu_without_a_gpu(jax.config.jax_platforms, *gpu_here()):
+        jax.config.update("jax_platforms", "cpu")
     D.initialize(distributed)
     devices = available_devices()
     if mesh_text is None and resumed:  # the saved run's (`resumed_configs`), on this machine's devices
         mesh_text = _saved_mesh(configured)
         if configured.num_devices != len(devices):
+            simulate = (f", or --host-devices {configured.num_devices} to simulate the run's"
+                        if devices[0].platform == "cpu" else "")
             raise ConfigError(f"--resume: the run's mesh {configured.mesh_text()} needs {configured.num_devices} "
-                              f"devices, and there are {len(devices)}: pass --mesh for these")
+                              f"devices, and there are {len(devices)}: pass --mesh for these{simulate}")
     if mesh_text is None:
         on_cpu = devices[0].platform == "cpu"
         mesh_text = "data=2,tensor=4" if on_cpu and len(devices) == 8 else f"data={len(devices)},tensor=1"
     axes = parse_mesh(mesh_text, len(devices))
-    if sequence_parallel is None:  # a resume keeps the saved one (meaningless at tensor = 1)
-        sequence_parallel = axes["tensor"] > 1 and (configured.sequence_parallel or not resumed)
+    if sequence_parallel is None:  # a resume keeps the saved one (`drop_unusable` drops it at tensor = 1)
+        sequence_parallel = configured.sequence_parallel if resumed else axes["tensor"] > 1
     schedule, virtual_stages = pipeline
     return replace(configured, **axes, sequence_parallel=sequence_parallel,
                    schedule=configured.schedule if schedule is None else schedule,
@@ -412,6 +484,10 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     initial weights), resolved, then validated: the loop receives a final RunConfig. A resume starts
     from the run's saved configuration (`resumed_configs`) and says in one line what it changes."""
     configs, mesh_text, sequence_parallel = configs_from_args(args)
+    run_dir = configs["train"].run_dir
+    if configs["train"].resume and not rundir.has_checkpoints(run_dir):  # refused before anything is created
+        raise ConfigError(f"--resume: no checkpoint in {rundir.checkpoint_dir(run_dir)}: nothing to resume (pass the "
+                          f"--run-dir of a run that saved one, or leave --resume out to start a run there)")
     saved = None
     if configs["train"].resume and os.path.isfile(os.path.join(configs["train"].run_dir, rundir.CONFIG)):
         if "train.init_from" in configs["explicit"]:
@@ -426,6 +502,12 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
                                     process_id=args.process_id, heartbeat_timeout_s=args.heartbeat_timeout)
     parallel = resolve_parallel(train, distributed, mesh_text, sequence_parallel, configs["parallel"],
                                 (args.schedule, args.virtual_stages), resumed=saved is not None)
+    dropped = {}
+    if saved is not None:
+        given = {name for name, value in (("schedule", args.schedule), ("virtual_stages", args.virtual_stages),
+                                          ("sequence_parallel", sequence_parallel)) if value is not None}
+        given |= {key.split(".", 1)[1] for key in configs["explicit"] if key.startswith("parallel.")}
+        parallel, dropped = drop_unusable(configs["model"], parallel, given)
     corpus = load_corpus(train.data, train.tokenizer)
     # The data defines the vocabulary (and, for token files, the tokenizer); initial weights may hold more,
     # and a resumed model keeps its own where the data's fits in it.
@@ -455,11 +537,20 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
     check_run_dir(run.train.run_dir)
     if saved is not None and D.is_main_process():
-        changes = resume_changes(saved, run)
-        where = os.path.join(run.train.run_dir, rundir.CONFIG)
-        print(f"resume: the run as saved in {where}" + (", changed as asked: " + ", ".join(changes) if changes
-                                                         else " (nothing changed)"), flush=True)
+        print(resume_line(saved, run, dropped), flush=True)
     return run, corpus
+
+
+def resume_line(saved: dict, run: RunConfig, dropped: dict) -> str:
+    """`resume: the run as saved in RUN/config.json`, what this launch asked to change, and what the resume
+    dropped (`drop_unusable`)."""
+    changes = resume_changes(saved, run, frozenset(dropped))
+    line = f"resume: the run as saved in {os.path.join(run.train.run_dir, rundir.CONFIG)}"
+    if changes:
+        line += ", changed as asked: " + ", ".join(changes)
+    if dropped:
+        line += f"; dropped, as the mesh {run.parallel.mesh_text()} cannot use them: " + ", ".join(dropped.values())
+    return line + ("" if changes or dropped else " (nothing changed)")
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """Orbax checkpoints: restore onto another mesh (re-padded vocabulary), fall back past a damaged step (and set it
 aside when resuming), and let a bug propagate."""
 
+import errno
 import gc
 import logging
 import os
@@ -133,6 +134,45 @@ def test_no_readable_step_is_one_line_naming_each(devices, tmp_path, two_states)
     assert line.startswith(f"no readable checkpoint in {tmp_path}: checkpoint step 2 is unreadable (KeyError")
     assert "checkpoint step 1 is unreadable (JSONDecodeError" in line and "\n" not in line
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # nothing restored, nothing set aside
+
+
+def test_a_transient_io_error_is_retried_and_sets_nothing_aside(devices, tmp_path, caplog, monkeypatch, two_states):
+    """EIO on a network filesystem (or EMFILE, a timeout) says nothing about the checkpoint: the newest step is read
+    again and restored, and nothing is set aside; an error that does not pass is one line, the step left in place.
+    Before, any OSError was damage: a resume set the good newest step aside and rolled the run back to step 1."""
+    parallel, first, second = two_states
+    _save(str(tmp_path), 1, first)
+    _save(str(tmp_path), 2, second)
+    abstract, shardings, mesh = _target(parallel, devices)
+    monkeypatch.setattr(C, "RETRY_WAITS", (0.0, 0.0, 0.0), raising=False)  # no waits in a test
+    for failures in (2, 4):  # each read of step 2 fails this many times, then reads
+        mgr, failed = C.manager(str(tmp_path)), []
+        real_restore = mgr.restore
+
+        def flaky(step, *args, **kwargs):
+            if step == 2 and len(failed) < failures:
+                failed.append(step)
+                raise OSError(errno.EIO, "Input/output error")
+            return real_restore(step, *args, **kwargs)
+
+        monkeypatch.setattr(mgr, "restore", flaky)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxseq"):
+            if failures < 4:
+                restored, meta = C.restore(mgr, abstract, shardings, mesh, set_aside=True)
+                assert meta["data_position"] == 2
+                np.testing.assert_array_equal(np.asarray(restored.params["embed"]["token"]),
+                                              np.asarray(second.params["embed"]["token"]))
+            else:
+                with pytest.raises(ConfigError) as e:
+                    C.restore(mgr, abstract, shardings, mesh, set_aside=True)
+                assert str(e.value) == ("checkpoint step 2 could not be read (OSError: [Errno 5] Input/output error), "
+                                        "4 times; the checkpoint is left as it is (an I/O error, not a damaged "
+                                        "checkpoint): try again once its filesystem answers")
+        assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # nothing set aside
+        assert [r.getMessage() for r in caplog.records] == [
+            "checkpoint step 2 could not be read (OSError: [Errno 5] Input/output error); trying again in 0 s"] * min(
+                failures, 3)
 
 
 @pytest.mark.slow

@@ -82,6 +82,8 @@ def test_the_gpu_target_plugin_is_at_each_pinned_jax_version():
         jax_version, plugin = _pins(runtime)["jax"], _pins(target)
         assert plugin["jax-cuda12-plugin"] == plugin["jax-cuda12-pjrt"] == jax_version, target
         assert f"pip install -r {target}" in _read(".ci/run")
+        # Installed alone (docs/planning.md's `pip install -r requirements-gpu-target.txt`), it brings its jax too.
+        assert runtime == target or f"-r {runtime}" in _read(target).splitlines(), target
 
 
 def _imported_modules(folder):

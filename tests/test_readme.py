@@ -132,3 +132,19 @@ def test_the_own_data_example_runs_on_a_cpu_or_says_it_needs_a_gpu():
     trains = [line for line in block.splitlines() if "python -m jaxseq.train --data data/corpus" in line]
     assert any("--preset" not in line for line in trains), trains
     assert all("GPU" in line.split("#", 1)[-1] for line in trains if "--preset gpt2" in line), trains
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    """The directories README's own commands write into (the data command's --output, train's --run-dir, convert's
+    output) are in .gitignore: `data/` and `hf/` were not, and a user following README had them in `git status`."""
+    ignored = {line.strip().strip("/") for line in _read(".gitignore").splitlines() if line.strip().endswith("/")}
+    written = set()
+    for name, command, argv in INVOCATIONS:
+        if name != "README.md":
+            continue
+        outputs = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word in ("--output", "--run-dir")]
+        if command == "convert" and argv[:1] in (["from-hf"], ["to-hf"]):
+            outputs.append(argv[2])
+        written |= {path.split("/")[0] for path in outputs if "/" in path and not path.startswith(("/", "~"))}
+    assert {"data", "hf", "runs"} <= written, written
+    assert written <= ignored, written - ignored

@@ -2,6 +2,7 @@
 shard by shard onto another mesh (`rundir.restore`), and `--init-from` (`rundir.init_state`)."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -121,3 +122,39 @@ def test_init_from_reads_the_params_straight_into_the_train_steps_shards(saved_r
     assert all(not np.asarray(m).any() for m in jax.tree.leaves(state.opt_state) if m.ndim)
     np.testing.assert_array_equal(np.asarray(state.params["layers"]["attn"]["out"]["kernel"]),
                                   saved["layers"]["attn"]["out"]["kernel"])
+
+
+def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A signal (Ctrl-C raises while the run starts) or a full disk in the middle of writing config.json leaves the
+    one written before, readable, and nothing beside it: it was written in place, and a torn file is a run that
+    `--resume` cannot read."""
+    import json
+
+    run = RunConfig(model=preset("tiny"), parallel=ParallelConfig(), optimizer=OptimizerConfig(),
+                    train=TrainConfig(steps=5, run_dir=str(tmp_path)))
+    rundir.write_config(str(tmp_path), run)
+    before = (tmp_path / rundir.CONFIG).read_text()
+    real_dump = json.dump
+
+    def interrupted(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:40])
+        f.flush()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rundir.write_config(str(tmp_path), replace(run, train=replace(run.train, steps=9)))
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert os.listdir(tmp_path) == [rundir.CONFIG] and (tmp_path / rundir.CONFIG).read_text() == before
+    assert rundir.saved_configs(str(tmp_path))["train"].steps == 5
+
+
+def test_the_resume_command_is_whole():
+    """What a stopped run prints to continue it: the run directory (quoted for the shell; `--resume` alone resumes
+    runs/default), and the launch settings a resume does not restore that this launch gave."""
+    run = RunConfig(model=preset("tiny"), parallel=ParallelConfig(), optimizer=OptimizerConfig(),
+                    train=TrainConfig(run_dir="runs/my run"))
+    assert rundir.resume_command(run) == "python -m jaxseq.train --run-dir 'runs/my run' --resume"
+    launch = replace(run.train, run_dir="runs/a", host_devices=4, peak_tflops=312.0)
+    assert rundir.resume_command(replace(run, train=launch)) == \
+        "python -m jaxseq.train --run-dir runs/a --resume --host-devices 4 --peak-tflops 312"

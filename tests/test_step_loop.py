@@ -2,6 +2,7 @@
 non-finite step before any checkpoint holds it; it saves before it evaluates, evaluates the last step
 once, and leaves no signal handler behind (in-process, tiny model, 8 simulated devices)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -107,8 +108,9 @@ def test_nothing_compiles_between_train_steps(parallel, tmp_path, devices, monke
 
     def closing_report(*args):
         events.append("closing")
-        original_closing(*args)
+        stopping = original_closing(*args)
         events.append("closed")
+        return stopping
 
     monkeypatch.setattr(jax.stages.Compiled, "__call__", call)
     monkeypatch.setattr(loop.Session, "evaluate", evaluate)
@@ -147,15 +149,21 @@ def test_a_non_finite_step_between_logs_stops_before_any_checkpoint(tmp_path, de
 def test_the_last_step_is_evaluated_once_and_its_loss_reported(tmp_path, devices, own_signal_handlers,
                                                                  monkeypatch, capsys):
     """4 steps evaluated every 2: two evaluations (steps 2 and 4); the closing report prints step 4's
-    validation loss rather than evaluating again. The run's signal handlers are gone after it."""
+    validation loss rather than evaluating again. The run's signal handlers are gone after it. The sample is
+    printed as text: bytes the model drew that are no text (0x0e, which switched the terminal to its other
+    character set, 0x1b, 0x00, a lone 0xff) are U+FFFD, newlines and tabs stay."""
     evaluated = []
-    real_evaluate = loop.Session.evaluate
+    real_evaluate, real_sample = loop.Session.evaluate, loop.sample
     monkeypatch.setattr(loop.Session, "evaluate", lambda self, params: evaluated.append(1) or real_evaluate(self, params))
+    drawn = [0x0E, ord("a"), 0x1B, 0x00, 0xFF, ord("\t"), ord("\n"), ord("b")]
+    monkeypatch.setattr(loop, "sample", lambda *args, **kwargs: real_sample(*args, **kwargs) and drawn)
     assert loop.train(*_run(tmp_path, steps=4, log_every=2, checkpoint_every=10_000, eval_every=2)) == 0
     assert len(evaluated) == 2
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
-    assert len(val) == 2 and f"validation loss {val[-1]:.3f} nats/token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(val) == 2 and f"validation loss {val[-1]:.3f} nats/token" in out
+    assert out.endswith("\ufffda\ufffd\ufffd\ufffd\t\nb\n"), out[-200:]
     assert [signal.getsignal(sig) for sig in SIGNALS] == [own_signal_handlers] * 2
 
 
@@ -194,6 +202,41 @@ def test_a_sample_that_cannot_fit_is_refused_before_the_first_step(tmp_path, dev
                                           r"device has 0\.00 GiB; try sample_tokens=0") as e:
         loop.train(*_run(tmp_path, steps=2, log_every=1, checkpoint_every=10_000))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("when", ["sample", "evaluation"])
+def test_a_signal_after_the_last_step_ends_the_run_with_128_plus_its_number(when, tmp_path, devices,
+                                                                            own_signal_handlers, monkeypatch, capsys):
+    """SIGTERM (a preemption notice) during the closing sample, or during the last step's evaluation: the sample
+    stops at the next token (every process agrees, `StopFlag.now`), and the run ends with 143 once its last
+    checkpoint is written. Before, a 20,000-token sample ran on for 60 s and the run exited 0."""
+    real_sample, decoded = loop.sample, []
+
+    def sample(*args, programs, **kwargs):
+        def decode(*a):
+            if not decoded and when == "sample":
+                os.kill(os.getpid(), signal.SIGTERM)
+            decoded.append(1)
+            return programs.decode(*a)
+
+        return real_sample(*args, programs=dataclasses.replace(programs, decode=decode), **kwargs)
+
+    real_evaluate = loop.Session.evaluate
+
+    def evaluate(session, params):
+        if when == "evaluation":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(session, params)
+
+    monkeypatch.setattr(loop, "sample", sample)
+    monkeypatch.setattr(loop.Session, "evaluate", evaluate)
+    run, corpus = _run(tmp_path, steps=2, log_every=1, checkpoint_every=10_000, eval_every=2)
+    assert loop.train(replace(run, train=replace(run.train, sample_tokens=200)), corpus) == 143
+    assert len(decoded) == (1 if when == "sample" else 0)
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    out = capsys.readouterr().out
+    assert "SIGTERM: the closing sample was cut short; the run had finished its 2 steps" in out
+    assert "validation loss" in out and "sample (prompt" not in out
 
 
 def test_evaluation_runs_the_train_steps_micro_batches(devices):
@@ -243,6 +286,22 @@ def test_every_record_times_its_own_steps(tmp_path, devices, monkeypatch):
     assert len(rates) == 4 and all(rate < tokens / 0.3 for rate in rates) and max(rates) < 3 * min(rates), rates
 
 
+def test_a_record_leaves_out_what_is_not_known(tmp_path, devices, capsys):
+    """On CPU there is no peak for MFU and no count of device memory: a record (the printed line and metrics.jsonl)
+    leaves `mfu` and `memory_gib` out, where every line ended `mfu=None memory_gib=None`; with a peak given, MFU is
+    there."""
+    run, _ = _run(tmp_path, steps=4, log_every=1, checkpoint_every=10_000)
+    known = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "hardware_tflops_per_device"}
+    for peak in (None, 100.0):
+        run = replace(run, train=replace(run.train, peak_tflops=peak))
+        progress = loop.Progress(run, devices, lambda step: 1e-3, 0)
+        progress.write(progress.record(1, 2.0, 0.5, time.perf_counter() + 1.0))
+        progress.close(loop.C.manager(str(tmp_path / "checkpoints")))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [set(json.loads(line)) for line in f] == [known, known | {"mfu"}]
+    assert "None" not in capsys.readouterr().out
+
+
 def test_a_signal_saves_and_ends_the_run_with_128_plus_its_number(tmp_path, devices, own_signal_handlers,
                                                                    monkeypatch, capsys):
     """SIGINT during the steps (as Ctrl-C sends it): a checkpoint at the step every process agrees on, then
@@ -261,4 +320,6 @@ def test_a_signal_saves_and_ends_the_run_with_128_plus_its_number(tmp_path, devi
     assert loop.train(*_run(tmp_path, steps=50, log_every=1, checkpoint_every=10_000)) == 130
     saved = os.listdir(tmp_path / "run" / "checkpoints")
     assert len(saved) == 1 and int(saved[0]) < 50
-    assert f"SIGINT: saved a checkpoint at step {saved[0]}" in capsys.readouterr().out
+    # The whole command to continue it: `--resume` alone would resume runs/default.
+    assert (f"SIGINT: saved a checkpoint at step {saved[0]} in {tmp_path}/run/checkpoints; resume with "
+            f"python -m jaxseq.train --run-dir {tmp_path}/run --resume\n") in capsys.readouterr().out

@@ -41,9 +41,9 @@ def check_metrics_and_config(run_dir):
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu"):
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device"):
             assert key in r, key
-        assert r["mfu"] is None  # CPU: no known peak
+        assert "mfu" not in r and "memory_gib" not in r  # CPU: no known peak, no count of device memory
         assert r["tokens_per_sec"] > 0 and r["tflops_per_device"] > 0
     assert "val_loss" in records[4] and "val_loss" in records[9]
     config = json.load(open(os.path.join(run_dir, "config.json")))
@@ -163,6 +163,34 @@ def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip().splitlines()[-1]]
     assert message in out.stderr and out.stderr.startswith("error: "), out.stderr[-2000:]
+
+
+def test_an_unquoted_data_glob_the_shell_expanded_says_to_quote_it(tmp_path):
+    """`--data notes/*.md` unquoted reaches the command as `--data notes/a.md notes/b.md notes/c.md`: the files after
+    the first are taken for key=value overrides, and the one line says to quote the glob."""
+    names = [tmp_path / f"{c}.md" for c in "abc"]
+    for name in names:
+        name.write_text("notes\n")
+    out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), "--data", *map(str, names), check=False)
+    assert out.returncode == 2 and out.stderr == (
+        f"error: override '{names[1]}' is not key=value: it is a file, as when the shell expands an unquoted --data "
+        f"glob into {names[0]} {names[1]} …; quote the glob (--data '{tmp_path}/*.md')\n"), out.stderr
+
+
+def test_without_a_gpu_the_cuda_plugin_is_told_to_stay_out():
+    """With JAX's CUDA plugin installed (for `plan --target`) on a machine without an NVIDIA driver, train asks JAX for
+    the CPU before its backends start: the plugin then skips its check of the CUDA libraries, which failed with a
+    17-line "Jax plugin configuration error" traceback before every run. A platform the user chose (JAX_PLATFORMS),
+    a driver, or no plugin: nothing is asked. (The plugin is not installed here: the decision alone is tested.)"""
+    from jaxseq.train import cpu_without_a_gpu, gpu_here
+
+    assert cpu_without_a_gpu(None, plugin=True, driver=False)
+    assert cpu_without_a_gpu("", plugin=True, driver=False)
+    assert not cpu_without_a_gpu("cuda", plugin=True, driver=False)
+    assert not cpu_without_a_gpu(None, plugin=True, driver=True)
+    assert not cpu_without_a_gpu(None, plugin=False, driver=False)
+    plugin, driver = gpu_here()
+    assert isinstance(plugin, bool) and isinstance(driver, bool) and (plugin or not driver)
 
 
 def test_a_value_of_the_default_mesh_says_so(tmp_path):
@@ -308,7 +336,7 @@ def test_resume_resolves_the_saved_run(tmp_path, capsys):
                       optimizer=OptimizerConfig(lr=1e-3, warmup_steps=5, decay_steps=200),
                       train=TrainConfig(steps=200, batch_size=16, micro_batch_size=8, data=str(text), run_dir=run_dir,
                                         log_every=10, sample_tokens=0))
-    os.makedirs(run_dir)
+    os.makedirs(os.path.join(run_dir, "checkpoints", "1"))  # a step to resume (resolve reads none of it)
     rundir.write_config(run_dir, saved)
     resume = lambda *argv: resolve(build_parser().parse_intermixed_args(["--run-dir", run_dir, "--resume", *argv]))[0]
     kept = resume()
@@ -325,6 +353,58 @@ def test_resume_resolves_the_saved_run(tmp_path, capsys):
         assert main(["--run-dir", run_dir, "--resume", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot resume: the checkpoint's model differs: ") and message in err, err
+
+
+def test_resume_drops_what_the_new_mesh_cannot_use_and_restores_no_launch_setting(tmp_path, capsys):
+    """A zb-h1 run and an interleaved one, launched on a GPU machine with --record-autotune and --peak-tflops,
+    resumed on this CPU with `--mesh data=2,tensor=4 --resume` and nothing else: the schedule (and the virtual
+    stages) that config.json restored are dropped, as the mesh has no pipeline, and the resume line says so; the
+    launch's own settings (record_autotune, peak_tflops, host_devices) are not restored. Before, the first was
+    refused with "leave the schedule … at their defaults", the second with "leave --record-autotune out". A
+    schedule this launch gives is the user's: still refused in one line."""
+    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+    from jaxseq.train import build_parser, resolve
+    from jaxseq.training import rundir
+
+    text = tmp_path / "notes.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 300)
+    tiny = replace(preset("tiny"), vocab_size=257, dtype="float32", dropout=0.0)
+    pipe = ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True)
+    pipelines = {"zb-h1": (tiny, replace(pipe, schedule="zb-h1")),
+                 "interleaved": (replace(tiny, layers=4), replace(pipe, schedule="interleaved", virtual_stages=2))}
+    for schedule, (model, parallel) in pipelines.items():
+        run_dir = str(tmp_path / schedule)
+        train = TrainConfig(steps=200, batch_size=16, micro_batch_size=4, data=str(text), run_dir=run_dir,
+                            sample_tokens=0, record_autotune="at.textproto", peak_tflops=989.0, host_devices=16)
+        os.makedirs(os.path.join(run_dir, "checkpoints", "1"))  # a step to resume (resolve reads none of it)
+        rundir.write_config(run_dir, RunConfig(model=model, parallel=parallel, optimizer=OptimizerConfig(),
+                                               train=train))
+        argv = ["--run-dir", run_dir, "--resume", "--mesh", "data=2,tensor=4"]
+        run = resolve(build_parser().parse_intermixed_args(argv))[0]
+        assert (run.parallel.schedule, run.parallel.virtual_stages, run.parallel.sequence_parallel) == ("1f1b", 1, True)
+        assert (run.train.record_autotune, run.train.peak_tflops, run.train.host_devices) == (None, None, 8)
+        dropped = f"schedule {schedule!r} (no pipeline)" + (", virtual_stages 2 (no pipeline)" if schedule ==
+                                                           "interleaved" else "")
+        assert capsys.readouterr().out == (
+            f"resume: the run as saved in {run_dir}/config.json, changed as asked: mesh pipe=2 × data=2 × "
+            f"tensor=2 → data=2 × tensor=4; dropped, as the mesh data=2 × tensor=4 cannot use them: {dropped}\n")
+        assert main([*argv, "--schedule", schedule]) == 2
+        assert "needs a pipeline, and pipe=1" in capsys.readouterr().err
+
+
+def test_a_failed_resume_creates_nothing(tmp_path, capsys):
+    """`--resume` where there is no checkpoint (a directory that does not exist, or one of the checkout's own, as
+    `--run-dir docs --resume` was) is one line, and leaves no directory behind: it created the run directory and
+    RUN/checkpoints/."""
+    (tmp_path / "docs").mkdir()
+    errors = {}
+    for run_dir in (tmp_path / "nothing", tmp_path / "docs"):
+        assert main([*TINY, "--run-dir", str(run_dir), "--resume"]) == 2
+        errors[run_dir] = capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["docs"] and not os.listdir(tmp_path / "docs")
+    assert errors == {run_dir: f"error: --resume: no checkpoint in {run_dir}/checkpoints: nothing to resume (pass the "
+                               "--run-dir of a run that saved one, or leave --resume out to start a run there)\n"
+                      for run_dir in errors}
 
 
 def test_resume_restores_the_run_and_says_what_changes(tmp_path):
@@ -401,6 +481,24 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, messag
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --config") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("model: {hiden: 64}\n", "unknown config field model.hiden; valid model fields: attention, dropout, dtype, "),
+    ("optimizer:\n  learning_rate: 1e-3\n", "unknown config field optimizer.learning_rate; valid optimizer fields: "
+                                            "b1, b2, clip_norm, decay_steps, eps, lr, "),
+    ("modle: {hidden: 64}\n", "unknown section 'modle'; valid: model, optimizer, train, parallel (or flat field "),
+])
+def test_a_typo_in_the_yaml_file_names_the_valid_fields(tmp_path, capsys, content, message):
+    """A misspelt field under a section (`model: {hiden: …}`) is one line naming the section's valid fields, a
+    misspelt section the sections; before, `unknown config field model.'hiden'` alone."""
+    from jaxseq.train import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag, message", [

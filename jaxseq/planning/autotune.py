@@ -8,8 +8,11 @@ description, and takes the device's choice where it finds one. A step is the dev
 one of its GEMMs finds its choice: XLA makes a GEMM it finds none for a Triton fusion, which may hold more or less
 than the device's (JAX 0.12 finds few of gpt3-1.3b's GEMMs at micro-batch 32 in JAX 0.11.2's file, and that
 program is 12% under the peak). So the step compiles first with XLA asked to refuse any fusion it finds no choice
-for, and XLA's log names those fusions. Where only fusions other than GEMMs lack a choice (10 of the optimizer
-update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's default. On an
+for, and XLA's log names those fusions, each with its HLO. Where only fusions other than GEMMs lack a choice (10 of
+the optimizer update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's
+default. A GEMM is told by its HLO (a dot, a GEMM backend), not by the name XLA gave its fusion; a fusion that cannot
+be told from one (its body not in the log, or fewer named than XLA counted) is one line, never XLA's default
+passed off as the device's choice (`without_a_choice`). On an
 H100 with the device's JAX this reproduced eight measured peaks within 0.13%, six of them within 2.2 KB
 (experiments/results/autotune_replay_jax0.11.2.md).
 
@@ -42,8 +45,12 @@ from jaxseq.planning.hlo import CUBLAS
 
 LOAD = "xla_gpu_load_autotune_results_from"
 COMPLETE = "xla_gpu_require_complete_aot_autotune_results"  # a fusion without a recorded choice: NOT_FOUND, logged
-MISSING = re.compile(r"Could not get config for HLO: %(\S+) = ")  # XLA's log line for each such fusion
+# XLA's log entry for each such fusion: its HLO with the fused computation's body (XLA prints it with
+# kFullBodies), then the status.
+MISSING = re.compile(r"Could not get config for HLO: %(?P<name>[^\s=]+) = (?P<hlo>.*?)\. Status: ", re.S)
+FAILURES = re.compile(r"Failed to get configs for: (\d+) out of")  # XLA's count, where more than one failed
 GEMM_FUSION = re.compile(r"^(gemm_fusion|cublas|triton_gemm)")  # XLA:GPU's names for a GEMM's fusion
+GEMM_HLO = re.compile(r"\bdot\(|__triton_gemm|__cublas|__cudnn")  # what a GEMM's HLO holds, whatever its name
 CUDA_BUILD_VERSION = re.compile(r'(optimal_backend_version: )"\d+\.\d+\.\d+"')  # a cuBLAS choice's CUDA build
 CUBLAS_CHOICE = re.compile(r"backend: CUBLAS")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +104,8 @@ def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
 def replay(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
            target: str, recorded: RecordedGemms) -> dict:
     """The step compiled for `target` with the `recorded` choices in a process of its own (`main`): its bytes (None
-    where a GEMM found no choice), the fusions that found none, and its cuBLAS GEMMs."""
+    where a GEMM found no choice), the fusions that found none and the GEMMs among them, and its cuBLAS GEMMs; one
+    line where a fusion without a choice cannot be told from a GEMM (`without_a_choice`)."""
     request = {"model": dataclasses.asdict(cfg), "parallel": dataclasses.asdict(parallel), "remat": remat,
                "micro_batch": micro_batch, "microbatches": microbatches, "target": target, "file": recorded.path}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])),
@@ -113,7 +121,10 @@ def replay(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: 
             raise ConfigError(f"--autotune-results {recorded.source}: this JAX's XLA ({jax.__version__}) cannot read it "
                               f"({error[-120:]}); plan with the JAX that recorded it (XLA:GPU's files from JAX 0.11 on)")
         raise ConfigError(f"--autotune-results {recorded.source}: the step did not compile with it ({error[-200:]})")
-    return json.loads(line)
+    result = json.loads(line)
+    if "error" in result:  # a fusion without a choice that cannot be told from a GEMM (`without_a_choice`)
+        raise ConfigError(f"--autotune-results {recorded.source}: {result['error']}")
+    return result
 
 
 def cublas_gemms(hlo_text: str) -> int:
@@ -142,9 +153,36 @@ def compile_logged(compile_step, options: dict):
         return compiled, log.read().decode(errors="replace")
 
 
+def without_a_choice(log: str, refused: bool) -> tuple[list[str], list[str]]:
+    """(the GEMMs, the other fusions) that XLA's `log` names as finding no recorded choice; `refused`: XLA refused
+    the compile for one (NOT_FOUND). A GEMM is told by its HLO (a dot, or a cuBLAS, Triton-GEMM or cuDNN backend),
+    whatever XLA named its fusion; one the log shows without its fused body is a GEMM by name or cannot be placed.
+    What cannot be placed (that fusion, or a refusal the log names too few fusions for) is one line, a ConfigError:
+    compiled anyway, XLA's default for a GEMM would be passed off as the device's choice."""
+    gemms, others = [], []
+    for entry in MISSING.finditer(log):
+        name, hlo = entry["name"], entry["hlo"]
+        if GEMM_HLO.search(hlo) or GEMM_FUSION.match(name):
+            gemms.append(name)
+        elif "ROOT " in hlo:  # its fused body, holding no GEMM
+            others.append(name)
+        else:
+            raise ConfigError(f"XLA found no recorded choice for {name} and its log does not show what the fusion "
+                              "computes, so it cannot be told from a GEMM; the step is not compiled with XLA's default "
+                              "in its place")
+    counted = [int(n) for n in FAILURES.findall(log)]
+    named = len(gemms) + len(others)
+    if refused and (named == 0 or any(n > named for n in counted)):
+        what = f"{max(counted)} fusions" if counted else "a fusion"
+        raise ConfigError(f"XLA found no recorded choice for {what} and its log names {named}: the others cannot be "
+                          "told from GEMMs; the step is not compiled with XLA's default in their place")
+    return gemms, others
+
+
 def main(argv: list[str]) -> int:
     """The child: one step compiled with one file of choices (`step_bytes`'s request): one line of JSON, its bytes
-    (null where a GEMM found no choice), the fusions that found none, and its cuBLAS GEMMs."""
+    (null where a GEMM found no choice), the fusions that found none and the GEMMs among them, and its cuBLAS GEMMs;
+    or the error where one cannot be told from a GEMM."""
     from jaxseq.planning import gpu_target
 
     gpu_target.cpu_only()
@@ -155,12 +193,17 @@ def main(argv: list[str]) -> int:
                                                    r["remat"], r["micro_batch"], r["microbatches"], r["target"],
                                                    options=options)
     compiled, log = compile_logged(step, {LOAD: r["file"], COMPLETE: True})
-    missing = MISSING.findall(log)
-    complete = compiled is not None or (missing and not any(GEMM_FUSION.match(m) for m in missing))
+    try:
+        gemms, others = without_a_choice(log, refused=compiled is None)
+    except ConfigError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        return 0
+    complete = compiled is not None or not gemms
     if compiled is None and complete:  # only fusions beside the GEMMs lack a choice: XLA's default for those
         compiled = step({LOAD: r["file"]})
-    print(json.dumps({"bytes": aot.step_bytes(compiled) if complete else None, "missing": missing,
-                      "cublas_gemms": cublas_gemms(compiled.as_text()) if complete else None}), flush=True)
+    print(json.dumps({"bytes": aot.step_bytes(compiled) if complete else None, "missing": gemms + others,
+                      "gemms": gemms, "cublas_gemms": cublas_gemms(compiled.as_text()) if complete else None}),
+          flush=True)
     return 0
 
 

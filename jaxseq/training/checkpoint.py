@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,14 @@ from jaxseq.sharding import entry_axes
 log = logging.getLogger("jaxseq")
 
 # What reading a torn, truncated or missing checkpoint raises (orbax 0.12.8, each tried): a file or an item
-# that is not there (OSError, KeyError), JSON or TensorStore data that does not parse (ValueError, of which
-# json.JSONDecodeError); orbax wraps a failed array read in a bare Exception caused by one of these.
-UNREADABLE = (OSError, ValueError, KeyError)
+# that is not there (FileNotFoundError, KeyError), JSON or TensorStore data that does not parse (ValueError, of
+# which json.JSONDecodeError); orbax wraps a failed array read in a bare Exception caused by one of these.
+DAMAGED = (FileNotFoundError, NotADirectoryError, ValueError, KeyError)
+# Any other OSError says nothing about the checkpoint (EIO on a network filesystem, EMFILE, a timeout, a
+# permission): the step is read again after each of these waits (seconds), then the read fails in one line and the
+# step stays where it is. Set aside, a good newest step would roll the run back.
+RETRY_WAITS = (0.5, 2.0, 5.0)
+UNREADABLE = (OSError, ValueError, KeyError)  # DAMAGED, or an I/O error to retry
 SET_ASIDE = "unreadable"  # DIR/unreadable/STEP: where a resume moves the steps it could not read
 
 
@@ -91,26 +97,15 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
     read (to refuse an incompatible model with a clear error). A step that fails to read as a torn or
     missing checkpoint does is skipped and the previous one is tried; once one restores, one warning line
     per skipped step says so, and `set_aside` moves the skipped ones out of the way (`set_aside_steps`), so
-    that a resumed run can save those steps again. Any other exception is a bug and propagates; no readable step at all is a
-    ConfigError naming each failure.
+    that a resumed run can save those steps again. A step whose read fails with another I/O error is read again
+    (`retried`), then refused in one line, never skipped: a good newest step set aside would roll the run back.
+    Any other exception is a bug and propagates; no readable step at all is a ConfigError naming each failure.
     """
     skipped = []
     for step in sorted(mgr.all_steps(), reverse=True):
         try:
-            with _reading(step):
-                meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-            if check is not None:
-                check(meta)
-            with _reading(step):
-                saved = mgr.item_metadata(step)["state"]
-                if saved is None:  # its metadata files are gone
-                    raise FileNotFoundError("the state's metadata is missing")
-            rows = _vocab_rows(saved["params"])
-            shapes = _map_vocab_leaves(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), abstract_state)
-            shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
-            with _reading(step):
-                state = mgr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
+            state, meta, rows = retried(lambda: _restore_step(mgr, step, abstract_state, state_shardings, mesh, check),
+                                        step)
         except UnreadableStep as e:
             skipped.append(e)
             continue
@@ -127,6 +122,41 @@ def restore(mgr: ocp.CheckpointManager, abstract_state, state_shardings, mesh, c
     return None
 
 
+def _restore_step(mgr: ocp.CheckpointManager, step: int, abstract_state, state_shardings, mesh, check):
+    """(state, meta, the saved vocabulary rows) of checkpoint `step` (`restore`)."""
+    with _reading(step):
+        meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    if check is not None:
+        check(meta)
+    with _reading(step):
+        saved = mgr.item_metadata(step)["state"]
+        if saved is None:  # its metadata files are gone
+            raise FileNotFoundError("the state's metadata is missing")
+    rows = _vocab_rows(saved["params"])
+    shapes = _map_vocab_leaves(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), abstract_state)
+    shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
+    with _reading(step):
+        state = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
+    return state, meta, rows
+
+
+def retried(read, step: int):
+    """read(), tried again after each of RETRY_WAITS while it fails with an I/O error that is no damage
+    (`_reading`); then one line, the step left as it is."""
+    for wait in RETRY_WAITS:
+        try:
+            return read()
+        except FailedRead as e:
+            log.warning("%s; trying again in %g s", e, wait)
+            time.sleep(wait)
+    try:
+        return read()
+    except FailedRead as e:
+        raise ConfigError(f"{e}, {len(RETRY_WAITS) + 1} times; the checkpoint is left as it is (an I/O error, not "
+                          "a damaged checkpoint): try again once its filesystem answers") from None
+
+
 def reader(directory: str) -> ocp.CheckpointManager:
     """A manager for reading, whose state item is read as a plain PyTree, so that a part of it (the params,
     without the Adam moments) can be restored alone (orbax's `partial_restore`)."""
@@ -141,7 +171,12 @@ def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
 
     The vocabulary leaves are padded with zeros or cut to the rows asked for, and the position table may be
     cut to a shorter seq_len (orbax's non-strict restore); any other difference of shape is refused first,
-    in one line, so nothing changes shape silently. A torn or missing checkpoint raises UnreadableStep."""
+    in one line, so nothing changes shape silently. A torn or missing checkpoint raises UnreadableStep; another
+    I/O error is retried (`retried`)."""
+    return retried(lambda: _restore_params(mgr, step, abstract_params), step)
+
+
+def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
     with _reading(step):
         saved = mgr.item_metadata(step)["state"]
         if saved is None:  # its metadata files are gone
@@ -167,20 +202,32 @@ def _check_shapes(saved, abstract_params, step: int) -> None:
                               f"shape {got}, the model needs {want}")
 
 
+def _detail(cause: BaseException) -> str:
+    first = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+    return f"{type(cause).__name__}: {first}"
+
+
 class UnreadableStep(Exception):
     """Reading checkpoint `step` failed as a torn, truncated or missing checkpoint fails."""
 
     def __init__(self, step: int, cause: BaseException):
-        first = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
-        self.step, self.detail = step, f"{type(cause).__name__}: {first}"
+        self.step, self.detail = step, _detail(cause)
         super().__init__(f"checkpoint step {step} is unreadable ({self.detail})")
+
+
+class FailedRead(Exception):
+    """Reading checkpoint `step` failed with an I/O error that says nothing about the checkpoint (`retried`)."""
+
+    def __init__(self, step: int, cause: BaseException):
+        self.step, self.detail = step, _detail(cause)
+        super().__init__(f"checkpoint step {step} could not be read ({self.detail})")
 
 
 @contextlib.contextmanager
 def _reading(step: int):
-    """Around orbax's reads only: what a damaged checkpoint raises becomes UnreadableStep; a bug propagates.
-    The abandoned reads' noise is dropped from before the first read: they can complete before the failure
-    reaches here."""
+    """Around orbax's reads only: what a damaged checkpoint raises becomes UnreadableStep, another I/O error
+    FailedRead; a bug propagates. The abandoned reads' noise is dropped from before the first read: they can
+    complete before the failure reaches here."""
     _drop_abandoned_reads()
     try:
         yield
@@ -190,7 +237,7 @@ def _reading(step: int):
             cause = cause.__cause__
         if cause is None:
             raise
-        raise UnreadableStep(step, cause) from e
+        raise (UnreadableStep if isinstance(cause, DAMAGED) else FailedRead)(step, cause) from e
 
 
 def _closed_loop(unraisable) -> bool:

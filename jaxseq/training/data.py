@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import sysconfig
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -362,6 +363,12 @@ def encode_text(text: str, tokenizer_path: str | None) -> list[int]:
     if tokenizer_path is None:
         return list(text.encode())
     return load_tokenizer(tokenizer_path).encode(text).ids
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: control characters but newline and tab become U+FFFD. A sampled byte such as
+    0x0e (shift-out) or 0x1b (escape) would otherwise switch the terminal's character set or act as a command."""
+    return "".join("\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 def decode_tokens(ids: list[int], tokenizer_path: str | None) -> str:

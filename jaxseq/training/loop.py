@@ -31,7 +31,7 @@ from jaxseq.parallel.schedule import Schedule
 from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot, rundir
 from jaxseq.training import checkpoint as C
-from jaxseq.training.data import Batches, Corpus, decode_tokens, unigram_entropy
+from jaxseq.training.data import Batches, Corpus, decode_tokens, printable, unigram_entropy
 from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
 from jaxseq.training.sampling import Sampler, compile_sampler, prompt_ids, sample, validation_prompt
 from jaxseq.training import train_step as T
@@ -100,13 +100,23 @@ class StopFlag:
     def _set(self, signum, frame):
         self.local = self.local or signum
 
+    def _agree(self) -> jax.Array:
+        """The max of every process's flag, dispatched (not read)."""
+        flags = np.full((self._local_devices,), self.local, np.int32)
+        return self._max(jax.make_array_from_process_local_data(self._sharding, flags, (self._size,)))
+
     def after_step(self) -> str | None:
         """Called by every process once after dispatching each step: the signal all processes
         agreed on one call earlier (its name), or None."""
-        flags = np.full((self._local_devices,), self.local, np.int32)
-        previous = self._pending
-        self._pending = self._max(jax.make_array_from_process_local_data(self._sharding, flags, (self._size,)))
+        previous, self._pending = self._pending, self._agree()
         agreed = 0 if previous is None else int(previous)
+        return signal.Signals(agreed).name if agreed else None
+
+    def now(self) -> str | None:
+        """The signal all processes agree on now (its name), or None; waits for the answer. For after the last
+        step (the closing evaluation and sample), where no step is queued to keep the device busy; every
+        process calls it the same number of times."""
+        agreed = int(self._agree())
         return signal.Signals(agreed).name if agreed else None
 
 
@@ -312,7 +322,8 @@ class Progress:
     def record(self, at: int, loss: float, grad_norm: float, finished: float) -> dict:
         """Step `at`'s record; its throughput over the steps since the previous record, timed from when
         that one's step was seen complete to `finished`, when this one's was (not when each is written: a
-        record written one step late would take the next step's time, and the last the remainder)."""
+        record written one step late would take the next step's time, and the last the remainder). A figure not
+        known here is left out: `mfu` without a known peak, `memory_gib` where the backend reports none (CPU)."""
         settings = self._run.train
         record = {"step": at, "loss": loss, "lr": self._learning_rate(at - 1), "grad_norm": grad_norm,
                   **throughput(self._run.model, settings.remat, settings.batch_size, at - self._last_step,
@@ -320,7 +331,7 @@ class Progress:
                                self._run.parallel.chunks),
                   "memory_gib": memory_gib()}
         self._last_time, self._last_step = finished, at
-        return record
+        return {key: value for key, value in record.items() if value is not None}
 
     def restart_clock(self) -> None:
         """Evaluation is not training time."""
@@ -363,11 +374,16 @@ def train(run: RunConfig, corpus: Corpus) -> int:
             progress.close(session.checkpoints)
         if stopping:
             if D.is_main_process():
-                print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with --resume",
-                      flush=True)
+                print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with "
+                      f"{rundir.resume_command(run)}", flush=True)
             # Not 0: a scheduler tells an interrupted run from a finished one (the shell's 128 + N).
             return 128 + signal.Signals[stopping].value
-        _closing_report(session, corpus, state, val_loss)
+        stopping = _closing_report(session, corpus, state, val_loss, stop)
+        if stopping:  # after the last step, its checkpoint written: the sample is cut short, the status says why
+            if D.is_main_process():
+                print(f"{stopping}: the closing sample was cut short; the run had finished its {step} steps (its "
+                      f"checkpoint is in {session.checkpoint_dir})", flush=True)
+            return 128 + signal.Signals[stopping].value
     return 0
 
 
@@ -442,23 +458,35 @@ def _banner(session: Session, corpus: Corpus, start: int) -> str:
             f"{session.devices[0].platform} devices, remat={run.train.remat}, steps {start}→{run.train.steps}")
 
 
-def _closing_report(session: Session, corpus: Corpus, state, val: float) -> None:
+def _closing_report(session: Session, corpus: Corpus, state, val: float, stop: StopFlag) -> str | None:
     """The last step's validation loss `val` (evaluated by the step loop) against the data's unigram
     entropy, and a sample continuing the start of a validation document, drawn from the train state's params
     resharded for sampling by the programs `compile_step` compiled (`compile_sampler`: never gathered, nothing
-    compiled now). Every process computes (the arrays span them all); process 0 prints."""
+    compiled now). Every process computes (the arrays span them all); process 0 prints. A signal since the last
+    step (agreed by every process, checked before each sampled token) ends the sample: its name is returned."""
     run, settings = session.run, session.run.train
-    prompt, ids = validation_prompt(corpus, run.model.seq_len // 2), []
-    if settings.sample_tokens:
-        sampler = session.sampler
-        ids = sample(sampler.reshard(state.params), run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size),
-                     settings.sample_tokens, seed=settings.seed, programs=sampler)
     if D.is_main_process():
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)
         print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
-              f"({corpus.name}); checkpoint: {session.checkpoint_dir}")
-        if settings.sample_tokens:  # sample_tokens=0: no sample, and no prompt printed as if it were one
-            print("sample (prompt: the start of a validation document):\n" + prompt + decode_tokens(ids, corpus.tokenizer))
+              f"({corpus.name}); checkpoint: {session.checkpoint_dir}", flush=True)
+    stopping = stop.now()
+    if not settings.sample_tokens or stopping:  # sample_tokens=0: no sample, and no prompt printed as if it were one
+        return stopping
+    prompt, sampler = validation_prompt(corpus, run.model.seq_len // 2), session.sampler
+
+    def stopped() -> bool:
+        nonlocal stopping
+        stopping = stop.now()
+        return stopping is not None
+
+    ids = sample(sampler.reshard(state.params), run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size),
+                 settings.sample_tokens, seed=settings.seed, programs=sampler, stop=stopped)
+    if stopping:
+        return stopping
+    if D.is_main_process():
+        print("sample (prompt: the start of a validation document):\n" +
+              printable(prompt + decode_tokens(ids, corpus.tokenizer)), flush=True)
+    return None
 
 
 def _pipeline_text(p: ParallelConfig, micro: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from dataclasses import dataclass
 
 import jax
@@ -36,9 +37,44 @@ def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, CHECKPOINTS)
 
 
+def has_checkpoints(run_dir: str) -> bool:
+    """Whether RUN/checkpoints holds a step (a directory named by its number; orbax renames a step's temporary
+    directory to that when it is complete). Reads only: a resume checks before it creates anything."""
+    directory = checkpoint_dir(run_dir)
+    return os.path.isdir(directory) and any(name.isdigit() and os.path.isdir(os.path.join(directory, name))
+                                            for name in os.listdir(directory))
+
+
 def write_config(run_dir: str, run: RunConfig) -> None:
-    with open(os.path.join(run_dir, CONFIG), "w") as f:
-        json.dump(run.to_dict(), f, indent=2)
+    """RUN/config.json, replaced whole or not at all: written to a file beside it (with the permissions a new file
+    gets), then renamed over it; a signal or a full disk mid-write would otherwise leave a torn file that `--resume`
+    cannot read."""
+    path = os.path.join(run_dir, CONFIG)
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            json.dump(run.to_dict(), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):  # not renamed: the write failed
+            os.unlink(partial)
+
+
+def resume_command(run: RunConfig) -> str:
+    """The command that continues `run`: config.json restores the rest; of what a resume does not restore (this
+    launch's machine), the settings this launch gave are added."""
+    words = ["python -m jaxseq.train --run-dir", shlex.quote(run.train.run_dir), "--resume"]
+    if run.train.host_devices != TrainConfig().host_devices and jax.devices()[0].platform == "cpu":
+        words.append(f"--host-devices {run.train.host_devices}")
+    if run.train.peak_tflops is not None:
+        words.append(f"--peak-tflops {run.train.peak_tflops:g}")
+    d = run.distributed
+    if d.explicit:
+        words.append(f"--coordinator {d.coordinator} --num-processes {d.num_processes} --process-id I "
+                     f"(I = each process's own)")
+    return " ".join(words)
 
 
 def checkpoint_meta(run: RunConfig, data_position: int, **extra) -> dict:

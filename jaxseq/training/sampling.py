@@ -136,10 +136,13 @@ def _decode(params, cache, token, position, key, i, temperature, cfg: ModelConfi
 
 
 def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, temperature: float = 0.8,
-           top_k: int = 40, seed: int = 0, mesh=None, programs: Sampler | None = None) -> list[int]:
+           top_k: int = 40, seed: int = 0, mesh=None, programs: Sampler | None = None,
+           stop: Callable[[], bool] | None = None) -> list[int]:
     """max_tokens token ids after `prompt` (non-empty: `prompt_ids`). `params` on one device (mesh None) or in
     the sampling layout on `mesh` (`resharding`, `rundir.restore` with `sampling_parallel`), or with
-    `programs` compiled ahead (`compile_sampler`, which fixed the layout and top_k) on its `reshard` output."""
+    `programs` compiled ahead (`compile_sampler`, which fixed the layout and top_k) on its `reshard` output.
+    `stop`, asked before each token: True ends the sample there, with the tokens drawn so far (a run's
+    signal: the sample must not hold a preempted process)."""
     if not prompt:
         raise ConfigError("the prompt is empty: start it with the tokenizer's document start (prompt_ids)")
     if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
@@ -150,6 +153,8 @@ def sample(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, tempera
         programs = Sampler(reshard=None, prefill=partial(_prefill, **static), decode=partial(_decode, **static))
     tokens, key, cache, filled = list(prompt), jax.random.key(seed), None, 0
     for i in range(max_tokens):
+        if stop is not None and stop():
+            break
         if filled in (0, cfg.seq_len):  # the first token, or a full window sliding by one: recompute it
             context = tokens[-cfg.seq_len:]
             window = np.zeros((1, cfg.seq_len), np.int32)
