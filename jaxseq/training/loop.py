@@ -106,8 +106,8 @@ class StopFlag:
         return self._max(jax.make_array_from_process_local_data(self._sharding, flags, (self._size,)))
 
     def after_step(self) -> str | None:
-        """Called by every process once after dispatching each step: the signal all processes
-        agreed on one call earlier (its name), or None."""
+        """Called by every process once after dispatching each step (or drawing each sampled token): the signal
+        all processes agreed on one call earlier (its name), or None."""
         previous, self._pending = self._pending, self._agree()
         agreed = 0 if previous is None else int(previous)
         return signal.Signals(agreed).name if agreed else None
@@ -474,9 +474,9 @@ def _closing_report(session: Session, corpus: Corpus, state, val: float, stop: S
         return stopping
     prompt, sampler = validation_prompt(corpus, run.model.seq_len // 2), session.sampler
 
-    def stopped() -> bool:
+    def stopped() -> bool:  # the agreement dispatched at the token before, so no token waits for one
         nonlocal stopping
-        stopping = stop.now()
+        stopping = stop.after_step()
         return stopping is not None
 
     ids = sample(sampler.reshard(state.params), run.model, prompt_ids(prompt, corpus.tokenizer, run.model.vocab_size),
