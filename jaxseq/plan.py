@@ -280,7 +280,7 @@ def _plan(args) -> int:
     validate(cfg, context, "none")
     pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
     if args.context > 1 and pipe > 1:
-        validate(cfg, replace(context, pipe=pipe), "none")  # refused in one line: not implemented yet
+        validate(cfg, replace(context, pipe=pipe), "none")  # the pipelined step at context c: one line if it cannot run
     if args.tensor * pipe * args.context > MAX_SIMULATED_DEVICES:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
                           f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")

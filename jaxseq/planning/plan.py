@@ -350,7 +350,7 @@ def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int,
     if not isinstance(fsdp, int) or fsdp <= 0:
         raise ConfigError(f"fsdp={fsdp!r} must be a positive integer")
     validate_fsdp(cfg, ParallelConfig(data=data, fsdp=fsdp, context=context, distributed_optimizer=distributed_optimizer))
-    if context > 1 and pipeline > 1:  # validate_context's refusal, for the plan's whole-model pipeline figures
+    if context > 1 and pipeline > 1:  # the pipelined step at context c (its whole-model figures): as `train` checks it
         validate(cfg, ParallelConfig(pipe=pipeline, context=context, context_strategy=strategy), "none")
     for c in configs:
         validate(cfg, ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
