@@ -225,9 +225,10 @@ def _bubble_in_time(p: Plan) -> list[str]:
         return []
     c = f.branch_dot_flops
     costs = " / ".join(f"{c[k] / 1e9:.3g}" for k in ("F", "B", "W")) + " GFLOP (F / B / W"
-    return [f"  in time   {f.lockstep_bubble:.4f} of the ideal at the tick branches' dot FLOPs per device, {costs}: "
+    return [f"  in time   {1 + f.lockstep_bubble:.4f} × the ideal m·v·(F + B + W) per stage (bubble "
+            f"{f.lockstep_bubble:.4f}) at the tick branches' dot FLOPs per device, {costs}: "
             f"compiled, per {f.compiled_layers_per_chunk} layers), each tick waiting for its slowest stage as the "
-            f"executor runs; 1F1B at the same costs: {f.lockstep_bubble_1f1b:.4f}"]
+            f"executor runs; 1F1B at the same costs: {1 + f.lockstep_bubble_1f1b:.4f} × the ideal"]
 
 
 STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients", "master_weights": "fp32 master weights",
