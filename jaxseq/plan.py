@@ -236,7 +236,8 @@ def _search(args) -> int:
     costs = SearchCosts(cfg, devices, progress=progress)
     result = search.search(cfg, request, costs, args.preset, target=args.target)
     if verify:
-        progress.note(f"compiling the best {verify} configurations' whole train steps for the {args.target}")
+        progress.phase(f"the best {verify} configurations' whole train steps for the {args.target} (and the next in "
+                       "place of any over the budget)", None)
         result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
     print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
     return 0
@@ -284,16 +285,17 @@ def _plan(args) -> int:
     if args.tensor * pipe * args.context > MAX_SIMULATED_DEVICES:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
                           f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")
+    progress = Progress("plan")  # on stderr: stdout holds the table or the JSON alone
     try:
         p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe * args.context), args.preset,
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
-                 context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"),
+                 context=args.context, context_strategy=args.context_strategy, progress=progress,
                  target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args))
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
-    compiled = block_on_target(args, p, chosen)
+    compiled = block_on_target(args, p, chosen, progress)
     if args.json:
         out = p.to_json()
         if args.budget_gib is not None:
@@ -315,11 +317,13 @@ def _plan(args) -> int:
     return 0
 
 
-def block_on_target(args, p, chosen) -> int | None:
-    """With --target, a recommended block recompute compiled as it would run (`compiled_block_bytes`); else None."""
+def block_on_target(args, p, chosen, progress: Progress) -> int | None:
+    """With --target, a recommended block recompute compiled as it would run (`compiled_block_bytes`, a phase of its
+    own: known once the plan's rows are); else None."""
     if args.target is None or chosen is None or block_spec(chosen.remat) is None:
         return None
-    return compiled_block_bytes(p, chosen, args.target, Progress("plan"))
+    progress.phase(f"the recommended {chosen.remat}, compiled as it would run", 1)
+    return compiled_block_bytes(p, chosen, args.target, progress)
 
 
 if __name__ == "__main__":

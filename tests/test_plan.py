@@ -2,7 +2,9 @@
 against the compiled train step and a hand count, the budget recommendation, and one-line errors."""
 
 import dataclasses
+import io
 import json
+import re
 
 import jax
 import pytest
@@ -431,6 +433,66 @@ def test_the_pipeline_block_prints_the_step_time_over_the_ideal(monkeypatch):
     text = "\n".join(report.format_in_flight(dataclasses.replace(p, in_flight=f)))
     assert "in time   2.1693 × the ideal m·v·(F + B + W) per stage (bubble 1.1693)" in text
     assert text.endswith("1F1B at the same costs: 1.6667 × the ideal")
+
+
+class AnnouncedOnly(ArithmeticOnly):
+    """ArithmeticOnly that says each distinct program the plan would compile, as `measure.Compiler` does (a progress
+    line as each starts), compiling none."""
+
+    def __init__(self, *args, progress=None, **kwargs):
+        self.progress, self._cache = progress, {}
+
+    programs = staticmethod(measure.Compiler.programs)
+    forward_programs = staticmethod(measure.Compiler.forward_programs)
+
+    def compile_all(self, keys):
+        for key in self.todo(keys):
+            if self.progress is not None:
+                self.progress.compiling(" ".join(map(str, key)))
+            self._cache[key] = None
+
+
+def stubbed_target_plan(monkeypatch, progress=None) -> P.Plan:
+    """`plan --preset tiny --tensor 2 --target h100` with every program stubbed: the CPU's (AnnouncedOnly) and the GPU's
+    (gpu_target's compiles: no CUDA plugin needed)."""
+    monkeypatch.setattr(P, "Compiler", AnnouncedOnly)
+    monkeypatch.setattr(P.gpu_target, "target_devices", lambda target, count: [None] * count)
+    monkeypatch.setattr(P.gpu_target, "stored_bytes_per_layer", lambda *args, **kwargs: 1000)
+    monkeypatch.setattr(P.gpu_target, "step_bytes", lambda *args: memory.GIB)
+    return P.plan(CONTEXT_CFG, CONTEXT_T, 1, jax.devices(), "tiny", target="h100", progress=progress)
+
+
+def test_progress_totals_do_not_change_within_a_phase(monkeypatch):
+    """`plan --target` counted 15/15, then 16/16 … 21/21 (each row's GPU programs told as they came), then 1/1 (the
+    recommended block's step, a count started afresh unnamed). The plan's whole job is announced before its first
+    program: the CPU's programs (said, not compiled: AnnouncedOnly) and each row's for the GPU (gpu_target's compiles
+    stubbed: no CUDA plugin needed); a later phase is named and counted on its own, one of unknown size says so, and
+    a program beyond the announced total says that."""
+    from jaxseq.planning.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress("plan", stream)
+    p = stubbed_target_plan(monkeypatch, progress)
+    plan_lines = stream.getvalue().splitlines()
+    counts = [re.match(r"plan: compiling (\d+)/(\d+): ", line).groups() for line in plan_lines]
+    rows = P.configurations(CONTEXT_T)
+    programs = len({k for c in rows for k in measure.Compiler.programs(c)}) + 2  # + the two forward programs
+    assert counts == [(str(n), str(programs + len(rows))) for n in range(1, programs + len(rows) + 1)], plan_lines
+    progress.phase("the recommended full:1+none", 1)
+    P.compiled_block_bytes(p, P.block_row(p, p.row("full"), p.row("tp"), 1), "h100", progress)
+    progress.phase("the best configurations' whole steps", None)
+    progress.compiling("one")
+    progress.compiling("two")
+    progress.phase("one announced", 1)
+    progress.compiling("three")
+    progress.compiling("four")
+    later = [line.rsplit(" (", 1)[0] for line in stream.getvalue().splitlines()[len(plan_lines):]]
+    assert later == ["plan: the recommended full:1+none: 1 program",
+                     "plan: compiling 1/1: full:1+none for h100: the whole train step",
+                     "plan: the best configurations' whole steps: how many programs is not known until it ends",
+                     "plan: compiling 1 (total not known): one", "plan: compiling 2 (total not known): two",
+                     "plan: one announced: 1 program", "plan: compiling 1/1: three",
+                     "plan: compiling 2 (1 announced): four"], later
 
 
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])

@@ -257,8 +257,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
     compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy, progress=progress)
     keys = [k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor)
-    if progress is not None:
-        progress.expect(len(compiler.todo(keys)) + (pipeline > 1))
+    if progress is not None:  # the whole job, before its first program: the CPU's, then each row's for the GPU
+        on_gpu = 0 if target is None else len(configs) * (1 + (recorded is not None))
+        progress.expect(len(compiler.todo(keys)) + (pipeline > 1) + on_gpu)
     compiler.compile_all(keys)
     measured = {c: compiler.measure(c) for c in configs}
     in_flight = None
