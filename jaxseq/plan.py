@@ -27,7 +27,8 @@ from jaxseq.remat import block_spec
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
     "Where each figure comes from. From XLA's compiled program (per layer per device): stored (the stacked "
-    "buffers the forward layer loop writes, / L), TFLOP and recompute (cost_analysis()), collectives (the "
+    "buffers the forward layer loop writes, / L), TFLOP and recompute (XLA:CPU's cost_analysis(), with --target "
+    "too), collectives (the "
     "collectives of one forward and one backward layer-loop iteration). From the paper's formulas: the "
     "formula column (and so ratio = stored / formula) and the paper's model/hardware FLOPs line (for a Llama "
     "preset, jaxseq's own: formulas.activation_bytes and train_flops, term by term). From shapes "
@@ -78,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "planned with the JAX that recorded it): each row's whole train step compiles with them where "
                         "the file holds a choice for each of its GEMMs, instead of the larger of the all-Triton and "
                         "all-cuBLAS programs")
-    p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
+                        "forward, full), then by the measured FLOPs")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search.py states the memory and time model)")
