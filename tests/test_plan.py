@@ -441,9 +441,9 @@ class AnnouncedOnly(ArithmeticOnly):
 
 
 class DotsBelowNone(ArithmeticOnly):
-    """ArithmeticOnly whose `dots` layer counts 0.2% fewer FLOPs than `none`'s, as XLA:CPU counted the tiny preset's with
-    fused attention (−0.18%), and whose stored bytes fall as a policy replays more (every row but `none` fits a budget
-    `none` misses)."""
+    """ArithmeticOnly whose `dots` layer counts 0.2% fewer FLOPs than `none`'s, as XLA:CPU counted the tiny preset's
+    with fused attention (−0.18%), and whose stored bytes fall as a policy replays more (every row but `none` fits a
+    budget `none` misses)."""
 
     def measure(self, c):
         flops = {"none": 1e6, "dots": 0.998e6, "full": 1.3e6}.get(c.remat, 1.01e6)
@@ -460,9 +460,9 @@ NO_FORMULA_COMMANDS = [("--preset", "tiny-llama", "--tensor", "2", "--attention"
 
 @pytest.mark.parametrize("argv", NO_FORMULA_COMMANDS, ids=["llama", "context"])
 def test_rows_without_a_formula_print_n_a_and_json_null(argv, monkeypatch):
-    """`plan --preset tiny-llama --tensor 2 --attention fused` and `plan --preset tiny --tensor 2 --context 2 --attention
-    fused` ended in a TypeError formatting the headline's missing full+sp ratio. The layers' measurements are
-    ArithmeticOnly's (the table's arithmetic, nothing compiled: what each command prints with XLA's numbers is
+    """`plan --preset tiny-llama --tensor 2 --attention fused` and `plan --preset tiny --tensor 2 --context 2
+    --attention fused` ended in a TypeError formatting the headline's missing full+sp ratio. The layers' measurements
+    are ArithmeticOnly's (the table's arithmetic, nothing compiled: what each command prints with XLA's numbers is
     checked by hand in the change that fixed it)."""
     monkeypatch.setattr(P, "Compiler", ArithmeticOnly)
     jax.devices()  # the backend started with conftest.py's 8 devices (not the first command's t·c, `host_devices`)
