@@ -27,7 +27,8 @@ from jaxseq.remat import block_spec
 # Printed by --help; README's "Where each figure comes from" table says the same.
 SOURCES = (
     "Where each figure comes from. From XLA's compiled program (per layer per device): stored (the stacked "
-    "buffers the forward layer loop writes, / L), TFLOP and recompute (cost_analysis()), collectives (the "
+    "buffers the forward layer loop writes, / L), TFLOP and recompute (XLA:CPU's cost_analysis(), with --target "
+    "too), collectives (the "
     "collectives of one forward and one backward layer-loop iteration). From the paper's formulas: the "
     "formula column (and so ratio = stored / formula) and the paper's model/hardware FLOPs line (for a Llama "
     "preset, jaxseq's own: formulas.activation_bytes and train_flops, term by term). From shapes "
@@ -78,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "planned with the JAX that recorded it): each row's whole train step compiles with them where "
                         "the file holds a choice for each of its GEMMs, instead of the larger of the all-Triton and "
                         "all-cuBLAS programs")
-    p.add_argument("--budget-gib", type=float, default=None, help="recommend the least recompute that fits")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
+                        "forward, full), then by the measured FLOPs")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search.py states the memory and time model)")
@@ -236,7 +239,8 @@ def _search(args) -> int:
     costs = SearchCosts(cfg, devices, progress=progress)
     result = search.search(cfg, request, costs, args.preset, target=args.target)
     if verify:
-        progress.note(f"compiling the best {verify} configurations' whole train steps for the {args.target}")
+        progress.phase(f"the best {verify} configurations' whole train steps for the {args.target} (and the next in "
+                       "place of any over the budget)", None)
         result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
     print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
     return 0
@@ -280,20 +284,21 @@ def _plan(args) -> int:
     validate(cfg, context, "none")
     pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
     if args.context > 1 and pipe > 1:
-        validate(cfg, replace(context, pipe=pipe), "none")  # refused in one line: not implemented yet
+        validate(cfg, replace(context, pipe=pipe), "none")  # the pipelined step at context c: one line if it cannot run
     if args.tensor * pipe * args.context > MAX_SIMULATED_DEVICES:
         raise ConfigError(f"pipeline={args.pipeline} × tensor={args.tensor} = {args.tensor * pipe} simulated devices "
                           f"to compile the pipelined step; at most {MAX_SIMULATED_DEVICES}")
+    progress = Progress("plan")  # on stderr: stdout holds the table or the JSON alone
     try:
         p = plan(cfg, args.tensor, args.micro_batch_size, host_devices(args.tensor * pipe * args.context), args.preset,
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
-                 context=args.context, context_strategy=args.context_strategy, progress=Progress("plan"),
+                 context=args.context, context_strategy=args.context_strategy, progress=progress,
                  target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args))
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
-    compiled = block_on_target(args, p, chosen)
+    compiled = block_on_target(args, p, chosen, progress)
     if args.json:
         out = p.to_json()
         if args.budget_gib is not None:
@@ -315,11 +320,13 @@ def _plan(args) -> int:
     return 0
 
 
-def block_on_target(args, p, chosen) -> int | None:
-    """With --target, a recommended block recompute compiled as it would run (`compiled_block_bytes`); else None."""
+def block_on_target(args, p, chosen, progress: Progress) -> int | None:
+    """With --target, a recommended block recompute compiled as it would run (`compiled_block_bytes`, a phase of its
+    own: known once the plan's rows are); else None."""
     if args.target is None or chosen is None or block_spec(chosen.remat) is None:
         return None
-    return compiled_block_bytes(p, chosen, args.target, Progress("plan"))
+    progress.phase(f"the recommended {chosen.remat}, compiled as it would run", 1)
+    return compiled_block_bytes(p, chosen, args.target, progress)
 
 
 if __name__ == "__main__":

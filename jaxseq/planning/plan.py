@@ -21,7 +21,7 @@ from jaxseq.planning.measure import Compiler, Measured, RowSpec
 from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, fsdp_gathered_bytes,
                                     non_layer_activation_bytes, parameter_elements_per_device, peak_bytes,
                                     state_bytes, state_bytes_by_part)
-from jaxseq.remat import POLICIES
+from jaxseq.remat import POLICIES, block_spec
 
 
 def configurations(tensor: int, policies=None) -> list[RowSpec]:
@@ -41,6 +41,8 @@ def configurations(tensor: int, policies=None) -> list[RowSpec]:
 
 
 CPU_SOURCE = "XLA:CPU, simulated devices (total = state + stored × layers in flight + a float32 step's working memory)"
+# Every row's FLOPs and recompute, with --target too: a program compiled for a GPU without one counts no FLOPs
+FLOPS_SOURCE = "XLA:CPU's cost_analysis() of each row's layer compiled on simulated CPU devices"
 
 
 def target_source(target: str, recorded: str | None = None) -> str:
@@ -109,6 +111,7 @@ class Plan:
     context_strategy: str = "all-gather"
     context_kv: dict | None = None  # formulas.context_kv_bytes: transient K/V and K/V traffic per layer per device
     fsdp: int = 1  # FSDP: every weight's state split over this many ranks (each layer gathers its weights)
+    target: str | None = None  # the GPU whose programs the rows' stored bytes and totals are (not their FLOPs)
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -135,6 +138,7 @@ class Plan:
             "stage_state": self.stage_state() if self.pipeline > 1 else None,
             "context": self.context, "context_strategy": self.context_strategy,
             "context_kv_bytes_per_layer": self.context_kv,
+            "target": self.target, "flops_source": FLOPS_SOURCE,
         }
 
     def state(self, tensor: int | None = None, distributed_optimizer: bool | None = None,
@@ -257,8 +261,9 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
     compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy, progress=progress)
     keys = [k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor)
-    if progress is not None:
-        progress.expect(len(compiler.todo(keys)) + (pipeline > 1))
+    if progress is not None:  # the whole job, before its first program: the CPU's, then each row's for the GPU
+        on_gpu = 0 if target is None else len(configs) * (1 + (recorded is not None))
+        progress.expect(len(compiler.todo(keys)) + (pipeline > 1) + on_gpu)
     compiler.compile_all(keys)
     measured = {c: compiler.measure(c) for c in configs}
     in_flight = None
@@ -290,7 +295,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                 virtual_stages=virtual_stages, microbatches=n_micro, in_flight_layers=float(in_flight_layers),
                 bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight, context=context,
                 context_strategy=context_strategy,
-                context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy), fsdp=fsdp)
+                context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy), fsdp=fsdp,
+                target=target)
 
 
 def recorded_totals(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, microbatches: int, target: str,
@@ -350,7 +356,7 @@ def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int,
     if not isinstance(fsdp, int) or fsdp <= 0:
         raise ConfigError(f"fsdp={fsdp!r} must be a positive integer")
     validate_fsdp(cfg, ParallelConfig(data=data, fsdp=fsdp, context=context, distributed_optimizer=distributed_optimizer))
-    if context > 1 and pipeline > 1:  # validate_context's refusal, for the plan's whole-model pipeline figures
+    if context > 1 and pipeline > 1:  # the pipelined step at context c (its whole-model figures): as `train` checks it
         validate(cfg, ParallelConfig(pipe=pipeline, context=context, context_strategy=strategy), "none")
     for c in configs:
         validate(cfg, ParallelConfig(data=1, context=context, tensor=c.tensor, sequence_parallel=c.sequence_parallel,
@@ -502,14 +508,28 @@ def compiled_block_bytes(p: Plan, row: Row, target: str, progress=None) -> int:
                                  target)
 
 
+def replay_rank(remat: str) -> int:
+    """What policy (or block spec) `remat` replays in backward, by the policies' definitions (`remat.RematPolicy`):
+    0 nothing (`none`); 2 the whole forward but its last matmul (its QKV matmul among the replays: `full`); 1 a part
+    of it (every other policy, and a block recompute: some layers under one policy, the others under another)."""
+    if block_spec(remat) is not None:
+        return 1
+    policy = POLICIES[remat]
+    if "qkv" in policy.replays:
+        return 2
+    return 1 if policy.replays or policy.replays_norms else 0
+
+
 def recommend(p: Plan, budget_bytes: float) -> tuple[Row | None, list[tuple[Row, str]]]:
     """The configuration on `p.tensor` devices with the least recompute that fits, and why each
-    cheaper one does not. Order: measured recompute overhead, then collective bytes (SP's extra
-    backward all-gathers), then memory. Among them Megatron-LM's block recompute of the rows that do not fit
-    (`least_block_rows`): the fewest layers per chunk under `full` that make them fit."""
+    cheaper one does not. Order: what the policy replays (`replay_rank`), then the measured recompute overhead,
+    then collective bytes (SP's extra backward all-gathers), then memory. The rank comes first because XLA:CPU's
+    FLOP count of a replaying policy's program can fall below `none`'s (`dots` with fused attention, for one): a
+    count of a differently compiled program, not what the policy replays. Among them Megatron-LM's block recompute of
+    the rows that do not fit (`least_block_rows`): the fewest layers per chunk under `full` that make them fit."""
     candidates = sorted([*(r for r in p.rows if r.tensor == p.tensor), *least_block_rows(p, budget_bytes)],
-                        key=lambda r: (round(r.recompute_overhead_pct, 2), r.collective_bytes_per_layer,
-                                       r.total_bytes_per_device))
+                        key=lambda r: (replay_rank(r.remat), round(r.recompute_overhead_pct, 2),
+                                       r.collective_bytes_per_layer, r.total_bytes_per_device))
     rejected = []
     for r in candidates:
         if r.total_bytes_per_device <= budget_bytes:

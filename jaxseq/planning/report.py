@@ -6,12 +6,28 @@ from __future__ import annotations
 from jaxseq.models import model as M
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
-from jaxseq.planning.plan import CPU_SOURCE, Plan, chunk_layers, recommend
+from jaxseq.planning.plan import CPU_SOURCE, FLOPS_SOURCE, Plan, chunk_layers, recommend
 from jaxseq.remat import block_spec
 
 
-def _fmt(x, spec, missing="-"):
+NO_FORMULA = "n/a"  # the formula and ratio of a row no formula counts (JSON: null)
+
+
+def _fmt(x, spec, missing=NO_FORMULA):
     return missing if x is None else format(x, spec)
+
+
+def _pct(pct: float) -> float:
+    """A percentage as printed to two decimals: −0.004 is 0.00, not −0.00."""
+    return pct if round(pct, 2) else 0.0
+
+
+def recompute_text(pct: float, unit: str = "") -> str:
+    """A row's measured recompute overhead: below 0 it is labelled as what it is, XLA:CPU's FLOP count of the
+    policy's program under `none`'s program's (compiled differently), not a cost the policy adds."""
+    if round(pct, 2) < 0:
+        return f"{pct:+.2f}%{unit} measured (XLA:CPU's count, below none's program's: not a cost)"
+    return f"{_pct(pct):+.2f}%{unit}"
 
 
 def _unit(largest: float, units: list[tuple[str, float]]) -> tuple[str, float]:
@@ -36,9 +52,11 @@ def format_table(p: Plan) -> str:
         f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "
         "collectives at the activation dtype, forward + backward",
+        _flops_label(p),
         *_formula_label(p),
         "",
         *_format_rows(p),
+        *_row_notes(p),
         *format_context(p),
         "",
         _format_formula_flops(p),
@@ -69,9 +87,29 @@ def _format_rows(p: Plan) -> list[str]:
         lines.append(
             f"{r.config:<22}{r.remat:<14}{'yes' if r.sequence_parallel else 'no':<4}{r.tensor:>3}"
             f"{r.measured_bytes_per_layer / bu:>12.1f}{_fmt(formula, '.1f'):>13}"
-            f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / fu:>9.4f}{r.recompute_overhead_pct:>10.2f}%"
+            f"{_fmt(r.ratio, '.4f'):>8}{r.flops_per_layer / fu:>9.4f}{_pct(r.recompute_overhead_pct):>10.2f}%"
             f"{r.collective_bytes_per_layer / cu:>11.1f}{r.activation_bytes_per_device / au:>12.2f}"
             f"{r.working_bytes_per_device / wu:>11.2f}{r.total_bytes_per_device / tu:>11.1f}")
+    return lines
+
+
+def _flops_label(p: Plan) -> str:
+    """Where the FLOP and recompute columns come from: XLA:CPU's count, with --target too."""
+    gpu = (f", not the {p.target}'s (its programs, compiled without a GPU, count no FLOPs)" if p.target else "")
+    return f"FLOPs and recompute (over `none`'s FLOPs at the same t and SP): {FLOPS_SOURCE}{gpu}"
+
+
+def _row_notes(p: Plan) -> list[str]:
+    """What a missing formula and a recompute below 0 mean, where a row has one."""
+    lines = []
+    if any(r.formula_bytes_per_layer is None for r in p.rows):
+        lines.append(f"formula, ratio {NO_FORMULA}: no formula counts that row's tensors (the paper's Table 2 counts "
+                     "its seven rows, formulas.activation_bytes explicit attention's); null in --json")
+    below = [f"{r.config} {r.recompute_overhead_pct:+.2f}%" for r in p.rows if round(r.recompute_overhead_pct, 2) < 0]
+    if below:
+        lines.append(f"recompute below 0 ({', '.join(below)}): XLA:CPU counted fewer FLOPs in that policy's program "
+                     "than in `none`'s, compiled differently (what an untagged fused attention keeps or replays, the "
+                     "fusions): a count, not a cost; --budget-gib ranks by what a policy replays first")
     return lines
 
 
@@ -138,8 +176,8 @@ def _format_measured_headlines(p: Plan) -> list[str]:
         f"{'+' if difference >= 0 else '−'} {abs(difference) / 1e9:.1f} GFLOP"]
     stored_ratio = sp_sel.measured_bytes_per_layer / tp.measured_bytes_per_layer
     lines.append(f"TP+SP+selective stores {stored_ratio:.3f} × TP ({1 / stored_ratio:.1f}× less); "
-                 f"full+sp / (2sbh/t) = {p.row('full+sp').ratio:.4f}; selective recompute overhead "
-                 f"{sp_sel.recompute_overhead_pct:.2f}%"
+                 f"full+sp / (2sbh/t) = {_fmt(p.row('full+sp').ratio, '.4f')}; selective recompute overhead "
+                 f"{recompute_text(sp_sel.recompute_overhead_pct)}"
                  + (" (JAX recomputes QKᵀ and softmax, not scores×V)" if cfg.attention == "explicit" else ""))
     if cfg.attention == "fused":
         none = p.row("tp+sp")
@@ -225,9 +263,10 @@ def _bubble_in_time(p: Plan) -> list[str]:
         return []
     c = f.branch_dot_flops
     costs = " / ".join(f"{c[k] / 1e9:.3g}" for k in ("F", "B", "W")) + " GFLOP (F / B / W"
-    return [f"  in time   {f.lockstep_bubble:.4f} of the ideal at the tick branches' dot FLOPs per device, {costs}: "
+    return [f"  in time   {1 + f.lockstep_bubble:.4f} × the ideal m·v·(F + B + W) per stage (bubble "
+            f"{f.lockstep_bubble:.4f}) at the tick branches' dot FLOPs per device, {costs}: "
             f"compiled, per {f.compiled_layers_per_chunk} layers), each tick waiting for its slowest stage as the "
-            f"executor runs; 1F1B at the same costs: {f.lockstep_bubble_1f1b:.4f}"]
+            f"executor runs; 1F1B at the same costs: {1 + f.lockstep_bubble_1f1b:.4f} × the ideal"]
 
 
 STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients", "master_weights": "fp32 master weights",
@@ -285,16 +324,17 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
     chosen, rejected = recommend(p, budget_gib * GIB)
     lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, data={p.data} "
              f"{'with' if p.distributed_optimizer else 'without'} the distributed optimizer, "
-             f"micro-batch={p.micro_batch}; least recompute first:"]
+             f"micro-batch={p.micro_batch}; by what each policy replays (none; a part of the forward; full: "
+             f"plan.replay_rank), then by measured recompute ({FLOPS_SOURCE}):"]
     for r, why in rejected:
-        lines.append(f"  {r.config:<22} does not fit: {why} (recompute {r.recompute_overhead_pct:+.2f}%)")
+        lines.append(f"  {r.config:<22} does not fit: {why} (recompute {recompute_text(r.recompute_overhead_pct)})")
     if chosen is None:
         hint = "" if p.distributed_optimizer or p.data == 1 else ", or --distributed-optimizer"
         lines.append(f"  nothing fits: more tensor/pipeline parallelism or a smaller micro-batch is needed{hint}")
     else:
         lines.append(f"  recommended: {chosen.config} (remat={chosen.remat}, sequence_parallel="
                      f"{chosen.sequence_parallel}): {chosen.total_bytes_per_device / GIB:.1f} GiB, recompute "
-                     f"{chosen.recompute_overhead_pct:+.2f}% FLOPs")
+                     f"{recompute_text(chosen.recompute_overhead_pct, ' FLOPs')}")
         block = block_spec(chosen.remat)
         if block:
             megatron = (f" (Megatron-LM: --recompute-granularity full --recompute-method block --recompute-num-layers "
