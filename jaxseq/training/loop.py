@@ -83,10 +83,12 @@ class StopFlag:
         self._size = mesh.size
         self._sharding = NamedSharding(mesh, P(mesh.axis_names))  # one flag per device
         self._local_devices = len(self._sharding.addressable_devices)
-        # Compiled here, not at the first step: nothing compiles between train steps.
-        flags = jax.ShapeDtypeStruct((self._size,), jnp.int32, sharding=self._sharding)
-        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P())).lower(flags).compile()
         self._pending = None
+        # One process agrees with itself: no program, and no collective beside every step.
+        self._max = None
+        if jax.process_count() > 1:  # compiled here, not at the first step: nothing compiles between train steps
+            flags = jax.ShapeDtypeStruct((self._size,), jnp.int32, sharding=self._sharding)
+            self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P())).lower(flags).compile()
 
     def __enter__(self) -> "StopFlag":
         self._previous = {sig: signal.signal(sig, self._set) for sig in self.SIGNALS}
@@ -100,8 +102,10 @@ class StopFlag:
     def _set(self, signum, frame):
         self.local = self.local or signum
 
-    def _agree(self) -> jax.Array:
-        """The max of every process's flag, dispatched (not read)."""
+    def _agree(self) -> jax.Array | int:
+        """The max of every process's flag, dispatched (not read); this process's flag where it is the only one."""
+        if self._max is None:
+            return self.local
         flags = np.full((self._local_devices,), self.local, np.int32)
         return self._max(jax.make_array_from_process_local_data(self._sharding, flags, (self._size,)))
 
