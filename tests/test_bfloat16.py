@@ -186,7 +186,7 @@ def bf16_steps(devices):
             layout = Layout(cfg, parallel, mesh)
             optimizer, dtypes = _received(T.make_optimizer(OptimizerConfig(), cfg))
             step = T.make_train_step(layout, "selective", optimizer, micro_batches=micro_batches)
-            compiled, text = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, 16)))
+            compiled, text = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, 16)))
             state = T.init_state(jax.random.key(1), layout, optimizer)
             state, _ = compiled(state, _batch(16), jax.random.key(2))
             steps[name] = parallel, mesh, text, dtypes, jax.device_get(state.opt_state[0])

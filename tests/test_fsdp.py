@@ -93,7 +93,7 @@ def bf16_program(devices):
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     step = T.make_train_step(layout, "selective", optimizer)
-    compiled, text = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
+    compiled, text = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
     return parallel, mesh, compiled.as_text(), text, compiled.memory_analysis()
 
 
@@ -180,7 +180,7 @@ def test_hsdp_with_the_distributed_optimizer_gathers_the_compute_copy_over_data(
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     step = T.make_train_step(layout, "selective", optimizer)
-    _, partitioned = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
+    _, partitioned = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
     data = _fsdp_groups(mesh, "data")
     gathered = {"bf16": 0, "f32": 0}  # bytes per device of every all-gather over the data groups
     for instrs in HLO.parse_hlo(partitioned).values():

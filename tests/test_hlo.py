@@ -1,7 +1,11 @@
 """planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
 form XLA prints them, a loop found by its trip count (not one nested in another of that count), how often each computation runs, the dot FLOPs a
 program runs with loops counted × their trip count and a conditional at its dearest branch, and the bytes its
-kernels move."""
+kernels move; and that the readers only read text."""
+
+import ast
+import glob
+import os
 
 import pytest
 
@@ -238,3 +242,24 @@ def test_the_h100s_own_program_reads_as_the_one_compiled_for_it_without_a_gpu():
     assert HLO.stored_bytes_per_layer(scan, 24) == offline["stored_bytes_per_layer"]
     assert HLO.memory_bound_bytes(scan) == sum(offline["non_gemm_bytes"].values())
     assert (HLO.memory_bound_bytes(scan) - HLO.memory_bound_bytes(unrolled)) / 1e9 == pytest.approx(89.1, abs=0.05)
+
+
+# What a reader of HLO text needs: the standard library's text and record tools, numpy for sizes and device ids, and
+# its sibling readers (tests/test_architecture.py holds which).
+TEXT_READING = {"__future__", "dataclasses", "re", "numpy", "jaxseq"}
+
+
+def test_the_readers_read_text_and_compile_nothing():
+    """planning/hlo*.py read a compiled program's text and neither compile nor touch files: none imports JAX, the
+    file system or a temporary directory. A compile that dumps the partitioner's program and flips a global JAX setting
+    (`compile_partitioned`) lives with the analysis compiles, in training/aot.py."""
+    readers = sorted(glob.glob(os.path.join(os.path.dirname(HLO.__file__), "hlo*.py")))
+    imported = {}
+    for path in readers:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        names = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        names |= {node.module.split(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+        imported[os.path.basename(path)] = names
+    assert "hlo.py" in imported
+    assert {name: sorted(names - TEXT_READING) for name, names in imported.items() if names - TEXT_READING} == {}
