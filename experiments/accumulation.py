@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
-from jaxseq.planning import hlo  # noqa: E402
+from jaxseq.planning import hlo, hlo_collectives, hlo_loops  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
 
@@ -44,7 +44,7 @@ def data_traffic(text: str, data: int, tensor: int) -> dict:
     (`search.ring_traffic`), by kind, and how many run inside loops."""
     from jaxseq.planning.search import ring_traffic
 
-    comps, runs = hlo.parse_hlo(text), hlo.runs_per_call(text)
+    comps, runs = hlo.parse_hlo(text), hlo_loops.runs_per_call(text)
     data_of = np.arange(data * tensor) // tensor
     out: dict = {}
     for comp, instrs in comps.items():
@@ -52,7 +52,7 @@ def data_traffic(text: str, data: int, tensor: int) -> dict:
             kind = ins.opcode.removesuffix("-start")
             if kind not in ("all-reduce", "reduce-scatter", "all-gather") or comp not in runs:
                 continue
-            groups = hlo.replica_groups(ins.rest)
+            groups = hlo_collectives.replica_groups(ins.rest)
             if groups is not None and all(len({int(data_of[i]) for i in g}) == 1 for g in groups):
                 continue  # inside one data rank: tensor-parallel
             size = len(groups[0]) if groups else data

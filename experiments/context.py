@@ -31,7 +31,7 @@ import jax  # noqa: E402
 from jaxseq.config import ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import formulas as F  # noqa: E402
-from jaxseq.planning import hlo  # noqa: E402
+from jaxseq.planning import hlo_loops  # noqa: E402
 from jaxseq.planning.memory import GIB, non_layer_activation_bytes, state_bytes  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 
@@ -46,7 +46,7 @@ def compiled_stored(cfg, c: int, strategy: str) -> int:
     parallel = ParallelConfig(data=1, context=c, tensor=T, sequence_parallel=True, context_strategy=strategy)
     mesh = make_mesh(parallel, jax.devices()[:c * T])
     text = aot.compile_loss_and_grad(replace(cfg, layers=2), parallel, REMAT, mesh, B).as_text()
-    return hlo.stored_bytes_per_layer(text, 2)
+    return hlo_loops.stored_bytes_per_layer(text, 2)
 
 
 def memory_floor(cfg, c: int, strategy: str) -> dict:

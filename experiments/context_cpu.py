@@ -27,7 +27,7 @@ from jaxseq.config import ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import model as M  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
-from jaxseq.planning import hlo as HLO  # noqa: E402
+from jaxseq.planning import hlo_loops  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def measure(cfg, parallel: ParallelConfig, repeats: int, batch_size: int = 4) ->
         jax.block_until_ready(compiled(params, batch, jax.random.key(2)))
         times.append(time.perf_counter() - start)
     return {"mesh": parallel.mesh_text(), "strategy": parallel.context_strategy if parallel.context > 1 else None,
-            "stored_bytes_per_layer": HLO.stored_bytes_per_layer(compiled.as_text(), cfg.layers),
+            "stored_bytes_per_layer": hlo_loops.stored_bytes_per_layer(compiled.as_text(), cfg.layers),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "seconds_per_step_median": statistics.median(times[1:])}
 

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 from jaxseq.config import ParallelConfig, preset  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.planning import hlo as HLO  # noqa: E402
+from jaxseq.planning import hlo, hlo_loops  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 
 CONFIGS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (context, tensor)
@@ -62,7 +62,7 @@ def compile_ring(context: int, tensor: int) -> str:
     return aot.compile_loss_and_grad(preset(MODEL), parallel, REMAT, mesh, MICRO_BATCH).as_text()
 
 
-def _op_name(ins: HLO.Instr) -> str:
+def _op_name(ins: hlo.Instr) -> str:
     m = re.search(r'op_name="([^"]*)"', ins.rest)
     return m.group(1) if m else ""
 
@@ -72,7 +72,7 @@ def _op_name(ins: HLO.Instr) -> str:
 RING_EINSUMS = ("bqkgd,bskd->bkgqs/", "bkgqs,bskd->bqkgd/", "bkgqs,bqkgd->bskd/")
 
 
-def is_block(ins: HLO.Instr) -> bool:
+def is_block(ins: hlo.Instr) -> bool:
     """A ring block computation: one of the ring's dots, or a step's `lax.switch` (a conditional whose branches
     hold them), inside the ring's shard_map."""
     name = _op_name(ins)
@@ -104,7 +104,7 @@ def _first_blocks(start: str, users: dict[str, list[str]], blocks: set[str]) -> 
     return found
 
 
-def body_sends(instrs: list[HLO.Instr], backward: bool) -> list[Send]:
+def body_sends(instrs: list[hlo.Instr], backward: bool) -> list[Send]:
     """Every collective-permute of one computation (a layer loop's body), in scheduled order."""
     operands = {i.name: i.operands() for i in instrs}
     users: dict[str, list[str]] = {}
@@ -127,7 +127,7 @@ def body_sends(instrs: list[HLO.Instr], backward: bool) -> list[Send]:
         between = sum(1 for i in instrs[position[p.name] + 1:first_use] if i.name in blocks)
         (dtype, dims), = p.arrays()[:1]
         sends.append(Send(name=p.name, backward=backward, carries=carries, hop=hops[p.name][1],
-                          bytes=HLO.array_bytes(dtype, dims), blocks_before=len(before[p.name] & blocks),
+                          bytes=hlo.array_bytes(dtype, dims), blocks_before=len(before[p.name] & blocks),
                           blocks_after=len(after & blocks), blocks_free=len(blocks - before[p.name] - after),
                           other_dots_free=len(dots - before[p.name] - after),
                           into_switch=bool(_first_blocks(p.name, users, blocks) & switches),
@@ -137,17 +137,17 @@ def body_sends(instrs: list[HLO.Instr], backward: bool) -> list[Send]:
 
 def ring_sends(hlo_text: str, layers: int) -> list[Send]:
     """The collective-permutes of the forward and the backward layer loop's bodies."""
-    comps = HLO.parse_hlo(hlo_text)
+    comps = hlo.parse_hlo(hlo_text)
     out = []
-    for loop in sorted(HLO.layer_loops(comps, layers), key=lambda l: l.backward):
+    for loop in sorted(hlo_loops.layer_loops(comps, layers), key=lambda l: l.backward):
         out += body_sends(comps[loop.body], loop.backward)
     return out
 
 
 def block_count(hlo_text: str, layers: int, backward: bool) -> tuple[int, int]:
     """(block computations, of which `lax.switch` conditionals) in a layer loop's body."""
-    comps = HLO.parse_hlo(hlo_text)
-    (loop,) = [l for l in HLO.layer_loops(comps, layers) if l.backward == backward]
+    comps = hlo.parse_hlo(hlo_text)
+    (loop,) = [l for l in hlo_loops.layer_loops(comps, layers) if l.backward == backward]
     instrs = [i for i in comps[loop.body] if is_block(i)]
     return len(instrs), sum(i.opcode == "conditional" for i in instrs)
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import model as M  # noqa: E402
-from jaxseq.planning import hlo as A  # noqa: E402
+from jaxseq.planning import hlo_collectives  # noqa: E402
 from jaxseq.planning import memory  # noqa: E402
 from jaxseq.remat import POLICIES  # noqa: E402
 from jaxseq.sharding import batch_sharding  # noqa: E402
@@ -50,7 +50,7 @@ def data_all_gathers(hlo: str, data: int, weight_shapes: set) -> dict:
     """Floating-point all-gathers over a group of `data` devices: those of a weight's compute shape
     outside every loop, of a weight shape inside a loop (none expected), and any other (named by op)."""
     out = {"weights_outside_loops": 0, "weights_inside_loops": 0, "other": []}
-    for g in A.all_gathers(hlo, data):
+    for g in hlo_collectives.all_gathers(hlo, data):
         if g.dims in weight_shapes:
             out["weights_inside_loops" if g.in_loop else "weights_outside_loops"] += 1
         else:

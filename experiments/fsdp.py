@@ -39,7 +39,7 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # no
 from jaxseq.hardware import HARDWARE  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
-from jaxseq.planning import hlo as A  # noqa: E402
+from jaxseq.planning import hlo, hlo_collectives, hlo_loops  # noqa: E402
 from jaxseq.planning import search as S  # noqa: E402
 from jaxseq.planning.search_costs import SearchCosts  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
@@ -62,16 +62,17 @@ MAXTEXT_LLAMA2_70B = {"gpus": 64, "global_batch": 128, "micro_batch": 2, "seq_le
 def collective_bytes(hlo_text: str) -> dict:
     """Bytes of each kind of collective per step per device: each one's buffer (the gathered or unreduced size)
     × the times its computation runs in one call of the program."""
-    comps, runs = A.parse_hlo(hlo_text), A.runs_per_call(hlo_text)
+    comps, runs = hlo.parse_hlo(hlo_text), hlo_loops.runs_per_call(hlo_text)
     out: dict[str, float] = {}
     for comp, instrs in comps.items():
         for ins in instrs:
             kind = ins.opcode.removesuffix("-start")
-            if kind not in A.COLLECTIVES:
+            if kind not in hlo.COLLECTIVES:
                 continue
-            size = sum(A.array_bytes(dt, dims) for dt, dims in ins.results())
+            size = sum(hlo.array_bytes(dt, dims) for dt, dims in ins.results())
             if kind == "reduce-scatter":
-                size *= A.replica_groups(ins.rest) and len(A.replica_groups(ins.rest)[0]) or 1
+                groups = hlo_collectives.replica_groups(ins.rest)
+                size *= groups and len(groups[0]) or 1
             out[kind] = out.get(kind, 0.0) + size * runs.get(comp, 0)
     return out
 

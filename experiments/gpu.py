@@ -120,7 +120,7 @@ def measure(spec: dict, devices) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss)
     text = compiled.as_text()
-    if spec.get("hlo_path"):  # the program XLA compiled for this device, to read offline (planning/hlo.py)
+    if spec.get("hlo_path"):  # the program XLA compiled for this device, to read offline (planning/hlo*.py)
         import gzip
 
         with gzip.open(spec["hlo_path"], "wt") as f:
@@ -197,14 +197,14 @@ def device_time(compiled, state, batch, key, steps: int, top: int = TOP_OPS) -> 
 
 
 def trace_summary(data, hlo_text: str, steps: int, wall_s: float, top_count: int = TOP_OPS) -> dict:
-    """A trace's ops of the first device, in ms per step: by what each does (`hlo.op_kinds`: matmul, cuDNN
+    """A trace's ops of the first device, in ms per step: by what each does (`hlo_kernels.op_kinds`: matmul, cuDNN
     attention, collective, convert, copy/transpose, other; a kernel that names no HLO op by its own name), the
     time the device was busy (their intervals merged over its streams) and the wall time. On a GPU the device's
     own plane; on CPU (the dry run) the host threads' ops of device 0, whose busy time says nothing of a GPU."""
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo_kernels
 
     module = re.match(r"HloModule (\S+?),", hlo_text).group(1)
-    kinds = hlo.op_kinds(hlo_text)
+    kinds = hlo_kernels.op_kinds(hlo_text)
     gpu = data.find_plane_with_name("/device:GPU:0")
     plane = gpu if gpu is not None else data.find_plane_with_name("/host:CPU")
     ms, top, intervals = {}, {}, []
@@ -231,7 +231,7 @@ def trace_summary(data, hlo_text: str, steps: int, wall_s: float, top_count: int
 
 
 def _kind(kinds: dict, op: str, kernel: str) -> str | None:
-    """An op's kind (`hlo.op_kinds`); a kernel that names no HLO op of the program, by its own name."""
+    """An op's kind (`hlo_kernels.op_kinds`); a kernel that names no HLO op of the program, by its own name."""
     if op in kinds:
         return kinds[op]
     return next((kind for kind, words in KERNEL_NAME_KINDS if any(w in kernel.lower() for w in words)), "other")

@@ -5,7 +5,7 @@ one GPU in about 3 minutes:
    offline moves 15 GB fewer bytes (experiments/scan_stacks.py). Where does the time go? `none` at micro-batch 4,
    scanned and unrolled, each traced (wall, busy, ms per kind and per op) with XLA's command buffers (CUDA graphs)
    on, as a run has them, and off, so that the trace names each kernel instead of a whole graph; the optimized HLO
-   of each program is kept (`*.hlo.gz`) to read offline with planning/hlo.py.
+   of each program is kept (`*.hlo.gz`) to read offline with planning/hlo*.py.
 2. The largest micro-batches `plan --target` admitted ran out of memory in gpu.py's children, which allocated with
    growing pools (XLA_PYTHON_CLIENT_PREALLOCATE=false, the parent's setting) rather than a training run's one
    pool: `none` at micro-batch 8 and `full` at 32, preallocated, peak memory measured.

@@ -7,7 +7,7 @@ the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives withou
 
 Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
 iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
-measured step time; and the bytes its memory-bound kernels move (`hlo.kernel_bytes`: storing and re-reading
+measured step time; and the bytes its memory-bound kernels move (`hlo_kernels.kernel_bytes`: storing and re-reading
 activations included), with the step priced on them (`search.program_step_time`, what `plan --search --target
 --verify` reports) against the same measured times.
 
@@ -141,7 +141,7 @@ def later_shapes(target: str = "h100") -> list[dict]:
 
     from jaxseq.config import ParallelConfig, replace
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import gpu_target, hlo_kernels
     from jaxseq.planning import search as S
     from jaxseq.planning.search_costs import SearchCosts
     from jaxseq.training import aot
@@ -155,7 +155,7 @@ def later_shapes(target: str = "h100") -> list[dict]:
         layer = target_layers(cfg, target).layer(1, False, policy, b)
         tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
         c = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1)
-        moved = hlo.memory_bound_bytes(programs["triton"].as_text())
+        moved = hlo_kernels.memory_bound_bytes(programs["triton"].as_text())
         out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len, "layer_loop": cfg.layer_loop,
                     "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
                     "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
@@ -210,7 +210,7 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
 
     from jaxseq.config import ParallelConfig
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import gpu_target, hlo, hlo_flops, hlo_kernels
     from jaxseq.planning import kernel_time as K
     from jaxseq.planning import search as S
     from jaxseq.planning.search_costs import SearchCosts
@@ -224,11 +224,13 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             comps = hlo.parse_hlo(text)
             loops = {ins.attr("body"): ins.trip_count() for instrs in comps.values() for ins in instrs
                      if ins.opcode == "while" and ins.trip_count() == cfg.layers}
-            forward, backward = sorted(loops, key=lambda body: hlo.dot_flops(comps, body))  # the backward does more
+            # the backward does more
+            forward, backward = sorted(loops, key=lambda body: hlo_flops.dot_flops(comps, body))
             calls = lambda body: sorted(re.findall(f'custom_call_target="({re.escape(hlo.CUDNN_ATTENTION)}[^"]*)"',
                                                    "\n".join(i.rest for i in comps[body])))
-            kernel_bytes = hlo.kernel_bytes(text)  # the bytes the memory-bound kernels move: in each layer loop, outside
-            memory_bound = hlo.MEMORY_BOUND_KINDS
+            # the bytes the memory-bound kernels move: in each layer loop, outside
+            kernel_bytes = hlo_kernels.kernel_bytes(text)
+            memory_bound = hlo_kernels.MEMORY_BOUND_KINDS
             moved = {place: sum(b for kind, b in kernel_bytes.get(body, {}).items() if kind in memory_bound)
                      for place, body in (("forward", forward), ("backward", backward))}
             moved["outside"] = sum(b for body, kinds in kernel_bytes.items() if body not in loops
@@ -241,9 +243,9 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             on_program = S.program_step_time(cfg, c, layer, state, hw, tm, sum(moved.values()))
             rows.append({
                 "model": name, "remat": policy,
-                "dot_tflop": hlo.dot_flops(comps, hlo.entry_name(text)) / 1e12,
-                "forward_layer_dot_tflop": hlo.dot_flops(comps, forward) / 1e12,
-                "backward_layer_dot_tflop": hlo.dot_flops(comps, backward) / 1e12,
+                "dot_tflop": hlo_flops.dot_flops(comps, hlo.entry_name(text)) / 1e12,
+                "forward_layer_dot_tflop": hlo_flops.dot_flops(comps, forward) / 1e12,
+                "backward_layer_dot_tflop": hlo_flops.dot_flops(comps, backward) / 1e12,
                 "forward_loop_cudnn": calls(forward), "backward_loop_cudnn": calls(backward),
                 "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
                 "replayed_attention_s": replayed, "model_step_s": model.total_s + replayed,
@@ -256,7 +258,8 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
 def remat_table(rows: list[dict]) -> str:
     lines = ["## The remat policies in the GPU's program", "",
              "Dot FLOPs: every weight GEMM of the whole step (the attention core is cuDNN's custom call, not a dot), "
-             "from the step compiled for the H100 (`hlo.dot_flops`: a loop body × its trip count). Stored: XLA:GPU's "
+             "from the step compiled for the H100 (`hlo_flops.dot_flops`: a loop body × its trip count). "
+             "Stored: XLA:GPU's "
              "layer program. Measured: the H100's steps of 2026-11-26, whose program called cuDNN's attention as it "
              "is: its forward kernel ran again in the backward loop under every policy; today's (jaxseq's VJP, "
              "models/cudnn_attention.py) runs it there only under `full`. Both predictions below add that kernel "
@@ -271,7 +274,8 @@ def remat_table(rows: list[dict]) -> str:
                      f"{r['stored_bytes_per_layer'] / MIB:,.1f} | {r['measured_step_s']:.4f} |")
     lines += ["", "## The step time: the search's model, and the step priced on the GPU's program", "",
               "Memory-bound GB: what the compiled step's kernels other than GEMMs, attention and collectives read and "
-              "write (`hlo.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and update only; "
+              "write (`hlo_kernels.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and "
+              "update only; "
               "loop bodies × their trip count), in the forward layer loop, the backward one and outside them (the "
               "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search --target h100`'s time "
               "model (`search.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the bytes the "

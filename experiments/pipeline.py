@@ -165,17 +165,17 @@ def tick_loop_anatomy(text: str, ticks: int) -> dict:
     """What one tick runs outside its lax.switch, read from the compiled tick loop's body: bytes written per
     tick by kind (ppermute sends, stash/receive-buffer slot writes, slot reads, gradient accumulation), and
     the dot FLOPs of each switch branch."""
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo, hlo_flops, hlo_loops
 
     comps = hlo.parse_hlo(text)
-    body = hlo.while_loop(comps, ticks).attr("body")
+    body = hlo_loops.while_loop(comps, ticks).attr("body")
     out = {"ppermute": 0, "slot_writes": 0, "slot_reads": 0, "grad_accumulation": 0, "buffer_copies": 0, "other": 0}
     counts = dict.fromkeys(out, 0)
     branches = None
     for ins in comps[body]:
         if ins.opcode == "conditional":
             memo = {}
-            branches = [hlo.dot_flops(comps, b, memo) for b in ins.branches()]
+            branches = [hlo_flops.dot_flops(comps, b, memo) for b in ins.branches()]
             continue
         if ins.opcode in ("get-tuple-element", "constant", "tuple", "parameter", "bitcast"):
             continue
@@ -217,7 +217,7 @@ def overhead() -> int:
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
     from jaxseq.training import aot
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo, hlo_flops
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
@@ -234,7 +234,7 @@ def overhead() -> int:
         cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
         plain = ParallelConfig(data=2, tensor=1, sequence_parallel=False)
         unpiped = aot.compile_loss_and_grad(cfg, plain, remat, make_mesh(plain, devices[:2]), MICRO)
-        one_mb = hlo.program_dot_flops(unpiped.as_text())
+        one_mb = hlo_flops.program_dot_flops(unpiped.as_text())
         rows = []
         configs = [("pipe=1 data=2 (2 devices)", plain, devices[:2]),
                    ("pipe=1 data=2 tensor=4", ParallelConfig(data=2, tensor=4, sequence_parallel=False), devices)]
@@ -258,7 +258,8 @@ def overhead() -> int:
                 table = ticks.tick_rows(sched)[:, :, 0]  # [ticks, p]: the branch each stage takes
                 per_stage = [float(sum(branch[b] for b in table[:, s])) for s in range(sched.p)]
                 comps = hlo.parse_hlo(text)
-                everything = hlo.dot_flops(comps, hlo.entry_name(text))  # the tick loop at its dearest branch × ticks
+                # the tick loop at its dearest branch × ticks
+                everything = hlo_flops.dot_flops(comps, hlo.entry_name(text))
                 loop_max = sched.ticks * max(branch)
                 outside = everything - loop_max
                 cost = compiled.cost_analysis()
@@ -534,10 +535,10 @@ def stash_traffic(text: str, sched, k: int, stage: int = 0) -> dict:
     from collections import Counter
 
     from jaxseq.parallel import ticks
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo, hlo_loops
 
     comps = hlo.parse_hlo(text)
-    loop = hlo.while_loop(comps, sched.ticks)
+    loop = hlo_loops.while_loop(comps, sched.ticks)
     carry = loop.arrays()
     index = lambda ins: int(re.search(r"index=(\d+)", ins.rest).group(1))
     stash_at = {n for n, (dt, dims) in enumerate(carry) if len(dims) > 3 and dims[:2] == (sched.depths["stash"], k)}

@@ -2,7 +2,7 @@
 (experiments/results/gpu_h100_2026-11-26/), compiled for the H100 on this CPU-only machine twice, its layers under
 `lax.scan` and unrolled (`layer_loop="unrolled"`: a Python loop over the layers, each under the same
 `jax.checkpoint` policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its memory-bound
-kernels move (`hlo.memory_bound_bytes`) and the step priced on that program (`search.program_step_time`, within
+kernels move (`hlo_kernels.memory_bound_bytes`) and the step priced on that program (`search.program_step_time`, within
 3.8% of every H100 step measured). Beside them, what the search's time model says the scan's stacks move
 (`kernel_time.scan_stack_bytes`: 5 passes over each layer's stored bytes, 3 copies of its weights).
 
@@ -33,7 +33,7 @@ def measure(target: str = "h100") -> list[dict]:
     from gpu_target import measured_runs  # experiments/gpu_target.py: the configurations the H100 measured
     from jaxseq.config import ParallelConfig, replace
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import gpu_target, hlo
+    from jaxseq.planning import gpu_target, hlo_kernels
     from jaxseq.planning import kernel_time as K
     from jaxseq.planning import search as S
     from jaxseq.planning.search_costs import SearchCosts
@@ -53,7 +53,7 @@ def measure(target: str = "h100") -> list[dict]:
                 start = time.perf_counter()
                 step = gpu_target.compile_step(replace(cfg, layer_loop=loop), ParallelConfig(), policy, micro_batch,
                                                1, target)
-                moved = hlo.memory_bound_bytes(step.as_text())
+                moved = hlo_kernels.memory_bound_bytes(step.as_text())
                 row[loop] = {"peak_bytes": aot.step_bytes(step), "memory_bound_bytes": moved,
                              "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s,
                              "compile_s": time.perf_counter() - start}
@@ -68,7 +68,8 @@ def table(rows: list[dict], jax_version: str) -> str:
              f"attention, one GPU), compiled for the H100 on the CPU-only machine (jax {jax_version} and its CUDA "
              "plugin), its layers under `lax.scan` (the default) and unrolled (`--layer-loop unrolled`: a Python loop, `prevent_cse=True`). Peak: "
              "argument + output + temp − alias, MiB per device. Moved: GB per step its memory-bound kernels read and "
-             "write (`hlo.memory_bound_bytes`). Step: priced on the program (`search.program_step_time`: the GEMMs and "
+             "write (`hlo_kernels.memory_bound_bytes`). Step: priced on the program (`search.program_step_time`: "
+             "the GEMMs and "
              "cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of every H100 step "
              "measured with the scan). Model: the bytes the search's time model says the stacks move "
              "(`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights, "

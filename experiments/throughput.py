@@ -173,7 +173,7 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
     """Back-to-back steps: wall time per step, and each op category's share of thread time in a trace."""
     import jax
 
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo_kernels
 
     for _ in range(2):
         state, out = compiled(state, batch, key)
@@ -184,7 +184,7 @@ def profile_step(compiled, state, batch, key, steps: int) -> dict:
     jax.block_until_ready(out)
     alone = (time.perf_counter() - start) / steps
     alone_cpu = (time.process_time() - cpu) / steps
-    kinds, tags = hlo.op_kinds(compiled.as_text()), _tags(compiled.as_text())
+    kinds, tags = hlo_kernels.op_kinds(compiled.as_text()), _tags(compiled.as_text())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(3):
@@ -388,14 +388,14 @@ def matmul(args) -> dict:
     """One weight matmul of issue 15's step per device ([b·s, h] × [h, n] at data=2 × tensor=4: 1024 tokens,
     h = 256) on one CPU device, written as a plain bf16 dot, as a bf16 × bf16 → f32 dot, as that dot
     rounded to bf16 (models/cpu_matmul.py's form) and in f32; CPU seconds per dot (median of 5 × 50 calls)
-    and whether XLA ran it on its YNNPACK kernels with bf16 operands (hlo.dots on the optimized HLO)."""
+    and whether XLA ran it on its YNNPACK kernels with bf16 operands (hlo_flops.dots on the optimized HLO)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     jax.config.update("jax_num_cpu_devices", 1)
     sys.path.insert(0, str(ROOT))
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo_flops
 
     forms = {
         "bf16 dot (plain einsum)": lambda a, b: a @ b,
@@ -411,7 +411,7 @@ def matmul(args) -> dict:
         row = {"m": m, "k": k, "n": n, "forms": {}}
         for name, fn in forms.items():
             f = jax.jit(fn)
-            dots = hlo.dots(f.lower(a, b).compile().as_text())
+            dots = hlo_flops.dots(f.lower(a, b).compile().as_text())
             jax.block_until_ready(f(a, b))
             cpu = []
             for _ in range(5):

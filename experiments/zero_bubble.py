@@ -84,7 +84,7 @@ def main() -> int:
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel.ticks import Branch
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo, hlo_flops, hlo_loops
     from jaxseq.training import aot
 
     cfg = replace(preset("gpt2-124m"), layers=LAYERS, seq_len=256, dtype="bfloat16", dropout=0.0)
@@ -98,15 +98,16 @@ def main() -> int:
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
             compiled = aot.compile_for_analysis(PL.make_loss_and_grad(layout, "selective", m).lower(params, batch, key))
             comps = hlo.parse_hlo(compiled.as_text())
-            body = hlo.while_loop(comps, sched.ticks).attr("body")
+            body = hlo_loops.while_loop(comps, sched.ticks).attr("body")
             switch, = [i for i in comps[body] if i.opcode == "conditional" and len(i.branches()) > 2]
-            flops = [hlo.dot_flops(comps, b) for b in switch.branches()]
+            flops = [hlo_flops.dot_flops(comps, b) for b in switch.branches()]
             f, b = flops[Branch.FORWARD], flops[Branch.BACKWARD]
             w = flops[Branch.WEIGHT] if sched.split_backward else 0.0
             split = (f, b, w) if sched.split_backward else (f, b, 0.0)  # an unsplit B's cost is its whole backward
             collectives = sorted({i.opcode for i in comps[body] if i.opcode.startswith(("all-", "collective", "reduce-"))})
             rows.append({
-                "schedule": schedule, "v": v, "m": m, "ticks": sched.ticks, "trip_count": hlo.while_loop(comps, sched.ticks).trip_count(),
+                "schedule": schedule, "v": v, "m": m, "ticks": sched.ticks,
+                "trip_count": hlo_loops.while_loop(comps, sched.ticks).trip_count(),
                 "bubble_ticks": sched.bubble, "paper_bubble": sched.paper_bubble,
                 "in_flight_stage0": sched.in_flight(0), "w_stash_slots": sched.depths["w"],
                 "branch_dot_flops": {"F": f, "B": b, "W": w},

@@ -6,7 +6,7 @@ import pytest
 
 from jaxseq.config import ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo_collectives, hlo_flops, hlo_loops
 from jaxseq.training import aot
 
 FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}  # XLA:CPU's default, where the option exists
@@ -23,8 +23,8 @@ def _reading(compiled) -> tuple:
     """What the plan reads of a layer program: stored bytes, dot FLOPs, the layer loops' collectives."""
     text = compiled.as_text()
     collectives = [(c.kind, c.elements, c.group_size) for backward in (False, True)
-                   for c in hlo.loop_collectives(text, 2, backward)]
-    return (hlo.stored_bytes_per_layer(text, 2), hlo.program_dot_flops(text),
+                   for c in hlo_collectives.loop_collectives(text, 2, backward)]
+    return (hlo_loops.stored_bytes_per_layer(text, 2), hlo_flops.program_dot_flops(text),
             sorted(collectives))
 
 

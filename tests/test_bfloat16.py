@@ -27,7 +27,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.parallel.layout import Layout
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo_collectives, hlo_flops
 from jaxseq.training import train_step as T
 
 U = 2.0**-8  # bfloat16 unit roundoff
@@ -127,7 +127,7 @@ def test_cpu_bf16_weight_matmuls_run_in_bf16(devices):
     fn = T.make_loss_and_grad(Layout(cfg, parallel, mesh), "full")
     params = M.init_params(jax.random.key(1), cfg, tensor=4)
     text = fn.lower(params, _batch(), jax.random.key(2)).compile().as_text()
-    weight_dots = [d for d in HLO.dots(text) if not d.batched]
+    weight_dots = [d for d in hlo_flops.dots(text) if not d.batched]
     # 5 matmuls forward, 3 replayed under full recompute (not MLP-down), 2 gradients of each of the 5.
     assert len(weight_dots) >= 5 + 3 + 2 * 5, weight_dots
     assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in weight_dots), weight_dots
@@ -186,7 +186,7 @@ def bf16_steps(devices):
             layout = Layout(cfg, parallel, mesh)
             optimizer, dtypes = _received(T.make_optimizer(OptimizerConfig(), cfg))
             step = T.make_train_step(layout, "selective", optimizer, micro_batches=micro_batches)
-            compiled, text = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, 16)))
+            compiled, text = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, 16)))
             state = T.init_state(jax.random.key(1), layout, optimizer)
             state, _ = compiled(state, _batch(16), jax.random.key(2))
             steps[name] = parallel, mesh, text, dtypes, jax.device_get(state.opt_state[0])
@@ -222,7 +222,7 @@ def test_bf16_gradients_are_reduced_and_applied_in_float32(bf16_steps, name):
     coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
     spans = lambda groups, axis: any(len({coords[i].get(axis, 0) for i in g}) > 1 for g in groups)
     batch = lambda groups: spans(groups, "data") or spans(groups, "fsdp")  # ranks of other rows
-    over = [r for r in HLO.reductions(text) if r.groups and (batch(r.groups) or spans(r.groups, "context"))]
+    over = [r for r in hlo_collectives.reductions(text) if r.groups and (batch(r.groups) or spans(r.groups, "context"))]
     gradient_axes = "data" if parallel.data > 1 else "context"
     reductions = [r for r in over if spans(r.groups, gradient_axes)]
     assert reductions  # the gradients' reductions are there to be read

@@ -14,11 +14,12 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models import model as M
 from jaxseq.parallel.layout import Layout
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo_flops, hlo_loops
 from jaxseq.planning import measure
 from jaxseq.planning import memory
 from jaxseq.planning import plan as P
 from jaxseq.planning import report
+from jaxseq.planning.hlo import array_bytes, entry_name, parse_hlo
 from jaxseq.remat import layer_counts, segments
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
@@ -59,10 +60,10 @@ def test_each_segment_stores_what_its_policy_stores():
     4 what `none` stores (each per layer from its own policy's program), and the replays of 2 layers of `full`."""
     cfg = replace(MEMORY_CFG, layers=6)
     text = hlo("full:2", True, cfg=cfg)
-    forward = {n: [l for l in HLO.layer_loops(HLO.parse_hlo(text), n) if not l.backward] for n in (2, 4)}
-    written = {n: sum(HLO.array_bytes(dt, dims) for loop in loops for dt, dims in loop.written)
+    forward = {n: [l for l in hlo_loops.layer_loops(parse_hlo(text), n) if not l.backward] for n in (2, 4)}
+    written = {n: sum(array_bytes(dt, dims) for loop in loops for dt, dims in loop.written)
                for n, loops in forward.items()}
-    per_layer = {p: HLO.stored_bytes_per_layer(hlo(p, True), MEMORY_CFG.layers) for p in ("full", "none")}
+    per_layer = {p: hlo_loops.stored_bytes_per_layer(hlo(p, True), MEMORY_CFG.layers) for p in ("full", "none")}
     assert written == {2: 2 * per_layer["full"], 4: 4 * per_layer["none"]}
     flops = {p: dot_flops(hlo(p, True, cfg=cfg)) for p in ("none", "full", "full:2")}
     assert flops["full:2"] - flops["none"] == pytest.approx((flops["full"] - flops["none"]) * 2 / 6, rel=1e-9)
@@ -71,7 +72,7 @@ def test_each_segment_stores_what_its_policy_stores():
 
 def dot_flops(text: str) -> float:
     """The program's matmul FLOPs, each layer loop × its trip count (cost_analysis() counts a loop body once)."""
-    return HLO.dot_flops(HLO.parse_hlo(text), HLO.entry_name(text))
+    return hlo_flops.dot_flops(parse_hlo(text), entry_name(text))
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ The assertions are about what the design promises, in a form that holds across X
 pass on jax 0.10.2 and 0.12.0.1): how many bytes each layer moves, which matmul's output (or input
 gradient) each collective reduces or scatters, what is gathered, and that no weight is gathered.
 How XLA spells a reduce-scatter differs between versions (an all-reduce whose value is only
-dynamic-sliced, or the fused op); hlo.loop_collectives reads both as a reduce-scatter.
+dynamic-sliced, or the fused op); hlo_collectives.loop_collectives reads both as a reduce-scatter.
 """
 
 import re
@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo_collectives, hlo_loops
+from jaxseq.planning.hlo import parse_hlo
 from jaxseq.planning.search import ring_traffic
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
@@ -30,7 +31,8 @@ QKV, MLP_UP = "bsh,hcad->bscad", "bsh,hf->bsf"  # column-parallel: the input gra
 def _activation_ops(text: str, backward: bool) -> list:
     """The per-layer collectives that move [b, s, h] activations over the tensor group (parameter-
     gradient reductions, e.g. of sequence-parallel LayerNorm weights, are excluded)."""
-    return [c for c in HLO.loop_collectives(text, L, backward) if c.elements == ACTIVATION and c.group_size == T]
+    return [c for c in hlo_collectives.loop_collectives(text, L, backward)
+            if c.elements == ACTIVATION and c.group_size == T]
 
 
 def activation_collectives(text: str, backward: bool) -> Counter:
@@ -54,7 +56,7 @@ def assert_no_weight_is_gathered(text: str):
     """Tensor parallelism keeps every weight sharded: the only all-gathers in the layer loops are of
     [b, s, h] activations, and everything else is a reduction."""
     for backward in (False, True):
-        for c in HLO.loop_collectives(text, L, backward):
+        for c in hlo_collectives.loop_collectives(text, L, backward):
             assert c.kind != "all-gather" or c.elements == ACTIVATION, c
 
 
@@ -165,13 +167,13 @@ ENTRY %main (init: (s32[], f32[4,8], f32[2,8])) -> (s32[], f32[4,8], f32[2,8]) {
 
 
 def test_an_all_reduce_is_a_reduce_scatter_only_when_its_own_value_is_sliced():
-    ops = HLO.loop_collectives(_TWO_REDUCTIONS, 2, backward=False)
+    ops = hlo_collectives.loop_collectives(_TWO_REDUCTIONS, 2, backward=False)
     assert [(c.kind, c.elements, c.group_size) for c in ops] == [("all-reduce", 32, 4), ("reduce-scatter", 32, 4)]
 
 
 def _forward_loop_tuple(text: str) -> list:
-    comps = HLO.parse_hlo(text)
-    loop = next(l for l in HLO.layer_loops(comps, L) if not l.backward)
+    comps = parse_hlo(text)
+    loop = next(l for l in hlo_loops.layer_loops(comps, L) if not l.backward)
     ins = next(i for c in comps.values() for i in c if i.name == loop.name)
     return ins.arrays()
 

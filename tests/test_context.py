@@ -19,7 +19,7 @@ from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, 
 from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan, same_context_permutes
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_loops
 from jaxseq.sharding import context_chunks, context_order, entry_axes, stored_positions
 from jaxseq.training import aot
 from jaxseq.training import rundir
@@ -112,7 +112,7 @@ def test_the_rings_products_take_bf16_and_accumulate_in_float32(gpt_reference):
 
     ring_loss, ring_grads, text = run(context_mesh(2, "ring"))
     whole_loss, whole_grads, _ = run(ParallelConfig(data=4, tensor=2, sequence_parallel=True))
-    blocks = [d for d in HLO.dots(text) if d.batched]  # the weights' products are unbatched
+    blocks = [d for d in hlo_flops.dots(text) if d.batched]  # the weights' products are unbatched
     assert len(blocks) >= 7, blocks
     assert all(d.operands == ("bf16", "bf16") and d.result == "f32" for d in blocks), blocks
     assert ring_loss <= 1e-4 and ring_grads <= 1.1 * whole_grads, (ring_loss, ring_grads, whole_grads)
@@ -265,14 +265,15 @@ def _groups(mesh, *axes: str) -> set[tuple[int, ...]]:
 def _loop_collectives(text: str, backward: bool, groups) -> list[tuple[str, tuple[int, ...]]]:
     """(kind, dims) of every collective one layer-loop iteration runs over the given device groups
     (collective-permutes, which name pairs rather than groups, are all counted)."""
-    comps = HLO.parse_hlo(text)
-    (loop,) = [l for l in HLO.layer_loops(comps, GPT.layers) if l.backward == backward]
+    comps = hlo.parse_hlo(text)
+    (loop,) = [l for l in hlo_loops.layer_loops(comps, GPT.layers) if l.backward == backward]
     found = []
-    for comp in HLO._called(comps, loop.body):
+    for comp in hlo.called_computations(comps, loop.body):
         for ins in comps[comp]:
             kind = ins.opcode.removesuffix("-start")
             if kind == "collective-permute" or (
-                    kind in HLO.COLLECTIVES and {tuple(sorted(g)) for g in HLO.replica_groups(ins.rest) or []} == groups):
+                    kind in hlo.COLLECTIVES
+                    and {tuple(sorted(g)) for g in hlo_collectives.replica_groups(ins.rest) or []} == groups):
                 found += [(kind, dims) for _, dims in ins.arrays()]
     return found
 
@@ -309,14 +310,14 @@ def test_ring_has_no_all_gather_over_context_only_the_rings_permutes(compiled):
         permutes = [x for x in found if x[0] == "collective-permute"]
         # forward: K and V c−1 times; backward: K and V c−1 times, dK and dV c times (back to their owners)
         assert len(permutes) == (2 * (c - 1) if not backward else 2 * (c - 1) + 2 * c)
-    assert not [g for g in HLO.all_gathers(compiled["ring"], 2) if g.dims[1:2] == (S,) and len(g.dims) == 4]
+    assert not [g for g in hlo_collectives.all_gathers(compiled["ring"], 2) if g.dims[1:2] == (S,) and len(g.dims) == 4]
 
 
 def test_stored_bytes_divide_by_context(compiled):
     """Every stored tensor is per token: context=2 stores half of context=1's, and no full-length K/V. The ring
     keeps its log-sum-exp as its backward's residual beside its output, which is the context the projection keeps
     (tagged once, inside its forward rule: before, a second tagged copy of it was stored too)."""
-    per_layer = {name: HLO.stored_bytes_per_layer(text, GPT.layers) for name, text in compiled.items()}
+    per_layer = {name: hlo_loops.stored_bytes_per_layer(text, GPT.layers) for name, text in compiled.items()}
     assert per_layer["all-gather"] * 2 == per_layer["1"]
     lse = B * HEADS * (S // 2) * 4
     assert per_layer["ring"] == per_layer["1"] // 2 + lse
@@ -346,7 +347,7 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
 
     coords = {d.id: dict(zip(mesh.axis_names, idx)) for idx, d in np.ndenumerate(mesh.devices)}
     spans = lambda g, axis: len({coords[i][axis] for i in g}) > 1
-    reductions = HLO.reductions(text)
+    reductions = hlo_collectives.reductions(text)
     assert not [r.op_name for r in reductions if r.in_loop and (r.groups is None or any(
         spans(g, "data") or spans(g, "context") for g in r.groups))]
     data_context = _groups(mesh, "data", "context")

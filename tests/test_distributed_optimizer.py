@@ -12,7 +12,7 @@ import pytest
 
 from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
 from jaxseq.models import model as M
-from jaxseq.planning import hlo as A
+from jaxseq.planning import hlo_collectives
 from jaxseq.planning import memory
 from jaxseq.training import train_step as T
 from jaxseq.parallel.layout import Layout
@@ -104,7 +104,7 @@ def test_without_it_every_data_rank_holds_everything(devices):
 
 def _data_all_gathers(hlo: str, data: int):
     """(result dims, inside a loop?) of every floating-point all-gather over a group of `data` devices."""
-    return [(g.dims, g.in_loop) for g in A.all_gathers(hlo, data)]
+    return [(g.dims, g.in_loop) for g in hlo_collectives.all_gathers(hlo, data)]
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """FLOP accounting: model FLOPs are the paper's formula, and each remat policy's declared replays
 (the forward matmuls its backward runs again) are what XLA's cost analysis counts; and the bytes a program's kernels
-move (`hlo.kernel_bytes`) are what it counts."""
+move (`hlo_kernels.kernel_bytes`) are what it counts."""
 
 from functools import lru_cache
 
@@ -11,7 +11,7 @@ import pytest
 from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo_kernels
 from jaxseq.remat import MATMULS, POLICIES
 from jaxseq.training import aot
 from jaxseq.training.metrics import throughput
@@ -117,9 +117,9 @@ def test_llama_model_flops_count_kv_heads_once_and_three_mlp_matmuls():
 
 
 def test_kernel_bytes_are_xlas_bytes_accessed():
-    """`hlo.kernel_bytes` against XLA's own accounting (`cost_analysis()["bytes accessed"]`) of a loop-free program
-    that writes a row into a donated stacked buffer and reads another back, with a matmul, converts, a softmax and
-    reductions: within 64 bytes of its 8.9 MB, where the stack alone is 2 MB (jax 0.10's XLA:CPU converts the whole
+    """`hlo_kernels.kernel_bytes` against XLA's own accounting (`cost_analysis()["bytes accessed"]`) of a loop-free
+    program that writes a row into a donated stacked buffer and reads another back, with a matmul, converts, a softmax
+    and reductions: within 64 bytes of its 8.9 MB, where the stack alone is 2 MB (jax 0.10's XLA:CPU converts the whole
     stack around its update, and reads only the row it slices; jax 0.12's, 2.6 MB in all, updates the row in place:
     between them both of kernel_bytes' slice rules are held to XLA's)."""
     def step(stack, x, w, i):
@@ -134,5 +134,5 @@ def test_kernel_bytes_are_xlas_bytes_accessed():
     assert "while" not in text  # XLA counts a loop's body once; kernel_bytes × its trip count (test_hlo.py)
     cost = compiled.cost_analysis()
     accessed = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"])
-    moved = sum(b for kinds in hlo.kernel_bytes(text).values() for b in kinds.values())
+    moved = sum(b for kinds in hlo_kernels.kernel_bytes(text).values() for b in kinds.values())
     assert abs(moved - accessed) <= 64, (moved, accessed)

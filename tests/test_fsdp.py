@@ -18,7 +18,7 @@ from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, 
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.layout import Layout
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo, hlo_collectives, hlo_loops
 from jaxseq.planning.memory import state_bytes
 from jaxseq.training import aot
 from jaxseq.training import train_step as T
@@ -93,7 +93,7 @@ def bf16_program(devices):
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     step = T.make_train_step(layout, "selective", optimizer)
-    compiled, text = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
+    compiled, text = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
     return parallel, mesh, compiled.as_text(), text, compiled.memory_analysis()
 
 
@@ -127,17 +127,17 @@ def test_each_layer_gathers_its_weights_inside_the_loop_and_reduce_scatters_floa
     over_fsdp = lambda c: c.groups is not None and {tuple(sorted(g)) for g in c.groups} == groups
     weights = _gathered_layer_weights(parallel)
     assert len(weights) == 4
-    forward = [c for c in HLO.loop_collectives(text, GPT.layers, backward=False) if over_fsdp(c)]
+    forward = [c for c in hlo_collectives.loop_collectives(text, GPT.layers, backward=False) if over_fsdp(c)]
     assert sorted(c.elements for c in forward if c.kind == "all-gather") == weights
     assert [c.kind for c in forward if c.kind != "all-gather"] == []
-    backward = [c for c in HLO.loop_collectives(text, GPT.layers, backward=True) if over_fsdp(c)]
+    backward = [c for c in hlo_collectives.loop_collectives(text, GPT.layers, backward=True) if over_fsdp(c)]
     assert sorted(c.elements for c in backward if c.kind == "all-gather") == weights
     assert sorted(c.elements for c in backward if c.kind == "reduce-scatter") == weights
-    in_loops = [r for r in HLO.reductions(partitioned) if r.in_loop and r.groups and
+    in_loops = [r for r in hlo_collectives.reductions(partitioned) if r.in_loop and r.groups and
                 {tuple(sorted(g)) for g in r.groups} == groups]
     assert len(in_loops) == 4 and all(r.dtypes == ("f32",) for r in in_loops), in_loops
     tables = {GPT.padded_vocab(2) // 2 * GPT.hidden, GPT.seq_len * GPT.hidden}  # token (split over tensor), position
-    outside = [int(np.prod(g.dims)) for g in HLO.all_gathers(text, parallel.fsdp) if not g.in_loop]
+    outside = [int(np.prod(g.dims)) for g in hlo_collectives.all_gathers(text, parallel.fsdp) if not g.in_loop]
     assert outside and set(outside) <= tables, outside
 
 
@@ -180,14 +180,15 @@ def test_hsdp_with_the_distributed_optimizer_gathers_the_compute_copy_over_data(
     layout = Layout(cfg, parallel, mesh)
     optimizer = T.make_optimizer(OptimizerConfig(), cfg)
     step = T.make_train_step(layout, "selective", optimizer)
-    _, partitioned = HLO.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
+    _, partitioned = aot.compile_partitioned(step.lower(*aot.abstract_step_inputs(layout, optimizer, ROWS)))
     data = _fsdp_groups(mesh, "data")
     gathered = {"bf16": 0, "f32": 0}  # bytes per device of every all-gather over the data groups
-    for instrs in HLO.parse_hlo(partitioned).values():
+    for instrs in hlo.parse_hlo(partitioned).values():
         for ins in instrs:
-            if ins.opcode == "all-gather" and {tuple(sorted(g)) for g in HLO.replica_groups(ins.rest) or ()} == data:
+            groups = hlo_collectives.replica_groups(ins.rest) or ()
+            if ins.opcode == "all-gather" and {tuple(sorted(g)) for g in groups} == data:
                 for dtype, dims in ins.arrays():
-                    gathered[dtype] = gathered.get(dtype, 0) + HLO.array_bytes(dtype, dims)
+                    gathered[dtype] = gathered.get(dtype, 0) + hlo.array_bytes(dtype, dims)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     leaves = [jax.tree.leaves(layout.param_shapes, is_leaf=lambda x: isinstance(x, tuple)),
               jax.tree.leaves(layout.master_specs, is_leaf=is_spec),
@@ -196,7 +197,7 @@ def test_hsdp_with_the_distributed_optimizer_gathers_the_compute_copy_over_data(
     for shape, master, compute, cast in zip(*leaves):
         if "data" in master:
             split = np.prod([parallel.fsdp if a == "fsdp" else parallel.tensor for a in compute if a])
-            want["bf16" if cast else "f32"] += HLO.array_bytes("bf16" if cast else "f32", shape) // int(split)
+            want["bf16" if cast else "f32"] += hlo.array_bytes("bf16" if cast else "f32", shape) // int(split)
     assert want["bf16"] > 10 * want["f32"] > 0
     assert gathered == want
 
@@ -211,7 +212,7 @@ def test_no_policy_keeps_a_gathered_weight(devices, remat):
     stored = []
     for parallel in (ParallelConfig(data=8), ParallelConfig(fsdp=8)):
         compiled = aot.compile_train_step(GPT, parallel, remat, make_mesh(parallel), 1)
-        stored.append(HLO.stored_bytes_per_layer(compiled.as_text(), GPT.layers))
+        stored.append(hlo_loops.stored_bytes_per_layer(compiled.as_text(), GPT.layers))
     assert stored[0] == stored[1] > 0, stored
 
 

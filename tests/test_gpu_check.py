@@ -43,8 +43,8 @@ def _event(name, start_ns, duration_ns, **stats):
 
 def test_a_gpu_trace_is_summed_by_what_each_kernel_does():
     """gpu.trace_summary on a GPU's plane (a stand-in: no GPU here): kernels that name their HLO op take its kind
-    (`hlo.op_kinds`), others their own name's (cuBLAS, NCCL); another program's kernels are left out, and so is a
-    line derived from the streams' (not counted twice); busy time merges the streams' overlapping intervals; ms per
+    (`hlo_kernels.op_kinds`), others their own name's (cuBLAS, NCCL); another program's kernels are left out, and so is
+    a line derived from the streams' (not counted twice); busy time merges the streams' overlapping intervals; ms per
     step over the traced steps."""
     text = ("HloModule jit_step, is_scheduled=true\n\n"
             "%fused_dot (p0: bf16[4,4], p1: bf16[4,4]) -> bf16[4,4] {\n"

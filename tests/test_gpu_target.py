@@ -11,7 +11,7 @@ import pytest
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
 from jaxseq.planning import gpu_target as G
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels
 from jaxseq.planning import search as S
 from jaxseq.training import aot
 
@@ -95,7 +95,6 @@ def test_fsdp_compiles_for_eight_h100s_gathering_bf16_and_reducing_float32():
     import numpy as np
 
     from jaxseq.mesh import make_mesh
-    from jaxseq.planning import hlo as HLO
 
     parallel = ParallelConfig(fsdp=4, tensor=2, sequence_parallel=True)
     cfg = replace(preset("tiny"), dtype="bfloat16", dropout=0.0)
@@ -103,9 +102,10 @@ def test_fsdp_compiles_for_eight_h100s_gathering_bf16_and_reducing_float32():
     mesh = make_mesh(parallel, G.target_devices("h100", 8))
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     fsdp = {tuple(sorted(g)) for g in np.moveaxis(ids, mesh.axis_names.index("fsdp"), -1).reshape(-1, 4).tolist()}
-    gathers = HLO.all_gathers(text, 4)
+    gathers = hlo_collectives.all_gathers(text, 4)
     assert gathers and {g.dtype for g in gathers} == {"bf16"} and any(g.in_loop for g in gathers)
-    over_fsdp = [r for r in HLO.reductions(text) if r.groups and {tuple(sorted(g)) for g in r.groups} == fsdp]
+    over_fsdp = [r for r in hlo_collectives.reductions(text)
+                 if r.groups and {tuple(sorted(g)) for g in r.groups} == fsdp]
     assert any(r.kind == "reduce-scatter" and r.in_loop for r in over_fsdp)
     assert {d for r in over_fsdp for d in r.dtypes} == {"f32"}, over_fsdp
 
@@ -121,7 +121,7 @@ def test_the_distributed_optimizer_gathers_the_compute_copy_not_the_float32_mast
 
     parallel = ParallelConfig(data=4, tensor=2, sequence_parallel=True, distributed_optimizer=True)
     cfg = replace(preset("tiny"), dtype="bfloat16", dropout=0.0)
-    gathers = hlo.all_gathers(G.compile_step(cfg, parallel, "selective", 2, 1, "h100").as_text(), 4)
+    gathers = hlo_collectives.all_gathers(G.compile_step(cfg, parallel, "selective", 2, 1, "h100").as_text(), 4)
     shapes = jax.tree.leaves(M.param_shapes(cfg, 2), is_leaf=lambda x: isinstance(x, tuple))
     size = lambda dims: int(np.prod(dims))
     largest_float32 = max(size(d) for d, cast in zip(shapes, jax.tree.leaves(M.cast_mask(cfg))) if not cast)
@@ -239,7 +239,8 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
         assert gpu["compiled_step_s"] is None
     else:
         t = gpu["time_s"]
-        compute = S.program_compute_seconds(cfg, c, HARDWARE["h100"], S.TimeModel(), hlo.memory_bound_bytes(step.as_text()))
+        moved = hlo_kernels.memory_bound_bytes(step.as_text())
+        compute = S.program_compute_seconds(cfg, c, HARDWARE["h100"], S.TimeModel(), moved)
         assert gpu["compiled_step_s"] == pytest.approx(t["total"] - t["compute"] - t["optimizer_update"] + compute)
 
 
@@ -293,8 +294,8 @@ def test_accumulating_holds_the_tables_compute_copy_beside_their_gradients():
 def test_a_searchs_gpu_layer_moves_what_the_whole_steps_layer_loops_move():
     """`plan --search --target`'s layer carries the bytes its loops' memory-bound kernels move (`LayerCost.moved_bytes`,
     read from the 2-layer train step compiled for the H100): per layer, what the whole step at the model's depth moves
-    in its layer loops (`hlo.layer_loop_bytes`), at micro-batches 1 and 2 (a larger one is extrapolated; the time
-    model prices those bytes, tests/test_search.py holds it to the H100's measured steps)."""
+    in its layer loops (`hlo_kernels.layer_loop_bytes`), at micro-batches 1 and 2 (a larger one is extrapolated; the
+    time model prices those bytes, tests/test_search.py holds it to the H100's measured steps)."""
     from jaxseq.config import on_platform
     from jaxseq.planning.search_costs import SearchCosts
 
@@ -302,7 +303,8 @@ def test_a_searchs_gpu_layer_moves_what_the_whole_steps_layer_loops_move():
     costs = SearchCosts(on_platform(cfg, "gpu"), G.target_devices("h100", 1))
     for b in (1, 2):
         step = G.compile_step(cfg, ParallelConfig(), "lean", b, 1, "h100")
-        assert costs.layer(1, False, "lean", b).moved_bytes == hlo.layer_loop_bytes(step.as_text(), cfg.layers) > 0
+        moved = hlo_kernels.layer_loop_bytes(step.as_text(), cfg.layers)
+        assert costs.layer(1, False, "lean", b).moved_bytes == moved > 0
 
 
 def test_a_searchs_context_layers_compile_with_the_attention_their_strategy_runs():
@@ -334,7 +336,7 @@ def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, 
 
     cfg = on_platform(replace(preset("tiny"), attention="fused", dtype=dtype), "gpu")
     compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
-    dots = lambda *key: hlo.program_dot_flops(compiler._compile("grad", *key).as_text())
+    dots = lambda *key: hlo_flops.program_dot_flops(compiler._compile("grad", *key).as_text())
     for remat in ("none", "full", "dots"):
         candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
         priced = S.run_kernels(cfg, candidate)
@@ -390,7 +392,7 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     peaks = {}
     for remat in ("none", "selective", "full"):
         scan, unrolled = (compiled(cfg, loop, remat) for loop in ("scan", "unrolled"))
-        dots = [hlo.program_dot_flops(s.as_text()) for s in (scan, unrolled)]
+        dots = [hlo_flops.program_dot_flops(s.as_text()) for s in (scan, unrolled)]
         assert dots[0] == dots[1] and aot.step_bytes(unrolled) < aot.step_bytes(scan)
         peaks[remat] = aot.step_bytes(unrolled)
     assert peaks["none"] > peaks["selective"] > peaks["full"]
@@ -398,7 +400,7 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     gpt = ModelConfig(**model["config"])
     layer_parameters = (num_params(gpt) - num_params(replace(gpt, layers=0))) / gpt.layers
     for remat in ("none", "full"):
-        moved = [hlo.memory_bound_bytes(compiled(gpt, loop, remat).as_text()) for loop in ("scan", "unrolled")]
+        moved = [hlo_kernels.memory_bound_bytes(compiled(gpt, loop, remat).as_text()) for loop in ("scan", "unrolled")]
         stored = G.stored_bytes_per_layer(gpt, ParallelConfig(), remat, 4, "h100")
         stacks = gpt.layers * K.scan_stack_bytes(stored, layer_parameters, 2)
         assert moved[0] - moved[1] == pytest.approx(stacks, rel=0.2), (remat, moved, stacks)

@@ -1,11 +1,15 @@
-"""planning/hlo.py's general readers on hand-written HLO text (nothing compiled): device groups in each
-form XLA prints them, a loop found by its trip count (not one nested in another of that count), how often each computation runs, the dot FLOPs a
-program runs with loops counted × their trip count and a conditional at its dearest branch, and the bytes its
-kernels move."""
+"""The HLO readers (planning/hlo.py and hlo_*.py) on hand-written HLO text (nothing compiled): device groups in each
+form XLA prints them, a loop found by its trip count (not one nested in another of that count), how often each
+computation runs, the dot FLOPs a program runs with loops counted × their trip count and a conditional at its dearest
+branch, and the bytes its kernels move; and that the readers only read text."""
+
+import ast
+import glob
+import os
 
 import pytest
 
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels, hlo_loops
 
 PROGRAM = """HloModule m
 
@@ -50,19 +54,19 @@ ONE_DOT = 2 * 4 * 16 * 8  # 2 × output elements × contracted size
 
 
 def test_dot_flops_counts_a_loop_by_its_trip_count_and_a_conditional_at_its_dearest_branch():
-    comps = HLO.parse_hlo(PROGRAM)
-    assert HLO.entry_name(PROGRAM) == "main"
-    assert HLO.dot_flops(comps, "busy") == ONE_DOT
-    assert HLO.dot_flops(comps, "main") == 3 * ONE_DOT + ONE_DOT
+    comps = hlo.parse_hlo(PROGRAM)
+    assert hlo.entry_name(PROGRAM) == "main"
+    assert hlo_flops.dot_flops(comps, "busy") == ONE_DOT
+    assert hlo_flops.dot_flops(comps, "main") == 3 * ONE_DOT + ONE_DOT
 
 
 def test_the_loop_with_a_trip_count_and_its_branches():
-    comps = HLO.parse_hlo(PROGRAM)
-    loop = HLO.while_loop(comps, 3)
+    comps = hlo.parse_hlo(PROGRAM)
+    loop = hlo_loops.while_loop(comps, 3)
     assert (loop.name, loop.trip_count(), loop.attr("body")) == ("loop", 3, "body")
     assert [i.branches() for i in comps["body"] if i.opcode == "conditional"] == [["idle", "busy"]]
     with pytest.raises(ValueError, match="0 while loops with trip count 4"):
-        HLO.while_loop(comps, 4)
+        hlo_loops.while_loop(comps, 4)
 
 
 NESTED = """HloModule n
@@ -90,15 +94,15 @@ ENTRY %main (init: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16])
 def test_a_loop_nested_in_one_of_the_same_trip_count_is_part_of_its_body():
     """A scan of 2 query tiles inside a layer loop of 2 (the ring's, at MEASURE_LAYERS = 2) is not a second layer
     loop, nor a second loop of that trip count; its dots run 2 × 2 times."""
-    comps = HLO.parse_hlo(NESTED)
-    assert [loop.name for loop in HLO.outer_loops(comps, 2)] == ["layers"]
-    assert HLO.while_loop(comps, 2).name == "layers"
-    assert [loop.name for loop in HLO.layer_loops(comps, 2)] == ["layers"]
-    assert HLO.program_dot_flops(NESTED) == 4 * ONE_DOT
+    comps = hlo.parse_hlo(NESTED)
+    assert [loop.name for loop in hlo_loops.outer_loops(comps, 2)] == ["layers"]
+    assert hlo_loops.while_loop(comps, 2).name == "layers"
+    assert [loop.name for loop in hlo_loops.layer_loops(comps, 2)] == ["layers"]
+    assert hlo_flops.program_dot_flops(NESTED) == 4 * ONE_DOT
 
 
 def test_runs_per_call_multiplies_a_loop_body_by_its_trip_count():
-    runs = HLO.runs_per_call(PROGRAM)
+    runs = hlo_loops.runs_per_call(PROGRAM)
     assert runs == {"main": 1, "body": 3, "idle": 3, "busy": 3, "matmul": 3}
 
 
@@ -119,12 +123,12 @@ ROWS, COLUMNS = [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]
     ("source_target_pairs={{0,1},{1,0}}", None),
 ])
 def test_replica_groups_in_every_form_and_the_group_size_they_give(attribute, groups):
-    assert HLO.replica_groups(attribute + ", to_apply=%add") == groups
+    assert hlo_collectives.replica_groups(attribute + ", to_apply=%add") == groups
     # The group size the collectives readers filter by is the same reading's.
     text = ("ENTRY %main (p: f32[2,8]) -> f32[8,8] {\n  %p = f32[2,8]{1,0} parameter(0)\n"
             f"  ROOT %g = f32[8,8]{{1,0}} all-gather(%p), channel_id=1, {attribute}, dimensions={{0}}\n}}\n")
     size = len(groups[0]) if groups else 1
-    assert [g.dims for g in HLO.all_gathers(text, size)] == [(8, 8)]
+    assert [g.dims for g in hlo_collectives.all_gathers(text, size)] == [(8, 8)]
 
 
 def test_an_asynchronous_gpu_collective_is_read_by_its_results():
@@ -137,7 +141,7 @@ def test_an_asynchronous_gpu_collective_is_read_by_its_results():
         "%ar = f32[64]{0} all-reduce-start(%z), replica_groups={{0,1}}",
     ]
     text = "HloModule m\n\nENTRY %main (x: bf16[32,64]) -> bf16[64,64] {\n" + "\n".join("  " + l for l in lines) + "\n}\n"
-    (instrs,) = HLO.parse_hlo(text).values()
+    (instrs,) = hlo.parse_hlo(text).values()
     assert [i.results() for i in instrs] == [
         [("bf16", (64, 64))], [("bf16", (1, 32, 64))], [("bf16", (64, 64)), ("bf16", (64, 64))], [("f32", (64,))]]
 
@@ -203,7 +207,7 @@ def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
     filling the stack with zeros writes all of it (a broadcast: "copy/transpose" to `op_kinds`); a convert reads
     bf16 and writes f32; a reduce reads f32 and its initial value and writes a scalar (its lambda is its own code,
     no computation of the program's)."""
-    moved = HLO.kernel_bytes(STACKING)
+    moved = hlo_kernels.kernel_bytes(STACKING)
     assert moved == {"body": {"other": 3 * (4 * ROW + 2 * 4)},
                      "main": {"copy/transpose": 3 * ROW, "convert": ROW + 2 * ROW, "other": 2 * ROW + 4 + 4}}
     # jax 0.12's XLA:GPU runs the stack's update asynchronously: the same bytes, from the fusion-start alone, and the
@@ -212,8 +216,8 @@ def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
         "%stored = bf16[3,4,8]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%store",
         "%start = ((bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}, s32[]), bf16[3,4,8]{2,1,0}, u32[]) fusion-start(%stack, %x, %i), "
         "kind=kLoop, calls=%store\n  %stored = bf16[3,4,8]{2,1,0} fusion-done(%start)")
-    assert "fusion-done" in asynchronous and HLO.kernel_bytes(asynchronous) == moved
-    assert HLO.stored_bytes_per_layer(asynchronous, 3) == HLO.stored_bytes_per_layer(STACKING, 3) == ROW
+    assert "fusion-done" in asynchronous and hlo_kernels.kernel_bytes(asynchronous) == moved
+    assert hlo_loops.stored_bytes_per_layer(asynchronous, 3) == hlo_loops.stored_bytes_per_layer(STACKING, 3) == ROW
 
 
 def test_the_h100s_own_program_reads_as_the_one_compiled_for_it_without_a_gpu():
@@ -232,9 +236,31 @@ def test_the_h100s_own_program_reads_as_the_one_compiled_for_it_without_a_gpu():
     offline = next(r for r in json.loads((results / "gpu_target_vs_measured.json").read_text())["remat"]
                    if (r["model"], r["remat"]) == ("gpt3-1.3b", "none"))
     scan, unrolled = read("scan_none"), read("unrolled_none_split")
-    assert HLO.CUBLAS in scan
-    flops = [HLO.program_dot_flops(t) for t in (scan, unrolled)]
+    assert hlo.CUBLAS in scan
+    flops = [hlo_flops.program_dot_flops(t) for t in (scan, unrolled)]
     assert flops[0] == flops[1] == pytest.approx(offline["dot_tflop"] * 1e12, rel=1e-9)
-    assert HLO.stored_bytes_per_layer(scan, 24) == offline["stored_bytes_per_layer"]
-    assert HLO.memory_bound_bytes(scan) == sum(offline["non_gemm_bytes"].values())
-    assert (HLO.memory_bound_bytes(scan) - HLO.memory_bound_bytes(unrolled)) / 1e9 == pytest.approx(89.1, abs=0.05)
+    assert hlo_loops.stored_bytes_per_layer(scan, 24) == offline["stored_bytes_per_layer"]
+    assert hlo_kernels.memory_bound_bytes(scan) == sum(offline["non_gemm_bytes"].values())
+    stack_bytes = hlo_kernels.memory_bound_bytes(scan) - hlo_kernels.memory_bound_bytes(unrolled)
+    assert stack_bytes / 1e9 == pytest.approx(89.1, abs=0.05)
+
+
+# What a reader of HLO text needs: the standard library's text and record tools, numpy for sizes and device ids, and
+# its sibling readers (tests/test_architecture.py holds which).
+TEXT_READING = {"__future__", "dataclasses", "re", "numpy", "jaxseq"}
+
+
+def test_the_readers_read_text_and_compile_nothing():
+    """planning/hlo*.py read a compiled program's text and neither compile nor touch files: none imports JAX, the
+    file system or a temporary directory. A compile that dumps the partitioner's program and flips a global JAX setting
+    (`compile_partitioned`) lives with the analysis compiles, in training/aot.py."""
+    readers = sorted(glob.glob(os.path.join(os.path.dirname(hlo.__file__), "hlo*.py")))
+    imported = {}
+    for path in readers:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        names = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        names |= {node.module.split(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+        imported[os.path.basename(path)] = names
+    assert "hlo.py" in imported
+    assert {name: sorted(names - TEXT_READING) for name, names in imported.items() if names - TEXT_READING} == {}

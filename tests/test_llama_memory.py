@@ -7,7 +7,7 @@ import pytest
 
 from jaxseq.config import preset, replace
 from jaxseq.models import formulas as F
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo_loops
 from jaxseq.planning import plan as P
 from jaxseq.planning.measure import RowSpec
 from jaxseq.planning.memory import parameter_elements_per_device
@@ -28,7 +28,7 @@ CASES = {
 
 def measured(case: str, remat: str, sp: bool) -> int:
     cfg, t = CASES[case]
-    return HLO.stored_bytes_per_layer(hlo(remat, sp, t, cfg), cfg.layers)
+    return hlo_loops.stored_bytes_per_layer(hlo(remat, sp, t, cfg), cfg.layers)
 
 
 def formula(case: str, remat: str, sp: bool) -> float:
@@ -87,7 +87,7 @@ def test_llama3_8b_layer_is_the_plans_formula(remat, sp):
     sequence with SP and selective)."""
     cfg = replace(preset("llama3-8b"), layers=2)
     row = RowSpec("row", remat, sp, 8, None)
-    assert HLO.stored_bytes_per_layer(hlo(remat, sp, 8, cfg), 2) == P.formula_bytes_per_layer(cfg, row, B)
+    assert hlo_loops.stored_bytes_per_layer(hlo(remat, sp, 8, cfg), 2) == P.formula_bytes_per_layer(cfg, row, B)
 
 
 @pytest.mark.parametrize("kv_heads, t", [(8, 8), (4, 8), (8, 4)], ids=["kv-one-per-rank", "kv-repeated", "kv-split"])

@@ -20,7 +20,7 @@ from jaxseq.models import formulas as F
 from jaxseq.models import ops as O
 from jaxseq.parallel import context as C
 from jaxseq.parallel.region import StageSharder
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo_loops
 from jaxseq.sharding import context_chunks
 from jaxseq.training import aot
 from jaxseq.training.data import Batches
@@ -144,7 +144,7 @@ def test_a_layer_past_2_32_mask_elements_stores_the_formula(strategy, devices):
     assert LONG_CFG.dropout > 0 and LONG_CFG.heads * LONG_CFG.seq_len**2 >= 2**32
     parallel = ParallelConfig(data=1, context=2, tensor=2, sequence_parallel=True, context_strategy=strategy)
     text = aot.compile_loss_and_grad(LONG_CFG, parallel, "selective", make_mesh(parallel, devices[:4]), 1).as_text()
-    assert hlo.stored_bytes_per_layer(text, LONG_CFG.layers) == F.activation_bytes(
+    assert hlo_loops.stored_bytes_per_layer(text, LONG_CFG.layers) == F.activation_bytes(
         LONG_CFG, "selective", 1, 2, True, 2, strategy)
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxseq.models import formulas as F
-from jaxseq.planning import hlo as HLO
+from jaxseq.planning import hlo_loops
 from jaxseq.remat import POLICIES
 
 from compiled import A_HEADS, B, H, L, S, T, hlo
@@ -20,7 +20,7 @@ LN_STATS = 16 * S * B
 @pytest.mark.parametrize("config", PAPER)
 def test_table2_formula_within_2_percent(config):
     remat, sp = PAPER[config]
-    measured = HLO.stored_bytes_per_layer(hlo(remat, sp), L)
+    measured = hlo_loops.stored_bytes_per_layer(hlo(remat, sp), L)
     formula = F.paper_activation_bytes(config, S, B, H, A_HEADS, T)
     assert abs(measured / formula - 1) <= 0.02, f"{config}: measured {measured} B vs formula {formula:.0f} B"
     # And the residue is exactly the LayerNorm statistics (none when the layer is fully recomputed).
@@ -29,8 +29,8 @@ def test_table2_formula_within_2_percent(config):
 
 
 def test_sequence_parallel_selective_is_5x_smaller_than_tp():
-    tp = HLO.stored_bytes_per_layer(hlo("none", False), L)
-    best = HLO.stored_bytes_per_layer(hlo("selective", True), L)
+    tp = hlo_loops.stored_bytes_per_layer(hlo("none", False), L)
+    best = hlo_loops.stored_bytes_per_layer(hlo("selective", True), L)
     assert best <= 0.25 * tp
 
 
@@ -53,16 +53,16 @@ def test_every_policy_is_registered_here():
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", sorted(POLICIES))
 def test_policy_stores_expected_bytes(remat):
-    assert HLO.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
+    assert hlo_loops.stored_bytes_per_layer(hlo(remat, True), L) == EXPECTED_SP[remat]
 
 
 @pytest.mark.slow
 def test_policies_store_different_bytes():
-    measured = [HLO.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
+    measured = [hlo_loops.stored_bytes_per_layer(hlo(remat, True), L) for remat in POLICIES]
     assert len(set(measured)) == len(measured)
 
 
 @pytest.mark.slow
 def test_lean_without_sequence_parallelism():
     # 4 replicated (layer input and mid residual) + 16 split t ways.
-    assert HLO.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH
+    assert hlo_loops.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH

@@ -14,7 +14,7 @@ from jaxseq.models import ops as O
 from jaxseq.parallel import pipeline as PL
 from jaxseq.planning.stash import stash_layout
 from jaxseq.parallel import ticks
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_loops
 from jaxseq.sharding import Sharder
 from jaxseq.training import aot, loop
 from jaxseq.training import train_step as T
@@ -190,9 +190,9 @@ def test_zero_bubble_equals_unpipelined(case, remat, pipelined, params, referenc
 def _switch_branch_flops(compiled, ticks: int) -> list[float]:
     """Dot FLOPs of each branch of the tick loop's lax.switch (XLA's compiled program, per device)."""
     comps = hlo.parse_hlo(compiled.as_text())
-    body = hlo.while_loop(comps, ticks).attr("body")
+    body = hlo_loops.while_loop(comps, ticks).attr("body")
     switch, = [ins for ins in comps[body] if ins.opcode == "conditional" and len(ins.branches()) > 2]
-    return [hlo.dot_flops(comps, b) for b in switch.branches()]
+    return [hlo_flops.dot_flops(comps, b) for b in switch.branches()]
 
 
 @pytest.mark.slow
@@ -263,7 +263,7 @@ def _over_data(text: str, p: int, data: int, tensor: int):
     ids = np.arange(p * data * tensor).reshape(p, data, tensor)
     data_of = ids // tensor % data
     data_groups = {tuple(int(i) for i in ids[s, :, t]) for s in range(p) for t in range(tensor)}
-    reductions = hlo.reductions(text)
+    reductions = hlo_collectives.reductions(text)
     spans_data = lambda r: r.groups is None or any(len({int(data_of.flat[i]) for i in g}) > 1 for g in r.groups)
     return ([r for r in reductions if r.in_loop and spans_data(r)],
             [r for r in reductions if not r.in_loop and r.groups and set(r.groups) == data_groups])
@@ -369,14 +369,14 @@ def _stash_users(text: str, sched, k: int) -> tuple[set, list]:
     assert len(stash) >= 2, carry
     body = comps[loop.attr("body")]
     param = next(ins.name for ins in body if ins.opcode == "parameter")
-    users = hlo._users(body)
+    users = hlo.users(body)
     index = lambda ins: int(re.search(r"index=(\d+)", ins.rest).group(1))
     buffers = [ins.name for ins in body if ins.opcode == "get-tuple-element" and ins.operands() == [param]
                and index(ins) in stash]
     taken = [u for b in buffers for u in users.get(b, [])]
     taken += [v for u in taken if u.opcode == "tuple" for v in users.get(u.name, [])]
     shapes = {carry[n] for n in stash}
-    copies = [ins.name for c in hlo._called(comps, loop.attr("body")) for ins in comps[c]
+    copies = [ins.name for c in hlo.called_computations(comps, loop.attr("body")) for ins in comps[c]
               if ins.opcode == "copy" and ins.arrays() and ins.arrays()[0] in shapes]
     return {u.opcode for u in taken if u.opcode != "tuple"}, copies
 
@@ -455,10 +455,10 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     k = CFG.layers // (p * v)
     assert sched.depths["stash"] == sched.in_flight(0) == held
     loop = _tick_loop(pipelined(case)[0].as_text(), sched.ticks)
-    stash = [(dt, dims) for dt, dims in hlo._tuple_elements(loop.shape) if dims[:2] == (held, k) and len(dims) > 3]
+    stash = [(dt, dims) for dt, dims in hlo.tuple_elements(loop.shape) if dims[:2] == (held, k) and len(dims) > 3]
     stored = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
     plain = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp)
-    per_layer = hlo.stored_bytes_per_layer(
+    per_layer = hlo_loops.stored_bytes_per_layer(
         aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
     assert stored == held * k * per_layer
 
@@ -518,7 +518,7 @@ def test_pipelined_evaluation_never_gathers_the_layers(case, evaluation):
     stage = np.arange(p * data * tensor) // (data * tensor)
     spanning = [ins.arrays()[0][1] for instrs in hlo.parse_hlo(program.as_text()).values() for ins in instrs
                 if ins.opcode.removesuffix("-start") == "all-gather"
-                and _spans_stages(hlo.replica_groups(ins.rest), stage)]
+                and _spans_stages(hlo_collectives.replica_groups(ins.rest), stage)]
     parallel = _parallel(case)
     shapes, specs = M.param_shapes(CFG, tensor), M.param_specs(CFG, parallel)
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])

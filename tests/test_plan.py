@@ -15,7 +15,7 @@ from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, repl
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
-from jaxseq.planning import hlo, in_flight, measure, memory, report
+from jaxseq.planning import hlo_loops, in_flight, measure, memory, report
 from jaxseq.planning import plan as P
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
@@ -311,7 +311,7 @@ def test_context_layer_stores_the_formula_exactly(strategy):
     parallel = ParallelConfig(data=1, context=2, tensor=CONTEXT_T, sequence_parallel=True, context_strategy=strategy)
     mesh = make_mesh(parallel, jax.devices()[:4])
     text = aot.compile_loss_and_grad(CONTEXT_CFG, parallel, "selective", mesh, CONTEXT_B).as_text()
-    stored = hlo.stored_bytes_per_layer(text, CONTEXT_CFG.layers)
+    stored = hlo_loops.stored_bytes_per_layer(text, CONTEXT_CFG.layers)
     formula = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True, 2, strategy)
     assert stored == formula
     one = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True)
@@ -339,7 +339,7 @@ def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c, monkeypatch):
     for rows in tiles:
         monkeypatch.setattr(CTX, "QUERY_TILE", rows)
         text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
-        assert hlo.stored_bytes_per_layer(text, cfg.layers) == formula, rows
+        assert hlo_loops.stored_bytes_per_layer(text, cfg.layers) == formula, rows
     n, e = cfg.seq_len // (2 * c), cfg.itemsize
     tokens, local = b * cfg.seq_len // c, cfg.heads // t
     blocks = (2 * c + 1) * 4 * b * local * n * (n + cfg.head_dim)
@@ -386,7 +386,7 @@ def test_context_plan_rows_equal_the_formula(strategy):
     keys = [compiler.programs(c)[0] for c in rows]  # ("grad", MEASURE_LAYERS, remat, t, sp)
     compiler.compile_all(keys)
     for c, key in zip(rows, keys):
-        stored = hlo.stored_bytes_per_layer(compiler._compile(*key).as_text(), measure.MEASURE_LAYERS)
+        stored = hlo_loops.stored_bytes_per_layer(compiler._compile(*key).as_text(), measure.MEASURE_LAYERS)
         formula = P.formula_bytes_per_layer(CONTEXT_CFG, c, CONTEXT_B, 2, strategy)
         assert stored == formula == F.activation_bytes(CONTEXT_CFG, c.remat, CONTEXT_B, c.tensor, c.sequence_parallel,
                                                        2, strategy), c.name

@@ -413,12 +413,12 @@ def test_the_search_prices_a_rings_blocks_as_its_layers_program_runs_them(name, 
     products / c: tiny at c = 2, 4.0% (none) to 6.5% (selective) more than the program, its attention core 37% to
     60% more; llama3-8b at 128k, c = 4, 40% to 59% more, the core 52% to 78%. Grouped-query attention (tiny-llama)
     at c = 4."""
-    from jaxseq.planning import hlo
+    from jaxseq.planning import hlo_flops
     from jaxseq.planning.measure import MEASURE_LAYERS, Compiler
 
     cfg = replace(preset(name), attention="explicit")
     compiler = Compiler(cfg, 1, jax.devices(), context=context, strategy="ring")
-    dots = lambda *key: hlo.program_dot_flops(compiler._compile("grad", *key).as_text())
+    dots = lambda *key: hlo_flops.program_dot_flops(compiler._compile("grad", *key).as_text())
     for remat in ("selective", "full"):
         candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "ring")
         priced = sum(g.flops for g in K.gemm_kernels(S.run_kernels(cfg, candidate), 1, 1, remat, S.ring_size(candidate)))

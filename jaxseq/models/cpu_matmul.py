@@ -78,7 +78,7 @@ def _einsum_rounded(spec: str, a, b, like):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _matmul_f32_accumulated(spec, x, w):
-    with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which planning/hlo.py's readers report
+    with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which planning/hlo_flops.py's `dots` report
         return _dot_rounded(spec, x, w, x.dtype)
 
 

@@ -27,7 +27,7 @@ import jax
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo_kernels, hlo_loops
 from jaxseq.planning.measure import MEASURE_LAYERS
 from jaxseq.training import aot
 
@@ -109,11 +109,11 @@ def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str, priced: bool = True) -> tuple[int, int | None]:
     """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
-    move per step (`hlo.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
+    move per step (`hlo_kernels.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
     time is priced by."""
     programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g) for g in GEMMS}
     peak = max(aot.step_bytes(p) for p in programs.values())
-    return peak, hlo.memory_bound_bytes(programs["triton"].as_text()) if priced else None
+    return peak, hlo_kernels.memory_bound_bytes(programs["triton"].as_text()) if priced else None
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
@@ -124,4 +124,4 @@ def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: st
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
     small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS, layer_loop="scan")  # read in its loop
     compiled = aot.compile_loss_and_grad(small, parallel, remat, mesh, micro_batch)
-    return hlo.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)
+    return hlo_loops.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)

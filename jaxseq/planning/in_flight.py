@@ -13,7 +13,7 @@ from jaxseq.parallel import pipeline
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.parallel.ticks import Branch, schedule_of
 from jaxseq.parallel.layout import Layout
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo, hlo_flops, hlo_loops
 from jaxseq.planning.stash import stash_layout, w_stash_layout
 from jaxseq.planning.measure import RowSpec
 from jaxseq.training import aot
@@ -88,9 +88,9 @@ def branch_dot_flops(hlo_text: str, sched) -> dict[str, float]:
     """{"F", "B", "W"}: the dot FLOPs per device of the tick loop's forward, backward and (zb-h1) weight branches
     of a middle chunk (`ticks.Branch`: neither the embedding's nor the loss's); W 0 where the backward is whole."""
     comps = hlo.parse_hlo(hlo_text)
-    body = hlo.while_loop(comps, sched.ticks).attr("body")
+    body = hlo_loops.while_loop(comps, sched.ticks).attr("body")
     switch, = [i for i in comps[body] if i.opcode == "conditional" and len(i.branches()) > 2]
-    flops = [hlo.dot_flops(comps, b) for b in switch.branches()]
+    flops = [hlo_flops.dot_flops(comps, b) for b in switch.branches()]
     return {"F": flops[Branch.FORWARD], "B": flops[Branch.BACKWARD],
             "W": flops[Branch.WEIGHT] if sched.split_backward else 0.0}
 
@@ -112,7 +112,7 @@ def compiled_in_flight(cfg: ModelConfig, c: RowSpec, micro_batch: int, devices, 
     params, batch = aot.abstract_inputs(layout, micro_batch * m)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
     compiled = aot.compile_for_analysis(pipeline.make_loss_and_grad(layout, c.remat, m).lower(params, batch, key))
-    carry = hlo.loop_carry(compiled.as_text(), sched.ticks)
+    carry = hlo_loops.loop_carry(compiled.as_text(), sched.ticks)
     slot_avals, _ = stash_layout(layout, c.remat, m, micro_batch)
 
     depth = sched.depths["stash"]

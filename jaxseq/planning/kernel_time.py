@@ -286,8 +286,8 @@ def layer_matmul_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Hardw
 # in the backward (read, write): 5 passes over the stored bytes. Its weights are stacked too: each layer's are sliced
 # out of the stack (read, write) in the forward and again in the backward, and its gradients written into their slot
 # (read, write): 3 copies of its parameters in the compute dtype. Megatron's kernel count has none of these; the
-# H100's program has them all (`hlo.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its broadcast,
-# dynamic-update-slice and dynamic-slice fusions.
+# H100's program has them all (`hlo_kernels.kernel_bytes`, experiments/results/gpu_target_vs_measured.md): its
+# broadcast, dynamic-update-slice and dynamic-slice fusions.
 STACK_PASSES = 5  # over the stored activation bytes
 STACK_FILL_PASSES = 1  # of STACK_PASSES: the zero fill, before the layer loops (the other 4 run inside them)
 WEIGHT_STACK_COPIES = 3  # of the layer's parameters, each a read and a write

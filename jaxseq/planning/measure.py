@@ -7,17 +7,17 @@ what a remat policy really keeps is decided by autodiff and XLA, and a policy th
 wrong tensor is the most common surprise in practice.
 
 How the per-layer numbers are read (layers under `lax.scan`, so depth does not matter):
-- stored bytes: the stacked buffers the forward layer loop writes, / L (`hlo.stored_bytes_per_layer`);
+- stored bytes: the stacked buffers the forward layer loop writes, / L (`hlo_loops.stored_bytes_per_layer`);
 - FLOPs: `cost_analysis()` counts a loop body once, so flops(L=2) − flops(L=0) is one layer's forward
   and backward (plus the casts of that layer's weights outside the loop, < 0.1%), + the dots of the iterations
-  it leaves out of a loop inside the layer (the ring's query tiles: `hlo.inner_loop_dot_flops`);
+  it leaves out of a loop inside the layer (the ring's query tiles: `hlo_flops.inner_loop_dot_flops`);
 - collectives: those of one forward and one backward iteration of the layer loop;
 - working memory (transients: one layer's recomputation and gradients in flight, the logits' gradient,
   RNG bits): the compiled train step's temporaries at L=2 (float32 on XLA:CPU, the model's dtype for a GPU:
   `Compiler.step_dtype`) minus the state's share of them at the peak and the stored activations
   (`planning.memory`); that remainder does not depend on depth;
 - moved bytes (a layer compiled for a GPU only): what the memory-bound kernels of that train step's layer
-  loops read and write, / L (`hlo.layer_loop_bytes`): XLA:GPU's fusions, which the search's time model prices
+  loops read and write, / L (`hlo_kernels.layer_loop_bytes`): XLA:GPU's fusions, which the search's time model prices
   in place of Megatron's kernel count (`search.compute_seconds`). XLA:CPU's fusions are not a GPU's: None.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from jaxseq.config import ModelConfig, ParallelConfig, cudnn_compiles, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import hlo
+from jaxseq.planning import hlo_collectives, hlo_flops, hlo_kernels, hlo_loops
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, state_bytes
 from jaxseq.training import aot
 
@@ -135,8 +135,8 @@ class Compiler:
         L = MEASURE_LAYERS
         compiled = self._compile("grad", L, c.remat, c.tensor, c.sequence_parallel)
         text = compiled.as_text()
-        stored = hlo.stored_bytes_per_layer(text, L)
-        flops = _flops(compiled) - self.head_flops(c) + hlo.inner_loop_dot_flops(text, L)  # a ring's tile loops
+        stored = hlo_loops.stored_bytes_per_layer(text, L)
+        flops = _flops(compiled) - self.head_flops(c) + hlo_flops.inner_loop_dot_flops(text, L)  # a ring's tile loops
         return Measured(stored, flops, self._collectives(text, c.tensor), self.working_bytes(c), self.moved_bytes(c))
 
     @staticmethod
@@ -148,7 +148,7 @@ class Compiler:
     def layer_costs(self, c: RowSpec) -> dict:
         """What `--search` reads of a row: stored bytes and activation collectives per layer, working bytes."""
         text = self._compile(*self.layer_programs(c)[0]).as_text()
-        return {"stored_bytes_per_layer": hlo.stored_bytes_per_layer(text, MEASURE_LAYERS),
+        return {"stored_bytes_per_layer": hlo_loops.stored_bytes_per_layer(text, MEASURE_LAYERS),
                 "collective_bytes_per_layer": self._collectives(text, c.tensor), "working_bytes": self.working_bytes(c),
                 "moved_bytes_per_layer": self.moved_bytes(c)}
 
@@ -161,20 +161,20 @@ class Compiler:
         its gradients: `State.at_peak`) and the stored activations."""
         step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
         cfg = replace(self.cfg, layers=MEASURE_LAYERS, dtype=self.step_dtype)
-        stored = hlo.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
+        stored = hlo_loops.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
         state = state_bytes(cfg, c.tensor)
         accounted = state.weight_copy + state.loop_gradients + activation_bytes(
             stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
         return step.memory_analysis().temp_size_in_bytes - accounted
 
     def moved_bytes(self, c: RowSpec) -> float | None:
-        """What the memory-bound kernels of the train step's layer loops move per layer (`hlo.layer_loop_bytes`), where
-        the step is compiled for a GPU; None for XLA:CPU's step, whose kernels (float32, its own fusions) are not a
-        GPU's."""
+        """What the memory-bound kernels of the train step's layer loops move per layer
+        (`hlo_kernels.layer_loop_bytes`), where the step is compiled for a GPU; None for XLA:CPU's step, whose kernels
+        (float32, its own fusions) are not a GPU's."""
         if self.devices[0].platform == "cpu":
             return None
         step = self._compile("step", MEASURE_LAYERS, c.remat, c.tensor, c.sequence_parallel)
-        return hlo.layer_loop_bytes(step.as_text(), MEASURE_LAYERS)
+        return hlo_kernels.layer_loop_bytes(step.as_text(), MEASURE_LAYERS)
 
     @staticmethod
     def forward_programs(tensor: int) -> list[tuple]:
@@ -182,7 +182,8 @@ class Compiler:
 
     def forward_flops_per_layer(self, tensor: int) -> float:
         fwd, zero = (self._compile(*k) for k in self.forward_programs(tensor))
-        return _flops(fwd) - _flops(zero) + hlo.inner_loop_dot_flops(fwd.as_text(), MEASURE_LAYERS)  # a ring's tiles
+        ring_tiles = hlo_flops.inner_loop_dot_flops(fwd.as_text(), MEASURE_LAYERS)  # a ring's tile loops
+        return _flops(fwd) - _flops(zero) + ring_tiles
 
     def _collectives(self, text: str, tensor: int) -> dict:
         """Bytes of the activation collectives of one layer (forward + backward), at the model's
@@ -195,12 +196,12 @@ class Compiler:
         if tensor == 1:
             return out
         for backward in (False, True):
-            for c in hlo.loop_collectives(text, MEASURE_LAYERS, backward):
+            for c in hlo_collectives.loop_collectives(text, MEASURE_LAYERS, backward):
                 if c.group_size > 1 and c.elements >= shard and self._over_tensor(c, tensor):
                     out[c.kind] = out.get(c.kind, 0) + c.elements * itemsize
         return out
 
-    def _over_tensor(self, c: hlo.Collective, tensor: int) -> bool:
+    def _over_tensor(self, c: hlo_collectives.Collective, tensor: int) -> bool:
         """Whether a collective runs over the `tensor` axis: every one at context 1; at context c, those whose
         groups are runs of t consecutive devices (the mesh is context × tensor, tensor fastest), not the K/V
         gathers and ring sends over `context` (`formulas.context_kv_bytes` counts those)."""

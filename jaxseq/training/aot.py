@@ -6,7 +6,9 @@ laptop, and a step that cannot fit is refused before it runs.
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,28 @@ def analysis_options() -> dict:
 def compile_for_analysis(lowered, options: dict | None = None):
     """`lowered.compile()` for a program whose accounting is read, not run (`analysis_options`, + `options`)."""
     return lowered.compile(compiler_options={**analysis_options(), **(options or {})})
+
+
+def compile_partitioned(lowered):
+    """(compiled, HLO text as XLA's SPMD partitioner leaves it) of `lowered` (a `jax.jit(...).lower(...)`): the
+    collectives the partitioner inserted, each in the element type it chose. Why not the optimized program:
+    XLA:CPU promotes every bf16 all-reduce and reduce-scatter to float32 after partitioning (its
+    all-reduce-promotion pass), so the optimized text cannot tell a bf16 gradient reduction (what a GPU runs)
+    from a float32 one. Compiles with the compilation cache off: a cached program runs no passes, and the
+    cache key leaves the dump options out."""
+    with tempfile.TemporaryDirectory(prefix="jaxseq-spmd-") as directory:
+        enabled = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            compiled = lowered.compile(compiler_options={"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
+                                                         "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+        files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
+        if len(files) != 1:
+            raise RuntimeError(f"expected one HLO dump after spmd-partitioning, found {sorted(files)}")
+        with open(files[0]) as f:
+            return compiled, f.read()
 
 
 def abstract_inputs(layout: Layout, micro_batch: int):
