@@ -20,9 +20,9 @@ from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan, same_context_permutes
 from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_loops
-from jaxseq.sharding import context_chunks, context_order, entry_axes, stored_positions
+from jaxseq.sharding import Sharder, context_chunks, context_order, entry_axes, stored_positions
 from jaxseq.training import aot
-from jaxseq.training import rundir
+from jaxseq.training import loop, rundir
 from jaxseq.training import train_step as T
 from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel import pipeline as PL
@@ -193,6 +193,20 @@ def test_a_pipelined_run_equals_context_1(schedule, virtual, strategy, accumulat
     parallel = ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True, schedule=schedule,
                               virtual_stages=virtual, context_strategy=strategy)
     assert_same(accumulated(GPT4, parallel, "selective"), accumulated_reference)
+
+
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("all-gather", marks=pytest.mark.slow)])  # ring: 6 s
+def test_a_pipelined_evaluation_equals_the_unpipelined_loss(strategy):
+    """The evaluation of a pipelined run at context 2 (the forward-only schedule, `tick_programs.ForwardProgram`),
+    each stage's branch padded to the ring's permutes as the training ticks are (one tick skeleton, `run_tick`):
+    the unpipelined model's loss on one device. Its ring once named a function that no longer existed."""
+    cfg = replace(GPT4, dropout=0.0)
+    parallel = ParallelConfig(pipe=2, context=2, tensor=2, sequence_parallel=True, context_strategy=strategy)
+    params, batch = M.init_params(jax.random.key(1), cfg), _batch(cfg)
+    layout = Layout(cfg, parallel, make_mesh(parallel, jax.devices()[:parallel.num_devices]))
+    placed = jax.device_put(params, layout.master_shardings)
+    expected = float(M.loss_fn(params, batch, cfg, Sharder(None, False), "none"))
+    assert float(loop.make_eval_fn(layout, 2)(placed, batch)) == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_pipeline_stashes_one_context_ranks_tokens():
@@ -381,17 +395,15 @@ def context_runs(tmp_path_factory):
     """The train command's runs the two tests below read, each run once for the module when first asked for
     (dropout off): "1", data=4,tensor=2 for 5 steps (the reference of both); "all-gather", 3 steps (checkpointed at
     step 3, where the second test resumes it at context 1); "ring", with gradient accumulation and the distributed
-    optimizer (master shards split over data × context); "pipelined", pipe=2 × context=2 × tensor=2 with two
-    micro-batches. The cosine ends at step 3 in every run (decay_steps=3), so the reference's first 3 steps are a
+    optimizer (master shards split over data × context). Pipelined layouts with context run as the command in
+    test_layouts.py. The cosine ends at step 3 in every run (decay_steps=3), so the reference's first 3 steps are a
     3-step run's. Only the ring's run draws the end-of-run sample (sampling from a context-parallel run's weights);
     the others compile no sampler. → get(name): (its run directory, what the command printed)."""
     tmp = tmp_path_factory.mktemp("context-runs")
     runs = {"1": ["--steps", "5", "--mesh", "data=4,tensor=2", "sample_tokens=0"],
             "all-gather": ["--steps", "3", "--mesh", "context=2,tensor=2,data=2", "sample_tokens=0"],
             "ring": ["--steps", "3", "--mesh", "context=2,tensor=2,data=2", "--context-strategy", "ring",
-                     "--micro-batch-size", "4", "--distributed-optimizer"],
-            "pipelined": ["--steps", "3", "--mesh", "pipe=2,context=2,tensor=2", "--micro-batch-size", "4",
-                          "sample_tokens=0"]}
+                     "--micro-batch-size", "4", "--distributed-optimizer"]}
     done = {}
 
     def get(name):
@@ -402,20 +414,20 @@ def context_runs(tmp_path_factory):
     return get
 
 
-# Slow (four runs of the command, 60–90 s on 2 cores); the fast tier trains with the command at context 2 in the
+# Slow (three runs of the command); the fast tier trains with the command at context 2 in the
 # test after it (two of these runs).
 @pytest.mark.slow
 def test_train_command_gives_the_losses_of_context_1(context_runs):
     """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (all-gather; the ring with gradient
-    accumulation and the distributed optimizer, master shards split over data × context) and a pipelined run
-    (pipe=2 × context=2 × tensor=2, two micro-batches) against data=4,tensor=2 (dropout off here: accumulation
-    draws each micro-batch's masks from its own key; the dropout comparisons are the tests above)."""
+    accumulation and the distributed optimizer, master shards split over data × context) against
+    data=4,tensor=2 (dropout off here: accumulation draws each micro-batch's masks from its own key; the dropout
+    comparisons are the tests above)."""
     dirs, done = {}, {}
-    for name in ("1", "all-gather", "ring", "pipelined"):
+    for name in ("1", "all-gather", "ring"):
         dirs[name], done[name] = context_runs(name)
     losses = {name: _losses(d) for name, d in dirs.items()}
     assert len(losses["1"]) == 5
-    for name in ("all-gather", "ring", "pipelined"):
+    for name in ("all-gather", "ring"):
         assert len(losses[name]) == 3
         assert "context=2" in done[name].stdout
         np.testing.assert_allclose(losses[name], losses["1"][:3], rtol=1e-5)
