@@ -1,9 +1,11 @@
-"""The module graph of docs/DESIGN.md ("Architecture"), checked by parsing jaxseq's imports.
+"""The module graph of docs/DESIGN.md ("Architecture"), checked by parsing jaxseq's imports, and a seam read
+from the code the same way.
 
 Every import of a jaxseq module counts, at the top of a file or inside a function: a local import
 is still a dependency (and was how the old cycle train → loop → train hid). Two rules: each module
 imports only the modules ALLOWED lists for it, and each folder imports only from itself and from the
-layers below it (LAYERS), so no folder imports from a folder that imports it."""
+layers below it (LAYERS), so no folder imports from a folder that imports it. The seam: no module outside
+models/ and interop/ tells a model family by its name (`family_branches`)."""
 
 import ast
 import os
@@ -233,3 +235,55 @@ def test_local_imports_count(tmp_path):
                                    "from jaxseq.training.data import Batches\n")
     assert jaxseq_imports(str(tmp_path / "m.py"), str(tmp_path)) == {
         "train", "data", "config", "mesh", "training.loop", "training.data"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The family seam: what differs between model families is said in models/ (each family's file, behind
+# models/model.py) and, for the outside world's formats, in interop/; elsewhere a family is never told by its name.
+
+FAMILY_FOLDERS = {"models", "interop"}
+
+
+def family_branches(path: str, families) -> list[str]:
+    """Where a source file tells model families apart by name ("line N: …"): a comparison with a family's name (or
+    of a `.family` with any string), or a table with an entry for every family, as config.py's
+    `if model.family == "gpt"` and conversion.py's `{"gpt": "gpt2", "llama": "llama"}` did. A family looked up in
+    a registry (`model.family in FAMILY_CHECKS`) names none."""
+    named = lambda node: isinstance(node, ast.Constant) and node.value in families
+    text = lambda node: isinstance(node, ast.Constant) and isinstance(node.value, str)
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            operands += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts]
+            of_family = any(isinstance(o, ast.Attribute) and o.attr == "family" for o in operands)
+            if any(named(o) or (of_family and text(o)) for o in operands):
+                found.append(f"line {node.lineno}: a comparison with a family")
+        elif isinstance(node, ast.Dict) and set(families) <= {k.value for k in node.keys if named(k)}:
+            found.append(f"line {node.lineno}: a table by family name")
+    return found
+
+
+def package_files(package: str = PACKAGE) -> dict[str, str]:
+    """Every module of the package, by its dotted name below `jaxseq`: its path."""
+    return {os.path.relpath(os.path.join(folder, name), package)[:-3].replace(os.sep, "."): os.path.join(folder, name)
+            for folder, _, files in os.walk(package) for name in sorted(files)
+            if name.endswith(".py") and name != "__init__.py"}
+
+
+def test_no_family_branch_outside_the_models_and_interop():
+    from jaxseq.models.model import FAMILIES
+    branches = {module: found for module, path in package_files().items() if layer(module) not in FAMILY_FOLDERS
+                if (found := family_branches(path, set(FAMILIES)))}
+    assert branches == {}
+
+
+def test_the_family_check_catches_a_branch_and_a_table(tmp_path):
+    (tmp_path / "m.py").write_text('if cfg.family == "gpt":\n    pass\nFORMAT = {"gpt": "gpt2", "llama": "llama"}\n'
+                                   'x = kind in ("llama", "mamba")\nFORMATS = {"gpt2": 1, "llama": 2}\n'
+                                   'preset = make(family="llama")\nok = cfg.family in FAMILY_CHECKS\n'
+                                   'y = cfg.family != "mamba"\n')
+    assert family_branches(str(tmp_path / "m.py"), {"gpt", "llama"}) == [
+        "line 1: a comparison with a family", "line 3: a table by family name", "line 4: a comparison with a family",
+        "line 8: a comparison with a family"]
+
