@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from jaxseq.remat import segments
 
-FAMILIES = ("gpt", "llama")  # model families (models/gpt.py, models/llama.py)
 ATTENTION_IMPLEMENTATIONS = ("explicit", "fused")
 MATMUL_FORMS = ("einsum", "cpu-bf16")  # models/ops.MATMULS: the portable einsum, XLA:CPU's bf16 form
 LAYER_LOOPS = ("scan", "unrolled")  # models/model.layers: lax.scan over the stacked layers, or a Python loop
-ROPE_SCALINGS = ("llama3",)
 CONTEXT_STRATEGIES = ("all-gather", "ring")  # parallel/context.py
 
 
@@ -71,7 +70,7 @@ class ModelConfig:
     matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
     fused_kernel: str = "xla"  # attention=fused's implementation: "xla", or "cudnn" (set on GPUs in bf16)
     layer_loop: str = "scan"  # how the layers run: "scan" (lax.scan) or "unrolled" (a Python loop: models/model.layers)
-    # The Llama family's (models/llama.py):
+    # The Llama family's, which it validates (models/llama.py, `validate`):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden
     rope_theta: float = 10000.0
@@ -358,33 +357,23 @@ def validate_model(model: ModelConfig) -> None:
     validate_family(model)
 
 
+# Each model family's check of its own fields, by family name (the names a ModelConfig's `family` may take), in
+# the order an error lists them. models/model.py registers every family it holds (`register_family`): a family's
+# fields are its own to validate, and this base layer cannot import the models.
+FAMILY_CHECKS: dict[str, Callable[[ModelConfig], None]] = {}
+
+
+def register_family(name: str, check: Callable[[ModelConfig], None]) -> None:
+    """Make `name` a valid `ModelConfig.family`, whose own fields `check` validates (one-line ConfigErrors)."""
+    FAMILY_CHECKS[name] = check
+
+
 def validate_family(model: ModelConfig) -> None:
-    """The family and the fields only one family has."""
-    if model.family not in FAMILIES:
-        raise ConfigError(f"family={model.family!r} is not valid; valid: {', '.join(FAMILIES)}")
-    llama_only = {"kv_heads": None, "rope_scaling": None}
-    if model.family == "gpt":
-        for name, default in llama_only.items():
-            if getattr(model, name) != default:
-                raise ConfigError(f"{name}={getattr(model, name)!r} is a Llama-family setting; the gpt family has "
-                                  "none (set family: llama)")
-        return
-    kv = model.kv_heads
-    if kv is not None and (not isinstance(kv, int) or kv <= 0 or model.heads % kv):
-        raise ConfigError(f"kv_heads={kv!r} must be a positive integer dividing heads={model.heads}")
-    if model.ffn_hidden is not None and (not isinstance(model.ffn_hidden, int) or model.ffn_hidden <= 0):
-        raise ConfigError(f"ffn_hidden={model.ffn_hidden!r} must be a positive integer")
-    if model.head_dim % 2:
-        raise ConfigError(f"head width {model.head_dim} must be even (RoPE rotates pairs)")
-    if not model.rope_theta > 0:
-        raise ConfigError(f"rope_theta={model.rope_theta!r} must be positive")
-    if model.rope_scaling is not None and model.rope_scaling not in ROPE_SCALINGS:
-        raise ConfigError(f"rope_scaling={model.rope_scaling!r} is not a known RoPE scaling; valid: none, "
-                          f"{', '.join(ROPE_SCALINGS)}")
-    if model.rope_scaling == "llama3" and not (model.rope_factor > 0 and
-                                               0 < model.rope_low_freq_factor < model.rope_high_freq_factor):
-        raise ConfigError(f"llama3 RoPE scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor; got "
-                          f"{model.rope_factor}, {model.rope_low_freq_factor}, {model.rope_high_freq_factor}")
+    """The family, and the fields only it has (its registered check)."""
+    if model.family not in FAMILY_CHECKS:
+        valid = ", ".join(FAMILY_CHECKS) or "none registered (import jaxseq.models.model, which registers them)"
+        raise ConfigError(f"family={model.family!r} is not valid; valid: {valid}")
+    FAMILY_CHECKS[model.family](model)
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:

@@ -1,9 +1,13 @@
-"""The module graph of docs/DESIGN.md ("Architecture"), checked by parsing jaxseq's imports.
+"""The module graph of docs/DESIGN.md ("Architecture"), checked by parsing jaxseq's imports, and two seams read
+from the code the same way.
 
 Every import of a jaxseq module counts, at the top of a file or inside a function: a local import
 is still a dependency (and was how the old cycle train → loop → train hid). Two rules: each module
 imports only the modules ALLOWED lists for it, and each folder imports only from itself and from the
-layers below it (LAYERS), so no folder imports from a folder that imports it."""
+layers below it (LAYERS), so no folder imports from a folder that imports it. The seams: no module outside
+models/ and interop/ tells a model family by its name (`family_branches`), and sharding specs are derived in the
+modules SPEC_OWNERS names, at most three, and built for a manual region's view only in REGION_SPECS
+(`spec_constructions`)."""
 
 import ast
 import os
@@ -63,7 +67,7 @@ ALLOWED = {
     "training.train_step": {"config", "models.model", "parallel.context", "parallel.data_parallel", "parallel.layout",
                             "parallel.pipeline"},
     "training.aot": {"config", "models.model", "parallel.context", "parallel.layout", "training.train_step"},
-    "training.checkpoint": {"config", "models.model", "sharding"},
+    "training.checkpoint": {"config", "models.model", "parallel.layout"},
     "training.rundir": {"config", "mesh", "models.model", "parallel.layout", "training.checkpoint", "training.sampling",
                         "training.train_step"},
     "training.conversion": {"config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "parallel.layout",
@@ -72,10 +76,10 @@ ALLOWED = {
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
                           "training.data"},
-    "training.loop": {"config", "mesh", "models.model", "parallel.data_parallel", "parallel.distributed", "parallel.layout",
-                      "parallel.pipeline",
-                      "parallel.schedule", "sharding", "training.aot", "training.checkpoint", "training.data", "training.metrics",
-                      "training.rundir", "training.sampling", "training.train_step"},
+    "training.loop": {"config", "mesh", "models.model", "parallel.data_parallel", "parallel.distributed",
+                      "parallel.layout", "parallel.pipeline", "parallel.schedule", "training.aot",
+                      "training.checkpoint", "training.data", "training.metrics", "training.rundir",
+                      "training.sampling", "training.train_step"},
     # planning: XLA's compiled programs read back (the HLO parser, then its loops, collectives, FLOPs and GPU
     # kernels), the memory model, the plan and its report, the configurator
     "planning.hlo": set(),
@@ -241,3 +245,104 @@ def test_local_imports_count(tmp_path):
                                    "from jaxseq.training.data import Batches\n")
     assert jaxseq_imports(str(tmp_path / "m.py"), str(tmp_path)) == {
         "train", "data", "config", "mesh", "training.loop", "training.data"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The family seam: what differs between model families is said in models/ (each family's file, behind
+# models/model.py) and, for the outside world's formats, in interop/; elsewhere a family is never told by its name.
+
+FAMILY_FOLDERS = {"models", "interop"}
+
+
+def family_branches(path: str, families) -> list[str]:
+    """Where a source file tells model families apart by name ("line N: …"): a comparison with a family's name (or
+    of a `.family` with any string), or a table with an entry for every family, as config.py's
+    `if model.family == "gpt"` and conversion.py's `{"gpt": "gpt2", "llama": "llama"}` did. A family looked up in
+    a registry (`model.family in FAMILY_CHECKS`) names none."""
+    named = lambda node: isinstance(node, ast.Constant) and node.value in families
+    text = lambda node: isinstance(node, ast.Constant) and isinstance(node.value, str)
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            operands += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts]
+            of_family = any(isinstance(o, ast.Attribute) and o.attr == "family" for o in operands)
+            if any(named(o) or (of_family and text(o)) for o in operands):
+                found.append(f"line {node.lineno}: a comparison with a family")
+        elif isinstance(node, ast.Dict) and set(families) <= {k.value for k in node.keys if named(k)}:
+            found.append(f"line {node.lineno}: a table by family name")
+    return found
+
+
+def package_files(package: str = PACKAGE) -> dict[str, str]:
+    """Every module of the package, by its dotted name below `jaxseq`: its path."""
+    return {os.path.relpath(os.path.join(folder, name), package)[:-3].replace(os.sep, "."): os.path.join(folder, name)
+            for folder, _, files in os.walk(package) for name in sorted(files)
+            if name.endswith(".py") and name != "__init__.py"}
+
+
+def test_no_family_branch_outside_the_models_and_interop():
+    from jaxseq.models.model import FAMILIES
+    branches = {module: found for module, path in package_files().items() if layer(module) not in FAMILY_FOLDERS
+                if (found := family_branches(path, set(FAMILIES)))}
+    assert branches == {}
+
+
+def test_the_family_check_catches_a_branch_and_a_table(tmp_path):
+    (tmp_path / "m.py").write_text('if cfg.family == "gpt":\n    pass\nFORMAT = {"gpt": "gpt2", "llama": "llama"}\n'
+                                   'x = kind in ("llama", "mamba")\nFORMATS = {"gpt2": 1, "llama": 2}\n'
+                                   'preset = make(family="llama")\nok = cfg.family in FAMILY_CHECKS\n'
+                                   'y = cfg.family != "mamba"\n')
+    assert family_branches(str(tmp_path / "m.py"), {"gpt", "llama"}) == [
+        "line 1: a comparison with a family", "line 3: a table by family name", "line 4: a comparison with a family",
+        "line 8: a comparison with a family"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharding seam: the modules that construct a PartitionSpec or NamedSharding, and why each does.
+
+# Where specs are derived from the configuration. At most three: the run's arrays take their shardings from
+# the layout (`parallel.layout.Layout`), which reads the family's logical axes through the mesh's rules.
+SPEC_OWNERS = {
+    "mesh": "the one table from logical axes to mesh axes (`logical_to_spec`)",
+    "sharding": "activation constraints by logical names (`Sharder`), the global batch (`batch_sharding`)",
+    "parallel.layout": "every array a run holds or a program takes and returns: the weights, the master weights, "
+                       "gradients and moments, the optimizer state, the batch, scalars, per-device flags, the "
+                       "target of a restore onto another mesh",
+}
+# Where a manual region's own view is built from the owners' specs: its in_specs and out_specs (a replicated key or
+# loss, the stack of micro-batches, a stage's slice of the layers), or a Sharder's constraint on the abstract mesh.
+REGION_SPECS = {
+    "parallel.region": "`StageSharder.named`: the Sharder's specs on the abstract mesh inside a region",
+    "parallel.data_parallel": "the accumulation's region: the micro-batches, the key, the loss",
+    "parallel.context": "the ring's nested region: the key",
+    "parallel.pipeline": "the pipeline's region: each stage's layers, the micro-batches, the key and the loss",
+    "models.cudnn_attention": "cuDNN's nested region over tensor: its stacked residuals",
+}
+SPEC_TYPES = {"PartitionSpec", "NamedSharding"}
+
+
+def spec_constructions(path: str) -> list[int]:
+    """The lines where a source file constructs a PartitionSpec or NamedSharding, whatever it imports them as
+    (`from jax.sharding import PartitionSpec as P`, `jax.sharding.NamedSharding(…)`, `jax.P(…)`)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    local = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module in ("jax", "jax.sharding") for a in node.names if a.name in SPEC_TYPES | {"P"}}
+    calls = lambda f: (isinstance(f, ast.Name) and f.id in local) or (isinstance(f, ast.Attribute) and (
+        f.attr in SPEC_TYPES or (f.attr == "P" and isinstance(f.value, ast.Name) and f.value.id == "jax")))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and calls(node.func)]
+
+
+def test_sharding_specs_are_derived_in_at_most_three_modules():
+    constructing = {module for module, path in package_files().items() if spec_constructions(path)}
+    assert len(SPEC_OWNERS) <= 3
+    assert set(SPEC_OWNERS) <= constructing  # each owner still derives what the table says
+    assert sorted(constructing - set(SPEC_OWNERS) - set(REGION_SPECS)) == []
+
+
+def test_the_spec_check_finds_every_way_to_construct_one(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import jax\nfrom jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "a = P()\nb = NamedSharding(mesh, a)\nc = jax.sharding.PartitionSpec(None)\nd = jax.P('data')\n"
+        "ok = isinstance(a, P)\n\ndef f(spec: P) -> NamedSharding:\n    return spec\n")
+    assert spec_constructions(str(tmp_path / "m.py")) == [3, 4, 5, 6]

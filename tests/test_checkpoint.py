@@ -115,7 +115,7 @@ def test_a_bug_in_restore_propagates(devices, tmp_path, monkeypatch, two_states,
     def buggy(*args):
         raise bug("a bug")
 
-    monkeypatch.setattr(C, "_divisible", buggy)
+    monkeypatch.setattr(C, "restorable", buggy)
     abstract, shardings, mesh = _target(parallel, devices)
     with pytest.raises(bug, match="a bug"):
         C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh)

@@ -7,7 +7,7 @@ distributed optimizer and, where there is no pipeline (a pipeline always accumul
 with two: pairwise, not every product (`MATRIX`). The distributed optimizer's master shards split one dimension
 over several mesh axes at once there (("data", "context") under context parallelism, ("pipe", "data") for the
 embedding group under a pipeline): the restore read each such entry as one axis name (a KeyError) until
-`checkpoint._divisible` took the product of the axes' sizes.
+`parallel.layout.restorable` (then in checkpoint.py) took the product of the axes' sizes.
 
 Each row's step is compiled once and runs both the uninterrupted run (which saves at step SAVED_AT) and the
 resumed one; the resumes onto another mesh (`MOVES`) reuse the rows' programs. In-process ("stop after SAVED_AT

@@ -297,7 +297,7 @@ def test_a_record_leaves_out_what_is_not_known(tmp_path, devices, capsys):
         run = replace(run, train=replace(run.train, peak_tflops=peak))
         progress = loop.Progress(run, devices, lambda step: 1e-3, 0)
         progress.write(progress.record(1, 2.0, 0.5, time.perf_counter() + 1.0))
-        progress.close(loop.C.manager(str(tmp_path / "checkpoints")))
+        progress.close(loop.checkpoint.manager(str(tmp_path / "checkpoints")))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [set(json.loads(line)) for line in f] == [known, known | {"mfu"}]
     assert "None" not in capsys.readouterr().out

@@ -548,5 +548,5 @@ def test_record_autotune_asks_xla_for_the_train_steps_gemm_choices(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert loop.recording(session("at.textproto")) == {"xla_gpu_dump_autotune_results_to": str(tmp_path / "at.textproto")}
     assert loop.recording(session(None)) is None
-    monkeypatch.setattr(loop.D, "is_main_process", lambda: False)
+    monkeypatch.setattr(loop.distributed, "is_main_process", lambda: False)
     assert loop.recording(session("at.textproto")) is None

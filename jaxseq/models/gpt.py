@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxseq.config import ModelConfig
+from jaxseq.config import ConfigError, ModelConfig
 from jaxseq import remat as R
 from jaxseq.models.ops import add_bias, attention, dropout, gelu, layer_norm, matmul, vocab_logits
 from jaxseq.models.params import bias, derive, drop_layer_axis, kernel, norm_bias, norm_scale, Param, Traits
@@ -51,6 +51,19 @@ LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
 # learned positions are added at the lookup; the papers' formulas are this family's.
 TRAITS = Traits(norm_stat_bytes=8, mlp_up_widths=1, mlp_elementwise=(2, 3), learned_positions=True, rotary=False,
                 papers_formulas=True, shape_fields=())
+
+HF_MODEL_TYPE = "gpt2"  # the Hugging Face model_type this family's weights convert to (interop/hf.py)
+
+# The other family's settings GPT has no use for: grouped K/V heads and a RoPE scaling. Refused, not ignored.
+REFUSED_FIELDS = ("kv_heads", "rope_scaling")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """The fields only this family reads (none beyond the shared ones), and none it would silently ignore."""
+    for name in REFUSED_FIELDS:
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} is a Llama-family setting; the gpt family has none "
+                              "(set family: llama)")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxseq.config import ModelConfig
+from jaxseq.config import ConfigError, ModelConfig
 from jaxseq import remat as R
 from jaxseq.models.ops import attention, dropout, matmul, rms_norm, rope, swiglu, vocab_logits
 from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale, Traits
@@ -28,6 +28,29 @@ from jaxseq.sharding import Sharder
 TRAITS = Traits(norm_stat_bytes=4, mlp_up_widths=2, mlp_elementwise=(3, 5), learned_positions=False, rotary=True,
                 papers_formulas=False,
                 shape_fields=(("kv_heads", "num_kv_heads"), ("f", "mlp_hidden")))
+
+HF_MODEL_TYPE = "llama"  # the Hugging Face model_type this family's weights convert to (interop/hf_llama.py)
+ROPE_SCALINGS = ("llama3",)  # ModelConfig.rope_scaling: Llama 3.1's frequency scaling (`ops.rope`)
+
+
+def validate(cfg: ModelConfig) -> None:
+    """The fields only this family reads: grouped K/V heads, the MLP width, RoPE's θ and scaling."""
+    kv = cfg.kv_heads
+    if kv is not None and (not isinstance(kv, int) or kv <= 0 or cfg.heads % kv):
+        raise ConfigError(f"kv_heads={kv!r} must be a positive integer dividing heads={cfg.heads}")
+    if cfg.ffn_hidden is not None and (not isinstance(cfg.ffn_hidden, int) or cfg.ffn_hidden <= 0):
+        raise ConfigError(f"ffn_hidden={cfg.ffn_hidden!r} must be a positive integer")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head width {cfg.head_dim} must be even (RoPE rotates pairs)")
+    if not cfg.rope_theta > 0:
+        raise ConfigError(f"rope_theta={cfg.rope_theta!r} must be positive")
+    if cfg.rope_scaling is not None and cfg.rope_scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"rope_scaling={cfg.rope_scaling!r} is not a known RoPE scaling; valid: none, "
+                          f"{', '.join(ROPE_SCALINGS)}")
+    if cfg.rope_scaling == "llama3" and not (cfg.rope_factor > 0 and
+                                             0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor):
+        raise ConfigError(f"llama3 RoPE scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor; got "
+                          f"{cfg.rope_factor}, {cfg.rope_low_freq_factor}, {cfg.rope_high_freq_factor}")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

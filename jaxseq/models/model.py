@@ -2,7 +2,8 @@
 sampler, the planner and the converters reach it.
 
 A family (models/gpt.py, models/llama.py) is one file: its parameter table, `embed`, `block`, `final_norm`,
-`logits`, its KV-cache forms for sampling, and its `TRAITS` (what the cost side reads). Everything else is the same for every family and lives here:
+`logits`, its KV-cache forms for sampling, its `TRAITS` (what the cost side reads) and `validate` (its own
+configuration fields). Everything else is the same for every family and lives here:
 the trees derived from the table (models/params.py), the layer stack under `lax.scan` and
 `jax.checkpoint`, the loss. Adding a family is one file plus its entry in FAMILIES and a preset.
 """
@@ -15,7 +16,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from jaxseq.config import ModelConfig, ParallelConfig
+from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq import remat as R
 from jaxseq.models import gpt, llama
@@ -24,6 +25,16 @@ from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
 
 FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
+
+
+def _register_families() -> None:
+    """Each family here a valid `ModelConfig.family` whose own fields its `validate` checks, where config.validate
+    checks the rest at the edge (`config.validate_family`: the base layer cannot import the families)."""
+    for name, module in FAMILIES.items():
+        register_family(name, module.validate)
+
+
+_register_families()
 
 
 def family(cfg: ModelConfig) -> ModuleType:

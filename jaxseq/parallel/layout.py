@@ -1,14 +1,18 @@
 """A run's layout, owned in one place: the parallel configuration, the mesh, and every PartitionSpec and
 sharding the run's arrays take — the compute copy of the weights, the float32 master weights (and so their
-gradients and Adam moments), the batch — derived once from the family's parameter table (`model.param_specs`:
-its logical axes through the mesh's rules, `mesh.logical_rules`).
+gradients, Adam moments and the optimizer state), the batch, replicated scalars, per-device flags, a restore's
+target on another mesh — derived once from the family's parameter table (`model.param_specs`: its logical axes
+through the mesh's rules, `mesh.logical_rules`).
 
-Every spec is derived here and nowhere else. A Layout is made once at the edge, where the model, the parallel
-configuration and the mesh first meet — the training loop's `Session.layout`, the planner (`aot.compile_*`,
-`in_flight`), sampling, conversion and `rundir.restore`, the tests and experiments — and the entry points take
-it whole: the train step's and loss's builders and the state's initialisation (`train_step`), gradient
-accumulation, the pipeline, the evaluation, aot's abstract inputs, `rundir.init_state`. A new way to split a
-weight (FSDP's axis) is a change here, not at every place a sharding is used.
+Every spec of an array the run holds, or a program takes and returns, is derived here; the activations' are
+`sharding.Sharder`'s, from the same rules, and a manual region's own view (its in and out specs) is built from
+these by the executor that opens it (tests/test_architecture.py holds both). A Layout is made once at the edge,
+where the model, the parallel configuration and the mesh first meet — the training loop's `Session.layout`, the
+planner (`aot.compile_*`, `in_flight`), sampling, conversion and `rundir.restore`, the tests and experiments — and
+the entry points take it whole: the train step's and loss's builders and the state's initialisation
+(`train_step`), gradient accumulation, the pipeline, the evaluation, the stop flag, aot's abstract inputs,
+`rundir.init_state`. A new way to split the state (the distributed optimizer's axes, the embedding group over
+`pipe`) is a change here, not at every place a sharding is used.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import jax
+import jax.numpy as jnp
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.mesh import axis_sizes
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.sharding import batch_sharding, entry_axes
 
 
@@ -77,14 +83,14 @@ class Layout:
     @cached_property
     def param_shapes(self) -> dict:
         """Global shapes of every parameter (the vocabulary padded for `tensor`)."""
-        return M.param_shapes(self.model, self.parallel.tensor)
+        return model.param_shapes(self.model, self.parallel.tensor)
 
     @cached_property
     def param_specs(self) -> dict:
         """The weights as the step holds them: split over `tensor` (the stacked layers over `pipe`), replicated
         over `data` and `context`; under FSDP each weight's hidden dimension split over `fsdp` (the layers
         gather it as they use it)."""
-        return M.param_specs(self.model, self.parallel)
+        return model.param_specs(self.model, self.parallel)
 
     @cached_property
     def gradient_axes(self) -> tuple[str, ...]:
@@ -136,6 +142,16 @@ class Layout:
     def master_shardings(self) -> dict:
         return self.shardings(self.master_specs)
 
+    def optimizer_shardings(self, optimizer: optax.GradientTransformation):
+        """The shardings of `optimizer`'s state (its own tree): each moment as its master weight (`master_specs`),
+        what is not a moment (a step count) replicated."""
+        abstract_params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), self.param_shapes,
+                                       is_leaf=lambda x: isinstance(x, tuple))
+        abstract_state = jax.eval_shape(optimizer.init, abstract_params)
+        specs = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_state, self.master_specs,
+                                      transform_non_params=lambda _: P())
+        return self.shardings(specs)
+
     @cached_property
     def batch(self) -> dict:
         """A batch's {"inputs", "targets"} shardings (`sharding.batch_sharding`: rows over `data`, × `fsdp`)."""
@@ -143,4 +159,22 @@ class Layout:
 
     @cached_property
     def replicated(self) -> NamedSharding:
+        """A scalar or any array every device holds whole (a key, a loss, the step count)."""
         return NamedSharding(self.mesh, P())
+
+    @cached_property
+    def per_device(self) -> NamedSharding:
+        """A vector of one element per device (mesh.size long), split over every mesh axis: each device its own."""
+        return NamedSharding(self.mesh, P(self.mesh.axis_names))
+
+
+def restorable(sharding: NamedSharding, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """`sharding` on `mesh` for an array of `shape` saved under another layout, every dimension that its mesh axes
+    do not divide replicated (a saved padding may not divide the new mesh). A spec entry names one mesh axis or
+    several (the distributed optimizer's ("data", "context") under context parallelism, the embedding group's
+    ("pipe", "data") under a pipeline): the dimension is split over their product."""
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, entry in enumerate(spec):
+        if shape[i] % math.prod(mesh.shape[a] for a in entry_axes(entry)):
+            spec[i] = None
+    return NamedSharding(mesh, P(*spec))

@@ -13,13 +13,12 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel import context
 from jaxseq.parallel.layout import Layout
-from jaxseq.training import train_step as T
+from jaxseq.training import train_step
 
 
 # What a plan compiles it reads and never runs. XLA's backend optimization level is LLVM's work on the machine
@@ -88,8 +87,8 @@ def lower_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, 
     """The forward + backward of one micro-batch, lowered for `mesh` on abstract inputs."""
     layout = Layout(cfg, parallel, mesh)
     params, batch = abstract_inputs(layout, micro_batch)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return T.make_loss_and_grad(layout, remat).lower(params, batch, key)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
+    return train_step.make_loss_and_grad(layout, remat).lower(params, batch, key)
 
 
 def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
@@ -103,16 +102,16 @@ def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh
     layout = Layout(cfg, parallel, mesh)
     params, batch = abstract_inputs(layout, micro_batch)
     shard = context.sharder(mesh, parallel)
-    fn = jax.jit(lambda p, b, k: M.loss_fn(p, b, cfg, shard, remat, key=k))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    fn = jax.jit(lambda p, b, k: model.loss_fn(p, b, cfg, shard, remat, key=k))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
     return compile_for_analysis(fn.lower(params, batch, key))
 
 
 def abstract_step_inputs(layout: Layout, optimizer, rows: int):
     """(state, batch of `rows` sequences, key) of the train step as sharded ShapeDtypeStructs, the state in
-    its own shardings (`T.state_shardings`): lower and compile the step without allocating anything."""
-    shardings = T.state_shardings(layout, optimizer)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(0), layout, optimizer))
+    its own shardings (`train_step.state_shardings`): lower and compile the step without allocating anything."""
+    shardings = train_step.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: train_step.init_state(jax.random.key(0), layout, optimizer))
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
     _, batch = abstract_inputs(layout, rows)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
@@ -124,9 +123,9 @@ def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, m
     """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
     per data (× fsdp) rank, compiled for `mesh` (with XLA `options` beside `analysis_options`)."""
     layout = Layout(cfg, parallel, mesh)
-    optimizer = T.make_optimizer(OptimizerConfig(), cfg)
+    optimizer = train_step.make_optimizer(OptimizerConfig(), cfg)
     inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.batch_ranks)
-    step = T.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
+    step = train_step.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
     return compile_for_analysis(step.lower(*inputs), options)
 
 

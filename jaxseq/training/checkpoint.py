@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -18,11 +17,10 @@ import time
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
-from jaxseq.models import model as M
-from jaxseq.sharding import entry_axes
+from jaxseq.models.model import position_paths, vocab_paths
+from jaxseq.parallel.layout import restorable
 
 log = logging.getLogger("jaxseq")
 
@@ -57,7 +55,7 @@ def _names(path) -> tuple[str, ...]:
 def _vocab_rows(params) -> int:
     """Rows of the parameters' vocabulary leaves (the vocabulary is padded per tensor size)."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    return next(x.shape[0] for path, x in leaves if _names(path) in M.vocab_paths())
+    return next(x.shape[0] for path, x in leaves if _names(path) in vocab_paths())
 
 
 def _params_like(x) -> bool:
@@ -65,9 +63,9 @@ def _params_like(x) -> bool:
 
 
 def _map_vocab_leaves(fn, tree):
-    """`tree` with fn(leaf) at every vocabulary leaf (`M.vocab_paths`) of each parameter-shaped subtree:
+    """`tree` with fn(leaf) at every vocabulary leaf (`vocab_paths`) of each parameter-shaped subtree:
     the params themselves and each Adam moment."""
-    vocab = M.vocab_paths()
+    vocab = vocab_paths()
     at = lambda params: jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _names(path) in vocab else x, params)
     return jax.tree.map(lambda x: at(x) if _params_like(x) else x, tree, is_leaf=_params_like)
 
@@ -134,7 +132,7 @@ def _restore_step(mgr: ocp.CheckpointManager, step: int, abstract_state, state_s
             raise FileNotFoundError("the state's metadata is missing")
     rows = _vocab_rows(saved["params"])
     shapes = _map_vocab_leaves(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), abstract_state)
-    shardings = jax.tree.map(lambda sh, x: _divisible(sh, x.shape, mesh), state_shardings, shapes)
+    shardings = jax.tree.map(lambda sh, x: restorable(sh, x.shape, mesh), state_shardings, shapes)
     with _reading(step):
         state = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(shardings, shapes))))["state"]
@@ -194,7 +192,7 @@ def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params):
 def _check_shapes(saved, abstract_params, step: int) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
     for (path, want), got in zip(leaves, jax.tree.leaves(saved)):
-        vocab, position = _names(path) in M.vocab_paths(), _names(path) in M.position_paths()
+        vocab, position = _names(path) in vocab_paths(), _names(path) in position_paths()
         got, want = tuple(got.shape), tuple(want.shape)
         rows_ok = vocab or (position and want[0] <= got[0]) or want[0] == got[0]
         if not rows_ok or got[1:] != want[1:]:
@@ -289,17 +287,6 @@ def set_aside_steps(mgr: ocp.CheckpointManager, unreadable: list[UnreadableStep]
                         step, target, e.detail, restored)
     ocp.multihost.sync_global_processes(f"jaxseq-set-aside-{'-'.join(map(str, steps))}")
     mgr.reload()
-
-
-def _divisible(sharding: NamedSharding, shape, mesh) -> NamedSharding:
-    """The saved padding may not divide the new mesh; replicate such a dimension while restoring. A spec entry
-    names one mesh axis or several (the distributed optimizer's ("data", "context") under context parallelism,
-    the embedding group's ("pipe", "data") under a pipeline): the dimension is split over their product."""
-    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    for i, entry in enumerate(spec):
-        if shape[i] % math.prod(mesh.shape[a] for a in entry_axes(entry)):
-            spec[i] = None
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def check_compatible(saved_model: dict, model: dict) -> None:

@@ -2,7 +2,7 @@
 `to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
 
 config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama);
-a jaxseq model's family picks it back.
+a jaxseq model's family picks it back (the model_type each family declares, `HF_MODEL_TYPE`).
 
 Why the converted checkpoint is a jaxseq run directory (config.json + an orbax checkpoint at step 0,
 written by `jaxseq.training.checkpoint`): then one reader serves converted weights and trained runs alike,
@@ -26,10 +26,10 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, Optimi
                            TrainConfig, replace, validate_model)
 from jaxseq.interop import hf, hf_llama
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import Sharder, batch_sharding
-from jaxseq.training import checkpoint as C
+from jaxseq.training import checkpoint
 from jaxseq.training import rundir
 
 HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-hf
@@ -39,7 +39,8 @@ HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-
 
 
 FORMATS = {"gpt2": hf, "llama": hf_llama}  # config.json's model_type → the module that reads and writes it
-FAMILY_FORMAT = {"gpt": "gpt2", "llama": "llama"}  # ModelConfig.family → model_type
+# ModelConfig.family → the model_type its weights convert to, as each family declares it (`HF_MODEL_TYPE`)
+FAMILY_FORMAT = {name: family.HF_MODEL_TYPE for name, family in model.FAMILIES.items()}
 
 
 def read_hf(hf_dir: str, dtype: str = "float32"):
@@ -53,10 +54,7 @@ def read_hf(hf_dir: str, dtype: str = "float32"):
     cfg = fmt.model_config(config, dtype)
     validate_model(cfg)
     weights = hf.open_weights(hf_dir)
-    if fmt is hf_llama:
-        leaves, record, buffers = hf_llama.to_params(cfg, weights)
-    else:
-        leaves, record, buffers = hf.to_params(cfg, weights)
+    leaves, record, buffers = fmt.to_params(cfg, weights)
     record = {**record, "metadata": weights.metadata}
     return config, cfg, leaves, record, buffers
 
@@ -101,7 +99,7 @@ def logits(params: dict, tokens, cfg: ModelConfig, mesh=None, sequence_parallel:
 @lru_cache(maxsize=8)
 def _logits_fn(cfg: ModelConfig, mesh, sequence_parallel: bool):
     shard = Sharder(mesh, sequence_parallel)
-    return jax.jit(lambda p, t: M.logits_fn(p, M.hidden_states(p, t, cfg, shard, "none"), cfg, shard))
+    return jax.jit(lambda p, t: model.logits_fn(p, model.hidden_states(p, t, cfg, shard, "none"), cfg, shard))
 
 
 def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
@@ -128,8 +126,8 @@ def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
     # The weights alone, as Megatron's converters write them (a run starts from them with fresh optimizer
     # moments: --init-from): zero moments would triple what the devices and the checkpoint hold.
     weights_only = {"step": jnp.zeros((), jnp.int32), "params": _on_mesh(leaves, cfg, parallel, mesh)}
-    mgr = C.manager(ckpt, async_save=False)
-    C.save(mgr, 0, weights_only, rundir.checkpoint_meta(run, 0, source=os.path.abspath(hf_dir)), force=True)
+    mgr = checkpoint.manager(ckpt, async_save=False)
+    checkpoint.save(mgr, 0, weights_only, rundir.checkpoint_meta(run, 0, source=os.path.abspath(hf_dir)), force=True)
     mgr.wait_until_finished()
     return cfg
 

@@ -17,24 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig
 from jaxseq.mesh import available_devices, make_mesh
-from jaxseq.models import model as M
-from jaxseq.parallel import distributed as D
+from jaxseq.models import model
+from jaxseq.parallel import distributed
 from jaxseq.parallel.data_parallel import accumulated_loss
 from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.sharding import batch_sharding
 from jaxseq.training import aot, rundir
-from jaxseq.training import checkpoint as C
+from jaxseq.training import checkpoint
 from jaxseq.training.data import Batches, Corpus, decode_tokens, printable, unigram_entropy
 from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
 from jaxseq.training.sampling import Sampler, compile_sampler, prompt_ids, sample, validation_prompt
-from jaxseq.training import train_step as T
+from jaxseq.training import train_step
 
 log = logging.getLogger("jaxseq")
 
@@ -56,12 +55,12 @@ def make_eval_fn(layout: Layout, micro_batches: int):
     return jax.jit(loss, in_shardings=(layout.master_shardings, layout.batch), out_shardings=layout.replicated)
 
 
-def _global(batch: dict, mesh, batch_size: int) -> dict:
-    return D.global_batch(batch, batch_sharding(mesh), batch_size)
+def _global(batch: dict, layout: Layout, batch_size: int) -> dict:
+    return distributed.global_batch(batch, layout.batch["inputs"], batch_size)
 
 
-def evaluate(eval_fn, params, batches: Batches, n: int, mesh, rows: slice) -> float:
-    losses = [float(eval_fn(params, _global(batches.rows(i, rows), mesh, batches.batch_size))) for i in range(n)]
+def evaluate(eval_fn, params, batches: Batches, n: int, layout: Layout, rows: slice) -> float:
+    losses = [float(eval_fn(params, _global(batches.rows(i, rows), layout, batches.batch_size))) for i in range(n)]
     return float(np.mean(losses))
 
 
@@ -77,18 +76,18 @@ class StopFlag:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, mesh):
+    def __init__(self, layout: Layout):
         self.local = 0
         self._previous = {}
-        self._size = mesh.size
-        self._sharding = NamedSharding(mesh, P(mesh.axis_names))  # one flag per device
+        self._size = layout.mesh.size
+        self._sharding = layout.per_device  # one flag per device
         self._local_devices = len(self._sharding.addressable_devices)
         self._pending = None
         # One process agrees with itself: no program, and no collective beside every step.
         self._max = None
         if jax.process_count() > 1:  # compiled here, not at the first step: nothing compiles between train steps
             flags = jax.ShapeDtypeStruct((self._size,), jnp.int32, sharding=self._sharding)
-            self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P())).lower(flags).compile()
+            self._max = jax.jit(jnp.max, out_shardings=layout.replicated).lower(flags).compile()
 
     def __enter__(self) -> "StopFlag":
         self._previous = {sig: signal.signal(sig, self._set) for sig in self.SIGNALS}
@@ -147,7 +146,7 @@ def host_learning_rate(opt: OptimizerConfig):
     first step: an eager call on the accelerator would queue behind the running step and block the
     log on it, and the first call's compilation (0.45 s measured) would idle the device."""
     cpu = jax.local_devices(backend="cpu")[0]
-    fn = jax.jit(T.learning_rate_schedule(opt))
+    fn = jax.jit(train_step.learning_rate_schedule(opt))
 
     def at(step: int) -> float:
         return float(fn(jax.device_put(np.int32(step), cpu)))
@@ -177,13 +176,13 @@ class Session:
     checkpoint_dir: str
 
     def batch(self, position: int) -> dict:
-        return _global(self.train_batches.rows(position, self.rows), self.mesh, self.run.train.batch_size)
+        return _global(self.train_batches.rows(position, self.rows), self.layout, self.run.train.batch_size)
 
     def evaluate(self, params) -> float:
-        return evaluate(self.eval_fn, params, self.val_batches, self.run.train.eval_batches, self.mesh, self.rows)
+        return evaluate(self.eval_fn, params, self.val_batches, self.run.train.eval_batches, self.layout, self.rows)
 
     def save(self, step: int, state, position: int) -> None:
-        C.save(self.checkpoints, step, state, rundir.checkpoint_meta(self.run, position), force=True)
+        checkpoint.save(self.checkpoints, step, state, rundir.checkpoint_meta(self.run, position), force=True)
 
 
 def set_up(run: RunConfig, corpus: Corpus) -> Session:
@@ -191,20 +190,20 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     devices = available_devices()
     mesh = make_mesh(run.parallel, devices)
     layout = Layout(run.model, run.parallel, mesh)
-    optimizer = T.make_optimizer(run.optimizer, run.model)
+    optimizer = train_step.make_optimizer(run.optimizer, run.model)
     micro = (settings.batch_size // settings.micro_batch_size) if settings.micro_batch_size else 1
     checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
     return Session(
         run=run, devices=devices, mesh=mesh, layout=layout, optimizer=optimizer, micro_batches=micro,
-        step_fn=T.make_train_step(layout, settings.remat, optimizer, micro_batches=micro),
+        step_fn=train_step.make_train_step(layout, settings.remat, optimizer, micro_batches=micro),
         eval_fn=make_eval_fn(layout, micro), sampler=None, key=jax.random.key(settings.seed + 1),
-        rows=D.local_batch_rows(batch_sharding(mesh), settings.batch_size, run.model.seq_len),
+        rows=distributed.local_batch_rows(layout.batch["inputs"], settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
         val_batches=Batches(corpus.val, run.model.seq_len, settings.batch_size, settings.seed + 1),
-        checkpoints=C.manager(checkpoint_dir, keep=settings.keep_checkpoints), checkpoint_dir=checkpoint_dir)
+        checkpoints=checkpoint.manager(checkpoint_dir, keep=settings.keep_checkpoints), checkpoint_dir=checkpoint_dir)
 
 
-def initial_state(session: Session) -> tuple[T.TrainState, int]:
+def initial_state(session: Session) -> tuple[train_step.TrainState, int]:
     """The state to start from and its data position: the newest checkpoint (--resume), else the
     weights of --init-from or a fresh initialisation at position 0."""
     settings, layout, optimizer = session.run.train, session.layout, session.optimizer
@@ -214,16 +213,16 @@ def initial_state(session: Session) -> tuple[T.TrainState, int]:
         raise ConfigError(f"run_dir={settings.run_dir!r} already holds checkpoints; pass --resume or another --run-dir")
     if settings.init_from:
         return rundir.init_state(settings.init_from, layout, optimizer), 0
-    return T.init_state(jax.random.key(settings.seed), layout, optimizer), 0
+    return train_step.init_state(jax.random.key(settings.seed), layout, optimizer), 0
 
 
-def _resumed_state(session: Session) -> tuple[T.TrainState, int]:
+def _resumed_state(session: Session) -> tuple[train_step.TrainState, int]:
     run, layout, optimizer = session.run, session.layout, session.optimizer
-    shardings = T.state_shardings(layout, optimizer)
-    abstract = jax.eval_shape(lambda: T.init_state(jax.random.key(run.train.seed), layout, optimizer))
-    restored = C.restore(session.checkpoints, abstract, shardings, session.mesh,
-                         check=lambda meta: C.check_compatible(meta["config"]["model"], run.to_dict()["model"]),
-                         set_aside=True)
+    shardings = train_step.state_shardings(layout, optimizer)
+    abstract = jax.eval_shape(lambda: train_step.init_state(jax.random.key(run.train.seed), layout, optimizer))
+    same_model = lambda meta: checkpoint.check_compatible(meta["config"]["model"], run.to_dict()["model"])
+    restored = checkpoint.restore(session.checkpoints, abstract, shardings, session.mesh, check=same_model,
+                                  set_aside=True)
     if restored is None:
         raise ConfigError(f"--resume: no checkpoint in {session.checkpoint_dir}")
     state, meta = restored
@@ -245,7 +244,7 @@ def compile_step(session: Session, state, position: int):
     sampler = compile_sampler(state.params, session.run.model, session.mesh) if session.run.train.sample_tokens else None
     if sampler is not None:
         aot.check_fits(aot.sampling_bytes(sampler, step_fn), available, what="end-of-run sample")
-    if D.is_main_process():
+    if distributed.is_main_process():
         print(f"compiled the train step, the evaluation{' and the sample' if sampler else ''} in "
               f"{time.perf_counter() - compile_start:.1f} s", flush=True)
     return dataclasses.replace(session, eval_fn=eval_fn, sampler=sampler), step_fn, batch
@@ -255,7 +254,9 @@ def recording(session: Session) -> dict | None:
     """The train step's compile options: on a GPU run's main process with `--record-autotune FILE`, where XLA:GPU
     writes its autotuner's choices (train.py refuses the flag on other devices); else none."""
     path = session.run.train.record_autotune
-    return {"xla_gpu_dump_autotune_results_to": os.path.abspath(path)} if path and D.is_main_process() else None
+    if not (path and distributed.is_main_process()):
+        return None
+    return {"xla_gpu_dump_autotune_results_to": os.path.abspath(path)}
 
 
 class PendingMetrics:
@@ -309,7 +310,7 @@ class Progress:
     def __init__(self, run: RunConfig, devices: list, learning_rate, start: int):
         self._run, self._devices, self._learning_rate = run, devices, learning_rate
         self._peak = run.train.peak_tflops or peak_tflops()
-        self._main = D.is_main_process()
+        self._main = distributed.is_main_process()
         # Opened once the step is known to fit: a TensorBoard writer left unused until interpreter exit
         # fails in its atexit hook on Python 3.12 (a traceback after the one-line refusal).
         self.metrics = MetricsLog(run.train.run_dir, enabled=self._main)
@@ -362,14 +363,14 @@ def train(run: RunConfig, corpus: Corpus) -> int:
     start = int(state.step)
     if start >= run.train.steps:
         return _finished(run, start)
-    if D.is_main_process():
+    if distributed.is_main_process():
         rundir.write_config(run.train.run_dir, run)
         print(_banner(session, corpus, start), flush=True)
     learning_rate = host_learning_rate(run.optimizer)
     # Compiled before the run's signal handlers: a signal during start-up ends the command at once
     # (`jaxseq.train.main`), with nothing to save.
     session, step_fn, batch = compile_step(session, state, position)
-    with StopFlag(session.mesh) as stop:
+    with StopFlag(session.layout) as stop:
         progress = Progress(run, session.devices, learning_rate, start)
         try:
             state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
@@ -377,14 +378,14 @@ def train(run: RunConfig, corpus: Corpus) -> int:
         finally:  # whatever ended the steps, the checkpoints they saved are written
             progress.close(session.checkpoints)
         if stopping:
-            if D.is_main_process():
+            if distributed.is_main_process():
                 print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with "
                       f"{rundir.resume_command(run)}", flush=True)
             # Not 0: a scheduler tells an interrupted run from a finished one (the shell's 128 + N).
             return 128 + signal.Signals[stopping].value
         stopping = _closing_report(session, corpus, state, val_loss, stop)
         if stopping:  # after the last step, its checkpoint written: the sample is cut short, the status says why
-            if D.is_main_process():
+            if distributed.is_main_process():
                 print(f"{stopping}: the closing sample was cut short; the run had finished its {step} steps (its "
                       f"checkpoint is in {session.checkpoint_dir})", flush=True)
             return 128 + signal.Signals[stopping].value
@@ -397,7 +398,7 @@ def _finished(run: RunConfig, start: int) -> int:
     if start > steps:
         raise ConfigError(f"--resume: the newest checkpoint of {run.train.run_dir} is at step {start}, past "
                           f"steps={steps}: nothing to train; to continue the run pass --steps N with N > {start}")
-    if D.is_main_process():
+    if distributed.is_main_process():
         print(f"{run.train.run_dir} has finished its {steps} steps: nothing to train; to continue it, "
               f"--resume --steps N with N > {steps}", flush=True)
     return 0
@@ -455,7 +456,7 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
 
 def _banner(session: Session, corpus: Corpus, start: int) -> str:
     run, p = session.run, session.run.parallel
-    return (f"jaxseq: {run.model.family} with {M.num_params(run.model) / 1e6:.2f}M parameters, {corpus.name} "
+    return (f"jaxseq: {run.model.family} with {model.num_params(run.model) / 1e6:.2f}M parameters, {corpus.name} "
             f"({len(corpus.train):,} train / {len(corpus.val):,} val tokens), mesh {p.mesh_text()}"
             f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
             f"{_pipeline_text(p, session.micro_batches)} on {len(session.devices)} "
@@ -469,7 +470,7 @@ def _closing_report(session: Session, corpus: Corpus, state, val: float, stop: S
     compiled now). Every process computes (the arrays span them all); process 0 prints. A signal since the last
     step (agreed by every process, checked before each sampled token) ends the sample: its name is returned."""
     run, settings = session.run, session.run.train
-    if D.is_main_process():
+    if distributed.is_main_process():
         entropy = unigram_entropy(corpus.train, corpus.vocab_size)
         print(f"validation loss {val:.3f} nats/token vs unigram entropy {entropy:.3f} nats/token "
               f"({corpus.name}); checkpoint: {session.checkpoint_dir}", flush=True)
@@ -487,7 +488,7 @@ def _closing_report(session: Session, corpus: Corpus, state, val: float, stop: S
                  settings.sample_tokens, seed=settings.seed, programs=sampler, stop=stopped)
     if stopping:
         return stopping
-    if D.is_main_process():
+    if distributed.is_main_process():
         print("sample (prompt: the start of a validation document):\n" +
               printable(prompt + decode_tokens(ids, corpus.tokenizer)), flush=True)
     return None

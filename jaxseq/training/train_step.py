@@ -8,12 +8,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, OptimizerConfig
-from jaxseq.models import model as M
-from jaxseq.parallel import context
-from jaxseq.parallel import data_parallel as DP
+from jaxseq.models import model
+from jaxseq.parallel import context, data_parallel
 from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
 
@@ -37,23 +35,20 @@ def learning_rate_schedule(opt: OptimizerConfig):
 
 
 def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; weight decay where the family's table declares it (`M.decay_mask`)."""
+    """AdamW after global-norm clipping; weight decay where the family's table declares it (`model.decay_mask`)."""
 
     return optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                    weight_decay=opt.weight_decay, mask=M.decay_mask(cfg)),
+                    weight_decay=opt.weight_decay, mask=model.decay_mask(cfg)),
     )
 
 
 def state_shardings(layout: Layout, optimizer) -> TrainState:
-    """Master weights and optimizer moments follow `layout.master_specs`; scalars are replicated."""
-    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), layout.param_shapes,
-                                   is_leaf=lambda x: isinstance(x, tuple))
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, layout.master_specs,
-                                      transform_non_params=lambda _: P())
-    return TrainState(step=layout.replicated, params=layout.master_shardings, opt_state=layout.shardings(opt_specs))
+    """The TrainState's shardings, the layout's: master weights and optimizer moments in the master shardings
+    (`Layout.master_specs`, `Layout.optimizer_shardings`), the step count replicated."""
+    return TrainState(step=layout.replicated, params=layout.master_shardings,
+                      opt_state=layout.optimizer_shardings(optimizer))
 
 
 def new_state(params, optimizer) -> TrainState:
@@ -63,7 +58,7 @@ def new_state(params, optimizer) -> TrainState:
 
 def init_state(key, layout: Layout, optimizer) -> TrainState:
     """Parameters and optimizer state created directly in their shards (nothing gathered on one device)."""
-    init = lambda key: new_state(M.init_params(key, layout.model, layout.parallel.tensor), optimizer)
+    init = lambda key: new_state(model.init_params(key, layout.model, layout.parallel.tensor), optimizer)
     return jax.jit(init, out_shardings=state_shardings(layout, optimizer))(key)
 
 
@@ -81,7 +76,7 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     draws its dropout masks from fold_in(key, i).
 
     The step differentiates with respect to the compute-dtype copy of the weights, made once per step
-    outside the accumulation and the layer scan (`M.cast_params`: LayerNorm parameters stay f32).
+    outside the accumulation and the layer scan (`model.cast_params`: LayerNorm parameters stay f32).
     With the distributed optimizer that copy is cast on each rank's shard of the master weights and
     then all-gathered over `data` (one all-gather per weight per step), and the float32 gradients arrive
     in the master shards, so the update runs on 1/d of every tensor. Without it the same code gathers nothing.
@@ -123,7 +118,7 @@ def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
     step hands to clipping and AdamW (`make_train_step`), to be called under jit."""
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
     # One micro-batch goes through the accumulation's region too: there the ranks reduce float32 gradients.
-    loss_and_grad = pipeline_loss_and_grad if layout.parallel.pipe > 1 else DP.accumulate_loss_and_grad
+    loss_and_grad = pipeline_loss_and_grad if layout.parallel.pipe > 1 else data_parallel.accumulate_loss_and_grad
 
     def gradients(params, batch, key):
         # The weights enter the step in their compute layout (gathered over `data` here, once, under the
@@ -133,7 +128,7 @@ def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
         # Under FSDP they enter float32, split over `fsdp`: each layer casts its shard and gathers it
         # (`parallel.fsdp.gather`); `fsdp_weights` gathers over `data` (or `pipe`) what the masters split further.
         weights = fsdp_weights(params, layout) if layout.parallel.fsdp > 1 else constrain(
-            M.cast_params(params, layout.model), layout.master_shardings)
+            model.cast_params(params, layout.model), layout.master_shardings)
         loss, grads = loss_and_grad(constrain(weights, layout.param_shardings), batch, key, layout=layout,
                                     remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
@@ -157,14 +152,14 @@ def fsdp_weights(params, layout: Layout) -> dict:
         copy = jax.lax.with_sharding_constraint(w.astype(dtype) if cast else w, master)
         return jax.lax.with_sharding_constraint(copy, compute).astype(w.dtype)
 
-    return jax.tree.map(one, params, M.cast_mask(layout.model), layout.master_shardings, layout.param_shardings)
+    return jax.tree.map(one, params, model.cast_mask(layout.model), layout.master_shardings, layout.param_shardings)
 
 
 def make_loss_and_grad(layout: Layout, remat: str):
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = context.sharder(layout.mesh, layout.parallel)
-    fn = jax.value_and_grad(partial(M.loss_fn, cfg=layout.model, shard=shard, remat=remat))
+    fn = jax.value_and_grad(partial(model.loss_fn, cfg=layout.model, shard=shard, remat=remat))
     return jax.jit(
         lambda params, batch, key: fn(params, batch, key=key),
         in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
