@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from jaxseq.planning import hlo as HLO
-from jaxseq.planning.search import ring_traffic
+from jaxseq.planning.search_time import ring_traffic
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
 
