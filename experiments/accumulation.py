@@ -41,8 +41,8 @@ MICRO_BATCHES = 4
 def data_traffic(text: str, data: int, tensor: int) -> dict:
     """Per-device bytes per step of the floating-point collectives whose groups span two data ranks (on a
     data × tensor mesh): buffer bytes (each collective's full buffer × its runs per step) and ring bytes
-    (`search.ring_traffic`), by kind, and how many run inside loops."""
-    from jaxseq.planning.search import ring_traffic
+    (`search_time.ring_traffic`), by kind, and how many run inside loops."""
+    from jaxseq.planning.search_time import ring_traffic
 
     comps, runs = hlo.parse_hlo(text), hlo_loops.runs_per_call(text)
     data_of = np.arange(data * tensor) // tensor

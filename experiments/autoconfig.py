@@ -12,7 +12,7 @@ TFLOP/s per GPU is counted as each paper counts it: Narayanan et al. divide 96·
 V/(16hL)) (full recompute's FLOPs) by the time; Korthikanti et al. report model FLOPs utilisation (MFU),
 so their rows use the model FLOPs 72·B·s·L·h²·(…) (and the iteration time they give).
 
-The time model (jaxseq/planning/search.py, kernel_time.py) gives each GEMM an efficiency from its shape (waves
+The time model (jaxseq/planning/search_time.py, kernel_time.py) gives each GEMM an efficiency from its shape (waves
 of 256×128 tiles on the A100's 108 SMs, or its bytes through HBM if memory-bound) and the elementwise kernels
 their bytes at HBM bandwidth. One constant is calibrated, on ONE row: the compute efficiency (the fraction of
 peak of a full wave of tiles), on Korthikanti Table 5, 175B (SP + selective, 13.75 s); the memory (0.88) and
@@ -42,7 +42,10 @@ import jax  # noqa: E402
 
 from jaxseq import hardware  # noqa: E402
 from jaxseq.config import ModelConfig, preset, replace  # noqa: E402
-from jaxseq.planning import search as S  # noqa: E402
+from jaxseq.planning.calibration import calibrate_compute_efficiency, paper_tflops_per_gpu  # noqa: E402
+from jaxseq.planning.search import Result, evaluate, search  # noqa: E402
+from jaxseq.planning.search_report import format_result  # noqa: E402
+from jaxseq.planning.search_space import GIB, Candidate, Request, TimeModel, enumerate_candidates  # noqa: E402
 from jaxseq.planning.search_costs import SearchCosts  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,11 +128,11 @@ def measured_tflops(row) -> float:
     """The paper's TFLOP/s per GPU, in the row's own accounting."""
     if "measured_tflops" in row:
         return row["measured_tflops"]
-    return S.paper_tflops_per_gpu(row["cfg"], row["batch"], row["gpus"], row["measured_seconds"], "model")
+    return paper_tflops_per_gpu(row["cfg"], row["batch"], row["gpus"], row["measured_seconds"], "model")
 
 
 def matches(paper: dict):
-    def match(c: S.Candidate) -> bool:
+    def match(c: Candidate) -> bool:
         return (all(getattr(c, k) == v for k, v in paper.items())
                 and not c.distributed_optimizer)  # neither paper used the distributed optimizer
     return match
@@ -148,8 +151,8 @@ def main() -> int:
 
     def request(row, tm):
         space = SPACE[row["cfg"].hidden]
-        return S.Request(row["gpus"], row["batch"], HARDWARE, space["micro_batches"], ("none", "selective", "full"), tm,
-                         space["tensor_sizes"])
+        return Request(row["gpus"], row["batch"], HARDWARE, space["micro_batches"], ("none", "selective", "full"), tm,
+                       space["tensor_sizes"])
 
     def save():
         for key, c in costs.items():
@@ -162,54 +165,54 @@ def main() -> int:
     c = calib["cfg"]
     cal_costs = costs_for(c)
     pc = calib["paper"]
-    cand = S.Candidate(pc["tensor"], pc["pipe"], pc["virtual"], calib["gpus"] // (pc["tensor"] * pc["pipe"]),
-                       pc["micro_batch"], pc["remat"], pc["sequence_parallel"], False,
-                       calib["batch"] // (calib["gpus"] // (pc["tensor"] * pc["pipe"]) * pc["micro_batch"]))
+    cand = Candidate(pc["tensor"], pc["pipe"], pc["virtual"], calib["gpus"] // (pc["tensor"] * pc["pipe"]),
+                     pc["micro_batch"], pc["remat"], pc["sequence_parallel"], False,
+                     calib["batch"] // (calib["gpus"] // (pc["tensor"] * pc["pipe"]) * pc["micro_batch"]))
     cal_costs.prepare([(cand.tensor, cand.sequence_parallel, cand.remat)], (1,))
     save()
-    megatron = S.TimeModel(scan_stacks=False)  # the papers measured Megatron-LM's program: no scan stacks
-    eff = S.calibrate_compute_efficiency(c, request(calib, megatron), cand, cal_costs, calib["measured_seconds"])
+    megatron = TimeModel(scan_stacks=False)  # the papers measured Megatron-LM's program: no scan stacks
+    eff = calibrate_compute_efficiency(c, request(calib, megatron), cand, cal_costs, calib["measured_seconds"])
     tm = replace(megatron, compute_efficiency=round(eff, 3))  # the memory and link efficiencies: the stated defaults
     print(f"compute efficiency calibrated on {calib['source']}: {eff:.4f} (used: {tm.compute_efficiency})", flush=True)
 
     out, tables = [], []
     for row in sorted(ROWS, key=lambda r: ORDER.index(r["name"])):
         cfg, r = row["cfg"], request(row, tm)
-        costs_for(cfg).prepare(sorted({(c.tensor, c.sequence_parallel, c.remat) for c in S.enumerate_candidates(cfg, r)}),
+        costs_for(cfg).prepare(sorted({(c.tensor, c.sequence_parallel, c.remat) for c in enumerate_candidates(cfg, r)}),
                                r.micro_batches)
         save()  # before anything else can fail: the compiles are the expensive part
-        res = S.search(cfg, r, costs_for(cfg), row["name"])
+        res = search(cfg, r, costs_for(cfg), row["name"])
         save()
         match = matches(row["paper"])
-        paper_all = [S.evaluate(cfg, r, cand, costs_for(cfg)) for cand in S.enumerate_candidates(cfg, r) if match(cand)]
+        paper_all = [evaluate(cfg, r, cand, costs_for(cfg)) for cand in enumerate_candidates(cfg, r) if match(cand)]
         paper_fit = [e for e in paper_all if e.fits]
         paper = min(paper_fit or paper_all, key=lambda e: e.time.total_s)
         best = res.ranked[0]
         acct = row["accounting"]
-        predicted = S.paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], paper.time.total_s, acct)
-        chosen = S.paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], best.time.total_s, acct)
+        predicted = paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], paper.time.total_s, acct)
+        chosen = paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], best.time.total_s, acct)
         measured = measured_tflops(row)
         entry = {
             "row": row["name"], "source": row["source"], "gpus": row["gpus"], "global_batch": row["batch"],
             "accounting": "Narayanan: full-recompute FLOPs" if acct == "full" else "model FLOPs (MFU)",
             "paper_configuration": paper.candidate.label(), "paper_configuration_fits": paper.fits,
-            "paper_configuration_memory_gib": paper.memory.total_bytes / S.GIB,
+            "paper_configuration_memory_gib": paper.memory.total_bytes / GIB,
             "measured_tflops_per_gpu": measured, "measured_seconds": row.get("measured_seconds"),
             "predicted_seconds": paper.time.total_s, "predicted_tflops_per_gpu": predicted,
             "error_pct": 100 * (predicted / measured - 1), "previous_error_pct": PREVIOUS_ERROR_PCT[row["name"]],
             "search_space": {"tensor_sizes": r.tensor_sizes or "all", "micro_batches": r.micro_batches},
             "paper_family_rank": family_rank(res, (paper.candidate.tensor, paper.candidate.pipe)),
-            "search_choice": best.candidate.label(), "search_choice_memory_gib": best.memory.total_bytes / S.GIB,
+            "search_choice": best.candidate.label(), "search_choice_memory_gib": best.memory.total_bytes / GIB,
             "search_choice_seconds": best.time.total_s, "search_choice_tflops_per_gpu": chosen,
             "search_choice_mfu_pct": 100 * best.mfu,
             "paper_rank": res.rank_of(match), "fitting": len(res.ranked), "evaluated": res.evaluated,
             "calibration_row": bool(row.get("calibration")),
             "measured_mfu_pct": row.get("measured_mfu", row.get("measured_pct")),
-            "predicted_mfu_pct": 100 * S.paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], paper.time.total_s,
-                                                               "model") / PEAK,
+            "predicted_mfu_pct": 100 * paper_tflops_per_gpu(cfg, row["batch"], row["gpus"], paper.time.total_s,
+                                                             "model") / PEAK,
         }
         out.append(entry)
-        tables.append(f"## {row['name']}: {row['source']}\n\n{S.format_result(res, 10)}\n")
+        tables.append(f"## {row['name']}: {row['source']}\n\n{format_result(res, 10)}\n")
         open(os.path.join(RESULTS, "autoconfig_searches.txt"), "w").write("\n".join(tables))
         print(json.dumps(entry), flush=True)
         result = {"hardware": HARDWARE.__dict__, "time_model": tm.__dict__, "calibrated_on": calib["source"],
@@ -220,7 +223,7 @@ def main() -> int:
     return 0
 
 
-def family_rank(res: S.Result, family: tuple[int, int]) -> int | None:
+def family_rank(res: Result, family: tuple[int, int]) -> int | None:
     """1-based rank of mesh family (t, p) when each family counts once, by its best configuration."""
     seen = list(dict.fromkeys(e.candidate.mesh_family for e in res.ranked))
     return seen.index(family) + 1 if family in seen else None

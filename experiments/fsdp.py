@@ -40,7 +40,8 @@ from jaxseq.hardware import HARDWARE  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
 from jaxseq.planning import hlo, hlo_collectives, hlo_loops  # noqa: E402
-from jaxseq.planning import search as S  # noqa: E402
+from jaxseq.planning.search import evaluate, search  # noqa: E402
+from jaxseq.planning.search_space import Candidate, Request, TimeModel  # noqa: E402
 from jaxseq.planning.search_costs import SearchCosts  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 from jaxseq.training import train_step as T  # noqa: E402
@@ -112,9 +113,9 @@ def search_rows() -> dict:
     cfg = preset("llama3-8b")
     costs = SearchCosts(cfg, jax.devices())
     for key, overlap in (("llama3-8b", False), ("llama3-8b_fsdp_overlap", True)):
-        request = S.Request(8, 32, HARDWARE["h100"], (1, 2, 4), ("selective", "full"), S.TimeModel(fsdp_overlap=overlap),
-                            tensor_sizes=(1, 8), context_sizes=(1,), fsdp_sizes=(1, 8))
-        res = S.search(cfg, request, costs, "llama3-8b")
+        request = Request(8, 32, HARDWARE["h100"], (1, 2, 4), ("selective", "full"), TimeModel(fsdp_overlap=overlap),
+                          tensor_sizes=(1, 8), context_sizes=(1,), fsdp_sizes=(1, 8))
+        res = search(cfg, request, costs, "llama3-8b")
         best = lambda pick: next((i + 1, e.to_json()) for i, e in enumerate(res.ranked) if pick(e.candidate))
         out[key] = {"fits": len(res.ranked), "evaluated": res.evaluated, "first": res.ranked[0].to_json(),
                     "best_fsdp8": best(lambda c: c.fsdp == 8),
@@ -122,22 +123,22 @@ def search_rows() -> dict:
     cfg70 = preset("llama3-70b")
     costs70 = SearchCosts(cfg70, jax.devices())
     for key, overlap in (("llama3-70b", False), ("llama3-70b_fsdp_overlap", True)):
-        request = S.Request(64, 128, HARDWARE["h100"], (1, 2), ("selective", "full"), S.TimeModel(fsdp_overlap=overlap),
-                            tensor_sizes=(1, 8), context_sizes=(1,), fsdp_sizes=(1, 8, 64))
-        res = S.search(cfg70, request, costs70, "llama3-70b")
+        request = Request(64, 128, HARDWARE["h100"], (1, 2), ("selective", "full"), TimeModel(fsdp_overlap=overlap),
+                          tensor_sizes=(1, 8), context_sizes=(1,), fsdp_sizes=(1, 8, 64))
+        res = search(cfg70, request, costs70, "llama3-70b")
         best = lambda pick: next(((i + 1, e.to_json()) for i, e in enumerate(res.ranked) if pick(e.candidate)), None)
         out[key] = {"fits": len(res.ranked), "evaluated": res.evaluated, "first": (1, res.ranked[0].to_json()),
                     "best_fsdp64": best(lambda c: c.fsdp == 64), "best_hsdp8": best(lambda c: c.fsdp == 8),
                     "best_without_fsdp": best(lambda c: c.fsdp == 1)}
     y = MAXTEXT_LLAMA2_70B
     llama2 = replace(preset("llama3-70b"), vocab_size=32000, seq_len=y["seq_len"], rope_theta=10000.0)
-    request = S.Request(y["gpus"], y["global_batch"], HARDWARE["h100"], (y["micro_batch"],), ("full",),
-                        tensor_sizes=(1,), context_sizes=(1,), fsdp_sizes=(64,))
+    request = Request(y["gpus"], y["global_batch"], HARDWARE["h100"], (y["micro_batch"],), ("full",),
+                      tensor_sizes=(1,), context_sizes=(1,), fsdp_sizes=(64,))
     costs = SearchCosts(llama2, jax.devices()[:1])
-    candidate = S.Candidate(1, 1, 1, 1, y["micro_batch"], "full", False, False, 1, fsdp=64)
+    candidate = Candidate(1, 1, 1, 1, y["micro_batch"], "full", False, False, 1, fsdp=64)
     costs.prepare([(1, False, "full", 1, "all-gather")], request.micro_batches)
-    predicted = S.evaluate(llama2, request, candidate, costs)
-    overlapped = S.evaluate(llama2, replace(request, time_model=S.TimeModel(fsdp_overlap=True)), candidate, costs)
+    predicted = evaluate(llama2, request, candidate, costs)
+    overlapped = evaluate(llama2, replace(request, time_model=TimeModel(fsdp_overlap=True)), candidate, costs)
     out["maxtext_llama2_70b"] = {"measured": y, "predicted": predicted.to_json(),
                                  "predicted_overlapped": overlapped.to_json()}
     return out
@@ -225,7 +226,7 @@ def render(rows: list[dict], plans: dict) -> str:
     lines += ["", "The compute the search predicts for this step (its GEMM model, calibrated on another paper's row) is "
               "within a few percent of the whole measured step: MaxText hides its FSDP traffic behind compute "
               "(asynchronous, pipelined gathers), which `--fsdp-overlap` models. The FSDP term crosses nodes over "
-              "every NIC of a node (`search.links`: the group's 8 ranks per node each drive one InfiniBand link; "
+              "every NIC of a node (`search_time.links`: the group's 8 ranks per node each drive one InfiniBand link; "
               "charged over one link per GPU, as the data-parallel reduction still is, it took 13.6 s, more than the "
               "whole measured step allows). Not overlapped, the default is an upper bound. jaxseq's own FSDP program "
               "has not run on GPUs yet: whether XLA overlaps its in-loop gathers there is the measurement to make."]

@@ -8,7 +8,7 @@ the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives withou
 Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
 iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
 measured step time; and the bytes its memory-bound kernels move (`hlo_kernels.kernel_bytes`: storing and re-reading
-activations included), with the step priced on them (`search.program_step_time`, what `plan --search --target
+activations included), with the step priced on them (`search_time.program_step_time`, what `plan --search --target
 --verify` reports) against the same measured times.
 
 Peaks measured: `memory_stats()["peak_bytes_in_use"]` of each configuration alone in its process (experiments/gpu.py).
@@ -89,15 +89,16 @@ def search_memory(cfg, micro_batch: int, where: str, target: str) -> dict:
 
     from jaxseq.config import on_platform, replace
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import search as S
-    from jaxseq.planning import search_space as SS
+    from jaxseq.planning import search_space
+    from jaxseq.planning.search import search
     from jaxseq.planning.search_costs import SearchCosts
 
     portable = replace(cfg, fused_kernel="xla", matmul="einsum")
     cfg, costs = ((on_platform(cfg, "gpu"), target_layers(cfg, target)) if where == "target"
                   else (portable, SearchCosts(portable, jax.devices("cpu")[:1])))
-    request = SS.Request(1, micro_batch, HARDWARE[target], (micro_batch,), POLICIES, SS.TimeModel(), (1,), (1,))
-    result = S.search(cfg, request, costs, target=target if where == "target" else None)
+    request = search_space.Request(1, micro_batch, HARDWARE[target], (micro_batch,), POLICIES, search_space.TimeModel(),
+                                   (1,), (1,))
+    result = search(cfg, request, costs, target=target if where == "target" else None)
     return {e.candidate.remat: (e.memory.total_bytes, e.time.total_s) for e in result.ranked}
 
 
@@ -141,9 +142,10 @@ def later_shapes(target: str = "h100") -> list[dict]:
 
     from jaxseq.config import ParallelConfig, replace
     from jaxseq.hardware import HARDWARE
-    from jaxseq.planning import gpu_target, hlo_kernels
-    from jaxseq.planning import search as S
+    from jaxseq.planning import gpu_target, hlo_kernels, search_memory
     from jaxseq.planning.search_costs import SearchCosts
+    from jaxseq.planning.search_space import Candidate, TimeModel
+    from jaxseq.planning.search_time import program_step_time, step_time
     from jaxseq.training import aot
 
     hw, out = HARDWARE[target], []
@@ -153,16 +155,16 @@ def later_shapes(target: str = "h100") -> list[dict]:
         peaks = {g: aot.step_bytes(c) for g, c in programs.items()}
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
         layer = target_layers(cfg, target).layer(1, False, policy, b)
-        tm = S.TimeModel(scan_stacks=cfg.layer_loop == "scan")
-        c = S.Candidate(1, 1, 1, 1, b, policy, False, False, 1)
+        tm = TimeModel(scan_stacks=cfg.layer_loop == "scan")
+        c = Candidate(1, 1, 1, 1, b, policy, False, False, 1)
         moved = hlo_kernels.memory_bound_bytes(programs["triton"].as_text())
         out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len, "layer_loop": cfg.layer_loop,
                     "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
                     "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
-                    "memory_bound_bytes": moved, "search_bytes": S.memory(cfg, c, layer, state).total_bytes,
-                    "model_step_s": S.step_time(cfg, c, layer, state, hw, tm).total_s,
-                    "model_counted_step_s": S.step_time(cfg, c, replace(layer, moved_bytes=None), state, hw, tm).total_s,
-                    "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s})
+                    "memory_bound_bytes": moved, "search_bytes": search_memory.memory(cfg, c, layer, state).total_bytes,
+                    "model_step_s": step_time(cfg, c, layer, state, hw, tm).total_s,
+                    "model_counted_step_s": step_time(cfg, c, replace(layer, moved_bytes=None), state, hw, tm).total_s,
+                    "program_step_s": program_step_time(cfg, c, layer, state, hw, tm, moved).total_s})
     return out
 
 
@@ -177,8 +179,8 @@ def later_table(rows: list[dict]) -> str:
              "read at micro-batches 1 and 2; the scan's stacks taken out for unrolled layers); counted: the same with "
              "Megatron's kernels counted in place of those bytes (what a layer compiled by XLA:CPU gets, without "
              "--target); program: the step priced on its Triton program (`plan --search --target --verify`'s GPU s). "
-             "Search: `plan --search --target`'s memory, the parts added up (`search.memory`: the state's share of the "
-             "peak, stored × layers, working), its layer compiled for the GPU scanned. "
+             "Search: `plan --search --target`'s memory, the parts added up (`search_memory.memory`: the state's "
+             "share of the peak, stored × layers, working), its layer compiled for the GPU scanned. "
              "Nothing is fitted to these runs.", "",
              "| configuration | measured MiB | --target | error | Triton | cuBLAS | search | error | measured s | model s "
              "| error | counted s | error | program s | error |",
@@ -212,8 +214,9 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo, hlo_flops, hlo_kernels
     from jaxseq.planning import kernel_time as K
-    from jaxseq.planning import search as S
     from jaxseq.planning.search_costs import SearchCosts
+    from jaxseq.planning.search_space import Candidate, TimeModel
+    from jaxseq.planning.search_time import program_step_time, step_time
 
     rows = []
     for name, (cfg, micro_batch, _) in measured_runs().items():
@@ -235,12 +238,13 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
                      for place, body in (("forward", forward), ("backward", backward))}
             moved["outside"] = sum(b for body, kinds in kernel_bytes.items() if body not in loops
                                    for kind, b in kinds.items() if kind in memory_bound)
-            hw, tm, layer = HARDWARE[target], S.TimeModel(), target_layers(cfg, target).layer(1, False, policy, micro_batch)
-            c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
+            hw, tm = HARDWARE[target], TimeModel()
+            layer = target_layers(cfg, target).layer(1, False, policy, micro_batch)
+            c = Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             # the measured program ran cuDNN's attention forward again in the backward under every policy
             replayed = 0.0 if policy == "full" else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0]
-            model = S.step_time(cfg, c, layer, state, hw, tm)
-            on_program = S.program_step_time(cfg, c, layer, state, hw, tm, sum(moved.values()))
+            model = step_time(cfg, c, layer, state, hw, tm)
+            on_program = program_step_time(cfg, c, layer, state, hw, tm, sum(moved.values()))
             rows.append({
                 "model": name, "remat": policy,
                 "dot_tflop": hlo_flops.dot_flops(comps, hlo.entry_name(text)) / 1e12,
@@ -278,13 +282,14 @@ def remat_table(rows: list[dict]) -> str:
               "update only; "
               "loop bodies × their trip count), in the forward layer loop, the backward one and outside them (the "
               "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search --target h100`'s time "
-              "model (`search.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the bytes the "
-              "layer loops of its layer's GPU program move (`LayerCost.moved_bytes`) + its stacks' zero fill, the "
+              "model (`search_time.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the "
+              "bytes the layer loops of its layer's GPU program move (`LayerCost.moved_bytes`) + its stacks' zero "
+              "fill, the "
               "optimizer step); with CPU layers: the same search's time without --target (its layers compiled by "
               "XLA:CPU: Megatron's elementwise kernels counted, the stored bytes and the layer's weights through the "
               "scan's stacks). Program: the step priced on its compiled program "
-              "(`search.program_step_time`, the GPU s column of `plan --search --target h100 --verify`: the same GEMMs "
-              "and attention, these bytes at 0.88 of HBM bandwidth). Nothing is fitted to these runs.", "",
+              "(`search_time.program_step_time`, the GPU s column of `plan --search --target h100 --verify`: the "
+              "same GEMMs and attention, these bytes at 0.88 of HBM bandwidth). Nothing is fitted to these runs.", "",
               "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | model s | error "
               "| model, CPU layers s | error | program s | error | measured s |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

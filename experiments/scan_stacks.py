@@ -2,7 +2,7 @@
 (experiments/results/gpu_h100_2026-11-26/), compiled for the H100 on this CPU-only machine twice, its layers under
 `lax.scan` and unrolled (`layer_loop="unrolled"`: a Python loop over the layers, each under the same
 `jax.checkpoint` policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its memory-bound
-kernels move (`hlo_kernels.memory_bound_bytes`) and the step priced on that program (`search.program_step_time`, within
+kernels move (`hlo_kernels.memory_bound_bytes`) and the step priced on that program (`search_time.program_step_time`, within
 3.8% of every H100 step measured). Beside them, what the search's time model says the scan's stacks move
 (`kernel_time.scan_stack_bytes`: 5 passes over each layer's stored bytes, 3 copies of its weights).
 
@@ -35,17 +35,19 @@ def measure(target: str = "h100") -> list[dict]:
     from jaxseq.hardware import HARDWARE
     from jaxseq.planning import gpu_target, hlo_kernels
     from jaxseq.planning import kernel_time as K
-    from jaxseq.planning import search as S
+    from jaxseq.planning.costs import LayerCost
+    from jaxseq.planning.search_space import Candidate, TimeModel
+    from jaxseq.planning.search_time import program_step_time
     from jaxseq.planning.search_costs import SearchCosts
     from jaxseq.training import aot
 
-    hw, tm, rows = HARDWARE[target], S.TimeModel(), []
+    hw, tm, rows = HARDWARE[target], TimeModel(), []
     for name, (cfg, micro_batch, peaks) in measured_runs().items():
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
         for policy in POLICIES:
             stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch, target)
-            c = S.Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
-            layer = S.LayerCost(stored, {}, 0, 0)
+            c = Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
+            layer = LayerCost(stored, {}, 0, 0)
             row = {"model": name, "remat": policy, "stored_bytes_per_layer": stored,
                    "model_stack_bytes": cfg.layers * K.scan_stack_bytes(stored, state.layer_parameters / cfg.layers,
                                                                        cfg.itemsize)}
@@ -55,7 +57,7 @@ def measure(target: str = "h100") -> list[dict]:
                                                1, target)
                 moved = hlo_kernels.memory_bound_bytes(step.as_text())
                 row[loop] = {"peak_bytes": aot.step_bytes(step), "memory_bound_bytes": moved,
-                             "program_step_s": S.program_step_time(cfg, c, layer, state, hw, tm, moved).total_s,
+                             "program_step_s": program_step_time(cfg, c, layer, state, hw, tm, moved).total_s,
                              "compile_s": time.perf_counter() - start}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -68,9 +70,9 @@ def table(rows: list[dict], jax_version: str) -> str:
              f"attention, one GPU), compiled for the H100 on the CPU-only machine (jax {jax_version} and its CUDA "
              "plugin), its layers under `lax.scan` (the default) and unrolled (`--layer-loop unrolled`: a Python loop, `prevent_cse=True`). Peak: "
              "argument + output + temp − alias, MiB per device. Moved: GB per step its memory-bound kernels read and "
-             "write (`hlo_kernels.memory_bound_bytes`). Step: priced on the program (`search.program_step_time`: "
-             "the GEMMs and "
-             "cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of every H100 step "
+             "write (`hlo_kernels.memory_bound_bytes`). Step: priced on the program (`search_time.program_step_time`: the "
+             "GEMMs and cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of "
+             "every H100 step "
              "measured with the scan). Model: the bytes the search's time model says the stacks move "
              "(`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights, "
              "per step), against scan − unrolled. Nothing here ran on a GPU.", "",

@@ -6,12 +6,13 @@ optimizer, a pipeline, FSDP and context parallelism, at gpt3-1.3b's width with 8
     pip install -r requirements-gpu-target.txt
     python experiments/search_memory.py   # writes experiments/results/search_memory.{json,md} (2 min 45 s on 2 cores)
 
-Why: the search ranks every candidate by its parts (`search.memory`: the state's share of the peak, stored bytes per
-layer × layers in flight, the working memory of its layer's 2-layer step, the pipeline executor's buffers) and
-compiles only its best few whole (`--verify`). A candidate the parts put over the budget is never verified, so parts
-that run high drop configurations that fit; parts that run low rank configurations that do not. "float32 gradients" is the same sum with the state counted as it was
-before `memory.State.at_peak`: the float32 gradients at the peak, where the backward layer loop carries the compute
-copy's (bf16) and makes the float32 ones only after it.
+Why: the search ranks every candidate by its parts (`search_memory.memory`: the state's share of the peak, stored
+bytes per layer × layers in flight, the working memory of its layer's 2-layer step, the pipeline executor's
+buffers) and compiles only its best few whole (`--verify`). A candidate the parts put over the budget is never
+verified, so parts that run high drop configurations that fit; parts that run low rank configurations that do not.
+"float32 gradients" is the same sum with the state counted as it was before `memory.State.at_peak`: the float32
+gradients at the peak, where the backward layer loop carries the compute copy's (bf16) and makes the float32 ones
+only after it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def measure_model(model: str, configurations: dict) -> list[dict]:
     from jaxseq.config import on_platform, preset, replace
     from jaxseq.plan import candidate_parallel
     from jaxseq.planning import gpu_target
-    from jaxseq.planning import search as S
+    from jaxseq.planning import search_memory
+    from jaxseq.planning.costs import costs_of
     from jaxseq.planning.memory import state_bytes
     from jaxseq.planning.search_costs import SearchCosts
     from jaxseq.training import aot
@@ -75,8 +77,8 @@ def measure_model(model: str, configurations: dict) -> list[dict]:
     rows = []
     for label, c in configurations.items():
         start = time.perf_counter()
-        layer, state = S.costs_of(cfg, c, costs)
-        memory = S.memory(cfg, c, layer, state)
+        layer, state = costs_of(cfg, c, costs)
+        memory = search_memory.memory(cfg, c, layer, state)
         parts = memory.total_bytes
         counted = state_bytes(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
                               c.distributed_optimizer, c.pipe, c.fsdp)
@@ -95,9 +97,11 @@ def table(rows: list[dict], jax_version: str) -> str:
              "", f"Each model's layer, {LAYERS} layers, s = 2048 (Llama 3 8B: 8192), bf16, cuDNN attention where the "
              f"layout runs it; jax {jax_version} and its CUDA plugin, no GPU. Compiled: the whole donated train step for "
              f"the {TARGET.upper()} (argument + output + temp − alias, Triton's GEMMs: what the parts' layer programs "
-             "compile). Parts: `plan --search --target`'s memory (`search.memory`); of them, accumulating (m > 1, no "
+             "compile). Parts: `plan --search --target`'s memory (`search_memory.memory`); of them, accumulating "
+             "(m > 1, no "
              "pipeline), the embedding and head tables' compute copy held beside their gradients "
-             "(`search.accumulation_held_copy_bytes`). float32 gradients: the same parts with the state counted as "
+             "(`search_memory.accumulation_held_copy_bytes`). float32 gradients: the same parts with the state "
+             "counted as "
              "before `memory.State.at_peak`. MiB per device.", "",
              "| model | configuration | candidate | compiled | parts | error | of them, held copy | float32 gradients | error |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]

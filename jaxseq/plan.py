@@ -16,7 +16,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import autotune, gpu_target, search, search_space
+from jaxseq.planning import autotune, gpu_target, search, search_report, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward, full), then by the measured FLOPs")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
-                             "for a cluster (jaxseq/planning/search.py states the memory and time model)")
+                             "for a cluster (jaxseq/planning/search_memory.py and search_time.py state the memory "
+                             "and time models)")
     g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
     g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the ranking, the next verified in its place; default {VERIFIED_WITH_TARGET} with --target, "
                         "0 without)")
     g.add_argument("--scale-context", action="store_true",
-                   help="at c > 1 scale the compiled c = 1 layer (search.at_context: stored / c, working / c + the K/V "
+                   help="at c > 1 scale the compiled c = 1 layer (costs.at_context: stored / c, working / c + the K/V "
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
                         "memory a stated estimate (the table's layer column says which rows are which)")
     g.add_argument("--compute-efficiency", type=float, default=search_space.COMPUTE_EFFICIENCY,
@@ -170,7 +171,7 @@ def search_devices(r: search_space.Request, scale_context: bool = False):
     """The simulated devices `--search` compiles on: enough for every t·c it tries (at most
     MAX_SIMULATED_DEVICES; with `scale_context` only the largest t); in-process, where the backend already runs
     with fewer, the ones it has (at least the largest t): a c > 1 layer beyond them is scaled from c = 1
-    (`search.at_context`)."""
+    (`costs.at_context`)."""
     tensor = max(search_space.tensor_sizes(r))
     if scale_context:
         return host_devices(tensor)
@@ -242,7 +243,8 @@ def _search(args) -> int:
         progress.phase(f"the best {verify} configurations' whole train steps for the {args.target} (and the next in "
                        "place of any over the budget)", None)
         result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
-    print(json.dumps(search.to_json(result, args.top), indent=1) if args.json else search.format_result(result, args.top))
+    print(json.dumps(search_report.to_json(result, args.top), indent=1) if args.json
+          else search_report.format_result(result, args.top))
     return 0
 
 
@@ -257,7 +259,7 @@ def candidate_parallel(c: search_space.Candidate) -> ParallelConfig:
 def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.Candidate) -> tuple[int, int | None]:
     """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
     `gpu_target.step_parallel` sizes it): its peak bytes per device and, where its time is priced on them (no
-    pipeline: `search.program_step_time`), its memory-bound kernels' bytes, else None (its HLO not read)."""
+    pipeline: `search_time.program_step_time`), its memory-bound kernels' bytes, else None (its HLO not read)."""
     parallel = candidate_parallel(c)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
     if c.pipe > 1:

@@ -144,32 +144,34 @@ def test_a_budget_between_none_and_full_recommends_the_fewest_full_layers_that_f
 def test_the_search_adds_each_unfitting_policys_fewest_full_layers_that_fit():
     """`plan --search --block-recompute` on tests/test_search.py's hand costs: every block it adds is a configuration
     that does not fit under its policy and fits under full, with the fewest full layers per chunk that fit
-    (`search.block_memory`, the plan's composition), priced between the two (`search.block_time`)."""
+    (`search_memory.block_memory`, the plan's composition), priced between the two (`search_time.block_time`)."""
     from dataclasses import replace as swap
 
-    from jaxseq.planning import search as S
+    from jaxseq.planning.costs import costs_of
+    from jaxseq.planning.search import evaluate, search
+    from jaxseq.planning.search_memory import block_memory
     from jaxseq.remat import block_spec
     from test_search import CFG as SEARCH_CFG, NODE, HandCosts, request
 
     costs = HandCosts()
     r = request(hardware=swap(NODE, memory_gib=0.15), block_recompute=True)
-    res = S.search(SEARCH_CFG, r, costs)
+    res = search(SEARCH_CFG, r, costs)
     blocks = [e for e in res.ranked if block_spec(e.candidate.remat)]
     assert blocks and all(e.memory.total_bytes <= r.budget_bytes for e in blocks)
     for e in blocks:
         first, n, rest = block_spec(e.candidate.remat)
         k = SEARCH_CFG.layers // (e.candidate.pipe * e.candidate.virtual)
-        plain = {p: S.evaluate(SEARCH_CFG, r, swap(e.candidate, remat=p), costs) for p in (first, rest)}
+        plain = {p: evaluate(SEARCH_CFG, r, swap(e.candidate, remat=p), costs) for p in (first, rest)}
         assert first == "full" and plain["full"].fits and not plain[rest].fits and 1 <= n < k
-        stored = S.costs_of(SEARCH_CFG, plain[rest].candidate, costs)[0].stored_bytes
-        fewer = S.block_memory(plain[rest].memory, plain["full"].memory, stored, n - 1, k) if n > 1 else plain[rest].memory
+        stored = costs_of(SEARCH_CFG, plain[rest].candidate, costs)[0].stored_bytes
+        fewer = block_memory(plain[rest].memory, plain["full"].memory, stored, n - 1, k) if n > 1 else plain[rest].memory
         assert fewer.total_bytes > r.budget_bytes
         assert plain[rest].time.total_s <= e.time.total_s <= plain["full"].time.total_s or \
             plain["full"].time.total_s <= e.time.total_s <= plain[rest].time.total_s
         assert e.time.compute_s == pytest.approx(plain[rest].time.compute_s
                                                  + n / k * (plain["full"].time.compute_s - plain[rest].time.compute_s))
     with pytest.raises(ConfigError, match="block recompute runs some layers under full: add full"):
-        S.search(SEARCH_CFG, request(remats=("none", "selective"), block_recompute=True), costs)
+        search(SEARCH_CFG, request(remats=("none", "selective"), block_recompute=True), costs)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from jaxseq.planning import hlo_collectives, hlo_loops
 from jaxseq.planning.hlo import parse_hlo
-from jaxseq.planning.search import ring_traffic
+from jaxseq.planning.search_time import ring_traffic
 
 from compiled import B, H, L, MEMORY_CFG, S, T, hlo
 

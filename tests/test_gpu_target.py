@@ -12,7 +12,10 @@ import pytest
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
 from jaxseq.planning import gpu_target as G
 from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels
-from jaxseq.planning import search as S
+from jaxseq.planning import search_memory
+from jaxseq.planning.costs import costs_of, run_kernels
+from jaxseq.planning.search_space import Candidate, TimeModel
+from jaxseq.planning.search_time import program_compute_seconds
 from jaxseq.training import aot
 
 pytest.importorskip("jax_cuda12_plugin", reason="the CUDA plugin: pip install -r requirements-gpu-target.txt")
@@ -234,13 +237,13 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
 
     from jaxseq.hardware import HARDWARE
 
-    c = S.Candidate(**{f.name: gpu[f.name] for f in fields(S.Candidate)})
+    c = Candidate(**{f.name: gpu[f.name] for f in fields(Candidate)})
     if c.pipe > 1:
         assert gpu["compiled_step_s"] is None
     else:
         t = gpu["time_s"]
         moved = hlo_kernels.memory_bound_bytes(step.as_text())
-        compute = S.program_compute_seconds(cfg, c, HARDWARE["h100"], S.TimeModel(), moved)
+        compute = program_compute_seconds(cfg, c, HARDWARE["h100"], TimeModel(), moved)
         assert gpu["compiled_step_s"] == pytest.approx(t["total"] - t["compute"] - t["optimizer_update"] + compute)
 
 
@@ -248,11 +251,11 @@ SEARCHED = replace(preset("tiny"), hidden=512, heads=8, vocab_size=1024, seq_len
 
 
 @pytest.mark.parametrize("candidate", [
-    S.Candidate(1, 1, 1, 1, 2, "none", False, False, 2),  # one GPU, two micro-batches accumulated
-    pytest.param(S.Candidate(2, 1, 1, 2, 1, "lean", True, True, 1), marks=pytest.mark.slow),  # t=2 + SP, d=2, distopt
+    Candidate(1, 1, 1, 1, 2, "none", False, False, 2),  # one GPU, two micro-batches accumulated
+    pytest.param(Candidate(2, 1, 1, 2, 1, "lean", True, True, 1), marks=pytest.mark.slow),  # t=2 + SP, d=2, distopt
 ], ids=["accumulated", "tensor-sp-distopt"])
 def test_a_searchs_memory_adds_up_to_the_whole_step_compiled_for_the_gpu(candidate):
-    """`plan --search --target`'s memory, its parts added up (`search.memory`: the state's share of the peak + stored
+    """`plan --search --target`'s memory, its parts added up (`search_memory.memory`: the state's share of the peak + stored
     × layers + working, its layer compiled for the H100 at two layers), within 3% of the whole train step compiled for
     the H100 at eight. The step peaks in its backward layer loop, which carries the compute copy's gradients in bf16
     before any float32 one is made (`memory.State.at_peak`); counting float32 gradients there (2 bytes a parameter
@@ -262,8 +265,8 @@ def test_a_searchs_memory_adds_up_to_the_whole_step_compiled_for_the_gpu(candida
     from jaxseq.planning.search_costs import SearchCosts
 
     cfg = on_platform(SEARCHED, "gpu")
-    layer, state = S.costs_of(cfg, candidate, SearchCosts(cfg, G.target_devices("h100", 2)))
-    parts = S.memory(cfg, candidate, layer, state).total_bytes
+    layer, state = costs_of(cfg, candidate, SearchCosts(cfg, G.target_devices("h100", 2)))
+    parts = search_memory.memory(cfg, candidate, layer, state).total_bytes
     compiled = aot.step_bytes(G.compile_step(SEARCHED, candidate_parallel(candidate), candidate.remat,
                                              candidate.micro_batch, candidate.microbatches, "h100"))
     assert abs(parts / compiled - 1) <= 0.03, (parts, compiled)
@@ -274,16 +277,16 @@ def test_accumulating_holds_the_tables_compute_copy_beside_their_gradients():
     """Llama 3 8B's width at 4 layers (two 1,002 MiB bf16 tables, 501 MiB a rank at t = 2), t = 2 + SP, d = 2 with the
     distributed optimizer, 4 micro-batches under `full`: the search's parts within 3% of the whole step compiled for
     the H100 with the tables' compute copy the step holds through its micro-batch loop
-    (`search.accumulation_held_copy_bytes`), 9% under it without: the parts' layer program, one micro-batch, frees
+    (`search_memory.accumulation_held_copy_bytes`), 9% under it without: the parts' layer program, one micro-batch, frees
     that copy where it makes the tables' gradients."""
     from jaxseq.config import on_platform
     from jaxseq.plan import candidate_parallel
     from jaxseq.planning.search_costs import SearchCosts
 
     cfg = on_platform(replace(preset("llama3-8b"), layers=4, attention="fused"), "gpu")
-    candidate = S.Candidate(2, 1, 1, 2, 1, "full", True, True, 4)
-    layer, state = S.costs_of(cfg, candidate, SearchCosts(cfg, G.target_devices("h100", 4)))
-    memory = S.memory(cfg, candidate, layer, state)
+    candidate = Candidate(2, 1, 1, 2, 1, "full", True, True, 4)
+    layer, state = costs_of(cfg, candidate, SearchCosts(cfg, G.target_devices("h100", 4)))
+    memory = search_memory.memory(cfg, candidate, layer, state)
     compiled = aot.step_bytes(G.compile_step(cfg, candidate_parallel(candidate), candidate.remat, candidate.micro_batch,
                                              candidate.microbatches, "h100"))
     assert memory.held_copy_bytes == state.weight_copy_bytes - state.layer_copy_bytes > 0
@@ -324,7 +327,7 @@ def test_a_searchs_context_layers_compile_with_the_attention_their_strategy_runs
 
 @pytest.mark.parametrize("dtype,context", [("bfloat16", 1), ("bfloat16", 2), ("float32", 1)])
 def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, context):
-    """The time model's GEMMs for a candidate's layer (`kernel_time.gemm_kernels` on `search.run_kernels`: the
+    """The time model's GEMMs for a candidate's layer (`kernel_time.gemm_kernels` on `costs.run_kernels`: the
     kernels `train` runs it with) are the dots of that layer's program compiled for the H100, per layer, each policy's
     replays included: in bf16 at c = 1 cuDNN's flash kernel runs the attention core (no dot; priced at its own
     rate); at c = 2 all-gather and in float32 XLA's kernel runs it as two dots, and QKᵀ again in the backward of
@@ -338,8 +341,8 @@ def test_the_search_prices_as_gemms_the_dots_its_layers_gpu_program_runs(dtype, 
     compiler = Compiler(cfg, 1, G.target_devices("h100", context), context=context, strategy="all-gather")
     dots = lambda *key: hlo_flops.program_dot_flops(compiler._compile("grad", *key).as_text())
     for remat in ("none", "full", "dots"):
-        candidate = S.Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
-        priced = S.run_kernels(cfg, candidate)
+        candidate = Candidate(1, 1, 1, 1, 1, remat, False, False, 1, context, "all-gather")
+        priced = run_kernels(cfg, candidate)
         assert K.flash(priced) == (dtype == "bfloat16" and context == 1)
         per_layer = (dots(MEASURE_LAYERS, remat, 1, False) - dots(0, "none", 1, False)) / MEASURE_LAYERS
         assert per_layer == pytest.approx(sum(g.flops for g in K.gemm_kernels(priced, 1, 1, remat)) / context), remat
@@ -469,7 +472,7 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     """Megatron's block recompute (`--remat full:N`) compiled for the H100 (gpt3-1.3b's width, 6 layers, micro-batch
     4, cuDNN attention): the whole step's peak (Triton's and cuBLAS's programs, the larger) against the plan's row
     composed from its `none` and `full` rows (`plan.block_row`) and the search's memory composed from its two layers
-    (`search.block_memory`, `plan --search --target --block-recompute`). Measured 2026-11-28, N = 1…5: the plan
+    (`search_memory.block_memory`, `plan --search --target --block-recompute`). Measured 2026-11-28, N = 1…5: the plan
     0.0%, −0.7%, −0.3%, −0.2%, −1.3%; the search −1.0% to −2.6% (its plain `none` −1.0%, `full` −2.3%); two N here.
     No copy of the weights, as XLA:CPU's float32 step makes (tests/test_block_recompute.py): the bf16 cast writes
     the two segments' parts."""
@@ -481,13 +484,13 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     p = P.plan(cfg, 1, 4, jax.devices(), "gpt3-1.3b", policies=["full"], target="h100")
     searched = on_platform(cfg, "gpu")
     costs = SearchCosts(searched, G.target_devices("h100", 2))
-    plain = {remat: S.Candidate(1, 1, 1, 1, 4, remat, False, False, 1) for remat in ("none", "full")}
-    layers = {remat: S.costs_of(searched, c, costs) for remat, c in plain.items()}
-    memory = {remat: S.memory(searched, plain[remat], *layers[remat]) for remat in plain}
+    plain = {remat: Candidate(1, 1, 1, 1, 4, remat, False, False, 1) for remat in ("none", "full")}
+    layers = {remat: costs_of(searched, c, costs) for remat, c in plain.items()}
+    memory = {remat: search_memory.memory(searched, plain[remat], *layers[remat]) for remat in plain}
     parallel = G.step_parallel(tensor=1, sequence_parallel=False)
     for n in (2, 5):
         compiled = G.step_bytes(cfg, parallel, f"full:{n}", 4, 1, "h100")
         composed = P.block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
-        parts = S.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes, n, 6).total_bytes
+        parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes, n, 6).total_bytes
         assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)
         assert abs(parts / compiled - 1) <= 0.03, (n, parts, compiled)

@@ -16,7 +16,7 @@ add: Megatron-LM's fused kernels) move bytes and do little arithmetic: their tim
 fraction of HBM bandwidth · bandwidth). The bytes are counted per kernel below (16-bit activations,
 1-byte dropout masks), forward, backward and the forward a remat policy replays: Megatron's kernels, what the
 papers' runs moved. jaxseq's own layer on a GPU moves what XLA:GPU's fusions move, more than this count; where
-the layer is compiled for the GPU the search reads those bytes from its program instead (`search.compute_seconds`).
+the layer is compiled for the GPU the search reads those bytes from its program instead (`search_time.compute_seconds`).
 
 Fused attention (`--attention fused`) on cuDNN's flash kernel (`flash`: a GPU in bf16, where it compiles) is not two
 GEMMs through HBM: the scores stay on chip, the causal mask's upper half is skipped, and the backward recomputes the

@@ -18,7 +18,7 @@ How the per-layer numbers are read (layers under `lax.scan`, so depth does not m
   (`planning.memory`); that remainder does not depend on depth;
 - moved bytes (a layer compiled for a GPU only): what the memory-bound kernels of that train step's layer
   loops read and write, / L (`hlo_kernels.layer_loop_bytes`): XLA:GPU's fusions, which the search's time model prices
-  in place of Megatron's kernel count (`search.compute_seconds`). XLA:CPU's fusions are not a GPU's: None.
+  in place of Megatron's kernel count (`search_time.compute_seconds`). XLA:CPU's fusions are not a GPU's: None.
 """
 
 from __future__ import annotations

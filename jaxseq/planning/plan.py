@@ -16,6 +16,7 @@ from jaxseq.models import model as M
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import autotune, gpu_target
+from jaxseq.planning.blocks import Block, fewest
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
 from jaxseq.planning.memory import (EMBEDDING_GROUP, GIB, State, activation_bytes, fsdp_gathered_bytes,
@@ -445,32 +446,30 @@ def chunk_layers(p: Plan) -> int:
 
 
 def block_row(p: Plan, first: Row, rest: Row, n: int) -> Row:
-    """Megatron-LM's block recompute, composed from two rows of one (t, SP): the first n layers of each chunk of k
-    (`chunk_layers`) under `first`'s policy, the other k − n under `rest`'s (remat spec `first:n+rest`,
-    `remat.block_spec`). Per layer, stored bytes, FLOPs and collectives are the rows' mean weighted n/k; so are the
-    activations, exact for every schedule (each chunk in flight holds n layers of each kind, and both rows the same
-    embedding/logits part). Its peak is the larger of its two backward loops' (the rest's runs first):
-    the rest's, holding every stored activation with `rest`'s working memory: `rest`'s total less the activations
-    n/k of the way to `first`'s; then the first layers', the chunk's k − n rest layers' activations freed, with
-    `first`'s working memory. Against the step compiled for the H100 and by XLA:CPU:
+    """Megatron-LM's block recompute, composed from two rows of one (t, SP) as the search composes its candidates
+    (`blocks.Block`): the first n layers of each chunk of k (`chunk_layers`) under `first`'s policy, the other k − n
+    under `rest`'s. Per layer, stored bytes, FLOPs and collectives are n/k of the way from rest's to first's, and so
+    are the activations; its total and working memory are the larger backward loop's: each row's total with its
+    activations replaced by those the loop holds. Against the step compiled for the H100 and by XLA:CPU:
     tests/test_block_recompute.py."""
-    w = n / chunk_layers(p)
-    mix = lambda a, b: b + w * (a - b)
-    activations = mix(first.activation_bytes_per_device, rest.activation_bytes_per_device)
-    freed = (chunk_layers(p) - n) * rest.measured_bytes_per_layer
-    total, working = max(
-        (rest.total_bytes_per_device - (rest.activation_bytes_per_device - activations), rest.working_bytes_per_device),
-        (first.total_bytes_per_device + (activations - first.activation_bytes_per_device) - freed,
-         first.working_bytes_per_device))
-    formula = (mix(first.formula_bytes_per_layer, rest.formula_bytes_per_layer)
+    block = Block(n, chunk_layers(p))
+    activations = block.mix(first.activation_bytes_per_device, rest.activation_bytes_per_device)
+    # each loop: its row's total with the activations it holds in place of the row's own, and its working memory
+    total, working = block.peak(
+        lambda held: (rest.total_bytes_per_device - (rest.activation_bytes_per_device - held),
+                      rest.working_bytes_per_device),
+        lambda held: (first.total_bytes_per_device - (first.activation_bytes_per_device - held),
+                      first.working_bytes_per_device),
+        activations, rest.measured_bytes_per_layer, lambda loop: loop[0])
+    formula = (block.mix(first.formula_bytes_per_layer, rest.formula_bytes_per_layer)
                if first.formula_bytes_per_layer and rest.formula_bytes_per_layer else None)
-    stored = mix(first.measured_bytes_per_layer, rest.measured_bytes_per_layer)
-    collectives = {k: mix(first.collectives.get(k, 0), v) for k, v in rest.collectives.items()}
+    stored = block.mix(first.measured_bytes_per_layer, rest.measured_bytes_per_layer)
+    collectives = block.mix(first.collectives, rest.collectives)
     return dataclasses.replace(
-        rest, config=f"{rest.config} + {first.remat}:{n}", remat=f"{first.remat}:{n}+{rest.remat}",
+        rest, config=f"{rest.config} + {first.remat}:{n}", remat=block.spec(first.remat, rest.remat),
         measured_bytes_per_layer=stored, formula_bytes_per_layer=formula, ratio=stored / formula if formula else None,
-        flops_per_layer=mix(first.flops_per_layer, rest.flops_per_layer),
-        recompute_overhead_pct=mix(first.recompute_overhead_pct, rest.recompute_overhead_pct),
+        flops_per_layer=block.mix(first.flops_per_layer, rest.flops_per_layer),
+        recompute_overhead_pct=block.mix(first.recompute_overhead_pct, rest.recompute_overhead_pct),
         collective_bytes_per_layer=sum(collectives.values()), collectives=collectives,
         activation_bytes_per_device=activations, working_bytes_per_device=working,
         total_bytes_per_device=total,
@@ -488,8 +487,8 @@ def least_block_rows(p: Plan, budget_bytes: float) -> list[Row]:
         if (rest.tensor != p.tensor or first is None or rest.total_bytes_per_device <= budget_bytes
                 or rest.recompute_overhead_pct >= first.recompute_overhead_pct):
             continue
-        blocks = (block_row(p, first, rest, n) for n in range(1, chunk_layers(p)))
-        fitting = next((b for b in blocks if b.total_bytes_per_device <= budget_bytes), None)
+        fitting = fewest(chunk_layers(p), lambda n: block_row(p, first, rest, n),
+                         lambda row: row.total_bytes_per_device <= budget_bytes)
         out += [fitting] if fitting else []
     return out
 

@@ -1,11 +1,11 @@
-"""What `--search` (`planning.search`) reads from compiled programs and from shapes: its `Costs`."""
+"""What `--search` (`planning.search`) reads from compiled programs and from shapes: its `costs.Costs`."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
-from jaxseq.planning import search
+from jaxseq.planning.costs import LayerCost, StateCost, layer_attention
 from jaxseq.planning.measure import Compiler, RowSpec
 from jaxseq.planning.memory import (fsdp_gathered_bytes, non_layer_activation_bytes, parameter_elements_per_device,
                                     state_bytes, state_bytes_by_part)
@@ -17,7 +17,7 @@ class SearchCosts:
     to b; at c = 1 also FLOPs and the embedding/logits FLOPs) and the float32 train step at micro-batch 1 and 2
     (the working memory, and for a GPU's layer, in its dtype, the bytes its loops move: affine in b, the
     weights' share not growing with b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
-    where they do not, its c = 1 layer is measured and `search.at_context` scales it (`LayerCost.context` says
+    where they do not, its c = 1 layer is measured and `costs.at_context` scales it (`LayerCost.context` says
     which). A ring layer is explicit attention's whatever the model's (`_program`). `measured` (JSON-ready) can be
     saved and passed back to skip compiling."""
 
@@ -38,9 +38,9 @@ class SearchCosts:
 
     def _program(self, tensor: int, sequence_parallel: bool, remat: str, context: int, strategy: str) -> tuple:
         """(t, SP, remat, c compiled at, strategy, attention) of a layer's program: the ring's layer is explicit
-        attention's whatever the model's (`search.layer_attention`), so a fused model's ring is measured on it, at c
+        attention's whatever the model's (`costs.layer_attention`), so a fused model's ring is measured on it, at c
         or, scaled, from the explicit c = 1 layer."""
-        attention = search.layer_attention(self.cfg, context, strategy)
+        attention = layer_attention(self.cfg, context, strategy)
         c = self.compiled_at(tensor, context)
         return tensor, sequence_parallel, remat, c, strategy if c > 1 else "all-gather", attention
 
@@ -72,7 +72,8 @@ class SearchCosts:
             b2 = {name: row for name, row in rows.items()
                   if affine and self.measured.get(name, {}).get("working_bytes_b2") is None}
             meshes.append((mesh, new, b2,
-                           [k for row in new.values() for k in (one.programs(row) if mesh[0] == 1 else one.layer_programs(row))],
+                           [k for row in new.values()
+                            for k in (one.programs(row) if mesh[0] == 1 else one.layer_programs(row))],
                            [one.layer_programs(row)[1] for row in b2.values()]))  # the float32 step at b = 2
         if self.progress is not None:
             self.progress.expect(sum(len(self._compiler(1, *m).todo(k1)) + len(self._compiler(2, *m).todo(k2))
@@ -92,7 +93,7 @@ class SearchCosts:
             two.clear()
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
-              strategy: str = "all-gather") -> search.LayerCost:
+              strategy: str = "all-gather") -> LayerCost:
         """Per device at micro-batch b; `LayerCost.context` is the context size it was compiled at."""
         program = self._program(tensor, sequence_parallel, remat, context, strategy)
         name, b, c = self._name(*program), micro_batch, program[3]
@@ -101,21 +102,21 @@ class SearchCosts:
         m = self.measured[name]
         affine = lambda key: m[key] + (b - 1) * (m[f"{key}_b2"] - m[key] if b > 1 else 0)  # b = 1 and 2 compiled
         moved = m.get("moved_bytes_per_layer")  # a GPU's layer only (and not in `measured` saved before it)
-        return search.LayerCost(
+        return LayerCost(
             b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
             affine("working_bytes"), non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c,
             None if moved is None or (b > 1 and m.get("moved_bytes_per_layer_b2") is None)
             else affine("moved_bytes_per_layer"))
 
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
-              fsdp: int = 1) -> search.StateCost:
+              fsdp: int = 1) -> StateCost:
         key = (stage, tensor, data, distributed_optimizer, pipe, fsdp)
         if key not in self._states:
             parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe, fsdp)
             state = state_bytes(stage, tensor, data, distributed_optimizer, pipe, fsdp)
             parameters = parameter_elements_per_device(stage, tensor)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
-            self._states[key] = search.StateCost(state.at_peak, parameters, state.params, parameters - outside_layers,
-                                                 state.weight_copy, parts["layers"].weight_copy, state.gradients,
-                                                 fsdp_gathered_bytes(stage, tensor, fsdp), state.after_loop)
+            self._states[key] = StateCost(state.at_peak, parameters, state.params, parameters - outside_layers,
+                                          state.weight_copy, parts["layers"].weight_copy, state.gradients,
+                                          fsdp_gathered_bytes(stage, tensor, fsdp), state.after_loop)
         return self._states[key]

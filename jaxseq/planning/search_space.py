@@ -151,8 +151,9 @@ class Candidate:
         return self.tensor, self.pipe
 
     def label(self) -> str:
-        return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} m={self.microbatches} "
-                f"{self.remat}{'+sp' if self.sequence_parallel else ''}{' +distopt' if self.distributed_optimizer else ''}"
+        return (f"t={self.tensor} p={self.pipe} v={self.virtual} d={self.data} b={self.micro_batch} "
+                f"m={self.microbatches} {self.remat}{'+sp' if self.sequence_parallel else ''}"
+                f"{' +distopt' if self.distributed_optimizer else ''}"
                 + (f" c={self.context} {self.context_strategy}" if self.context > 1 else "")
                 + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else ""))
 
@@ -222,9 +223,9 @@ def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy asked, under a
-    pipeline too. With fused attention the ring is explicit attention's layer (it computes its blocks itself:
-    `search.run_kernels`)."""
+    """Every valid configuration with c > 1: G = t·c·p·d, s divisible by 2c (2c·t with SP), each strategy asked,
+    under a pipeline too. With fused attention the ring is explicit attention's layer (it computes its blocks itself:
+    `costs.run_kernels`)."""
     out = []
     for c in sorted(set(r.context_sizes) - {1}):
         for t in tensor_sizes(r):

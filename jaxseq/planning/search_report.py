@@ -1,0 +1,214 @@
+"""`plan --search`'s output: the ranking as a table with its notes (`format_result`), and as JSON (`to_json`),
+as `planning.report` prints `planning.plan`'s rows. Every figure is labelled with its unit; the notes say which
+model or program each column comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from jaxseq.models import formulas
+from jaxseq.models import model
+from jaxseq.planning import kernel_time
+from jaxseq.planning.costs import ring_size, run_kernels
+from jaxseq.planning.search import Evaluated, Result
+from jaxseq.planning.search_memory import MEMORY_ACCOUNTING
+from jaxseq.planning.search_space import GIB, Candidate
+
+FSDP_NOTE = ("f = FSDP ranks (d·f ranks split the batch's rows; every weight's state split over f); FSDP s = each "
+             "layer's weights gathered in forward and again in backward and their float32 gradients reduce-scattered, "
+             "per micro-batch, over the f ranks' links (NVLink where t·c·f fits a node, else one InfiniBand link per "
+             "rank of the group in a node), not "
+             "overlapped with compute (with --fsdp-overlap: only what the micro-batch's compute cannot hide); its "
+             "memory: the state over f plus one layer's gathered weights and gradient (memory.fsdp_gathered_bytes)")
+
+
+ZERO_BUBBLE_NOTE = ("v = zb: ZB-H1 (the backward split into B and W; v = 2z: over 2 chunks per stage, interleaved; "
+                    "searched without FSDP or K/V heads repeated over t): bubble (p − 1)(T_F + T_B − T_W)/"
+                    "(v·m(T_F + T_B + T_W)) at the layer's kernel times (Qi et al.; 1F1B's is (p − 1)/m), memory + "
+                    "the W stash (p slots of L/(p·v) layers' weight-matmul inputs and output gradients: "
+                    "formulas.deferred_stash_bytes; stage 0's activations L layers, 1F1B's), TP + the two "
+                    "[b, s, h] all-gathers per layer W adds under SP; both "
+                    "schedules priced as Megatron's asynchronous stages run them, where jaxseq's lock-step executor "
+                    "gains more from ZB-H1 (docs/parallelism.md)")
+
+
+BLOCK_NOTE = ("full:N+POLICY: Megatron-LM's block recompute (--recompute-method block --recompute-num-layers N where "
+              "POLICY is none), added where a configuration does not fit under POLICY and fits under full: the first "
+              "N layers of each chunk (L/(p·v)) under full, the fewest that fit; its memory the larger of the two "
+              "backward loops' peaks (search_memory.block_memory), its time N/(L/(p·v)) of the way from POLICY's to "
+              "full's")
+
+
+def format_result(res: Result, top: int = 10) -> str:
+    """The ranking's first `top` as a table: a header of the model, the cluster and the models' constants, a row
+    per configuration, and the notes of the columns and options shown."""
+    fsdp = any(f > 1 for f in res.request.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
+    verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
+    remat_width = max([10, *(len(e.candidate.remat) + 1 for e in res.ranked[:top])])  # block specs are longer
+    lines = [*_header(res), "", _column_heads(fsdp, verified, remat_width)]
+    lines += [_row(i, e, fsdp, verified, remat_width) for i, e in enumerate(res.ranked[:top])]
+    return "\n".join(lines + _notes(res, fsdp, verified))
+
+
+def _header(res: Result) -> list[str]:
+    """The model and cluster, the time and memory models, and how many configurations were evaluated."""
+    cfg, r, hw, tm = res.config, res.request, res.request.hardware, res.request.time_model
+    return [
+        f"{res.model}: h={cfg.hidden} a={cfg.heads}{model.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} "
+        f"V={cfg.vocab_size} {cfg.dtype}; "
+        f"{r.gpus} GPUs ({hw.name}: {hw.gpus_per_node} per node, {hw.memory_gib:g} GiB, "
+        f"peak {hw.peak_tflops:g} TFLOP/s, "
+        f"HBM {hw.hbm_gb_per_s:g} GB/s, {hw.sm_count} SMs, NVLink {hw.intra_node_gb_per_s:g} GB/s, "
+        f"IB {hw.inter_node_gbit_per_s:g} Gb/s per GPU); global batch {r.global_batch}",
+        f"time model: each GEMM in waves of {kernel_time.TILE[0]}×{kernel_time.TILE[1]} tiles at "
+        f"{tm.compute_efficiency:g} of peak or at HBM speed if memory-bound, "
+        + (f"fused attention at cuDNN's {kernel_time.FLASH_FORWARD_EFFICIENCY:.2f} (forward) and "
+           f"{kernel_time.FLASH_BACKWARD_EFFICIENCY:.2f} "
+           "(backward) of peak (XLA's kernel in float32 and the all-gather context strategy: its GEMMs and softmax, "
+           "QKᵀ replayed), " if cfg.attention == "fused" else "")
+        + ("the ring's attention as its blocks (2c + 1 of (s/2c)² a rank, 7 GEMMs each, the backward recomputing "
+           "every block), " if any(ring_size(e.candidate) > 1 for e in res.ranked) else "")
+        + f"{memory_bound_source(res)} at {tm.memory_efficiency:g} of HBM bandwidth, "
+        f"links at {tm.link_efficiency:g} of bandwidth, "
+        + ("nothing overlapped but FSDP's gathers and reduce-scatters (hidden behind each micro-batch's compute "
+           "where they fit: --fsdp-overlap)" if tm.fsdp_overlap else "nothing overlapped")
+        + ("; pipeline ticks lock-step (each waits for its slowest stage's F, B or W: --lockstep)" if tm.lockstep
+           else "; pipeline stages asynchronous (Megatron's; jaxseq's executor runs lock-step: --lockstep)"),
+        f"memory: {MEMORY_ACCOUNTING}; {memory_source(res)}",
+        f"{res.evaluated} configurations evaluated, {len(res.ranked)} fit; {res.compiled} layers (t, SP, remat; c and "
+        f"strategy where compiled at c > 1; the ring's on explicit attention) measured from compiled programs",
+    ]
+
+
+def _column_heads(fsdp: bool, verified: bool, remat_width: int) -> str:
+    f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
+    step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
+    return (f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
+            f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}"
+            f"{'mem GiB':>8}{step_head}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}"
+            f"{'p2p s':>8}{'DP s':>8}{'CP s':>8}{fsdp_head}{'opt s':>8}  CP strategy, layer")
+
+
+def _v_cell(c: Candidate) -> str:
+    """The v column: chunks per stage; zb: ZB-H1, 2z: ZB-H1 over 2 chunks per stage."""
+    return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
+
+
+def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int) -> str:
+    """The table's row of the i-th (from 0) configuration: memory in GiB per device, times in seconds per step."""
+    c, t = e.candidate, e.time
+    step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
+    step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
+    return (f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {_v_cell(c):>2} {c.context:>2} {c.data:>4}"
+            f"{f' {c.fsdp:>2}' if fsdp else ''} "
+            f"{c.micro_batch:>2} {c.microbatches:>5} "
+            f"{c.remat:<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}"
+            f"{'yes' if c.distributed_optimizer else 'no':<4}"
+            f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}"
+            f"{100 * e.mfu:>6.1f}%"
+            f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
+            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
+            f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
+
+
+def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
+    """The notes under the table: the columns, then each option's shown (FSDP, ZB-H1, block recompute, the
+    compiled step), the fused-attention caveat, and the mesh families with no configuration that fits."""
+    r = res.request
+    flops = ("72·B·s·L·h²·(1 + s/(6h) + V/(12hL))" if model.traits(res.config).papers_formulas
+             else "formulas.train_flops: K/V heads once, the MLP's gate, up and down, the logits")
+    lines = ["", f"TFLOP/s: model FLOPs per GPU ({flops}, no recompute) / predicted step time; "
+                 "MFU = that / peak; comp/TP/p2p exclude the bubble's share; c = context-parallel size, CP s = its "
+                 "K/V traffic, opt s = the optimizer step (HBM traffic) "
+                 "(formulas.context_kv_bytes); layer: at c > 1 the layer's stored and working memory and TP "
+                 "collectives compiled on a c × t mesh (\"compiled\"), or, where c·t exceeds the simulated devices, "
+                 "the compiled c = 1 layer's scaled (\"scaled\": costs.at_context)"]
+    if verified:
+        lines += [f"step GiB: the whole train step compiled for the {res.target} (its peak per device: argument + "
+                  "output + temp − alias), where mem GiB adds the parts up; GPU s: its step time priced on that "
+                  "program (its GEMMs and attention as step s prices them, the bytes its other kernels move at HBM "
+                  "speed: search_time.program_step_time; - under a pipeline); a configuration whose step does not "
+                  "fit left the ranking: " + ("; ".join(f"{e.candidate.label()} ({e.compiled_bytes / GIB:.1f} GiB)"
+                                                        for e in res.over_budget) or "none")]
+    if fsdp:
+        lines += [FSDP_NOTE]
+    if "zb-h1" in r.schedules:
+        lines += [ZERO_BUBBLE_NOTE]
+    if r.block_recompute:
+        lines += [BLOCK_NOTE]
+    if caveat_applies(res):
+        lines += ["", fused_attention_caveat(res)]
+    if res.rejected_families:
+        lines += ["", "mesh families (t, p) with no configuration that fits:"]
+        lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
+    return lines
+
+
+def memory_bound_source(res: Result) -> str:
+    """Where the time model's memory-bound bytes come from: the layers' GPU programs (`plan --search --target`) or
+    Megatron's kernels, counted (`search_time.compute_seconds`)."""
+    stacks = res.request.time_model.scan_stacks
+    if res.target is not None:
+        return (f"the memory-bound kernels of each layer's {res.target} program (the bytes its loops move: XLA:GPU's "
+                f"fusions, {'the stacks zero-filled' if stacks else 'the scan stacks taken out'})")
+    return ("Megatron's elementwise kernels (counted)"
+            + (" and the scan's stacked activations and weights" if stacks else ""))
+
+
+def memory_source(res: Result) -> str:
+    """Which compiler's programs the layers were measured from: a GPU's (`plan --search --target`) or XLA:CPU's."""
+    if res.target is not None:
+        return (f"layers compiled for the {res.target} (XLA:GPU, no GPU needed: planning/gpu_target.py); the "
+                "parts added up: within 3.7% of the H100's measured peaks, scanned layers on XLA's Triton GEMMs")
+    return "layers compiled by XLA:CPU on simulated devices (plan --search --target h100: the GPU's)"
+
+
+def caveat_applies(res: Result) -> bool:
+    """The fused-attention caveat is XLA:CPU's, where #1 runs cuDNN's flash kernel on a GPU (`run_kernels`): a layer
+    compiled for a GPU runs that kernel, and a layout that runs XLA's holds the scores on a GPU too."""
+    best = res.ranked[0].candidate if res.ranked else None
+    return (res.config.attention == "fused" and res.target is None
+            and (best is None or kernel_time.flash(run_kernels(res.config, best))))
+
+
+def fused_attention_caveat(res: Result) -> str:
+    """The working memory of `--attention fused` is XLA:CPU's, which materialises the scores a GPU's flash kernel
+    never holds (`formulas.flash_attention_working_bytes`). Not subtracted: `memory_analysis()` gives one temp
+    total, and how many score buffers are live at its peak is XLA's buffer assignment's choice, not readable from
+    it (a second compile at another s would separate the s² part from the rest; the search does not)."""
+    best = res.ranked[0].candidate if res.ranked else None
+    line = ("caveat (--attention fused): working memory is the compiled XLA:CPU step's, which materialises the "
+            "float32 [b, a/t, s/c, s] scores of a layer (no flash kernel on CPU); a GPU's flash kernel keeps a "
+            f"{formulas.FLASH_TILE[0]}×{formulas.FLASH_TILE[1]} tile of them on chip and holds in HBM only the "
+            "float32 dQ, log-sum-exp and rowsum(dO·O): 4·b·(a/t)·(s/c)·(d + 2) bytes per layer "
+            "(formulas.flash_attention_working_bytes)")
+    if best is None:
+        return line
+    flash = formulas.flash_attention_working_bytes(res.config, best.micro_batch, best.tensor, best.context)
+    return (line + f"; for #1 ({best.label()}): one score buffer {flash['explicit_scores'] / 2**20:,.2f} MiB "
+            f"(formula) counted in its working memory at least once, against the kernel's "
+            f"{flash['hbm'] / 2**20:,.2f} MiB (formula): its memory is over-stated by at least the difference")
+
+
+def to_json(res: Result, top: int = 10) -> dict:
+    """The ranking's first `top` (each `Evaluated.to_json`) and the request, the models' notes and the sources."""
+    r = res.request
+    return {
+        "model": res.model, "family": res.config.family, "hidden": res.config.hidden, "heads": res.config.heads,
+        "kv_heads": res.config.num_kv_heads, "mlp_hidden": res.config.mlp_hidden, "layers": res.config.layers,
+        "seq_len": res.config.seq_len, "vocab_size": res.config.vocab_size, "dtype": res.config.dtype,
+        "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
+        "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
+        "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes), "schedules": list(r.schedules),
+        "context_strategies": list(r.context_strategies),
+        "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
+        "memory_accounting": MEMORY_ACCOUNTING,
+        "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
+        "ranked": [e.to_json() for e in res.ranked[:top]],
+        "over_budget_by_compiled_step": [e.to_json() for e in res.over_budget],
+        "rejected_families": res.rejected_families,
+        "fused_attention_caveat": fused_attention_caveat(res) if caveat_applies(res) else None,
+        "memory_source": memory_source(res),
+        "memory_bound_source": memory_bound_source(res),
+    }
