@@ -8,7 +8,7 @@ import sys
 from jaxseq import cli
 from jaxseq.config import ConfigError
 from jaxseq.mesh import use_host_devices
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.training.conversion import FAMILY_FORMAT, from_hf, to_hf
 
 
@@ -52,7 +52,7 @@ def _convert(args) -> int:
     kv = f" ({cfg.num_kv_heads} K/V)" if cfg.num_kv_heads != cfg.heads else ""
     print(f"wrote {args.out}: {FAMILY_FORMAT[cfg.family]} with {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.heads} heads{kv}, vocab {cfg.vocab_size}, {cfg.seq_len} positions "
-          f"({M.num_params(cfg) / 1e6:.2f}M parameters)")
+          f"({model.num_params(cfg) / 1e6:.2f}M parameters)")
     return 0
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxseq import remat as R
+from jaxseq import remat
 
 
 class TapOp(NamedTuple):
@@ -145,7 +145,7 @@ def apply(op: Callable, x, w):
         raise RuntimeError(f"zb-h1: the kernel {first.path} feeds {use + 1} deferred matmuls in a layer where "
                            f"discovery found {len(first.probe)}")
     # The output carries the name the dot policies save (they cannot see a dot inside a custom VJP).
-    return jax.tree.map(lambda y: checkpoint_name(y, R.MATMUL), _deferred(op, x, plain, first.probe[use]))
+    return jax.tree.map(lambda y: checkpoint_name(y, remat.MATMUL), _deferred(op, x, plain, first.probe[use]))
 
 
 def use_key(path: str, use: int) -> str:

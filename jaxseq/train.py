@@ -36,7 +36,7 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT,
                            OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
                            validate_optimizer)
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
-from jaxseq.parallel import distributed as D
+from jaxseq.parallel.distributed import initialize, is_main_process
 from jaxseq.remat import POLICIES
 from jaxseq.training import loop, rundir
 from jaxseq.training.data import Corpus, load_corpus
@@ -427,7 +427,7 @@ def resolve_parallel(train: TrainConfig, distributed: DistributedConfig, mesh_te
     jax.config.update("jax_num_cpu_devices", train.host_devices)  # before any device query
     if cpu_without_a_gpu(jax.config.jax_platforms, *gpu_here()):
         jax.config.update("jax_platforms", "cpu")
-    D.initialize(distributed)
+    initialize(distributed)
     devices = available_devices()
     if mesh_text is None and resumed:  # the saved run's (`resumed_configs`), on this machine's devices
         mesh_text = _saved_mesh(configured)
@@ -523,7 +523,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
                           f"devices are {platform} (leave --record-autotune out)")
     model = on_platform(replace(model, vocab_size=vocab), platform, parallel)
     if (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and not cudnn_compiles(parallel)
-            and D.is_main_process()):
+            and is_main_process()):
         print("attention: XLA's fused attention (scores materialised), not cuDNN's: jaxseq's cuDNN attention does not "
               "take the all-gather context strategy's mask (--context-strategy ring does; config.cudnn_compiles)",
               flush=True)
@@ -536,7 +536,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
         check_architecture(saved["model"], run.model)
     validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
     check_run_dir(run.train.run_dir)
-    if saved is not None and D.is_main_process():
+    if saved is not None and is_main_process():
         print(resume_line(saved, run, dropped), flush=True)
     return run, corpus
 

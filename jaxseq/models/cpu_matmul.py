@@ -11,7 +11,7 @@ natively (AVX512-BF16, AMX): twice the float32 rate here (docs/DESIGN.md, "bf16 
 CPU a bf16 matmul is that dot and one rounding, under a custom VJP whose two backward dots are written
 the same way. The numbers are the same (a bf16 product is exact in float32; only the order of the
 float32 sums may differ), and so is what a layer stores: JAX's dot policies cannot see a dot inside a
-custom VJP, so its output carries the name R.MATMUL, which the `dots` policies save too.
+custom VJP, so its output carries the name remat.MATMUL, which the `dots` policies save too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxseq import remat as R
+from jaxseq import remat
 
 
 def bf16_matmul(spec: str, x, w):
@@ -33,7 +33,7 @@ def bf16_matmul(spec: str, x, w):
     xs, ws, out = _indices(spec)
     if set(xs) & set(ws) & set(out) or not set(xs) <= set(ws + out) or not set(ws) <= set(xs + out):
         raise ValueError(f"matmul {spec!r}: not activations × weight (a batch index, or one summed within an operand)")
-    return checkpoint_name(_matmul_f32_accumulated(spec, x, w), R.MATMUL)
+    return checkpoint_name(_matmul_f32_accumulated(spec, x, w), remat.MATMUL)
 
 
 def _indices(spec: str) -> tuple[str, str, str]:

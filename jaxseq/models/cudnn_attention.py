@@ -19,7 +19,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxseq import remat as R
+from jaxseq import remat
 from jaxseq.sharding import Sharder
 
 KERNEL = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
@@ -61,7 +61,7 @@ def cudnn_attention(q, k, v, shard: Sharder, tag, kernel=KERNEL):
     def attend_fwd(q, k, v):
         out, own = forward(q, k, v)
         out = tag(out, shard)  # what the model goes on with is what backward keeps: tagged once, here
-        return out, (q, k, v, out, [checkpoint_name(r, R.ATTN_SOFTMAX_STATS) for r in own])
+        return out, (q, k, v, out, [checkpoint_name(r, remat.ATTN_SOFTMAX_STATS) for r in own])
 
     def attend_bwd(residuals, g):
         if nested:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxseq.config import ConfigError, ModelConfig
-from jaxseq import remat as R
+from jaxseq import remat
 from jaxseq.models.ops import add_bias, attention, dropout, gelu, layer_norm, matmul, vocab_logits
 from jaxseq.models.params import bias, derive, drop_layer_axis, kernel, norm_bias, norm_scale, Param, Traits
 from jaxseq.sharding import Sharder
@@ -82,7 +82,7 @@ def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     order = shard.reorder(tokens.shape[1])
     positions = group["position"][: tokens.shape[1]] if order is None else jnp.take(group["position"], order, axis=0)
     x = shard(x + positions, "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, order, shard=shard)
+    return dropout(x, cfg.dropout, key, remat.EMBED_DROPOUT_MASK, order, shard=shard)
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -106,33 +106,33 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     train = key is not None
     k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
     order = shard.reorder(x.shape[1])  # the stored tokens' global positions under context parallelism
-    x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
+    x = checkpoint_name(shard(x, "batch", "seq_sp", None), remat.DECODER_LAYER_INPUT)
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
-    y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
+    y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), remat.QKV_INPUT)
     qkv = shard.column_parallel(_linear("bsh,hcad->bscad", cfg), y, {"kernel": p["attn"]["qkv"]["kernel"]},
                                 {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", "seq", None, "heads", None))
     qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
     # One split (backward: one concatenate), not three slices (backward: three zero-padded full-size
     # gradients summed).
     q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
-    q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
+    q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
     ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = add_bias(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), p["attn"]["out"]["bias"])
-    out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.OUT_PROJ)
-    dropped = dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
-    x = checkpoint_name(x + dropped, R.MID_LAYER_RESIDUAL)
+    out = checkpoint_name(shard(out, "batch", "seq_sp", None), remat.OUT_PROJ)
+    dropped = dropout(out, cfg.dropout, k_resid1, remat.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
+    x = checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
-    y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
+    y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), remat.MLPWI_INPUT)
     hid = shard.column_parallel(_linear("bsh,hf->bsf", cfg), y, {"kernel": p["mlp"]["wi"]["kernel"]},
                                 {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", "seq", "mlp"))
     hid = add_bias(hid, p["mlp"]["wi"]["bias"])
-    hid = checkpoint_name(shard(hid, "batch", "seq", "mlp"), R.MLPWI)
+    hid = checkpoint_name(shard(hid, "batch", "seq", "mlp"), remat.MLPWI)
     out = add_bias(matmul("bsf,fh->bsh", gelu(hid), p["mlp"]["wo"]["kernel"], cfg), p["mlp"]["wo"]["bias"])
-    out = checkpoint_name(shard(out, "batch", "seq_sp", None), R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order, shard=shard)
+    out = checkpoint_name(shard(out, "batch", "seq_sp", None), remat.MLPWO)
+    x = x + dropout(out, cfg.dropout, k_resid2, remat.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
 
 

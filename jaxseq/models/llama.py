@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxseq.config import ConfigError, ModelConfig
-from jaxseq import remat as R
+from jaxseq import remat
 from jaxseq.models.ops import attention, dropout, matmul, rms_norm, rope, swiglu, vocab_logits
 from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale, Traits
 from jaxseq.sharding import Sharder
@@ -97,7 +97,7 @@ def _kv_kernel(w, cfg: ModelConfig, shard: Sharder):
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input [b, s(/t), h]: the vocab-parallel lookup, then dropout."""
     x = shard(shard.embed(group["token"], tokens), "batch", "seq_sp", None)
-    return dropout(x, cfg.dropout, key, R.EMBED_DROPOUT_MASK, shard.reorder(tokens.shape[1]), shard=shard)
+    return dropout(x, cfg.dropout, key, remat.EMBED_DROPOUT_MASK, shard.reorder(tokens.shape[1]), shard=shard)
 
 
 def final_norm(params, x, cfg: ModelConfig):
@@ -121,10 +121,10 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     train = key is not None
     k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
     order = shard.reorder(x.shape[1])  # the stored tokens' global positions under context parallelism
-    x = checkpoint_name(shard(x, "batch", "seq_sp", None), R.DECODER_LAYER_INPUT)
+    x = checkpoint_name(shard(x, "batch", "seq_sp", None), remat.DECODER_LAYER_INPUT)
 
     # Attention: RMSNorm on the (sequence-sharded) stream, all-gather, column-parallel Q and K/V (one gather).
-    y = checkpoint_name(shard(rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.QKV_INPUT)
+    y = checkpoint_name(shard(rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), remat.QKV_INPUT)
     w = {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}
     q, kv = shard.column_parallel(lambda y, w: _project_qkv(y, w, cfg), y, w,
                                   {"q": (None, "heads", None), "kv": (None, None, "heads", None)},
@@ -132,23 +132,23 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     k, v = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
     positions = jnp.asarray(shard.positions(q.shape[1]))
     q, k = rope(q, positions, cfg), rope(k, positions, cfg)
-    q, k, v = checkpoint_name(q, R.QUERY), checkpoint_name(k, R.KEY), checkpoint_name(v, R.VALUE)
+    q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
     ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
-                          R.OUT_PROJ)
-    dropped = dropout(out, cfg.dropout, k_resid1, R.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
-    x = checkpoint_name(x + dropped, R.MID_LAYER_RESIDUAL)
+                          remat.OUT_PROJ)
+    dropped = dropout(out, cfg.dropout, k_resid1, remat.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
+    x = checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
 
     # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
-    y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), R.MLPWI_INPUT)
+    y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), remat.MLPWI_INPUT)
     hid = shard.column_parallel(lambda y, w: matmul("bsh,hcf->bscf", y, w["kernel"], cfg), y,
                                 {"kernel": p["mlp"]["wi"]["kernel"]}, {"kernel": (None, None, "mlp")},
                                 ("batch", "seq", None, "mlp"))
-    hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), R.MLPWI)
+    hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), remat.MLPWI)
     out = checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["mlp"]["wo"]["kernel"], cfg), "batch", "seq_sp", None),
-                          R.MLPWO)
-    x = x + dropout(out, cfg.dropout, k_resid2, R.MLP_DROPOUT_MASK, order, shard=shard)
+                          remat.MLPWO)
+    x = x + dropout(out, cfg.dropout, k_resid2, remat.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
-from jaxseq import remat as R
+from jaxseq.remat import remat_policy, segments
 from jaxseq.models import gpt, llama
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
@@ -169,12 +169,12 @@ def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
 
     A block spec (`remat.block_spec`, Megatron's block recompute) runs these k layers as consecutive segments, each
     under its own policy: the first N, then the rest (one scan each)."""
-    segments = R.segments(remat, jax.tree.leaves(stacked)[0].shape[0])
-    if len(segments) == 1:
+    runs = segments(remat, jax.tree.leaves(stacked)[0].shape[0])  # [(policy, layers)]
+    if len(runs) == 1:
         return _segment(x, stacked, keys, cfg, shard, remat)
-    starts = [sum(count for _, count in segments[:i]) for i in range(len(segments))]
-    parts = split_layers(stacked, tuple(count for _, count in segments))
-    for (policy, count), start, part in zip(segments, starts, parts):
+    starts = [sum(count for _, count in runs[:i]) for i in range(len(runs))]
+    parts = split_layers(stacked, tuple(count for _, count in runs))
+    for (policy, count), start, part in zip(runs, starts, parts):
         x = _segment(x, part, None if keys is None else keys[start:start + count], cfg, shard, policy)
     return x
 
@@ -196,7 +196,7 @@ def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
         return block(x, shard.gather_weights(p, axes=axes, cast=cast, dtype=cfg.dtype), key, cfg, shard)
 
     unrolled = cfg.layer_loop == "unrolled"
-    body = jax.checkpoint(layer, policy=R.remat_policy(policy).policy, prevent_cse=unrolled or count == 1)
+    body = jax.checkpoint(layer, policy=remat_policy(policy).policy, prevent_cse=unrolled or count == 1)
     if unrolled:
         for i, p in enumerate(unstack(stacked)):
             x = body(x, p, None if keys is None else keys[i])

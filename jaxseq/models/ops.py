@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.random import threefry2x32_p
 
 from jaxseq.config import ModelConfig
-from jaxseq import remat as R
+from jaxseq import remat
 from jaxseq import deferred
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.models.cudnn_attention import cudnn_attention
@@ -55,7 +55,7 @@ def _ln_stats(x, eps):
 
 def _layer_norm_fwd(x, scale, bias, eps):
     mean, rstd = _ln_stats(x, eps)
-    mean, rstd = checkpoint_name(mean, R.NORM_STATS), checkpoint_name(rstd, R.NORM_STATS)
+    mean, rstd = checkpoint_name(mean, remat.NORM_STATS), checkpoint_name(rstd, remat.NORM_STATS)
     y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(x.dtype)
     return y, (x, mean, rstd, scale)
 
@@ -82,7 +82,7 @@ def _gelu_f32(x):
 
 def _gelu(x):
     # Named here, not only in `gelu`: the VJP's forward must itself produce the tagged value.
-    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), R.MLP_ACTIVATION)
+    return checkpoint_name(_gelu_f32(x.astype(jnp.float32)).astype(x.dtype), remat.MLP_ACTIVATION)
 
 
 @jax.custom_vjp
@@ -119,7 +119,7 @@ def _causal_softmax(scores, scale, order):
     causal = causal_mask(order, *scores.shape[-2:])
     logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
-    return checkpoint_name(probs, R.ATTN_PROBS)
+    return checkpoint_name(probs, remat.ATTN_PROBS)
 
 
 def causal_softmax(scores, scale, order=None):
@@ -296,14 +296,14 @@ def _uniform_below(words, p: float, index_hi, index_lo):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
     """x / rms(x) · scale over the last axis, statistics in float32 (Llama's RMSNorm); backward keeps x
-    and 1/rms (R.NORM_STATS: 4 bytes per token)."""
+    and 1/rms (remat.NORM_STATS: 4 bytes per token)."""
     y, _ = _rms_norm_fwd(x, scale, eps)
     return y
 
 
 def _rms_norm_fwd(x, scale, eps):
     xf = x.astype(jnp.float32)
-    rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), R.NORM_STATS)
+    rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), remat.NORM_STATS)
     return (xf * rstd * scale).astype(x.dtype), (x, rstd, scale)
 
 
@@ -323,7 +323,7 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 def _swiglu(gate_up):
     g = gate_up[..., 0, :].astype(jnp.float32)
     u = gate_up[..., 1, :].astype(jnp.float32)
-    return checkpoint_name((jax.nn.silu(g) * u).astype(gate_up.dtype), R.MLP_ACTIVATION)
+    return checkpoint_name((jax.nn.silu(g) * u).astype(gate_up.dtype), remat.MLP_ACTIVATION)
 
 
 @jax.custom_vjp
@@ -389,7 +389,7 @@ def tagged_context(ctx, shard: Sharder):
     """The attention's output as the model goes on with it (split by heads), tagged CONTEXT once: a kernel whose
     backward keeps its own output (cuDNN's, the ring's) tags it here inside its forward rule, so that the policy
     keeps one tensor, not that and a tagged copy."""
-    return checkpoint_name(shard(ctx, "batch", "seq", "heads", None), R.CONTEXT)
+    return checkpoint_name(shard(ctx, "batch", "seq", "heads", None), remat.CONTEXT)
 
 
 def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None):
@@ -408,12 +408,12 @@ def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None)
     b, s, a, d = q.shape
     kv = k.shape[2]
     if kv == a:
-        scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), R.ATTN_SCORES)
+        scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), remat.ATTN_SCORES)
         scores = shard(scores, "batch", "heads", "seq", None)
         probs = _probs(scores, cfg, key, order, shard)
         return jnp.einsum("baqk,bkad->bqad", probs, v)
     q = q.reshape(b, s, kv, a // kv, d)
-    scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), R.ATTN_SCORES)
+    scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), remat.ATTN_SCORES)
     scores = shard(scores, "batch", "heads", None, "seq", None)
     probs = _probs(scores, cfg, key, order, shard)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, a, d)
@@ -425,9 +425,9 @@ def _probs(scores, cfg: ModelConfig, key, order, shard: Sharder):
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).
         return probs
-    dropped = dropout(probs, cfg.dropout, key, R.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1],
+    dropped = dropout(probs, cfg.dropout, key, remat.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1],
                       shard=shard)
-    return checkpoint_name(dropped, R.ATTN_PROBS_DROPOUT)
+    return checkpoint_name(dropped, remat.ATTN_PROBS_DROPOUT)
 
 
 def cross_entropy(logits, targets):

@@ -36,8 +36,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq import remat as R
-from jaxseq.models import ops as O
+from jaxseq import remat
+from jaxseq.models import ops
 from jaxseq.parallel.region import StageSharder
 from jaxseq.sharding import Sharder, context_chunks, entry_axes, spec_axes
 
@@ -63,7 +63,7 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
     order = shard.reorder(q.shape[1])
     if shard.context_manual:  # one rank's queries against the gathered whole sequence's keys
         order = (order, shard.whole_order(k.shape[1]))
-    return O.tagged_context(O.causal_attention(q, k, v, cfg, key, shard, order), shard)
+    return ops.tagged_context(ops.causal_attention(q, k, v, cfg, key, shard, order), shard)
 
 
 def gather_over_context(x, shard: Sharder):
@@ -176,8 +176,8 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     def ring_fwd(q, k, v, key_data):
         out, lse = forward(q, k, v, key_data)
         # Tagged inside the forward rule, so the policies that keep the attention context keep these too; the
-        # output the model goes on with is the one backward keeps (`O.tagged_context`: one tensor, not two).
-        out, lse = O.tagged_context(out, shard), checkpoint_name(lse, R.CONTEXT)
+        # output the model goes on with is the one backward keeps (`ops.tagged_context`: one tensor, not two).
+        out, lse = ops.tagged_context(out, shard), checkpoint_name(lse, remat.CONTEXT)
         return out, (q, k, v, key_data, out, lse)
 
     def ring_bwd(res, g):
@@ -258,7 +258,7 @@ class _Blocks:
         coords = {1: heads, 3: q_pos, 4: k_pos}
         coords[0] = jnp.arange(self.b) + self.row0
         global_shape = (self.b, self.kv * self.tensor, self.g, self.s, self.s)
-        keep = O.bernoulli_at(self.key, 1.0 - self.rate, shape, coords, global_shape)
+        keep = ops.bernoulli_at(self.key, 1.0 - self.rate, shape, coords, global_shape)
         return keep.astype(jnp.float32) / (1.0 - self.rate)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel import context
 from jaxseq.parallel.layout import Layout, gradient_axes
 from jaxseq.mesh import FSDP_AXIS, batch_axes
@@ -100,7 +100,7 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
     over = gradient_axes(parallel)
     if parallel.data * parallel.fsdp * parallel.context == 1:
         return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh)
-    loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat,
+    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat,
                                                shard=context.sharder(mesh, parallel, stage=True)))
     # the mean over micro-batches, data, fsdp and context ranks (each rank's loss: the mean over its tokens)
     scale = 1.0 / (microbatches * parallel.data * parallel.fsdp * parallel.context)
@@ -122,7 +122,7 @@ def _unreduced_loss_and_grad(params, micro, key, *, cfg: ModelConfig, parallel: 
     """`accumulate_loss_and_grad` where there is no data or context rank to reduce over (data = context = 1): no
     region (one manual over axes all of size 1 made XLA's partitioner refuse its psum: "Cross-partition allreduce
     must be in (partial) manual partitioning mode"), the same keys and float32 sums."""
-    loss_and_grad = jax.value_and_grad(partial(M.loss_fn, cfg=cfg, remat=remat, shard=context.sharder(mesh, parallel)))
+    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat, shard=context.sharder(mesh, parallel)))
     microbatches = jax.tree.leaves(micro)[0].shape[0]
     loss, grads = _summed(loss_and_grad, params, micro, key, lambda z: z)
     if microbatches == 1:
@@ -153,6 +153,6 @@ def accumulated_loss(params, batch, *, layout: Layout, micro_batches: int):
     on the compute copy of the weights made once (gathered over data, as the train step's): the evaluation's
     forward-only counterpart of `accumulate_loss_and_grad`, its activations one micro-batch's."""
     cfg, shard = layout.model, context.sharder(layout.mesh, layout.parallel)
-    weights = jax.tree.map(jax.lax.with_sharding_constraint, M.cast_params(params, cfg), layout.param_shardings)
+    weights = jax.tree.map(jax.lax.with_sharding_constraint, model.cast_params(params, cfg), layout.param_shardings)
     micro = jax.tree.map(lambda x: shard(x.reshape(micro_batches, -1, *x.shape[1:]), None, "batch", None), batch)
-    return jnp.mean(jax.lax.map(lambda mb: M.loss_fn(weights, mb, cfg, shard, "none"), micro))
+    return jnp.mean(jax.lax.map(lambda mb: model.loss_fn(weights, mb, cfg, shard, "none"), micro))

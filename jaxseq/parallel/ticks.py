@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxseq.config import ParallelConfig
-from jaxseq.parallel import schedule as S
+from jaxseq.parallel import schedule
 
 
 class Branch(IntEnum):
@@ -50,21 +50,21 @@ class TickRow(NamedTuple):
 FIELDS = TickRow._fields
 
 
-def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> S.Schedule:
-    return S.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
+def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> schedule.Schedule:
+    return schedule.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
                            forward_only)
 
 
 def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
     """[ticks, p]: the `Branch` of each stage at each tick, from the schedule's kind, first and last."""
     kind, first, last = tables["kind"], tables["first"] == 1, tables["last"] == 1
-    forward, backward = kind == S.FORWARD, kind == S.BACKWARD
-    return np.select([kind == S.IDLE, kind == S.WEIGHT, forward & first, forward & last, forward, backward & first],
+    forward, backward = kind == schedule.FORWARD, kind == schedule.BACKWARD
+    return np.select([kind == schedule.IDLE, kind == schedule.WEIGHT, forward & first, forward & last, forward, backward & first],
                      [Branch.IDLE, Branch.WEIGHT, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD,
                       Branch.BACKWARD_FIRST], Branch.BACKWARD)
 
 
-def tick_rows(sched: S.Schedule) -> np.ndarray:
+def tick_rows(sched: schedule.Schedule) -> np.ndarray:
     """[ticks, p, len(FIELDS)] int32: each stage's `TickRow` at each tick, fields in `FIELDS` order.
     Receive slots of −1 become the trash slot (index = depth) so that every write has a target."""
     tab, depth = sched.tables, sched.depths

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from jaxseq.config import ModelConfig
 from jaxseq.hardware import Hardware
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.remat import MATMULS, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
@@ -88,7 +88,7 @@ def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
     s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     tokens, heads = s * b, b * cfg.heads // t
     qkv = w + 2 * max(cfg.num_kv_heads, t) * d  # 3w for multi-head attention
-    up = M.traits(cfg).mlp_up_widths * f
+    up = model.traits(cfg).mlp_up_widths * f
     return {"qkv": Gemm("qkv", tokens, qkv // t, h), "scores": Gemm("scores", s, s, d, heads),
             "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t),
             "mlp_up": Gemm("mlp_up", tokens, up // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
@@ -232,7 +232,7 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     mlp = s * b * cfg.mlp_hidden / t
     scores = 0 if flash(cfg) or ring > 1 else b * cfg.heads / t * s * s
     r_scores = r if cfg.attention == "explicit" else 0
-    traits = M.traits(cfg)
+    traits = model.traits(cfg)
     rope = s * b * (cfg.heads + max(cfg.num_kv_heads, t)) * cfg.head_dim / t * 2 * e if traits.rotary else 0.0
     mlp_forward, mlp_backward = (n * e for n in traits.mlp_elementwise)
     forward_attention = scores * (2 * e + r_scores * (2 * e + 1))
@@ -267,7 +267,7 @@ def head_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: 
     the s·b·V/t logits (read them twice, write their gradient: 3e). Llama has no positions to add: its lookup
     reads a row and writes it (2e)."""
     e, tokens, r = cfg.itemsize, cfg.seq_len * b, 1 if cfg.dropout > 0 else 0
-    lookup = 3 * e if M.traits(cfg).learned_positions else 2 * e
+    lookup = 3 * e if model.traits(cfg).learned_positions else 2 * e
     embedding = tokens * cfg.hidden * (lookup + r + 2 * e + r)
     final_norm = tokens * cfg.hidden / (t if sequence_parallel else 1) * (2 * e + 3 * e)
     return embedding + final_norm + tokens * cfg.padded_vocab(t) / t * 3 * e

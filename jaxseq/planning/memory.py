@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxseq.config import ModelConfig, ParallelConfig
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import entry_axes
 
@@ -80,7 +80,7 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
     for part, specs in layout.master_specs.items():
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
         shapes = jax.tree.leaves(layout.param_shapes[part], is_leaf=lambda x: isinstance(x, tuple))
-        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(M.cast_mask(cfg)[part])):
+        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(model.cast_mask(cfg)[part])):
             # a layer's dimension 0 is split over `pipe` into the stages' layers, which `cfg` already holds (at
             # pipe = 1 the distributed optimizer may put `data` there: that split counts)
             axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)
@@ -180,7 +180,7 @@ def non_layer_activation_bytes(cfg: ModelConfig, b: int, tensor: int, sp: bool, 
     the logits matmul's input (sequence-sharded under SP), and the float32 logits the cross-entropy keeps,
     4·s·b·V/t; per token, so divided by the context size."""
     s, h, e = cfg.seq_len // context, cfg.hidden, cfg.itemsize
-    stats = M.traits(cfg).norm_stat_bytes
+    stats = model.traits(cfg).norm_stat_bytes
     per_token = (1 if cfg.dropout > 0 else 0) * h + e * h + stats + e * h
     return s * b * per_token // (tensor if sp else 1) + 4 * s * b * cfg.padded_vocab(tensor) // tensor
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate, validate_fsdp
 from jaxseq.models import formulas
-from jaxseq.models import model as M
+from jaxseq.models.model import traits
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.planning import autotune, gpu_target
@@ -196,7 +196,7 @@ def formula_flops_per_layer(cfg: ModelConfig, b: int, tensor: int) -> dict:
     """The formulas' FLOPs for one layer of one micro-batch, per device: GPT's the paper's per-iteration
     formulas (V = 0: the logits are not part of a layer); another family's (which the paper's do not
     describe) `formulas.train_flops` of one layer, with the replays of `selective` and `full`."""
-    if M.traits(cfg).papers_formulas:
+    if traits(cfg).papers_formulas:
         s, h = cfg.seq_len, cfg.hidden
         per = lambda remat: paper_hardware_flops(b, s, 1, h, 0, remat) / tensor
     else:
@@ -217,7 +217,7 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
             return formulas.activation_bytes(cfg, c.remat, b, c.tensor, c.sequence_parallel, context, strategy)
         except ConfigError:
             return None
-    if M.traits(cfg).papers_formulas:
+    if traits(cfg).papers_formulas:
         return paper_activation_bytes(c.paper, cfg.seq_len, b, cfg.hidden, cfg.heads, c.tensor) if c.paper else None
     if cfg.attention != "explicit":
         return None

@@ -3,7 +3,7 @@ activations, the training state with and without the distributed optimizer, and 
 
 from __future__ import annotations
 
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
 from jaxseq.planning.plan import CPU_SOURCE, FLOPS_SOURCE, Plan, chunk_layers, recommend
@@ -46,7 +46,7 @@ def format_table(p: Plan) -> str:
     cfg = p.config
     lines = [
         f"{p.model}: h={cfg.hidden} a={cfg.heads}"
-        f"{M.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
+        f"{model.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
         f"micro-batch={p.micro_batch} tensor={p.tensor}"
         f"{f' context={p.context} ({p.context_strategy})' if p.context > 1 else ''} {cfg.dtype} {cfg.attention} attention "
         f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
@@ -140,7 +140,7 @@ def _formula_label(p: Plan) -> list[str]:
         return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
                 "every stored tensor / c" + (", no scores, + the ring's log-sum-exp (ring_lse)"
                                              if p.context_strategy == "ring" else "; the gathered K/V not stored")]
-    if M.traits(p.config).papers_formulas:
+    if model.traits(p.config).papers_formulas:
         return []
     return [f"formula = formulas.activation_bytes for the {p.config.family} family, term by term (docs/DESIGN.md, "
             "\"Stored bytes per layer, by family\"; norm statistics included), not the paper's Table 2"]
@@ -151,7 +151,7 @@ def _format_formula_flops(p: Plan) -> str:
     f, cfg = p.formula_flops_per_layer, p.config
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
-    if not M.traits(cfg).papers_formulas:
+    if not model.traits(cfg).papers_formulas:
         return (f"FLOPs per layer per device (t={p.tensor}), formulas.train_flops ({cfg.family}: K/V heads counted "
                 f"once, the MLP's gate, up and down): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
                 f"{f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%); with full "

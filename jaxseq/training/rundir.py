@@ -23,10 +23,10 @@ import numpy as np
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_parallel)
 from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
-from jaxseq.models import model as M
+from jaxseq.models.model import cast_mask, vocab_mask
 from jaxseq.parallel.layout import Layout
-from jaxseq.training import checkpoint as C
-from jaxseq.training import train_step as T
+from jaxseq.training import checkpoint
+from jaxseq.training import train_step
 from jaxseq.training.sampling import sampling_parallel
 
 CONFIG = "config.json"
@@ -139,12 +139,12 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     """The params of the newest checkpoint of a run or converted directory (or of the step RUN/checkpoints/N),
     read onto `mesh` in the train step's master shardings for `parallel` (layers over `pipe`, heads over
     `tensor`, split over `data` too with the distributed optimizer): every device reads only its own slices,
-    and the optimizer moments are not read at all. Weights the compute dtype copies (`M.cast_mask`) arrive in
+    and the optimizer moments are not read at all. Weights the compute dtype copies (`cast_mask`) arrive in
     `dtype`; `seq_len` cuts the position table."""
     saved = read_config(path)
     model = ModelConfig(**saved["model"])
     model = replace(model, seq_len=seq_len or model.seq_len)
-    dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, M.cast_mask(model))
+    dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, cast_mask(model))
     layout = Layout(model, parallel, mesh)
     abstract = jax.tree.map(lambda shape, sharding, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding),
                             layout.param_shapes, layout.master_shardings, dtypes, is_leaf=lambda x: isinstance(x, tuple))
@@ -156,14 +156,14 @@ def _read_params(path: str, abstract) -> tuple[int, dict]:
     """(step, params) of the checkpoint `path` names; a damaged one is one line naming an earlier step."""
     run_dir, step = split_step(path)
     directory = checkpoint_dir(run_dir)
-    mgr = C.reader(directory) if os.path.isdir(directory) else None
+    mgr = checkpoint.reader(directory) if os.path.isdir(directory) else None
     steps = mgr.all_steps() if mgr is not None else []
     step = max(steps, default=None) if step is None else step
     if step not in steps:
         raise ConfigError(f"{path!r} holds no checkpoint" + (f" at step {step}" if step is not None else ""))
     try:
-        return step, C.restore_params(mgr, step, abstract)
-    except C.UnreadableStep as e:  # a damaged checkpoint: say which, and what else there is
+        return step, checkpoint.restore_params(mgr, step, abstract)
+    except checkpoint.UnreadableStep as e:  # a damaged checkpoint: say which, and what else there is
         earlier = [s for s in steps if s < step]
         raise ConfigError(f"checkpoint step {step} of {run_dir!r} is unreadable ({e.detail})"
                           + (f"; an earlier one: {os.path.join(directory, str(max(earlier)))}" if earlier else "")
@@ -198,7 +198,7 @@ def place(params: dict, cfg: ModelConfig, mesh, sequence_parallel: bool = False)
             x = np.concatenate([x[:rows], np.zeros((max(rows - len(x), 0), *x.shape[1:]), x.dtype)])
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-    return jax.tree.map(put, M.vocab_mask(cfg), params, Layout(cfg, parallel, mesh).param_shardings)
+    return jax.tree.map(put, vocab_mask(cfg), params, Layout(cfg, parallel, mesh).param_shardings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def init_vocab(path: str, corpus_vocab: int) -> int:
     return saved
 
 
-def init_state(path: str, layout: Layout, optimizer) -> T.TrainState:
+def init_state(path: str, layout: Layout, optimizer) -> train_step.TrainState:
     """A fresh TrainState (step 0, new optimizer moments) whose params are the weights saved in `path`, read
     straight onto the layout's mesh in the train step's shardings (no whole copy anywhere)."""
     model, saved = layout.model, saved_model(path)
@@ -240,4 +240,4 @@ def init_state(path: str, layout: Layout, optimizer) -> T.TrainState:
     if diffs:
         raise ConfigError(f"--init-from {path}: the model differs: " + ", ".join(diffs))
     params = restore(path, layout.parallel, layout.mesh, seq_len=model.seq_len).params
-    return T.state_from_params(params, layout, optimizer)
+    return train_step.state_from_params(params, layout, optimizer)

@@ -27,10 +27,10 @@ import numpy as np
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
 from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
-from jaxseq.models import model as M
+from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
 from jaxseq.sharding import Sharder
-from jaxseq.training import checkpoint as C
+from jaxseq.training import checkpoint
 from jaxseq.training.data import BYTE_EOD, Corpus, decode_tokens, encode_text, load_tokenizer
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def resharding(cfg: ModelConfig, mesh):
     target = sampling_mesh(cfg, mesh)
     shardings = Layout(cfg, mesh_parallel(target), target).param_shardings
     rows = cfg.padded_vocab(target.shape["tensor"])
-    move = lambda params: C.resize_vocab(M.cast_params(params, cfg), rows, shardings)
+    move = lambda params: checkpoint.resize_vocab(model.cast_params(params, cfg), rows, shardings)
     return jax.jit(move, out_shardings=shardings), target
 
 
@@ -90,7 +90,7 @@ def _attend(q, k, v, start, cfg: ModelConfig):
 
 def _forward(params, tokens, cache, start, cfg: ModelConfig, shard: Sharder):
     """Final-norm hidden states of tokens [b, n] at positions start …, and the cache with their keys and values."""
-    family = M.family(cfg)
+    family = model.family(cfg)
     x = family.decode_embed(params, tokens, start, cfg, shard)
     attend = lambda q, k, v: _attend(q, k, v, start, cfg)
 
@@ -99,12 +99,12 @@ def _forward(params, tokens, cache, start, cfg: ModelConfig, shard: Sharder):
         return family.decode_layer(x, p, cache, i, start, cfg, shard, attend), None
 
     (x, cache), _ = jax.lax.scan(step, (x, cache), (params["layers"], jnp.arange(cfg.layers)))
-    return M.final_norm(params, x, cfg), cache
+    return model.final_norm(params, x, cfg), cache
 
 
 def _choose(params, x, key, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
     """A token drawn from the logits of x [b, 1, h] (top-k, temperature), [b] int32."""
-    logits = M.logits_fn(params, x, cfg, shard)[:, 0, : cfg.vocab_size]
+    logits = model.logits_fn(params, x, cfg, shard)[:, 0, : cfg.vocab_size]
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -116,9 +116,9 @@ def _prefill(params, window, length, key, i, temperature, cfg: ModelConfig, shar
     """Token i of a sample (drawn with fold_in(key, i)): the token after window[:, :length] ([b, seq_len],
     the rest padding), and a cache holding the window's keys and values (those past `length` are overwritten
     before any query can see them)."""
-    params, key = M.cast_params(params, cfg), jax.random.fold_in(key, i)
+    params, key = model.cast_params(params, cfg), jax.random.fold_in(key, i)
     b, s = window.shape
-    heads = M.family(cfg).cache_heads(cfg, shard.tensor)
+    heads = model.family(cfg).cache_heads(cfg, shard.tensor)
     empty = shard(jnp.zeros((cfg.layers, b, s, heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
                   "layers", "batch", None, "heads", None)
     x, cache = _forward(params, window, (empty, empty), 0, cfg, shard)
@@ -130,7 +130,7 @@ def _prefill(params, window, length, key, i, temperature, cfg: ModelConfig, shar
 def _decode(params, cache, token, position, key, i, temperature, cfg: ModelConfig, shard: Sharder, top_k: int):
     """Token i of a sample (fold_in(key, i)): the token after `token` [b] (at `position`, the cache holding
     every earlier one), and the cache with it."""
-    params, key = M.cast_params(params, cfg), jax.random.fold_in(key, i)
+    params, key = model.cast_params(params, cfg), jax.random.fold_in(key, i)
     x, cache = _forward(params, token[:, None], cache, position, cfg, shard)
     return _choose(params, x, key, temperature, cfg, shard, top_k), cache
 
