@@ -28,10 +28,8 @@ CUDNN_ATTENTION = hlo.CUDNN_ATTENTION
 def no_persistent_cache():
     """A program compiled for target devices cannot be loaded back from JAX's persistent cache (no client to load it
     onto: a warning, then a compile again); the suite's cache (conftest) is left out of these."""
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
+    with aot.persistent_cache_off():
+        yield
 
 
 def _measured(name: str) -> dict:

@@ -4,13 +4,14 @@ checkpoint, is resumed for a second, and gives one device's losses and validatio
 
 The numerics underneath are tested function by function (test_pipeline.py, test_context.py, test_fsdp.py, …); this
 file is the command around them, which compiles the evaluation's forward-only pipeline, the checkpoint's shardings
-and the resume's restore in each layout, where a crash once hid (the ring's evaluation under a pipeline)."""
+and the resume's restore in each layout, where a crash once hid (the ring's evaluation under a pipeline). The resume
+compiles the first launch's programs again: the train command keeps a pipeline's from the tests' persistent cache
+(`aot.uncached_if_pipelined`), from which, loaded, they deadlocked here in CI."""
 
 import itertools
 import json
 import os
 
-import jax
 import pytest
 
 from commands import command, python_m
@@ -43,17 +44,6 @@ LAYOUTS = [
 BASE = ["--dtype", "float32", "dropout=0.0", "--batch-size", "8", "--micro-batch-size", "2", "layers=4",
         "decay_steps=10", "--warmup-steps", "0", "--log-every", "1", "--eval-every", "1", "eval_batches=1",
         "--checkpoint-every", "1", "sample_tokens=0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_not_loaded():
-    """Every program here compiled, none loaded from the tests' persistent compilation cache (conftest.py): XLA:CPU's
-    programs loaded from it give every collective the same op id (1), so that a pipelined step's devices, which
-    reach different collectives at the same moment, meet in each other's rendezvous (a run loaded so deadlocked in
-    13 of its first 60 steps; the same run compiled trained 150 steps; docs/testing.md)."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
 
 
 def layout_args(schedule: str, context: str, state: str) -> list[str]:

@@ -5,6 +5,7 @@ laptop, and a step that cannot fit is refused before it runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -13,6 +14,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxseq.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 from jaxseq.models import model
@@ -53,6 +55,29 @@ def compile_for_analysis(lowered, options: dict | None = None):
     return lowered.compile(compiler_options={**analysis_options(), **(options or {})})
 
 
+@contextlib.contextmanager
+def persistent_cache_off():
+    """JAX's persistent compilation cache off for what compiles inside, and as it was after. The flag alone is not
+    enough: JAX reads it once per process, at its first compile, and `reset_cache` makes it read it again."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
+def uncached_if_pipelined(parallel: ParallelConfig, devices):
+    """Where a compiled program must not come from JAX's persistent cache: a pipeline on XLA:CPU, whose programs
+    loaded from it give every collective the same op id, so that devices reaching different collectives at the
+    same moment (one stage's branch against another's) meet in each other's rendezvous and deadlock."""
+    if parallel.pipe > 1 and devices[0].platform == "cpu":
+        return persistent_cache_off()
+    return contextlib.nullcontext()
+
+
 def compile_partitioned(lowered):
     """(compiled, HLO text as XLA's SPMD partitioner leaves it) of `lowered` (a `jax.jit(...).lower(...)`): the
     collectives the partitioner inserted, each in the element type it chose. Why not the optimized program:
@@ -61,13 +86,9 @@ def compile_partitioned(lowered):
     from a float32 one. Compiles with the compilation cache off: a cached program runs no passes, and the
     cache key leaves the dump options out."""
     with tempfile.TemporaryDirectory(prefix="jaxseq-spmd-") as directory:
-        enabled = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        try:
+        with persistent_cache_off():
             compiled = lowered.compile(compiler_options={"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
                                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        finally:
-            jax.config.update("jax_enable_compilation_cache", enabled)
         files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
         if len(files) != 1:
             raise RuntimeError(f"expected one HLO dump after spmd-partitioning, found {sorted(files)}")

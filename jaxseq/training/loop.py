@@ -236,8 +236,9 @@ def compile_step(session: Session, state, position: int):
     evaluation batch has the train batch's shape and sharding."""
     compile_start = time.perf_counter()
     batch = session.batch(position)
-    step_fn = session.step_fn.lower(state, batch, session.key).compile(compiler_options=recording(session))
-    eval_fn = session.eval_fn.lower(state.params, batch).compile()
+    with aot.uncached_if_pipelined(session.run.parallel, session.devices):
+        step_fn = session.step_fn.lower(state, batch, session.key).compile(compiler_options=recording(session))
+        eval_fn = session.eval_fn.lower(state.params, batch).compile()
     available = aot.device_bytes(session.devices)
     aot.check_fits(aot.step_bytes(step_fn), available)
     aot.check_fits(aot.evaluation_bytes(eval_fn, step_fn, state.params), available, what="evaluation")
