@@ -12,9 +12,8 @@ for, and XLA's log names those fusions, each with its HLO. Where only fusions ot
 the optimizer update's in every H100 step here), it compiles again without the refusal and leaves those to XLA's
 default. A GEMM is told by its HLO (a dot, a GEMM backend), not by the name XLA gave its fusion; a fusion that cannot
 be told from one (its body not in the log, or fewer named than XLA counted) is one line, never XLA's default
-passed off as the device's choice (`without_a_choice`). On an
-H100 with the device's JAX this reproduced eight measured peaks within 0.13%, six of them within 2.2 KB
-(experiments/results/autotune_replay_jax0.11.2.md).
+passed off as the device's choice (`without_a_choice`). How
+closely it reproduces a GPU's measured peaks: experiments/results/autotune_replay_jax0.11.2.md.
 
 Three facts about XLA shape this module:
 - XLA loads such a file once per process and keeps its choices for every later compile. So each step compiles with

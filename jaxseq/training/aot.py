@@ -25,15 +25,14 @@ from jaxseq.training import train_step
 
 # What a plan compiles it reads and never runs. XLA's backend optimization level is LLVM's work on the machine
 # code; the HLO, its buffers (memory_analysis), FLOPs (cost_analysis) and collectives are fixed before it. At 0 a
-# program compiles in about two thirds of the time on XLA:CPU (a quarter on jax 0.12) with every number the same.
+# program compiles in less time on XLA:CPU with every number the same (docs/testing.md).
 ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
 
 # XLA:CPU's older code generator for its fusions, which jax 0.10's XLA still has behind this option (jax 0.12's
 # does not: the option is gone, and `analysis_options` leaves it out there). The fusion emitters it replaces wrap
 # single ops (broadcasts, scatters, reduce-windows) in fusions of their own and compile each through MLIR, which
-# is most of an analysis compile: `plan --preset gpt3-1.3b --tensor 1 --micro-batch-size 4 --attention fused`
-# takes 6.6 s where it took 21.2 s (2-core CPU, jax 0.10.2), with every number of its JSON the same but the
-# working memory, 128 bytes more (those ops' buffers). The dots, loops, stored activations and collectives are
+# is most of an analysis compile (the times: docs/testing.md). Every number a plan reads is the same but the
+# working memory, a few bytes more (those ops' buffers): the dots, loops, stored activations and collectives are
 # the same program's. XLA:GPU does not read it.
 LEGACY_CPU_FUSION = {"xla_cpu_use_fusion_emitters": False}
 

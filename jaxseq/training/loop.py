@@ -144,7 +144,7 @@ def fetch_metrics(pending: list) -> list[tuple[int, tuple[float, float]]]:
 def host_learning_rate(opt: OptimizerConfig):
     """step → learning rate (a float) for the log, computed on the host CPU and compiled before the
     first step: an eager call on the accelerator would queue behind the running step and block the
-    log on it, and the first call's compilation (0.45 s measured) would idle the device."""
+    log on it, and the first call's compilation would idle the device."""
     cpu = jax.local_devices(backend="cpu")[0]
     fn = jax.jit(train_step.learning_rate_schedule(opt))
 
@@ -283,8 +283,8 @@ class PendingMetrics:
         self._steps.append((step, out))
         if len(self._steps) >= 2:
             # At most two steps in flight, one running and one queued: enough to keep the device
-            # busy, and XLA:CPU's in-process collectives deadlock (a 40 s rendezvous timeout, seen
-            # with 50 steps queued) when many executions hold its threads. Waits, reads nothing.
+            # busy, and XLA:CPU's in-process collectives deadlock (its rendezvous times out) when many
+            # executions hold its threads. Waits, reads nothing.
             jax.block_until_ready(self._steps[-2][1])
             self._stamp(self._steps[-2][0])
 
