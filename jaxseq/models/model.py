@@ -160,7 +160,7 @@ def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
 
     `cfg.layer_loop="scan"`: under lax.scan, which keeps compile time flat in depth. Its residuals become stacked
     [k, …] buffers of the loop, which a GPU fills with zeros, copies each residual into and slices again, and each
-    layer's weights are copied out of their stack: 12–15% of an H100 step under `none` (experiments/scan_stacks.py).
+    layer's weights are copied out of their stack (what it costs a GPU: experiments/scan_stacks.py).
     "unrolled": a Python loop (static slices, no stacks), its checkpoints kept from CSE by `prevent_cse` (which
     scan does not need: without it, CSE undoes the checkpoint of unrolled layers); compile time grows with depth.
 
@@ -208,8 +208,7 @@ def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
 def unstack(stacked) -> list:
     """[k, …] leaves → k trees of one layer's leaves, by `lax.split`, whose gradient is one concatenate of the
     layers' gradients. Indexing (`a[i]`) would make it k zero-pads summed, which XLA:GPU fuses into the clipping
-    norm's reduction as one kernel that took 55 ms per step for each attention weight of gpt3-1.3b on an H100
-    (experiments/results/gpu_h100_2026-11-27/)."""
+    norm's reduction as one slow kernel per weight on an H100 (experiments/results/gpu_h100_2026-11-27/)."""
     leaves, tree = jax.tree.flatten(stacked)
     count = leaves[0].shape[0]
     split = [jax.lax.split(a, (1,) * count, axis=0) for a in leaves]

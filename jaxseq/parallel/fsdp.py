@@ -14,9 +14,9 @@ the gathered weight, so backward gathers it again (one all-gather per weight per
 Both collectives run over a new leading axis of the f shards, then merged into the split dimension (in rank order,
 as a tiled gather concatenates): XLA:GPU lays out a collective's own dimension major, so gathering in place a weight
 split along a minor dimension (the MLP's output [f, h], the attention's output [heads, d, h]) made it keep the whole
-float32 master stack and gradient stack of those weights transposed beside the originals (352 MiB of the 8.0 GiB
-step at gpt3-1.3b's width, 8 layers, f = 2, compiled for an H100); over a new axis only each layer's gathered
-weight and gradient are rearranged, inside the layer loop.
+float32 master stack and gradient stack of those weights transposed beside the originals (compiled for an H100:
+docs/DESIGN.md, "FSDP"); over a new axis only each layer's gathered weight and gradient are rearranged, inside the
+layer loop.
 """
 
 from __future__ import annotations
