@@ -239,6 +239,10 @@ class RunConfig:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+# The sections a user configures (a YAML file's sections, `section.field=value` overrides, what a resume restores).
+SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
+
+
 def _preset(**kw) -> ModelConfig:
     return ModelConfig(**kw)
 

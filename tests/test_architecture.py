@@ -73,6 +73,7 @@ ALLOWED = {
     "training.conversion": {"config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "parallel.layout",
                             "sharding", "training.checkpoint", "training.rundir"},
     "training.data": {"config"},
+    "training.resume": {"config", "mesh", "training.rundir"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
                           "training.data"},
@@ -120,7 +121,7 @@ ALLOWED = {
     "planning.search_costs": {"config", "planning.costs", "planning.measure", "planning.memory"},
     # the commands
     "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",
-              "training.rundir"},
+              "training.resume", "training.rundir"},
     "plan": {"cli", "config", "hardware", "planning.autotune", "planning.gpu_target", "planning.memory", "planning.plan",
              "planning.progress",
              "planning.report",

@@ -300,7 +300,8 @@ def test_resume_keeps_the_saved_run_and_changes_only_what_is_named():
     """A resume starts from the saved configs and replaces only the fields given (a flag, the YAML file or a
     key=value); a preset named asks for its architecture (which the resume then compares with the saved one)."""
     from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig, replace
-    from jaxseq.train import build_parser, configs_from_args, resumed_configs
+    from jaxseq.train import build_parser, configs_from_args
+    from jaxseq.training.resume import resumed_configs
 
     saved = {"model": ModelConfig(hidden=64, heads=8, layers=2, vocab_size=257, seq_len=64, dtype="float32"),
              "optimizer": OptimizerConfig(lr=2e-3, warmup_steps=50, decay_steps=800),
