@@ -69,7 +69,8 @@ ROWS = [
          paper=dict(tensor=8, pipe=64, remat="full", sequence_parallel=False), accounting="full",
          measured_tflops=163, measured_pct=52),
     dict(name="22B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 22B (present work)",
-         cfg=preset("megatron-22b"), gpus=8, batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="selective", sequence_parallel=True),
+         cfg=preset("megatron-22b"), gpus=8, batch=4,
+         paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="selective", sequence_parallel=True),
          accounting="model", measured_seconds=1.10, measured_mfu=41.5),
     dict(name="175B SP+sel", source="Korthikanti 2022, Tables 3 and 5, row 175B (present work)",
          cfg=preset("gpt3-175b"), gpus=64, batch=64,
@@ -88,7 +89,8 @@ ROWS = [
          gpus=8, batch=4, paper=dict(tensor=8, pipe=1, virtual=1, micro_batch=4, remat="full", sequence_parallel=False),
          accounting="model", measured_seconds=1.42),
     dict(name="175B full", source="Korthikanti 2022, Table 5, row 175B (full recompute)", cfg=preset("gpt3-175b"),
-         gpus=64, batch=64, paper=dict(tensor=8, pipe=8, virtual=3, micro_batch=1, remat="full", sequence_parallel=False),
+         gpus=64, batch=64,
+         paper=dict(tensor=8, pipe=8, virtual=3, micro_batch=1, remat="full", sequence_parallel=False),
          accounting="model", measured_seconds=18.13),
     dict(name="530B full", source="Korthikanti 2022, Table 5, row 530B (full recompute)", cfg=preset("mt-nlg-530b"),
          gpus=280, batch=280, paper=dict(tensor=8, pipe=35, virtual=3, micro_batch=1, remat="full",
@@ -234,13 +236,16 @@ def render(result: dict) -> str:
     lines = [
         "# The auto-configurator against the papers' runs",
         "",
-        f"`python experiments/autoconfig.py` ({result['wall_seconds']:.0f} s wall on a shared 2-core machine; per-layer "
+        f"`python experiments/autoconfig.py` ({result['wall_seconds']:.0f} s wall on a shared 2-core machine; "
+        "per-layer "
         "measurements cached in `autoconfig_measurements.json`). A100 80 GB nodes: 8 GPUs, HBM 2039 GB/s, 108 SMs, "
         "NVLink 300 GB/s, IB 200 Gb/s per GPU, peak 312 TFLOP/s. Time model: each GEMM at its shape's efficiency "
         "(waves of 256×128 tiles on the 108 SMs, or its bytes through HBM when memory-bound), elementwise kernels at "
-        f"HBM bandwidth. Compute efficiency (a full wave's fraction of peak) {result['time_model']['compute_efficiency']} "
+        "HBM bandwidth. Compute efficiency (a full wave's fraction of peak) "
+        f"{result['time_model']['compute_efficiency']} "
         f"calibrated on ONE row ({result['calibrated_on']}, marked *; exact value "
-        f"{result['calibrated_compute_efficiency']:.4f}); memory efficiency {result['time_model']['memory_efficiency']} "
+        f"{result['calibrated_compute_efficiency']:.4f}); memory efficiency "
+        f"{result['time_model']['memory_efficiency']} "
         f"and link efficiency {result['time_model']['link_efficiency']} stated, not fitted. 'Before': the error of the "
         "previous model (one efficiency, 0.623, for every FLOP, calibrated on the same row). Memory: jaxseq's own "
         "compiled step (its pipeline executor's buffers included), 80 GiB budget. TFLOP/s per GPU in each paper's own "
@@ -261,10 +266,13 @@ def render(result: dict) -> str:
             measured += f" ({e['measured_seconds']} s)"
         space = e.get("search_space", {})
         ts = space.get("tensor_sizes", "all")
-        space_text = f"t {'1–8' if ts == 'all' else ','.join(map(str, ts))}; b {','.join(map(str, space.get('micro_batches', [])))}"
+        space_text = (f"t {'1–8' if ts == 'all' else ','.join(map(str, ts))}; "
+                      f"b {','.join(map(str, space.get('micro_batches', [])))}")
         lines.append(
-            f"| {e['row']}{' *' if e['calibration_row'] else ''} ({e['source']}) | {space_text} | {e['paper_configuration']} | "
-            f"{measured} | {e['predicted_tflops_per_gpu']:.1f} ({e['predicted_seconds']:.2f} s) | {e['error_pct']:+.1f}% | "
+            f"| {e['row']}{' *' if e['calibration_row'] else ''} ({e['source']}) | {space_text} | "
+            f"{e['paper_configuration']} | "
+            f"{measured} | {e['predicted_tflops_per_gpu']:.1f} ({e['predicted_seconds']:.2f} s) | "
+            f"{e['error_pct']:+.1f}% | "
             f"{e['previous_error_pct']:+.1f}% | "
             f"{rank_text} | {e['search_choice']} | {e['search_choice_tflops_per_gpu']:.1f} "
             f"(MFU {e.get('search_choice_mfu_pct', float('nan')):.1f}%, paper {e['predicted_mfu_pct']:.1f}%) | "
@@ -275,8 +283,8 @@ def render(result: dict) -> str:
     top5_mesh = sum(1 for e in rows if e.get("paper_family_rank") is not None and e["paper_family_rank"] <= 5)
     if errors:
         lines += ["", f"Out-of-sample rows ({len(errors)}): mean |error| {sum(errors) / len(errors):.1f}%, largest "
-                      f"{max(errors):.1f}% (before: {sum(before) / len(before):.1f}% and {max(before):.1f}%). The paper's "
-                      f"configuration is in the search's top 5 configurations in {top5} of "
+                      f"{max(errors):.1f}% (before: {sum(before) / len(before):.1f}% and {max(before):.1f}%). "
+                      f"The paper's configuration is in the search's top 5 configurations in {top5} of "
                       f"{len(rows)} rows, and its mesh (t, p) among the top 5 meshes (each mesh ranked by its best "
                       f"configuration) in {top5_mesh} of {len(rows)}."]
     lines += ["Narayanan's Table 1 does not state the micro-batch or v: their configuration here is the fastest "

@@ -34,13 +34,15 @@ MIB = 2**20
 
 
 def recorded_runs() -> list[dict]:
-    """Each configuration of the H100's run with its recorded choices: label, config, policy, micro-batch, peak, file."""
+    """Each configuration of the H100's run with its recorded choices: label, config, policy, micro-batch, peak,
+    file."""
     from jaxseq.config import ModelConfig, replace
 
     (model,) = json.loads((RUN / "gpu.json").read_text())["models"].values()
     cfg = ModelConfig(**model["config"])
     runs = [(f"{p}, b={model['micro_batch']}", cfg, p, model["micro_batch"], r) for p, r in model["policies"].items()]
-    runs += [(f"{p}, unrolled, b={model['micro_batch']}", replace(cfg, layer_loop="unrolled"), p, model["micro_batch"], r)
+    runs += [(f"{p}, unrolled, b={model['micro_batch']}", replace(cfg, layer_loop="unrolled"), p,
+              model["micro_batch"], r)
              for p, r in model["unrolled"].items()]
     runs += [(f"{p}, b={r['micro_batch']} (its largest)", cfg, p, r["micro_batch"], r)
              for p, r in model["largest_micro_batch"].items()]
@@ -103,7 +105,8 @@ def table(rows: list[dict], split: dict, jax_version: str) -> str:
     worst = lambda key, rs: max((abs(r[key] / r["measured_bytes"] - 1) * 100 for r in rs), default=float("nan"))
     lines += ["", "Refused: a GEMM of the step found no recorded choice (XLA would make it a Triton fusion, which is "
                   "not the device's program); `plan` then gives the larger of the two programs. Fusions without a "
-                  "choice: those XLA names when asked to refuse them (`xla_gpu_require_complete_aot_autotune_results`).",
+                  "choice: those XLA names when asked to refuse them "
+                  "(`xla_gpu_require_complete_aot_autotune_results`).",
               "", f"Largest |error|: with the recorded choices {worst('replay_bytes', replayed):.2f}% "
                   f"({len(replayed)} of {len(rows)} replayed), without them {worst('target_bytes', rows):.1f}%.", "",
               f"The run's files hold {split['fusions']} distinct fusions; {split['chosen_differently']} of them were "

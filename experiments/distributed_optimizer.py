@@ -147,7 +147,8 @@ def render(bytes_rows: list[dict], loss_table: list[dict]) -> str:
         lines.append(f"| {r['mesh']} | {'yes' if r['distributed'] else 'no'} | {r['measured_bytes'] / GIB:.3f} | "
                      f"{r['formula_bytes'] / GIB:.3f} | {r['measured_bytes'] / r['formula_bytes']:.4f} | "
                      f"{r['bytes_per_parameter']:.2f} | {r['step_bytes_per_parameter']:.2f} | "
-                     f"{r['data_sharded_weights']} of 16 | {r['weights_outside_loops']} / {r['weights_inside_loops']} |")
+                     f"{r['data_sharded_weights']} of 16 | {r['weights_outside_loops']} / "
+                     f"{r['weights_inside_loops']} |")
     lines += ["", "Other floating-point all-gathers over `data` (not of a weight's shape), by op: XLA's choice for "
               "reducing the embedding's gradient (gather the output-gradient rows and token ids, scatter-add "
               "locally) and a LayerNorm-gradient sum, per micro-batch:", ""]
@@ -175,7 +176,8 @@ def main() -> int:
     start = time.perf_counter()
     bytes_rows = state_bytes_rows()
     loss_table = loss_rows()
-    (RESULTS / "distributed_optimizer.json").write_text(json.dumps({"state": bytes_rows, "losses": loss_table}, indent=1))
+    (RESULTS / "distributed_optimizer.json").write_text(
+        json.dumps({"state": bytes_rows, "losses": loss_table}, indent=1))
     text = render(bytes_rows, loss_table) + f"\n({time.perf_counter() - start:.0f} s wall)\n"
     (RESULTS / "distributed_optimizer.md").write_text(text)
     print(text)

@@ -151,7 +151,8 @@ def render(rows: list[dict], plans: dict) -> str:
              "from XLA's memory analysis; collective bytes per step per device (each collective's buffer × the "
              "times it runs per step); tokens/s on 2 CPU cores shared by the 8 devices.", "",
              "| layout | state + batch MiB (arguments) | step peak MiB | all-gather MiB | reduce-scatter MiB | "
-             "all-reduce MiB | tokens/s (CPU) | loss after 5 steps |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "all-reduce MiB | tokens/s (CPU) | loss after 5 steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         c = r["collectives"]
         lines.append(f"| {r['layout']} | {r['argument_bytes'] / MIB:.1f} | {r['step_bytes'] / MIB:.1f} | "
@@ -165,7 +166,8 @@ def render(rows: list[dict], plans: dict) -> str:
                   f"{how}. {p['evaluated']} configurations, {p['fits']} fit (memory: XLA:CPU's layers, its float32 "
                   "working memory an upper bound for bf16; time: the search's model).", "",
                   "| which | rank | t | p | d | f | b | remat | SP | memory GiB | step s | compute s | TP s | FSDP s | "
-                  "DP s | MFU |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+                  "DP s | MFU |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
                   "--- | --- |"]
         for label, (rank, e) in (("best fsdp=8", p["best_fsdp8"]), ("best tensor=8", p["best_tensor8"]),
                                  ("first", (1, p["first"]))):
@@ -188,8 +190,8 @@ def render(rows: list[dict], plans: dict) -> str:
                   f"{how}. {p['evaluated']} configurations, {p['fits']} fit.", "",
                   "| which | rank | t | p | v | d | f | b | remat | SP | DO | memory GiB | step s | compute s | TP s | "
                   "p2p s | FSDP s | DP s | MFU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-                  "--- | --- |"]
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+                  "--- | --- | --- | --- |"]
         for label, found in (("first", p["first"]), ("best FSDP=64", p["best_fsdp64"]),
                              ("best f=8", p["best_hsdp8"]), ("best without FSDP", p["best_without_fsdp"])):
             if found is None:
@@ -198,17 +200,21 @@ def render(rows: list[dict], plans: dict) -> str:
             rank, e = found
             t = e["time_s"]
             lines.append(f"| {label} | {rank} | {e['tensor']} | {e['pipe']} | {e['virtual']} | {e['data']} | "
-                         f"{e['fsdp']} | {e['micro_batch']} | {e['remat']} | {'yes' if e['sequence_parallel'] else 'no'} | "
+                         f"{e['fsdp']} | {e['micro_batch']} | {e['remat']} | "
+                         f"{'yes' if e['sequence_parallel'] else 'no'} | "
                          f"{'yes' if e['distributed_optimizer'] else 'no'} | {e['memory_gib']['total']:.1f} | "
-                         f"{t['total']:.3f} | {t['compute']:.3f} | {t['tensor_collectives']:.3f} | {t['pipeline_p2p']:.3f} | "
+                         f"{t['total']:.3f} | {t['compute']:.3f} | {t['tensor_collectives']:.3f} | "
+                         f"{t['pipeline_p2p']:.3f} | "
                          f"{t['fsdp_gather_scatter']:.3f} | {t['data_parallel']:.3f} | {100 * e['mfu']:.1f}% |")
-    lines += ["", "Why they rank so: at 70B a replica of the layers needs t = 8 or a pipeline to fit; with t = 8 inside a "
+    lines += ["", "Why they rank so: at 70B a replica of the layers needs t = 8 or a pipeline to fit; with t = 8 "
+              "inside a "
               "node, an fsdp group of 8 spans 8 nodes (the mesh puts fsdp outside tensor), and its weights, gathered "
               "twice and reduce-scattered once per micro-batch, cross InfiniBand m = 8 times a step (global batch "
               "128 over d·f = 8 ranks at b = 2): 12.3 s of traffic against the pipeline's 0.13 s of activations and "
               "0.5 s of once-a-step gradient reduction. Hidden behind compute it is free, and f = 8 then ranks 20th, "
               "its full recompute (+16% compute) the rest of the gap. FSDP = 64 at t = 1 fits in no configuration at "
-              "s = 8192 (the whole layer's activations on every rank, XLA:CPU's float32 working memory). Gathering once "
+              "s = 8192 (the whole layer's activations on every rank, XLA:CPU's float32 working memory). "
+              "Gathering once "
               "per step instead of per micro-batch (an option the search does not price, nor jaxseq run) would cut "
               "f = 8's traffic 8-fold at the memory of a gathered model."]
     y = plans["maxtext_llama2_70b"]
@@ -223,8 +229,8 @@ def render(rows: list[dict], plans: dict) -> str:
         t = r["time_s"]
         lines.append(f"| {label} | {t['total']:.3f} | {t['total'] / m['step_s'] - 1:+.1%} | {t['compute']:.3f} | "
                      f"{t['fsdp_gather_scatter']:.3f} | {100 * r['mfu']:.1f}% | {r['memory_gib']['total']:.1f} |")
-    lines += ["", "The compute the search predicts for this step (its GEMM model, calibrated on another paper's row) is "
-              "within a few percent of the whole measured step: MaxText hides its FSDP traffic behind compute "
+    lines += ["", "The compute the search predicts for this step (its GEMM model, calibrated on another paper's row) "
+              "is within a few percent of the whole measured step: MaxText hides its FSDP traffic behind compute "
               "(asynchronous, pipelined gathers), which `--fsdp-overlap` models. The FSDP term crosses nodes over "
               "every NIC of a node (`search_time.links`: the group's 8 ranks per node each drive one InfiniBand link; "
               "charged over one link per GPU, as the data-parallel reduction still is, it took 13.6 s, more than the "

@@ -1,8 +1,8 @@
 """One command that validates jaxseq on a GPU host, and records whether it works and how fast.
 
-    python experiments/gpu.py                 # every local GPU: writes experiments/results/gpu_<device>_<date>.{json,md}
-    python experiments/gpu.py --out DIR       # … into DIR (a CPU dry run writes only when given --out)
-    python experiments/gpu.py --steps 20      # more timed steps per configuration
+    python experiments/gpu.py               # every local GPU: writes experiments/results/gpu_<device>_<date>.{json,md}
+    python experiments/gpu.py --out DIR     # … into DIR (a CPU dry run writes only when given --out)
+    python experiments/gpu.py --steps 20    # more timed steps per configuration
     python experiments/gpu.py --policies lean full --budget-minutes 5    # fewer rows (`none` always), less time
 
 On the local GPUs (tensor = their count, + sequence parallelism when > 1; bf16; `attention=fused`), for
@@ -27,8 +27,9 @@ The models' rows always run; the sweep, the context and the pipeline configurati
 budget (`--budget-minutes`, 8 on a GPU) leaves time for one more, and the rest say they were skipped.
 
 Each configuration is compiled once and runs a few steps. With --out (or on a GPU) each model's results are written
-as they come, marked "partial" until the run ends: a session cut off still leaves what it measured. On a GPU each runs in its own child process, so
-that the peak memory it reports is its own (the backend's peak counter never resets); the parent only plans.
+as they come, marked "partial" until the run ends: a session cut off still leaves what it measured. On a GPU each
+runs in its own child process, so that the peak memory it reports is its own (the backend's peak counter never
+resets); the parent only plans.
 
 On a machine without a GPU the same code runs a tiny dry version (tiny presets, 2 simulated CPU devices,
 explicit attention since cuDNN is absent, few steps) so that it cannot rot; nothing it times says anything
@@ -225,7 +226,8 @@ def trace_summary(data, hlo_text: str, steps: int, wall_s: float, top_count: int
     for a, b in sorted(intervals):  # the union of the ops' intervals
         busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
     return {"source": f"jax.profiler trace of {steps} steps, {plane.name}", "wall_ms_per_step": 1e3 * wall_s / steps,
-            "busy_ms_per_step": busy / 1e6 / steps, "ms_per_step_by_kind": dict(sorted(ms.items(), key=lambda x: -x[1])),
+            "busy_ms_per_step": busy / 1e6 / steps,
+            "ms_per_step_by_kind": dict(sorted(ms.items(), key=lambda x: -x[1])),
             "top_ops_ms_per_step": dict(sorted(top.items(), key=lambda x: -x[1])[:top_count]),
             "lines": {line.name: sum(1 for _ in line.events) for line in plane.lines}}
 
@@ -502,8 +504,9 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         return out
     first = ran[0]
     cfg = on_platform(replace(cfgs[first], dtype="bfloat16", attention=attention), platform)
-    base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps, "warmup": warmup,
-                 "autotune_dir": autotune_dir and str(autotune_dir), "runs_log": runs_log and str(runs_log)}
+    base_spec = {"micro_batch": out["models"][first]["micro_batch"], "microbatches": 1, "steps": steps,
+                 "warmup": warmup, "autotune_dir": autotune_dir and str(autotune_dir),
+                 "runs_log": runs_log and str(runs_log)}
     out["sequence_sweep"] = sequence_sweep(gpu, first, cfg, devices, base_spec, {"tensor": n, "sequence_parallel": sp},
                                            isolate, peak, deadline)
     if save is not None:
@@ -543,7 +546,8 @@ def unrolled_rows(gpu: bool, cfg, policies: tuple, scanned: dict, base_spec: dic
         row = run_spec({**base_spec, "model": dataclasses.asdict(unrolled), "parallel": parallel, "remat": policy},
                        devices, isolate)
         if "median_step_s" in row:
-            row.update(throughput(unrolled, policy, base_spec["micro_batch"], 1, row["median_step_s"], len(devices), peak))
+            row.update(throughput(unrolled, policy, base_spec["micro_batch"], 1, row["median_step_s"],
+                                  len(devices), peak))
             row["step_vs_scan"] = row["median_step_s"] / scanned[policy]["median_step_s"]
             measured, scan_peak = row.get("peak_bytes_in_use"), scanned[policy].get("peak_bytes_in_use")
             row["peak_vs_scan"] = measured / scan_peak if measured and scan_peak else None
@@ -654,8 +658,8 @@ def context_check(gpu: bool, name: str, cfg, devices, base_spec: dict, isolate: 
     if n < 2 or n % 2:
         return {"skipped": f"needs an even number of devices ≥ 2; {n} here"}
     tensor = n // 2
-    out = {"model": name, "remat": SWEEP_POLICY, "mesh": f"context=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""),
-           "runs": {}}
+    out = {"model": name, "remat": SWEEP_POLICY,
+           "mesh": f"context=2 × tensor={tensor}" + (" + SP" if tensor > 1 else ""), "runs": {}}
     for strategy in ("ring", "all-gather"):
         parallel = {"context": 2, "tensor": tensor, "sequence_parallel": tensor > 1, "context_strategy": strategy}
         try:
@@ -735,8 +739,9 @@ def table(result: dict) -> str:
             continue
         lines += [f"## {name} ({m['num_params'] / 1e6:.1f} M parameters, micro-batch {m['micro_batch']} × "
                   f"{m['config']['seq_len']} tokens)", "",
-                  "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB (measured) "
-                  "| peak memory, MiB (plan) | measured / plan | peak memory, MiB (plan --target) | measured / target |",
+                  "| remat | step, s | vs none | tokens/s | model TFLOP/s per device | MFU | peak memory, MiB "
+                  "(measured) | peak memory, MiB (plan) | measured / plan | peak memory, MiB (plan --target) | "
+                  "measured / target |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for policy, r in m["policies"].items():
             if "median_step_s" not in r:
@@ -744,7 +749,8 @@ def table(result: dict) -> str:
                              f"{mib(r['predicted_peak_bytes'])} | | {mib(r.get('target_peak_bytes'))} | |")
                 continue
             lines.append(f"| {policy} | {r['median_step_s']:.4f} | {num(r['step_time_vs_none'], '.3f')} | "
-                         f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device']:.4g} | {pct(r['mfu']) or 'n/a (no peak)'} | "
+                         f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device']:.4g} | "
+                         f"{pct(r['mfu']) or 'n/a (no peak)'} | "
                          f"{mib(r['peak_bytes_in_use']) or 'n/a (no count)'} | {mib(r['predicted_peak_bytes'])} | "
                          f"{num(r['measured_over_predicted_peak'], '.3f')} | {mib(r.get('target_peak_bytes'))} | "
                          f"{num(r.get('measured_over_target_peak'), '.3f')} |")
@@ -752,7 +758,8 @@ def table(result: dict) -> str:
         unrolled = m.get("unrolled", {})
         if unrolled and "skipped" not in unrolled:
             lines += ["", "Unrolled layers (`layer_loop=unrolled`, no scan stacks) against the scanned rows above:", "",
-                      "| remat | step, s | vs scan | MFU | peak memory, MiB | vs scan |", "| --- | --- | --- | --- | --- | --- |"]
+                      "| remat | step, s | vs scan | MFU | peak memory, MiB | vs scan |",
+                      "| --- | --- | --- | --- | --- | --- |"]
             for policy, r in unrolled.items():
                 lines.append(f"| {policy} | " + (" | ".join([
                     f"{r['median_step_s']:.4f}", num(r["step_vs_scan"], ".3f"), pct(r["mfu"]) or "n/a",
@@ -786,7 +793,8 @@ def table(result: dict) -> str:
         for r in pl["runs"]:
             lines.append(f"| {r.get('schedule', '1f1b')} | {r['microbatches']} | {r['ticks']} | "
                          f"{num(r.get('median_step_s'), '.4f') or r.get('error')} | "
-                         f"{num(r.get('measured_bubble'), '.3f') or 'n/a'} | {r['schedule_bubble']:.3f} | {r['paper_bubble']:.3f} |")
+                         f"{num(r.get('measured_bubble'), '.3f') or 'n/a'} | {r['schedule_bubble']:.3f} | "
+                         f"{r['paper_bubble']:.3f} |")
         if "zb_h1_over_1f1b" in pl:
             lines += ["", f"ZB-H1's step over 1F1B's at m = 4: {pl['zb_h1_over_1f1b']:.3f}"]
         if "tick_s" in pl:
@@ -832,7 +840,8 @@ def shape_table(section: dict | None, title: str, key: str) -> list[str]:
     mesh = section.get("mesh", "the models' mesh")
     lines = [f"## {title}: {section['model']}, {mesh}, {section['remat']}", "",
              f"| {key} | micro-batch | step, s | tokens/s | MFU | peak memory, MiB (measured) | "
-             "peak memory, MiB (plan --target) | measured / target |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak memory, MiB (plan --target) | measured / target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows:
         if "median_step_s" not in r:
             lines.append(f"| {name} | {r.get('micro_batch', '')} | {r.get('skipped') or r.get('error', '')} | | | | "

@@ -75,10 +75,12 @@ def main() -> int:
                                                         xla_flags=no_command_buffers),
         "unrolled_full": lambda: run("unrolled_full", unrolled, "full"),
         "scan_none_no_command_buffers": lambda: run("scan_none_no_command_buffers", cfg, "none", **trace,
-                                                    xla_flags=no_command_buffers, hlo_path=str(out / "scan_none.hlo.gz")),
+                                                    xla_flags=no_command_buffers,
+                                                    hlo_path=str(out / "scan_none.hlo.gz")),
         "none_micro_batch_8": lambda: run("none_micro_batch_8", cfg, "none", micro_batch=8),
         "full_micro_batch_32": lambda: run("full_micro_batch_32", cfg, "full", micro_batch=32),
-        "parity": lambda: result.update(parity=gpu.parity(True, cfg, {}, {**base, "steps": 6}, parallel, devices, True)),
+        "parity": lambda: result.update(parity=gpu.parity(True, cfg, {}, {**base, "steps": 6},
+                                                          parallel, devices, True)),
     }
     for name in args.runs or runs:  # each run's result on disk as it comes
         runs[name]()

@@ -3,7 +3,8 @@ peak memory as measured, as `plan --target h100` predicts it (XLA:GPU's program,
 the CPU plan predicts it (XLA:CPU on simulated devices, what `plan` gives without --target), with each error.
 
     pip install -r requirements-gpu-target.txt
-    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md} (6 min 12 s on the 2-core machine)
+    python experiments/gpu_target.py      # writes experiments/results/gpu_target_vs_measured.{json,md}
+                                          # (6 min 12 s on the 2-core machine)
 
 Then, per remat policy, what the step compiled for the GPU does: its dot FLOPs (whole step, per layer-loop
 iteration), where its cuDNN attention calls are, what it stores per layer, and the search's time model against the
@@ -119,7 +120,8 @@ def later_runs() -> list[dict]:
     row = lambda label, cfg, policy, b, run: {"label": label, "config": cfg, "remat": policy, "micro_batch": b,
                                               "measured_bytes": run["peak_bytes_in_use"],
                                               "measured_step_s": run["median_step_s"]}
-    rows = [row(f"{p}, b={model['micro_batch']}", cfg, p, model["micro_batch"], r) for p, r in model["policies"].items()]
+    rows = [row(f"{p}, b={model['micro_batch']}", cfg, p, model["micro_batch"], r)
+            for p, r in model["policies"].items()]
     rows += [row(f"lean, s={r['seq_len']}, b={r['micro_batch']}", replace(cfg, seq_len=r["seq_len"]), "lean",
                  r["micro_batch"], r) for r in check["sequence_sweep"]["runs"]]
     followup = json.loads((LATER / "followup_1.json").read_text())["runs"]
@@ -151,15 +153,17 @@ def later_shapes(target: str = "h100") -> list[dict]:
     hw, out = HARDWARE[target], []
     for r in later_runs():
         cfg, policy, b = r["config"], r["remat"], r["micro_batch"]
-        programs = {g: gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g) for g in gpu_target.GEMMS}
+        programs = {g: gpu_target.compile_step(cfg, ParallelConfig(), policy, b, 1, target, g)
+                    for g in gpu_target.GEMMS}
         peaks = {g: aot.step_bytes(c) for g, c in programs.items()}
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
         layer = target_layers(cfg, target).layer(1, False, policy, b)
         tm = TimeModel(scan_stacks=cfg.layer_loop == "scan")
         c = Candidate(1, 1, 1, 1, b, policy, False, False, 1)
         moved = hlo_kernels.memory_bound_bytes(programs["triton"].as_text())
-        out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len, "layer_loop": cfg.layer_loop,
-                    "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"], "cublas_bytes": peaks["cublas"],
+        out.append({**{k: v for k, v in r.items() if k != "config"}, "seq_len": cfg.seq_len,
+                    "layer_loop": cfg.layer_loop, "target_bytes": max(peaks.values()), "triton_bytes": peaks["triton"],
+                    "cublas_bytes": peaks["cublas"],
                     "stored_bytes_per_layer": layer.stored_bytes, "moved_bytes_per_layer": layer.moved_bytes,
                     "memory_bound_bytes": moved, "search_bytes": search_memory.memory(cfg, c, layer, state).total_bytes,
                     "model_step_s": step_time(cfg, c, layer, state, hw, tm).total_s,
@@ -182,20 +186,22 @@ def later_table(rows: list[dict]) -> str:
              "Search: `plan --search --target`'s memory, the parts added up (`search_memory.memory`: the state's "
              "share of the peak, stored × layers, working), its layer compiled for the GPU scanned. "
              "Nothing is fitted to these runs.", "",
-             "| configuration | measured MiB | --target | error | Triton | cuBLAS | search | error | measured s | model s "
-             "| error | counted s | error | program s | error |",
+             "| configuration | measured MiB | --target | error | Triton | cuBLAS | search | error | measured s | "
+             "model s | error | counted s | error | program s | error |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['measured_bytes'] / MIB:,.0f} | {r['target_bytes'] / MIB:,.0f} | "
                      f"{error(r, 'target_bytes', 'measured_bytes')} | {r['triton_bytes'] / MIB:,.0f} | "
                      f"{r['cublas_bytes'] / MIB:,.0f} | {r['search_bytes'] / MIB:,.0f} | "
-                     f"{error(r, 'search_bytes', 'measured_bytes')} | {r['measured_step_s']:.4f} | {r['model_step_s']:.4f} | "
+                     f"{error(r, 'search_bytes', 'measured_bytes')} | {r['measured_step_s']:.4f} | "
+                     f"{r['model_step_s']:.4f} | "
                      f"{error(r, 'model_step_s', 'measured_step_s')} | {r['model_counted_step_s']:.4f} | "
                      f"{error(r, 'model_counted_step_s', 'measured_step_s')} | {r['program_step_s']:.4f} | "
                      f"{error(r, 'program_step_s', 'measured_step_s')} |")
     worst = lambda key, measured: max(abs(100 * (r[key] / r[measured] - 1)) for r in rows)
     lines += ["", f"Largest |error|: --target {worst('target_bytes', 'measured_bytes'):.1f}% (Triton's program alone "
-              f"{worst('triton_bytes', 'measured_bytes'):.1f}%), the search's parts {worst('search_bytes', 'measured_bytes'):.1f}%, "
+              f"{worst('triton_bytes', 'measured_bytes'):.1f}%), the search's parts "
+              f"{worst('search_bytes', 'measured_bytes'):.1f}%, "
               f"the time model {worst('model_step_s', 'measured_step_s'):.1f}% "
               f"(counted kernels {worst('model_counted_step_s', 'measured_step_s'):.1f}%), "
               f"the program {worst('program_step_s', 'measured_step_s'):.1f}%."]
@@ -242,7 +248,8 @@ def remat_on_gpu(target: str = "h100") -> list[dict]:
             layer = target_layers(cfg, target).layer(1, False, policy, micro_batch)
             c = Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             # the measured program ran cuDNN's attention forward again in the backward under every policy
-            replayed = 0.0 if policy == "full" else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0]
+            replayed = (0.0 if policy == "full"
+                        else cfg.layers * K.fused_attention_seconds(cfg, micro_batch, 1, policy, hw)[0])
             model = step_time(cfg, c, layer, state, hw, tm)
             on_program = program_step_time(cfg, c, layer, state, hw, tm, sum(moved.values()))
             rows.append({
@@ -273,7 +280,8 @@ def remat_table(rows: list[dict]) -> str:
              "| measured s |", "|---|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         none = next(x for x in rows if x["model"] == r["model"] and x["remat"] == "none")
-        lines.append(f"| {r['model']} | {r['remat']} | {r['dot_tflop']:.2f} | {100 * (r['dot_tflop'] / none['dot_tflop'] - 1):+.1f}% "
+        lines.append(f"| {r['model']} | {r['remat']} | {r['dot_tflop']:.2f} | "
+                     f"{100 * (r['dot_tflop'] / none['dot_tflop'] - 1):+.1f}% "
                      f"| {r['backward_layer_dot_tflop']:.3f} | {', '.join(r['backward_loop_cudnn'])} | "
                      f"{r['stored_bytes_per_layer'] / MIB:,.1f} | {r['measured_step_s']:.4f} |")
     lines += ["", "## The step time: the search's model, and the step priced on the GPU's program", "",
@@ -281,8 +289,8 @@ def remat_table(rows: list[dict]) -> str:
               "write (`hlo_kernels.kernel_bytes`: a fusion's parameters and result, a stacked buffer's slice and "
               "update only; "
               "loop bodies × their trip count), in the forward layer loop, the backward one and outside them (the "
-              "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search --target h100`'s time "
-              "model (`search_time.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the "
+              "optimizer, embedding, loss, the stacked buffers' zero fill). Model: `plan --search --target h100`'s "
+              "time model (`search_time.step_time`: GEMMs from shapes, cuDNN's attention at its published rates, the "
               "bytes the layer loops of its layer's GPU program move (`LayerCost.moved_bytes`) + its stacks' zero "
               "fill, the "
               "optimizer step); with CPU layers: the same search's time without --target (its layers compiled by "
@@ -290,8 +298,8 @@ def remat_table(rows: list[dict]) -> str:
               "scan's stacks). Program: the step priced on its compiled program "
               "(`search_time.program_step_time`, the GPU s column of `plan --search --target h100 --verify`: the "
               "same GEMMs and attention, these bytes at 0.88 of HBM bandwidth). Nothing is fitted to these runs.", "",
-              "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | model s | error "
-              "| model, CPU layers s | error | program s | error | measured s |",
+              "| model | remat | forward loop GB | backward loop GB | outside GB | total GB | vs none | model s | "
+              "error | model, CPU layers s | error | program s | error | measured s |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     gb = lambda r: sum(r["non_gemm_bytes"].values()) / 1e9
     error = lambda r, key: f"{100 * (r[key] / r['measured_step_s'] - 1):+.1f}%"
@@ -300,7 +308,8 @@ def remat_table(rows: list[dict]) -> str:
         m = r["non_gemm_bytes"]
         lines.append(f"| {r['model']} | {r['remat']} | {m['forward'] / 1e9:.1f} | {m['backward'] / 1e9:.1f} | "
                      f"{m['outside'] / 1e9:.1f} | {gb(r):.1f} | {gb(r) - gb(none):+.1f} | {r['model_step_s']:.4f} | "
-                     f"{error(r, 'model_step_s')} | {r['model_cpu_layers_step_s']:.4f} | {error(r, 'model_cpu_layers_step_s')} | "
+                     f"{error(r, 'model_step_s')} | {r['model_cpu_layers_step_s']:.4f} | "
+                     f"{error(r, 'model_cpu_layers_step_s')} | "
                      f"{r['program_step_s']:.4f} | {error(r, 'program_step_s')} | "
                      f"{r['measured_step_s']:.4f} |")
     spread = lambda key: {m: max(e) - min(e) for m in dict.fromkeys(r["model"] for r in rows) for e in [
@@ -320,9 +329,10 @@ def table(rows: list[dict], target: str, jax_version: str) -> str:
              f"Measured: one H100 80GB HBM3, JAX 0.11.2, bf16, cuDNN attention (called as it is, before "
              f"models/cudnn_attention.py), micro-batch 4 × 2048 tokens "
              f"({MEASURED.relative_to(ROOT)}). `--target {target}`: the whole donated train step compiled for the "
-             f"{target.upper()} on this CPU-only machine with jax {jax_version} and its CUDA plugin (argument + output + temp − "
-             f"alias; the larger of its programs with Triton's and cuBLAS's GEMMs, `gpu_target.step_bytes`). CPU plan: `plan` without "
-             f"--target (XLA:CPU, simulated devices). MiB per device.", "",
+             f"{target.upper()} on this CPU-only machine with jax {jax_version} and its CUDA plugin (argument + "
+             f"output + temp − "
+             f"alias; the larger of its programs with Triton's and cuBLAS's GEMMs, `gpu_target.step_bytes`). CPU "
+             f"plan: `plan` without --target (XLA:CPU, simulated devices). MiB per device.", "",
              "| model | remat | measured | --target h100 | error | CPU plan | error | search --target | error "
              "| search (CPU) | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -332,9 +342,11 @@ def table(rows: list[dict], target: str, jax_version: str) -> str:
     worst = max(abs(r["target_error"]) for r in rows)
     lines += ["", f"Largest |error| of --target {target}: {100 * worst:.1f}%; of the CPU plan: "
               f"{100 * max(abs(r['cpu_plan_error']) for r in rows):.1f}%; of the search --target: "
-              f"{100 * max(abs(r['search_target_error']) for r in rows):.1f}%. The search (`plan --search`, this one-GPU "
+              f"{100 * max(abs(r['search_target_error']) for r in rows):.1f}%. The search (`plan --search`, this "
+              "one-GPU "
               "configuration) adds its parts up (the state's share of the peak, `memory.State.at_peak`: the compute "
-              "copy's gradients in bf16 where the float32 ones are not made yet; + stored × layers + working), its layers compiled for the GPU "
+              "copy's gradients in bf16 where the float32 ones are not made yet; + stored × layers + working), its "
+              "layers compiled for the GPU "
               "(--target) or by XLA:CPU; with --target it then holds its best configurations to their whole train "
               "steps compiled for the GPU (`--verify`, 3 by default), here the program of the --target column."]
     return "\n".join(lines) + "\n"

@@ -71,7 +71,8 @@ def main() -> int:
             slot = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in stash) // parallel.data
             rows.append({
                 "schedule": sched.name, "p": P, "v": v, "m": m, "ticks": sched.ticks, "idle_ticks": sched.idle_ticks,
-                "bubble": sched.bubble, "paper_bubble": sched.paper_bubble, "stage0_chunks_in_flight": sched.in_flight(0),
+                "bubble": sched.bubble, "paper_bubble": sched.paper_bubble,
+                "stage0_chunks_in_flight": sched.in_flight(0),
                 "stash_slots": sched.depths["stash"], "stash_slot_bytes": slot,
                 "in_flight_activation_bytes": slot * sched.depths["stash"],
                 "temp_bytes": mem.temp_size_in_bytes,
@@ -265,7 +266,8 @@ def overhead() -> int:
                 cost = compiled.cost_analysis()
                 cost = cost[0] if isinstance(cost, (list, tuple)) else cost
                 row.update({
-                    "ticks": sched.ticks, "idle_ticks_per_stage": sched.idle_ticks, "busy_ticks_per_stage": sched.busy_ticks,
+                    "ticks": sched.ticks, "idle_ticks_per_stage": sched.idle_ticks,
+                    "busy_ticks_per_stage": sched.busy_ticks,
                     "executed_dot_flops_per_stage": per_stage,
                     "outside_loop_dot_flops_per_device": outside,
                     "executed_dot_flops": sum(per_stage) + sched.p * outside,
@@ -324,12 +326,12 @@ def overhead_markdown(r: dict) -> str:
         for row in s["rows"]:
             flops = (f"{row['executed_dot_flops'] / 1e9:.4f} / {row['unpipelined_dot_flops'] / 1e9:.4f} GFLOP "
                      f"({row['flop_overhead_pct']:+.3f}%)" if "ticks" in row else "-")
-            lines.append(f"| {row['config']} | {row.get('ticks', '-')} | {row.get('idle_ticks_per_stage', '-')} | {flops} "
-                         f"| {row['cpu_s']:.3f} | {row['cpu_over_unpipelined']:.2f} | "
+            lines.append(f"| {row['config']} | {row.get('ticks', '-')} | {row.get('idle_ticks_per_stage', '-')} | "
+                         f"{flops} | {row['cpu_s']:.3f} | {row['cpu_over_unpipelined']:.2f} | "
                          + (f"{1e3 * row['extra_cpu_s_per_tick']:.2f}" if "ticks" in row else "-")
                          + f" | {row['wall_s']:.3f} | {row['loss']:.6f} |")
-        lines += ["", "What one tick does outside its switch branch, per device, from the compiled tick loop (ops and the "
-                      "bytes they write; every tick, whatever the branch):", "",
+        lines += ["", "What one tick does outside its switch branch, per device, from the compiled tick loop (ops and "
+                      "the bytes they write; every tick, whatever the branch):", "",
                   "| config | ppermute sends | stash/receive slot writes | slot reads | gradient accumulation (of it "
                   "embedding/final LN) | whole-buffer copies | forward branch dot FLOPs | backward branch dot FLOPs |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -342,7 +344,8 @@ def overhead_markdown(r: dict) -> str:
             lines.append(f"| {row['config']} | {n['ppermute']} = {b['ppermute'] / 1024:.1f} KiB | "
                          f"{n['slot_writes']} = {b['slot_writes'] / 1024:.1f} KiB | {n['slot_reads']} = "
                          f"{b['slot_reads'] / 1024:.1f} KiB | {n['grad_accumulation']} = "
-                         f"{b['grad_accumulation'] / 1024:.1f} KiB ({b.get('grad_accumulation_non_layer', 0) / 1024:.1f}) | "
+                         f"{b['grad_accumulation'] / 1024:.1f} KiB "
+                         f"({b.get('grad_accumulation_non_layer', 0) / 1024:.1f}) | "
                          f"{n.get('buffer_copies', 0)} = {b.get('buffer_copies', 0) / 1024:.1f} KiB | "
                          f"{br['forward'] / 1e6:.2f} M | "
                          f"{br['backward'] / 1e6:.2f} M |")
@@ -384,7 +387,8 @@ def paper_anatomy_markdown() -> list[str]:
              f"`python experiments/pipeline.py anatomy` compiles the pipelined step on 64 simulated devices with {k_c} "
              f"layers per chunk (nothing runs) and reads one tick; below, the bytes scaled to the real {k} layers per "
              "chunk where they scale with it. The time columns are estimates, not measurements: bytes × 2 (read and "
-             f"write) at {H100_HBM_BYTES_S / 1e12:.2f} TB/s against the tick's dot FLOPs at {h100_bf16_flops / 1e12:.0f} "
+             f"write) at {H100_HBM_BYTES_S / 1e12:.2f} TB/s against the tick's dot FLOPs at "
+             f"{h100_bf16_flops / 1e12:.0f} "
              "TFLOP/s (H100 SXM spec-sheet peaks; real kernels reach less of both).", "",
              f"| per tick, per device | bytes written at {k} layers/chunk | est. ms |", "| --- | --- | --- |"]
     total = 0.0
@@ -397,7 +401,8 @@ def paper_anatomy_markdown() -> list[str]:
               f"| forward branch: {br[1] * scale / 1e12:.1f} TFLOP of dots | | {fwd:.1f} |",
               f"| backward branch: {br[4] * scale / 1e12:.1f} TFLOP of dots | | {bwd:.1f} |", "",
               f"So at GPT-3 175B the executor's per-tick traffic is ~{100 * total / fwd:.0f}% of a forward tick's and "
-              f"~{100 * total / bwd:.0f}% of a backward tick's matmul time at peak (every tick pays it, idle ones too).",
+              f"~{100 * total / bwd:.0f}% of a backward tick's matmul time at peak (every tick pays it, idle ones "
+              "too).",
               ""]
     return lines
 
@@ -420,8 +425,8 @@ OVERHEAD_READING = [
     "- **Cheap cuts** (not made here: the executor is being changed in parallel; each needs checking that XLA keeps "
     "the buffer in place under a `lax.cond`): add a chunk's weight gradients only on backward ticks (a `lax.cond` "
     "on the branch around the in-place add, or the add of the one chunk inside the backward branch): "
-    "(2m + 2(p − 1))/m = 2–4× less accumulator traffic (v = 1); write the stash slot only on forward ticks and read it only "
-    "on backward ticks: half the stash traffic; add the embedding / final-LN gradients only on the first chunk's "
+    "(2m + 2(p − 1))/m = 2–4× less accumulator traffic (v = 1); write the stash slot only on forward ticks and read it "
+    "only on backward ticks: half the stash traffic; add the embedding / final-LN gradients only on the first chunk's "
     "backward and the last chunk's forward. The ppermutes (24 MiB per tick at 175B) are negligible. The first "
     "and third were tried on a copy of the executor (h = 256, 1F1B, p = 4, m = 8: a `lax.cond` on the branch "
     "number around each of the two accumulations in `tick`): XLA:CPU kept both accumulators in place (no buffer "
@@ -479,7 +484,8 @@ def refresh_anatomy() -> int:
 
 def report() -> int:
     """`python experiments/pipeline.py report`: pipeline_overhead.md again from pipeline_overhead.json."""
-    (RESULTS / "pipeline_overhead.md").write_text(overhead_markdown(json.loads((RESULTS / "pipeline_overhead.json").read_text())))
+    (RESULTS / "pipeline_overhead.md").write_text(
+        overhead_markdown(json.loads((RESULTS / "pipeline_overhead.json").read_text())))
     return 0
 
 
@@ -616,12 +622,14 @@ def stash(label: str) -> int:
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PS()))
         compiled = PL.make_loss_and_grad(layout, remat, m).lower(params, batch, key).compile()
         k = cfg.layers // (parallel.pipe * parallel.virtual_stages)
-        return {**stash_traffic(compiled.as_text(), sched, k), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+        return {**stash_traffic(compiled.as_text(), sched, k),
+                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
     rows = {}
     for name, (overrides, schedule, v) in STASH_CONFIGS.items():
         cfg = replace(preset("tiny"), layers=8, dtype="float32", **overrides)
-        parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=schedule, virtual_stages=v)
+        parallel = ParallelConfig(data=2, tensor=1, sequence_parallel=False, pipe=P, schedule=schedule,
+                                  virtual_stages=v)
         rows[name] = measure(cfg, parallel, OVERHEAD_M, MICRO, "selective")
         print(label, name, rows[name], flush=True)
     p, t, k_c = 8, 8, 2
@@ -648,7 +656,8 @@ def stash_markdown(results: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in results.items():
         for name, row in r["rows"].items():
-            lines.append(f"| {label} | {name} | {row['ticks']} ({row['forward_ticks']}) | {row['slot_bytes'] / 2**20:.2f} MiB "
+            lines.append(f"| {label} | {name} | {row['ticks']} ({row['forward_ticks']}) | "
+                         f"{row['slot_bytes'] / 2**20:.2f} MiB "
                          f"| {row['read_bytes'] / 2**20:.1f} MiB | {row['write_bytes'] / 2**20:.1f} MiB "
                          f"| {row['temp_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(lines) + "\n"
@@ -657,4 +666,5 @@ def stash_markdown(results: dict) -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["stash"]:
         sys.exit(stash(sys.argv[2]))
-    sys.exit({"overhead": overhead, "overhead-anatomy": refresh_anatomy, "anatomy": paper_anatomy, "report": report}.get((sys.argv[1:] or [""])[0], main)())
+    sys.exit({"overhead": overhead, "overhead-anatomy": refresh_anatomy, "anatomy": paper_anatomy,
+              "report": report}.get((sys.argv[1:] or [""])[0], main)())

@@ -28,7 +28,8 @@ PAPER_MIB = {
     "megatron-22b": {"none": 6752, "tp": 1264, "tp+sp": 844, "tp+selective": 624, "tp+sp+selective": 204, "full": 96},
     "gpt3-175b": {"none": 2736, "tp": 552, "tp+sp": 342, "tp+selective": 312, "tp+sp+selective": 102, "full": 48},
     "mt-nlg-530b": {"none": 3920, "tp": 840, "tp+sp": 490, "tp+selective": 520, "tp+sp+selective": 170, "full": 80},
-    "megatron-1t": {"none": 4900, "tp": 1050, "tp+sp": 612.5, "tp+selective": 650, "tp+sp+selective": 212.5, "full": 100},
+    "megatron-1t": {"none": 4900, "tp": 1050, "tp+sp": 612.5, "tp+selective": 650, "tp+sp+selective": 212.5,
+                    "full": 100},
 }
 FIGURE7 = ("tp+sp", "tp+selective", "tp+sp+selective", "tp+sp+lean", "full+sp")
 MIB = 2**20
@@ -109,14 +110,16 @@ def markdown(plans: dict, times: dict[str, list[float]], repeats: int) -> str:
              "| --- |" + " --- |" * (len(PAPER_MIB["gpt3-175b"]) + 1)]
     for name, (p, *_) in plans.items():
         cells = [f"{p.row(c).measured_bytes_per_layer / MIB:.1f} / {PAPER_MIB[name][c]:g}" for c in PAPER_MIB[name]]
-        cells.append(f"{p.row('full+sp').measured_bytes_per_layer / MIB:.1f} / {p.row('full+sp').formula_bytes_per_layer / MIB:g}")
+        cells.append(f"{p.row('full+sp').measured_bytes_per_layer / MIB:.1f} / "
+                     f"{p.row('full+sp').formula_bytes_per_layer / MIB:g}")
         lines.append(f"| {name} (b={p.micro_batch}) | " + " | ".join(cells) + " |")
     lines += ["", "## Measured / formula ratio (Table 2, and 2sbh/t for full+sp)", "",
               "| model | " + " | ".join(P_CONFIGS()) + " |", "| --- |" + " --- |" * len(P_CONFIGS())]
     for name, (p, *_) in plans.items():
         lines.append(f"| {name} | " + " | ".join(f"{p.row(c).ratio:.4f}" for c in P_CONFIGS()) + " |")
     lines += ["", "## Every policy: stored MiB per layer, % of TP, recompute FLOPs overhead (cost analysis)", "",
-              "| model | config | stored MiB | % of TP | TFLOP per layer | recompute overhead | collective MiB per layer |",
+              "| model | config | stored MiB | % of TP | TFLOP per layer | recompute overhead | "
+              "collective MiB per layer |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, (p, *_) in plans.items():
         tp = p.row("tp").measured_bytes_per_layer
@@ -170,7 +173,8 @@ def plots(plans: dict, times: dict[str, list[float]]) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(FIGURE7)
     for i, c in enumerate(FIGURE7):
-        vals = [100 * plans[n][0].row(c).measured_bytes_per_layer / plans[n][0].row("tp").measured_bytes_per_layer for n in names]
+        vals = [100 * plans[n][0].row(c).measured_bytes_per_layer / plans[n][0].row("tp").measured_bytes_per_layer
+                for n in names]
         bars = ax.bar(x + (i - (len(FIGURE7) - 1) / 2) * width, vals, width, label=c)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.axhline(100, color="k", lw=0.8, ls="--", label="tp (baseline)")
@@ -188,7 +192,8 @@ def plots(plans: dict, times: dict[str, list[float]]) -> None:
     width = 0.8 / len(names)
     for i, n in enumerate(names):
         p = plans[n][0]
-        vals = [next(r for r in p.rows if r.sequence_parallel and r.remat == pol).recompute_overhead_pct for pol in policies]
+        vals = [next(r for r in p.rows if r.sequence_parallel and r.remat == pol).recompute_overhead_pct
+                for pol in policies]
         ax1.bar(np.arange(len(policies)) + (i - (len(names) - 1) / 2) * width, vals, width, label=n)
     ax1.set_xticks(np.arange(len(policies)), policies, rotation=20)
     ax1.set_ylabel("extra FLOPs per layer vs none, %")

@@ -1,10 +1,11 @@
 """What `lax.scan`'s stacked buffers cost a GPU step: the train step of each configuration the H100 measured
 (experiments/results/gpu_h100_2026-11-26/), compiled for the H100 on this CPU-only machine twice, its layers under
 `lax.scan` and unrolled (`layer_loop="unrolled"`: a Python loop over the layers, each under the same
-`jax.checkpoint` policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its memory-bound
-kernels move (`hlo_kernels.memory_bound_bytes`) and the step priced on that program (`search_time.program_step_time`, within
-3.8% of every H100 step measured). Beside them, what the search's time model says the scan's stacks move
-(`kernel_time.scan_stack_bytes`: 5 passes over each layer's stored bytes, 3 copies of its weights).
+`jax.checkpoint` policy with `prevent_cse=True`), and for each: the peak per device (`aot.step_bytes`), the bytes its
+memory-bound kernels move (`hlo_kernels.memory_bound_bytes`) and the step priced on that program
+(`search_time.program_step_time`, within 3.8% of every H100 step measured). Beside them, what the search's time model
+says the scan's stacks move (`kernel_time.scan_stack_bytes`: 5 passes over each layer's stored bytes, 3 copies of its
+weights).
 
     pip install -r requirements-gpu-target.txt
     python experiments/scan_stacks.py      # writes experiments/results/scan_stacks.{json,md} (about 3 minutes)
@@ -68,10 +69,11 @@ def table(rows: list[dict], jax_version: str) -> str:
     lines = ["# What the scan's stacked buffers cost a GPU step (`python experiments/scan_stacks.py`)", "",
              f"The train step of each configuration the H100 measured (micro-batch 4 × 2048 tokens, bf16, cuDNN "
              f"attention, one GPU), compiled for the H100 on the CPU-only machine (jax {jax_version} and its CUDA "
-             "plugin), its layers under `lax.scan` (the default) and unrolled (`--layer-loop unrolled`: a Python loop, `prevent_cse=True`). Peak: "
+             "plugin), its layers under `lax.scan` (the default) and unrolled (`--layer-loop unrolled`: a Python loop, "
+             "`prevent_cse=True`). Peak: "
              "argument + output + temp − alias, MiB per device. Moved: GB per step its memory-bound kernels read and "
-             "write (`hlo_kernels.memory_bound_bytes`). Step: priced on the program (`search_time.program_step_time`: the "
-             "GEMMs and cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of "
+             "write (`hlo_kernels.memory_bound_bytes`). Step: priced on the program (`search_time.program_step_time`: "
+             "the GEMMs and cuDNN's attention from shapes, the moved bytes at 0.88 of HBM bandwidth; within 3.8% of "
              "every H100 step "
              "measured with the scan). Model: the bytes the search's time model says the stacks move "
              "(`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights, "
@@ -83,7 +85,8 @@ def table(rows: list[dict], jax_version: str) -> str:
         s, u = r["scan"], r["unrolled"]
         lines.append(f"| {r['model']} | {r['remat']} | {s['peak_bytes'] / MIB:,.0f} | {u['peak_bytes'] / MIB:,.0f} | "
                      f"{s['memory_bound_bytes'] / 1e9:.1f} | {u['memory_bound_bytes'] / 1e9:.1f} | "
-                     f"{(s['memory_bound_bytes'] - u['memory_bound_bytes']) / 1e9:.1f} | {r['model_stack_bytes'] / 1e9:.1f} | "
+                     f"{(s['memory_bound_bytes'] - u['memory_bound_bytes']) / 1e9:.1f} | "
+                     f"{r['model_stack_bytes'] / 1e9:.1f} | "
                      f"{s['program_step_s']:.4f} | {u['program_step_s']:.4f} | "
                      f"{100 * (u['program_step_s'] / s['program_step_s'] - 1):+.1f}% |")
     return "\n".join(lines) + "\n"
@@ -97,7 +100,8 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT / "experiments"))
     rows = measure()
-    out = {"jax_version": jax.__version__, "target": "h100", "units": "bytes per device, seconds per step", "rows": rows}
+    out = {"jax_version": jax.__version__, "target": "h100", "units": "bytes per device, seconds per step",
+           "rows": rows}
     (RESULTS / "scan_stacks.json").write_text(json.dumps(out, indent=1) + "\n")
     text = table(rows, jax.__version__)
     (RESULTS / "scan_stacks.md").write_text(text)

@@ -82,20 +82,24 @@ def measure_model(model: str, configurations: dict) -> list[dict]:
         parts = memory.total_bytes
         counted = state_bytes(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
                               c.distributed_optimizer, c.pipe, c.fsdp)
-        step = gpu_target.compile_step(cfg, candidate_parallel(c), c.remat, c.micro_batch, c.microbatches, TARGET)  # Triton's
+        step = gpu_target.compile_step(cfg, candidate_parallel(c), c.remat, c.micro_batch, c.microbatches,
+                                       TARGET)  # Triton's
         rows.append({"model": model, "configuration": label, "candidate": c.label(), "parts_bytes": parts,
                      "held_copy_bytes": memory.held_copy_bytes,
                      "float32_gradients_bytes": parts + counted.gradients - counted.loop_gradients,
                      "compiled_bytes": aot.step_bytes(step), "seconds": time.perf_counter() - start})
-        print(f"{label}: parts {parts / MIB:,.0f} MiB, compiled {rows[-1]['compiled_bytes'] / MIB:,.0f} MiB", flush=True)
+        print(f"{label}: parts {parts / MIB:,.0f} MiB, compiled {rows[-1]['compiled_bytes'] / MIB:,.0f} MiB",
+              flush=True)
     return rows
 
 
 def table(rows: list[dict], jax_version: str) -> str:
     error = lambda r, key: f"{100 * (r[key] / r['compiled_bytes'] - 1):+.1f}%"
-    lines = ["# The search's memory against the whole step compiled for the H100 (`python experiments/search_memory.py`)",
+    lines = ["# The search's memory against the whole step compiled for the H100 "
+             "(`python experiments/search_memory.py`)",
              "", f"Each model's layer, {LAYERS} layers, s = 2048 (Llama 3 8B: 8192), bf16, cuDNN attention where the "
-             f"layout runs it; jax {jax_version} and its CUDA plugin, no GPU. Compiled: the whole donated train step for "
+             f"layout runs it; jax {jax_version} and its CUDA plugin, no GPU. Compiled: the whole donated train step "
+             "for "
              f"the {TARGET.upper()} (argument + output + temp − alias, Triton's GEMMs: what the parts' layer programs "
              "compile). Parts: `plan --search --target`'s memory (`search_memory.memory`); of them, accumulating "
              "(m > 1, no "
@@ -103,7 +107,8 @@ def table(rows: list[dict], jax_version: str) -> str:
              "(`search_memory.accumulation_held_copy_bytes`). float32 gradients: the same parts with the state "
              "counted as "
              "before `memory.State.at_peak`. MiB per device.", "",
-             "| model | configuration | candidate | compiled | parts | error | of them, held copy | float32 gradients | error |",
+             "| model | configuration | candidate | compiled | parts | error | of them, held copy | float32 gradients "
+             "| error |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['configuration']} | `{r['candidate']}` | {r['compiled_bytes'] / MIB:,.0f} | "
@@ -122,7 +127,8 @@ def main() -> int:
     import jax
 
     rows = measure()
-    out = {"jax_version": jax.__version__, "target": TARGET, "layers": LAYERS, "units": "bytes per device", "rows": rows}
+    out = {"jax_version": jax.__version__, "target": TARGET, "layers": LAYERS, "units": "bytes per device",
+           "rows": rows}
     (RESULTS / "search_memory.json").write_text(json.dumps(out, indent=1) + "\n")
     (RESULTS / "search_memory.md").write_text(table(rows, jax.__version__))
     print(table(rows, jax.__version__))

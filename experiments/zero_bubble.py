@@ -48,7 +48,8 @@ def searches() -> int:
             argv = [sys.executable, "-m", "jaxseq.plan", "--search", "--preset", model, *args, "--hardware", "h100",
                     "--context-sizes", "1", "--remat-policies", "selective,full", "--micro-batch-sizes", "1",
                     "--schedules", "1f1b,zb-h1", "--json", "--top", "1000", *(["--lockstep"] if lockstep else [])]
-            ranked = json.loads(subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True).stdout)["ranked"]
+            ranked = json.loads(
+                subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True).stdout)["ranked"]
             best = {}
             for rank, e in enumerate(ranked, 1):
                 best.setdefault(e["schedule"] if e["pipe"] > 1 else "no pipeline", (rank, e))
@@ -104,7 +105,8 @@ def main() -> int:
             f, b = flops[Branch.FORWARD], flops[Branch.BACKWARD]
             w = flops[Branch.WEIGHT] if sched.split_backward else 0.0
             split = (f, b, w) if sched.split_backward else (f, b, 0.0)  # an unsplit B's cost is its whole backward
-            collectives = sorted({i.opcode for i in comps[body] if i.opcode.startswith(("all-", "collective", "reduce-"))})
+            collectives = sorted({i.opcode for i in comps[body]
+                                  if i.opcode.startswith(("all-", "collective", "reduce-"))})
             rows.append({
                 "schedule": schedule, "v": v, "m": m, "ticks": sched.ticks,
                 "trip_count": hlo_loops.while_loop(comps, sched.ticks).trip_count(),
@@ -126,14 +128,15 @@ def main() -> int:
 
 
 def report(rows) -> str:
-    lines = ["# ZB-H1, one and two chunks per stage, beside 1F1B and interleaved 1F1B (compiled, 8 simulated devices)", "",
+    lines = ["# ZB-H1, one and two chunks per stage, beside 1F1B and interleaved 1F1B (compiled, 8 simulated devices)",
+             "",
              f"`python experiments/zero_bubble.py`: GPT-2 124M's shapes with {LAYERS} layers, s = 256, micro-batch "
              f"{MICRO}, pipe = {P} × tensor = {T} + SP, selective recompute, bf16. Dot FLOPs per device from XLA's "
              "compiled tick-loop branches; the lock-step time is Σ over ticks of the slowest stage's branch FLOPs "
              "(a model: dots at one rate, nothing else), divided by the ideal m·v·(F + B + W). Formula: the papers' "
              "(p − 1)/m, (p − 1)/(v·m) interleaved, (p − 1)/(3m) for ZB-H1; ZB-H1 over v chunks: (p − 1)/(3·v·m).", "",
-             "| schedule | m | ticks (= trip count) | bubble in ticks | formula | F / B / W GFLOP per device | lock-step "
-             "time / ideal | stage 0 in flight | W stash slots | step MiB per device |",
+             "| schedule | m | ticks (= trip count) | bubble in ticks | formula | F / B / W GFLOP per device | "
+             "lock-step time / ideal | stage 0 in flight | W stash slots | step MiB per device |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fl = r["branch_dot_flops"]

@@ -15,7 +15,8 @@ def main(argv=None) -> int:
                             description="Print a pipeline schedule's per-stage timeline and its bubble.")
     ap.add_argument("--pipe", type=int, required=True, help="pipeline stages p")
     ap.add_argument("--microbatches", type=int, required=True, help="micro-batches per step m")
-    ap.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved, or zb-h1 over v chunks)")
+    ap.add_argument("--virtual-stages", type=int, default=1,
+                    help="chunks per stage v (interleaved, or zb-h1 over v chunks)")
     ap.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     ap.add_argument("--layers", type=int, help="model layers, to print each chunk's layers")
     args = ap.parse_args(argv)

@@ -58,8 +58,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # One compilation cache for this session's pytest processes (and the commands a test starts with
 # `commands.env(cache=True)`): a program that another test or the other xdist worker already compiled (in a
-# quarter of a second or more) is loaded, not compiled again; the tiny preset's training runs, for one, share their train step. The first
-# process (the xdist controller) makes the directory, the workers inherit it, and the maker removes it.
+# quarter of a second or more) is loaded, not compiled again; the tiny preset's training runs, for one, share their
+# train step. The first process (the xdist controller) makes the directory, the workers inherit it, and the maker
+# removes it.
 CACHE_VARIABLE = "JAXSEQ_TESTS_COMPILATION_CACHE"
 MADE_CACHE = CACHE_VARIABLE not in os.environ
 if MADE_CACHE:
@@ -93,11 +94,12 @@ jax_compiler.compile_or_get_cached = compile_branching_collectives_uncached(jax_
 # module (longest-processing-time-first: the idle tail is at most the shortest modules'). The order, estimated
 # from `--durations` of the whole suite and the fast tier (2026-11-27), moves no test between modules and changes no
 # test; modules not listed follow in their usual order.
-LONGEST_FIRST = ["test_layouts", "test_context", "test_pipeline", "test_plan", "test_distributed", "test_search", "test_resume",
-                 "test_fsdp", "test_zero_bubble", "test_llama", "test_bfloat16", "test_train", "test_distributed_optimizer",
-                 "test_pipeline_train", "test_llama_memory", "test_gpu_check", "test_checkpoint", "test_memory",
-                 "test_parallel", "test_step_loop", "test_train_step", "test_generate", "test_flops", "test_convert",
-                 "test_llama_reference", "test_context_overlap", "test_long_sequences", "test_ops_grad"]
+LONGEST_FIRST = ["test_layouts", "test_context", "test_pipeline", "test_plan", "test_distributed", "test_search",
+                 "test_resume", "test_fsdp", "test_zero_bubble", "test_llama", "test_bfloat16", "test_train",
+                 "test_distributed_optimizer", "test_pipeline_train", "test_llama_memory", "test_gpu_check",
+                 "test_checkpoint", "test_memory", "test_parallel", "test_step_loop", "test_train_step",
+                 "test_generate", "test_flops", "test_convert", "test_llama_reference", "test_context_overlap",
+                 "test_long_sequences", "test_ops_grad"]
 
 
 def pytest_collection_modifyitems(items):

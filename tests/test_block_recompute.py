@@ -164,7 +164,8 @@ def test_the_search_adds_each_unfitting_policys_fewest_full_layers_that_fit():
         plain = {p: evaluate(SEARCH_CFG, r, swap(e.candidate, remat=p), costs) for p in (first, rest)}
         assert first == "full" and plain["full"].fits and not plain[rest].fits and 1 <= n < k
         stored = costs_of(SEARCH_CFG, plain[rest].candidate, costs)[0].stored_bytes
-        fewer = block_memory(plain[rest].memory, plain["full"].memory, stored, n - 1, k) if n > 1 else plain[rest].memory
+        fewer = (block_memory(plain[rest].memory, plain["full"].memory, stored, n - 1, k) if n > 1
+                 else plain[rest].memory)
         assert fewer.total_bytes > r.budget_bytes
         assert plain[rest].time.total_s <= e.time.total_s <= plain["full"].time.total_s or \
             plain["full"].time.total_s <= e.time.total_s <= plain[rest].time.total_s

@@ -48,8 +48,8 @@ def test_restore_on_another_tensor_size_repads_the_vocabulary(devices, tmp_path)
     src = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     _, state = _state(src, devices)
     _save(str(tmp_path), 3, state)
-    for dst, used in ((ParallelConfig(data=4, tensor=2, sequence_parallel=True), devices), (ParallelConfig(data=1,
-                                                                                                           tensor=1), devices[:1])):
+    for dst, used in ((ParallelConfig(data=4, tensor=2, sequence_parallel=True), devices),
+                      (ParallelConfig(data=1, tensor=1), devices[:1])):
         abstract, shardings, mesh = _target(dst, used)
         restored, meta = C.restore(C.manager(str(tmp_path)), abstract, shardings, mesh)
         assert meta["data_position"] == 3
@@ -192,7 +192,8 @@ def test_a_resume_past_a_damaged_step_sets_it_aside_and_saves_it_again(tmp_path,
         run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--run-dir", run_dir, "--resume")
     aside = os.path.join(os.path.abspath(checkpoints), "unreadable", "4")
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # one, nothing else
-    assert len(lines) == 1 and lines[0].startswith(f"checkpoint step 4 set aside in {aside} (unreadable: JSONDecodeError: ")
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint step 4 set aside in {aside} "
+                                                   "(unreadable: JSONDecodeError: ")
     assert lines[0].endswith("; the run resumes from step 2)")
     assert os.path.isdir(aside)
     assert sorted(os.listdir(checkpoints)) == ["2", "4", "6", "unreadable"]
@@ -241,7 +242,8 @@ def test_asyncio_unretrieved_reads_are_dropped_futures_and_tasks_alike(caplog):
         for kind in ("Future", "Task"):
             logging.getLogger("asyncio").error(f"{kind} exception was never retrieved",
                                                exc_info=(ValueError, damaged, None))
-        logging.getLogger("asyncio").error("Task exception was never retrieved", exc_info=(TypeError, TypeError(), None))
+        logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                           exc_info=(TypeError, TypeError(), None))
     assert [r.exc_info[0] for r in caplog.records] == [TypeError]
 
 
@@ -254,7 +256,8 @@ def test_incompatible_model_is_refused():
 def _abstract_params(cfg, parallel, devices):
     mesh = make_mesh(parallel, devices)
     return jax.tree.map(lambda shape, spec: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec)),
-                        M.param_shapes(cfg, parallel.tensor), M.param_specs(cfg, parallel), is_leaf=lambda x: isinstance(x, tuple))
+                        M.param_shapes(cfg, parallel.tensor), M.param_specs(cfg, parallel),
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def test_restore_params_reads_the_params_alone_onto_another_mesh(devices, tmp_path):
@@ -275,8 +278,10 @@ def test_restore_params_reads_the_params_alone_onto_another_mesh(devices, tmp_pa
                                       np.asarray(state.params["embed"]["position"])[:16])
         for a, b in zip(jax.tree.leaves(params["layers"]), jax.tree.leaves(state.params["layers"])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for other, named in ((replace(CFG, layers=4), r"layers\.attn\.out\.bias has shape \(2, 64\), the model needs \(4, 64\)"),
-                         (replace(CFG, seq_len=128), r"embed\.position has shape \(64, 64\), the model needs \(128, 64\)")):
+    for other, named in ((replace(CFG, layers=4),
+                          r"layers\.attn\.out\.bias has shape \(2, 64\), the model needs \(4, 64\)"),
+                         (replace(CFG, seq_len=128),
+                          r"embed\.position has shape \(64, 64\), the model needs \(128, 64\)")):
         with pytest.raises(ConfigError, match=named):
             C.restore_params(mgr, 3, _abstract_params(other, ParallelConfig(), devices[:1]))
 
@@ -295,7 +300,8 @@ def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(devices, tmp_pat
         _save(rundir.checkpoint_dir(str(tmp_path)), step, state)
     shutil.rmtree(tmp_path / "checkpoints" / "4" / "state" / "d")  # the newest one's array data
     mesh = make_mesh(parallel, devices)
-    with pytest.raises(ConfigError, match=r"checkpoint step 4 of .* is unreadable \(.*\); an earlier one: .*checkpoints/2$"):
+    with pytest.raises(ConfigError,
+                       match=r"checkpoint step 4 of .* is unreadable \(.*\); an earlier one: .*checkpoints/2$"):
         rundir.restore(str(tmp_path), parallel, mesh)
     assert rundir.restore(str(tmp_path / "checkpoints" / "2"), parallel, mesh).step == 2
 

@@ -161,7 +161,8 @@ _TWO_REDUCTIONS = """HloModule m
 
 ENTRY %main (init: (s32[], f32[4,8], f32[2,8])) -> (s32[], f32[4,8], f32[2,8]) {
   %init = (s32[], f32[4,8]{1,0}, f32[2,8]{1,0}) parameter(0)
-  ROOT %w = (s32[], f32[4,8]{1,0}, f32[2,8]{1,0}) while(%init), body=%body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %w = (s32[], f32[4,8]{1,0}, f32[2,8]{1,0}) while(%init), body=%body, \
+backend_config={"known_trip_count":{"n":"2"}}
 }
 """
 

@@ -69,7 +69,8 @@ def test_logits_match_transformers(hf_model, converted, devices, mesh_shape):
     data, tensor, sp = mesh_shape
     ref = reference_logits(hf_model[0], TOKENS)
     cfg, params = conversion.load(converted)
-    assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype, cfg.ln_eps) == (VOCAB, POSITIONS, 0.0, "float32", LN_EPS)
+    assert (cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.dtype, cfg.ln_eps) == (VOCAB, POSITIONS, 0.0, "float32",
+                                                                                 LN_EPS)
     # Read onto every device (8), tensor-parallel as far as the 4 heads split: the vocabulary padded for tensor=4.
     assert params["embed"]["token"].shape[0] == cfg.padded_vocab(4) == 512
     assert params["embed"]["token"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
@@ -88,13 +89,15 @@ def test_load_hf_api(hf_model):
 def test_round_trip_is_exact(hf_model, converted, tmp_path):
     back = str(tmp_path / "back")
     assert convert.main(["to-hf", converted, back]) == 0
-    src, dst = load_file(os.path.join(hf_model[1], "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    src, dst = (load_file(os.path.join(hf_model[1], "model.safetensors")),
+                load_file(os.path.join(back, "model.safetensors")))
     assert list(dst) == list(src)
     for name, t in src.items():
         assert dst[name].dtype == t.dtype and dst[name].shape == t.shape, name
         assert np.array_equal(dst[name], t), name
     assert open(os.path.join(back, "config.json")).read() == open(os.path.join(hf_model[1], "config.json")).read()
-    assert {n: file_mode(os.path.join(back, n)) for n in os.listdir(back)} == {n: umask_mode() for n in os.listdir(back)}
+    assert ({n: file_mode(os.path.join(back, n)) for n in os.listdir(back)}
+            == {n: umask_mode() for n in os.listdir(back)})
     # The step directory form reads the same checkpoint.
     assert convert.main(["to-hf", os.path.join(converted, "checkpoints", "0"), str(tmp_path / "step0")]) == 0
 
@@ -193,9 +196,10 @@ def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
 
     (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
     run = str(tmp_path / "run")
-    proc = command(train.main, "--init-from", converted, "--data", str(tmp_path / "text.txt"), "--mesh", "fsdp=4,tensor=2",
-                   "--sequence-parallel", "--host-devices", "8", "--steps", "1", "--batch-size", "4", "--lr", "0",
-                   "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0", check=False)
+    proc = command(train.main, "--init-from", converted, "--data", str(tmp_path / "text.txt"), "--mesh",
+                   "fsdp=4,tensor=2", "--sequence-parallel", "--host-devices", "8", "--steps", "1", "--batch-size", "4",
+                   "--lr", "0", "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0",
+                   check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation loss" in proc.stdout and "sample (prompt" not in proc.stdout  # sample_tokens=0: no sample
     assert convert.main(["to-hf", run, str(tmp_path / "back")]) == 0
@@ -283,7 +287,8 @@ def test_to_hf_of_a_sharded_restore_is_the_original_byte_for_byte(hf_model, conv
     argv = ["to-hf", converted, str(tmp_path / "back")] + (["--mesh", mesh] if mesh else [])
     assert convert.main(argv) == 0
     assert [n for n in os.listdir(tmp_path / "back") if "safetensors" in n] == ["model.safetensors"]
-    assert read_bytes(tmp_path / "back" / "model.safetensors") == read_bytes(os.path.join(hf_model[1], "model.safetensors"))
+    assert (read_bytes(tmp_path / "back" / "model.safetensors")
+            == read_bytes(os.path.join(hf_model[1], "model.safetensors")))
 
 
 def test_a_large_model_is_written_as_sharded_files_that_round_trip(hf_model, converted, tmp_path):
@@ -294,7 +299,8 @@ def test_a_large_model_is_written_as_sharded_files_that_round_trip(hf_model, con
     assert convert.main(["to-hf", converted, sharded, "--max-shard-gb", "0.0001"]) == 0  # 100 kB files
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     files = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
-    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                        for i in range(1, len(files) + 1)]
     assert sorted(set(index["weight_map"].values())) == files
     original = load_file(os.path.join(hf_model[1], "model.safetensors"))
     assert sorted(index["weight_map"]) == sorted(original)
@@ -303,7 +309,8 @@ def test_a_large_model_is_written_as_sharded_files_that_round_trip(hf_model, con
     np.testing.assert_allclose(reference_logits(model, TOKENS), reference_logits(hf_model[0], TOKENS), atol=1e-6)
     assert convert.main(["from-hf", sharded, again, "--mesh", "data=2,tensor=4"]) == 0
     assert convert.main(["to-hf", again, back]) == 0
-    assert read_bytes(os.path.join(back, "model.safetensors")) == read_bytes(os.path.join(hf_model[1], "model.safetensors"))
+    assert (read_bytes(os.path.join(back, "model.safetensors"))
+            == read_bytes(os.path.join(hf_model[1], "model.safetensors")))
     assert convert.main(["to-hf", again, sharded]) == 0  # the same directory, one file now: no stale shards left
     assert [n for n in os.listdir(sharded) if "safetensors" in n] == ["model.safetensors"]
 
@@ -376,7 +383,8 @@ def test_the_streaming_writer_holds_one_tensor_at_a_time(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 4 * 100_000, peak
-    save_file({n: values(i) for i, n in enumerate(tensors)}, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    save_file({n: values(i) for i, n in enumerate(tensors)}, str(tmp_path / "whole.safetensors"),
+              metadata={"format": "pt"})
     assert read_bytes(tmp_path / "lazy" / "model.safetensors") == read_bytes(tmp_path / "whole.safetensors")
 
 

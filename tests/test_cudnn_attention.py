@@ -64,7 +64,8 @@ def _np_backward(q, k, v, lse, out, g):
 
 def _flash_forward(q, k, v):
     b, s, a, d = q.shape
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, k.shape[2], a // k.shape[2], s), jnp.float32))
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((b, k.shape[2], a // k.shape[2], s), jnp.float32))
     out, lse = (_varying_like(x, q) for x in jax.pure_callback(_np_forward, shapes, q, k, v))
     return out, (q, k, v, jnp.zeros((0,), q.dtype), lse, out)
 

@@ -96,7 +96,8 @@ def llama_flops(layers: int, remat: str) -> float:
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
 
-@pytest.mark.parametrize("remat", [pytest.param(r, marks=() if r == "none" else pytest.mark.slow) for r in sorted(POLICIES)])
+@pytest.mark.parametrize("remat", [pytest.param(r, marks=() if r == "none" else pytest.mark.slow)
+                                   for r in sorted(POLICIES)])
 def test_llama_layer_flops_are_the_formula(remat):
     """One layer's forward + backward (cost analysis counts the scan body once: L=2 minus L=0) against three
     times its forward matmuls plus the policy's replays. RMSNorm, RoPE, SiLU and softmax add 1.3% here; K and

@@ -80,7 +80,8 @@ def test_state_is_split_over_fsdp(devices):
     assert state.params["embed"]["token"].sharding.spec == P("tensor", "fsdp")
     assert state.params["layers"]["ln1"]["scale"].sharding.spec == P(None, None)
     adam = state.opt_state[1][0]
-    assert adam.mu["layers"]["mlp"]["wi"]["kernel"].sharding == wi.sharding == adam.nu["layers"]["mlp"]["wi"]["kernel"].sharding
+    assert (adam.mu["layers"]["mlp"]["wi"]["kernel"].sharding == wi.sharding
+            == adam.nu["layers"]["mlp"]["wi"]["kernel"].sharding)
 
 
 @pytest.fixture(scope="module")

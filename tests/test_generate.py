@@ -91,7 +91,8 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     move, sampling_mesh = S.resharding(CFG, mesh)
     ready = move(placed)
     assert dict(sampling_mesh.shape) == {"pipe": 1, "data": 2, "tensor": 4}
-    for leaf, spec in zip(jax.tree.leaves(ready), jax.tree.leaves(M.param_specs(CFG, ParallelConfig(data=2, tensor=4)))):
+    for leaf, spec in zip(jax.tree.leaves(ready),
+                          jax.tree.leaves(M.param_specs(CFG, ParallelConfig(data=2, tensor=4)))):
         assert leaf.sharding.spec == spec
     for leaf in jax.tree.leaves(ready["layers"]["attn"]) + jax.tree.leaves(ready["layers"]["mlp"]["wi"]):
         if leaf.ndim > 2:  # the kernels: a quarter of each on every device
@@ -99,7 +100,8 @@ def test_sampling_from_a_pipelined_state_reshards_it(params, devices):
     _, cache = S._prefill(ready, np.zeros((1, CFG.seq_len), np.int32), 4, jax.random.key(0), 0, np.float32(1.0), CFG,
                           S.OneSequence(sampling_mesh), 1)
     assert cache[0].sharding.is_equivalent_to(NamedSharding(sampling_mesh, P(None, None, None, "tensor", None)), 5)
-    assert S.sample(ready, CFG, PROMPT, 20, temperature=1.0, top_k=1, mesh=sampling_mesh) == window_greedy(params, PROMPT, 20)
+    assert (S.sample(ready, CFG, PROMPT, 20, temperature=1.0, top_k=1, mesh=sampling_mesh)
+            == window_greedy(params, PROMPT, 20))
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ def test_custom_calls_and_the_cudnn_verdict():
     calls = gpu.custom_calls(text)
     assert calls == {"__cublas$lt$matmul": 2, "__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
     used = gpu.cudnn_verdict(True, {"none": {"custom_calls": calls}, "full": {"custom_calls": calls}})
-    assert used["used"] is True and used["fmha_targets"]["none"] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+    assert used["used"] is True and used["fmha_targets"]["none"] == ["__cudnn$fmhaSoftmax",
+                                                                     "__cudnn$fmhaSoftmaxBackward"]
     # One policy without the fused attention is a failed check, not a pass.
     gemms = {"__cublas$lt$matmul": 2}
     assert gpu.cudnn_verdict(True, {"none": {"custom_calls": calls}, "full": {"custom_calls": gemms}})["used"] is False
@@ -105,7 +106,8 @@ def test_each_configuration_is_on_disk_as_soon_as_it_has_run(tmp_path, monkeypat
     for b in (4, 16):
         gpu.run_spec({**spec, "micro_batch": b}, [None], isolate=False)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert lines == [{"spec": {"micro_batch": b, "remat": "none"}, "result": {"median_step_s": 0.1 * b}} for b in (4, 16)]
+    assert lines == [{"spec": {"micro_batch": b, "remat": "none"}, "result": {"median_step_s": 0.1 * b}}
+                     for b in (4, 16)]
     assert gpu.runs_log(tmp_path, "NVIDIA H200").read_text() == ""
 
 
@@ -128,7 +130,8 @@ def dry():
     return result, before, after
 
 
-@pytest.mark.slow  # the plan's compiles for 2 policies, 7 train steps (2 policies, traced, parity, the sweep, 2 context) and 3 pipelined
+# the plan's compiles for 2 policies, 7 train steps (2 policies, traced, parity, the sweep, 2 context) and 3 pipelined
+@pytest.mark.slow
 def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     result, before, after = dry
     assert before == after, "the dry run wrote under experiments/results without --out"
@@ -220,7 +223,8 @@ def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
     rows = gpu.unrolled_rows(True, preset("tiny"), ("none", "lean", "full"), scanned, base, {"tensor": 1}, [None],
                              False, 989.0, None)
     assert list(rows) == ["lean", "none"] and rows["none"]["layer_loop"] == "unrolled"
-    assert rows["none"]["step_vs_scan"] == pytest.approx(0.85) and rows["none"]["peak_vs_scan"] == pytest.approx(30 / 32)
+    assert (rows["none"]["step_vs_scan"] == pytest.approx(0.85)
+            and rows["none"]["peak_vs_scan"] == pytest.approx(30 / 32))
     result = copy.deepcopy(dry[0])
     (model,) = result["models"].values()
     model["unrolled"] = rows
@@ -248,7 +252,8 @@ def test_past_its_budget_a_run_starts_no_further_configuration(devices):
     spec = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}
     sweep = gpu.sequence_sweep(False, "tiny", preset("tiny"), devices[:2], spec, {"tensor": 2}, False, None,
                                deadline=time.monotonic())
-    context = gpu.context_check(False, "tiny", preset("tiny"), devices[:2], spec, False, None, deadline=time.monotonic())
+    context = gpu.context_check(False, "tiny", preset("tiny"), devices[:2], spec, False, None,
+                                deadline=time.monotonic())
     skipped = [*sweep["runs"], *context["runs"].values()]
     assert len(skipped) == 3 and all(r["skipped"].startswith("the run's time budget") for r in skipped)
 

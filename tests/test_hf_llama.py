@@ -4,8 +4,8 @@ jaxseq's layout equal to torch's state dict, block by block; written back they a
 and transformers loads them with the same logits.
 
 Variants: RoPE θ 500000 in one file; llama3 RoPE scaling with head_dim 24 (≠ hidden/heads) over several
-files (an index); bfloat16. Tied embeddings (Llama 3.2 1B/3B) are refused. transformers is the outside reference: without
-torch/transformers these tests fail (an import error), never skip."""
+files (an index); bfloat16. Tied embeddings (Llama 3.2 1B/3B) are refused. transformers is the outside reference:
+without torch/transformers these tests fail (an import error), never skip."""
 
 import json
 import os

@@ -81,12 +81,14 @@ NESTED = """HloModule n
 
 %layer (p: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
   %p = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
-  ROOT %tiles = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%p), body=%tile, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %tiles = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%p), body=%tile, \
+backend_config={"known_trip_count":{"n":"2"}}
 }
 
 ENTRY %main (init: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
   %init = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
-  ROOT %layers = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), body=%layer, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %layers = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), body=%layer, \
+backend_config={"known_trip_count":{"n":"2"}}
 }
 """
 
@@ -140,7 +142,8 @@ def test_an_asynchronous_gpu_collective_is_read_by_its_results():
         "%ag.3 = ((bf16[32,64]{1,0}, bf16[32,64]{1,0}), (bf16[64,64]{1,0}, bf16[64,64]{1,0})) all-gather-start(%a, %b)",
         "%ar = f32[64]{0} all-reduce-start(%z), replica_groups={{0,1}}",
     ]
-    text = "HloModule m\n\nENTRY %main (x: bf16[32,64]) -> bf16[64,64] {\n" + "\n".join("  " + l for l in lines) + "\n}\n"
+    text = ("HloModule m\n\nENTRY %main (x: bf16[32,64]) -> bf16[64,64] {\n" + "\n".join("  " + l for l in lines)
+            + "\n}\n")
     (instrs,) = hlo.parse_hlo(text).values()
     assert [i.results() for i in instrs] == [
         [("bf16", (64, 64))], [("bf16", (1, 32, 64))], [("bf16", (64, 64)), ("bf16", (64, 64))], [("f32", (64,))]]
@@ -191,7 +194,8 @@ ENTRY %main (x: bf16[4,8]) -> f32[] {
   %i = s32[] constant(0)
   %stack = bf16[3,4,8]{2,1,0} fusion(), kind=kLoop, calls=%zeros
   %init = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) tuple(%i, %stack, %x)
-  %loop = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) while(%init), body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %loop = (s32[], bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}) while(%init), body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
   %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=2
   %wide = f32[4,8]{1,0} convert(%out)
   %zero = f32[] constant(0)
@@ -214,7 +218,8 @@ def test_kernel_bytes_reads_slices_and_writes_updates_of_a_stack():
     # same stack a layer stores
     asynchronous = STACKING.replace(
         "%stored = bf16[3,4,8]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%store",
-        "%start = ((bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}, s32[]), bf16[3,4,8]{2,1,0}, u32[]) fusion-start(%stack, %x, %i), "
+        "%start = ((bf16[3,4,8]{2,1,0}, bf16[4,8]{1,0}, s32[]), bf16[3,4,8]{2,1,0}, u32[]) "
+        "fusion-start(%stack, %x, %i), "
         "kind=kLoop, calls=%store\n  %stored = bf16[3,4,8]{2,1,0} fusion-done(%start)")
     assert "fusion-done" in asynchronous and hlo_kernels.kernel_bytes(asynchronous) == moved
     assert hlo_loops.stored_bytes_per_layer(asynchronous, 3) == hlo_loops.stored_bytes_per_layer(STACKING, 3) == ROW

@@ -1,5 +1,6 @@
 """`ModelConfig.layer_loop`: the layers under `lax.scan` (the default) or unrolled (models/model.layers): the same
-loss and gradients; unrolled refused on CPU. On a GPU's program (compiled for the H100 here): tests/test_gpu_target.py."""
+loss and gradients; unrolled refused on CPU. On a GPU's program (compiled for the H100 here):
+tests/test_gpu_target.py."""
 
 import jax
 import jax.numpy as jnp

@@ -108,7 +108,8 @@ def test_loss_and_every_gradient_match_pytorch(hf_model):
     ref_loss, ref_grads = torch_loss_and_grads(model, inputs, targets)
 
     cfg, params = conversion.load_hf(path)
-    assert (cfg.family, cfg.num_kv_heads, cfg.mlp_hidden, cfg.rope_scaling, cfg.dropout) == ("llama", 2, FFN, "llama3", 0.0)
+    assert (cfg.family, cfg.num_kv_heads, cfg.mlp_hidden, cfg.rope_scaling, cfg.dropout) == ("llama", 2, FFN,
+                                                                                             "llama3", 0.0)
     rows = cfg.padded_vocab(1)
     for group, name in (("embed", "token"), ("lm_head", "kernel")):
         leaf = params[group][name]
@@ -157,7 +158,8 @@ def test_train_init_from_then_to_hf(converted, hf_model, tmp_path):
     run = str(tmp_path / "run")
     proc = command(train.main, "--init-from", converted, "--data", str(tmp_path / "text.txt"), "--mesh",
                    "data=2,tensor=4", "--sequence-parallel", "--host-devices", "8", "--steps", "1", "--batch-size", "4",
-                   "--lr", "0", "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0", check=False)
+                   "--lr", "0", "--dtype", "float32", "--run-dir", run, "eval_batches=1", "sample_tokens=0",
+                   check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert convert.main(["to-hf", run, str(tmp_path / "back")]) == 0
     src, back = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_model[1], str(tmp_path / "back")))
@@ -177,7 +179,8 @@ def test_greedy_generation_matches_transformers(converted, hf_model):
     prompt = [5, 290, 17, 133, 2]
     ours = sample(params, cfg, prompt, 20, temperature=1.0, top_k=1, mesh=mesh)
     with torch.no_grad():
-        theirs = hf_model[0].generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+        theirs = hf_model[0].generate(torch.tensor([prompt]),
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=20,
+                                      min_new_tokens=20, do_sample=False, pad_token_id=0)
     assert ours == theirs[0, len(prompt):].tolist()
     assert len(set(ours)) > 3  # not a degenerate repetition of one token

@@ -65,7 +65,8 @@ def test_the_counter_sums_inner_axes_in_one_word_up_to_2_32():
         size = tuple(len(c) for c in coords.values())
         hi, lo = jax.jit(partial(O.element_index, size, global_shape=shape))(coords)
         flat = (np.asarray(rows, np.uint64)[:, None, None] * np.uint64(shape[1] * shape[2])
-                + np.asarray(mid, np.uint64)[None, :, None] * np.uint64(shape[2]) + np.asarray(cols, np.uint64)[None, None, :])
+                + np.asarray(mid, np.uint64)[None, :, None] * np.uint64(shape[2])
+                + np.asarray(cols, np.uint64)[None, None, :])
         np.testing.assert_array_equal(hi, flat >> np.uint64(32))
         np.testing.assert_array_equal(lo, flat & np.uint64(0xFFFFFFFF))
 

@@ -170,7 +170,8 @@ def test_dropout_gradient_is_the_scaled_mask(dtype):
     keep = np.asarray(jax.random.bernoulli(key, 1.0 - rate, x.shape))  # the reference mask, drawn directly
     assert 0.7 < keep.mean() < 0.8
     ref = lambda x: jnp.where(keep, x.astype(jnp.float32) / (1.0 - rate), 0.0).astype(x.dtype)
-    np.testing.assert_array_equal(np.asarray(M.dropout(x, rate, key, "mask"), np.float32), np.asarray(ref(x), np.float32))
+    np.testing.assert_array_equal(np.asarray(M.dropout(x, rate, key, "mask"), np.float32),
+                                  np.asarray(ref(x), np.float32))
     got = _grads(lambda x: M.dropout(x, rate, key, "mask"), (x,), g)
     _assert_close(got, _grads(ref, _f32(x), g), dtype)
     # And in closed form: dL/dx = g · keep / (1 − rate); no gradient where dropped.

@@ -45,7 +45,8 @@ def assert_same(result, reference, rtol=1e-5):
     loss, grads = result
     ref_loss, ref_grads = reference
     assert abs(loss - ref_loss) <= rtol * abs(ref_loss)
-    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
+                          jax.tree.leaves(ref_grads)):
         err = np.max(np.abs(g - r)) / np.max(np.abs(r))
         assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
 
@@ -77,5 +78,6 @@ def test_fused_attention_matches_explicit_without_dropout():
     parallel = ParallelConfig(data=2, tensor=4, sequence_parallel=True)
     mesh = make_mesh(parallel, jax.devices())
     explicit = T.make_loss_and_grad(Layout(cfg, parallel, mesh), "selective")(params, batch, None)
-    fused = T.make_loss_and_grad(Layout(replace(cfg, attention="fused"), parallel, mesh), "selective")(params, batch, None)
+    fused = T.make_loss_and_grad(Layout(replace(cfg, attention="fused"), parallel, mesh),
+                                 "selective")(params, batch, None)
     assert_same((float(fused[0]), jax.device_get(fused[1])), (float(explicit[0]), jax.device_get(explicit[1])))

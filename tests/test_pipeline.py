@@ -225,7 +225,8 @@ def test_zero_bubble_llama_equals_1f1b():
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         with jax.set_mesh(layout.mesh):
             placed = jax.device_put(M.init_params(jax.random.key(0), cfg), layout.param_shardings)
-            results[schedule] = jax.device_get(PL.make_loss_and_grad(layout, "lean", m)(placed, batch, jax.random.key(3)))
+            results[schedule] = jax.device_get(
+                PL.make_loss_and_grad(layout, "lean", m)(placed, batch, jax.random.key(3)))
     (ref_loss, ref_grads), (loss, grads) = results["1f1b"], results["zb-h1"]
     _assert_close(loss, grads, float(ref_loss), ref_grads)
 
@@ -403,7 +404,8 @@ def test_the_tick_loop_carries_no_zeros_of_a_chunks_gradients(pipelined):
     schedule, p, v, m, data, tensor, sp = case
     sched = ticks.schedule_of(_parallel(case), m, CFG.layers)
     k = CFG.layers // (p * v)
-    chunk_gradients = {("f32", (k, *a.shape[1:])) for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
+    chunk_gradients = {("f32", (k, *a.shape[1:]))
+                       for a in jax.tree.leaves(M.init_params(jax.random.key(0), CFG)["layers"])}
     carried = set(_tick_loop(pipelined(case)[0].as_text(), sched.ticks).arrays())
     assert not carried & chunk_gradients, carried & chunk_gradients
 
@@ -459,7 +461,8 @@ def test_stage0_holds_the_schedules_chunk_inputs_at_the_plans_bytes(case, held, 
     stored = sum(hlo.array_bytes(dt, dims) for dt, dims in stash)
     plain = ParallelConfig(data=data, tensor=tensor, sequence_parallel=sp)
     per_layer = hlo_loops.stored_bytes_per_layer(
-        aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(), CFG.layers)
+        aot.compile_loss_and_grad(CFG, plain, REMAT, make_mesh(plain, devices[:data * tensor]), MICRO).as_text(),
+        CFG.layers)
     assert stored == held * k * per_layer
 
 
@@ -478,7 +481,8 @@ def evaluation(devices):
             mesh = make_mesh(parallel, devices[:parallel.num_devices])
             layout = Layout(CFG, parallel, mesh)
             params, batch = aot.abstract_inputs(layout, MICRO * case[3])
-            params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+            params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                       sharding=NamedSharding(mesh, spec)),
                                   params, layout.master_specs)  # the train state's: its master weights
             program = loop.make_eval_fn(layout, case[3]).lower(params, batch).compile()
             programs[case] = (program, params)
@@ -561,7 +565,8 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
     group = lambda tree: {"embed": tree["embed"], "final_ln": tree["final_ln"]}
     per_rank = sum(4 * int(np.prod(NamedSharding(mesh, spec).shard_shape(a.shape)))  # whole over pipe and data
                    for a, spec in zip(jax.tree.leaves(group(abstract.params)),
-                                      jax.tree.leaves(group(M.param_specs(CFG, parallel)), is_leaf=lambda x: isinstance(x, P))))
+                                      jax.tree.leaves(group(M.param_specs(CFG, parallel)),
+                                                      is_leaf=lambda x: isinstance(x, P))))
     split = p * d if distributed else p
     assert aot.per_device_bytes(placed(group(abstract.params), group(shardings.params))) * split == per_rank
     adam = shardings.opt_state[1][0]  # clip_by_global_norm's state, then adamw's: (ScaleByAdamState, …)
@@ -571,7 +576,8 @@ def test_each_stage_keeps_1_over_p_of_the_embedding_groups_optimizer_state(distr
     planned = memory.state_bytes(stage, t, d, distributed, pipe=p)
     batch_bytes = 2 * 4 * MICRO * m // d * CFG.seq_len
     counters = 3 * 4 + 8  # the step, Adam's count, the schedule's count (int32); the key (two uint32)
-    assert compiled.memory_analysis().argument_size_in_bytes - batch_bytes - counters == planned.params + planned.optimizer
+    assert (compiled.memory_analysis().argument_size_in_bytes - batch_bytes - counters
+            == planned.params + planned.optimizer)
 
 
 def test_the_executor_s_invariants_are_errors_not_asserts():

@@ -54,8 +54,8 @@ def test_pipelined_training_matches_pipe1_and_resumes_on_other_pipe_sizes(runs):
     """pipe=2 trains 2 steps with the losses of pipe=1 (gradient accumulation over the same 4 micro-batches,
     no distributed optimizer); its checkpoint resumes on pipe=1 and on pipe=4 with the reference's losses
     for steps 3 and 4."""
-    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule (v=1, m=4 micro-batches, 10 ticks" \
-        in runs["piped_stdout"]
+    assert "mesh pipe=2 × data=2 × tensor=2 + SP + distributed optimizer, 1f1b schedule (v=1, m=4 micro-batches, " \
+        "10 ticks" in runs["piped_stdout"]
     reference = losses(runs["ref"])
     for got, steps in ((losses(runs["piped"]), (1, 2)), (losses(runs["to1"]), (3, 4)), (losses(runs["to4"]), (3, 4))):
         for step in steps:

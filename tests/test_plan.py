@@ -101,7 +101,8 @@ def hand_parameter_elements(cfg: ModelConfig, t: int) -> tuple[int, int]:
     rows, MLP and their column biases; positions, row biases and LayerNorms replicated."""
     h, s, f, L = cfg.hidden, cfg.seq_len, cfg.mlp_hidden, cfg.layers
     vocab = -(-cfg.vocab_size // (128 * t)) * 128 * t
-    matrices = vocab * h // t + s * h + L * ((3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + f * h // t + h)
+    matrices = vocab * h // t + s * h + L * ((3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t
+                                            + f * h // t + h)
     norms = L * 4 * h + 2 * h
     return matrices + norms, matrices
 
@@ -125,7 +126,8 @@ def test_state_bytes_are_the_compiled_steps_arguments_and_a_hand_count():
     c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)
     state = memory.state_bytes(CFG, T)
     total, cast = hand_parameter_elements(CFG, T)
-    assert (state.params, state.gradients, state.optimizer, state.weight_copy) == (4 * total, 4 * total, 8 * total, 2 * cast)
+    assert (state.params, state.gradients, state.optimizer, state.weight_copy) == (4 * total, 4 * total, 8 * total,
+                                                                                   2 * cast)
     ma = compile_step(replace(CFG, layers=measure.MEASURE_LAYERS), c, B)
     two = memory.state_bytes(replace(CFG, layers=measure.MEASURE_LAYERS), T)
     assert compiled_state_bytes(ma, CFG, B) == two.params + two.optimizer
@@ -143,7 +145,8 @@ PEAK_MARGIN = 0.002
 def test_whole_model_peak_is_the_compiled_train_steps():
     """float32 (XLA:CPU's bf16 temporaries are not a GPU's): the plan's peak for 6 layers, measured
     at 2, against memory_analysis() of the real train step compiled with 6."""
-    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)  # also measured: none at t=1, full (docs/planning.md)
+    # also measured: none at t=1, full (docs/planning.md)
+    c = measure.RowSpec("tp+sp+selective", "selective", True, T, None)
     cfg = replace(CFG, dtype="float32", layers=6)
     m = measure.Compiler(cfg, B, jax.devices()).measure(c)
     ma = compile_step(cfg, c, B)
@@ -294,8 +297,8 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     group = out["stage_state"]["embedding_group"]
     assert group["master_weights"] * p == out["stage_state"]["megatron_first_stage_embedding_group"]["master_weights"]
     assert group["total"] == parts[memory.EMBEDDING_GROUP].total < whole.total
-    assert out["stage_state"]["layers"]["total"] + group["total"] == memory.state_bytes(stage, T, planned.data,
-                                                                                         planned.distributed_optimizer, p).total
+    assert out["stage_state"]["layers"]["total"] + group["total"] == memory.state_bytes(
+        stage, T, planned.data, planned.distributed_optimizer, p).total
     assert "state per device on every pipeline stage (p=2" in text and "Megatron first/last stage" in text
 
 
@@ -367,11 +370,11 @@ def test_context_kv_bytes_are_the_design_notes():
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
 def test_context_plan_rows_equal_the_formula(strategy):
     """Every row `python -m jaxseq.plan --tensor 2 --context 2` prints (each registered policy, with and without SP,
-    and `none` at t = 1; pairwise over the strategies, below): its layer's loss-and-gradient program, compiled at context 2 as the plan compiles it
-    (`measure.Compiler`, the program `Compiler.measure` reads the stored bytes from), stores the plan's formula
-    column, formulas.activation_bytes at context 2, to the byte. Only the stored bytes are read, so only that
-    program is compiled (not the plan's float32 train step, L = 0 and forward programs); that
-    the printed plan carries the compiled numbers beside the formula, and the K/V line, is
+    and `none` at t = 1; pairwise over the strategies, below): its layer's loss-and-gradient program, compiled at
+    context 2 as the plan compiles it (`measure.Compiler`, the program `Compiler.measure` reads the stored bytes from),
+    stores the plan's formula column, formulas.activation_bytes at context 2, to the byte. Only the stored bytes are
+    read, so only that program is compiled (not the plan's float32 train step, L = 0 and forward programs); that the
+    printed plan carries the compiled numbers beside the formula, and the K/V line, is
     test_context_plan_json_carries_the_rows_measurements."""
     rows = P.configurations(CONTEXT_T)
     assert {(c.remat, c.sequence_parallel) for c in rows if c.tensor == CONTEXT_T} == {

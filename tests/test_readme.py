@@ -29,7 +29,8 @@ def _shell_lines(text):
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         yield from block.replace("\\\n", " ").splitlines()
     # Inline code with flags is a command to run; without (`python -m jaxseq.data`), a name in the prose.
-    yield from (span for span in re.findall(r"(?<!`)`(python -m jaxseq\.\w+[^`]*)`", text) if " -" in span.split("jaxseq.", 1)[1])
+    yield from (span for span in re.findall(r"(?<!`)`(python -m jaxseq\.\w+[^`]*)`", text)
+                if " -" in span.split("jaxseq.", 1)[1])
 
 
 def _invocations():

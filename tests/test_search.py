@@ -54,7 +54,8 @@ class HandCosts:
         self.prepared = list(keys)
 
     def layer(self, t, sp, remat, b, context=1, strategy="all-gather"):  # the c = 1 layer: scaled at c > 1
-        collectives = ({"all-gather": 3e6 * b, "reduce-scatter": 2e6 * b} if sp else {"all-reduce": 2e6 * b}) if t > 1 else {}
+        collectives = ({"all-gather": 3e6 * b, "reduce-scatter": 2e6 * b} if sp
+                       else {"all-reduce": 2e6 * b}) if t > 1 else {}
         return LayerCost(REMAT_STORED[remat] * 1e6 * b / t, collectives, 5e5 * b + 1e6, 2e6 * b / t)
 
     def state(self, stage, t, d, dist, p, f=1):
@@ -239,7 +240,8 @@ def test_a_gpu_layers_moved_bytes_replace_the_counted_kernels():
     assert counted_s == pytest.approx(L * kernel_time.layer_seconds(CFG, 2, 2, True, "full", NODE, 0.5, 0.8) + head
                                       + L * (5 * 1e6 + 3 * 2 * 2 * params) / 800e9)
     at_4 = at_context(CFG, replace(c, context=4), layer)
-    assert at_4.moved_bytes == pytest.approx(7e7 / 4) and at_context(CFG, replace(c, context=4), counted).moved_bytes is None
+    assert (at_4.moved_bytes == pytest.approx(7e7 / 4)
+            and at_context(CFG, replace(c, context=4), counted).moved_bytes is None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +357,8 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
             layer = LayerCost(row["stored_bytes_per_layer"], {}, 0, 0, 1, row["moved_bytes_per_layer"])
             replayed = (0.0 if remat == "full"
                         else cfg.layers * kernel_time.fused_attention_seconds(cfg, b, 1, remat, hw)[0])
-            error = lambda layer: (step_time(cfg, c, layer, state, hw, tm).total_s + replayed) / run["median_step_s"] - 1
+            error = lambda layer: (step_time(cfg, c, layer, state, hw, tm).total_s
+                                   + replayed) / run["median_step_s"] - 1
             errors.append(error(layer))
             counted_errors.append(error(replace(layer, moved_bytes=None)))
             on_program = program_step_time(cfg, c, layer, state, hw, tm, sum(row["non_gemm_bytes"].values())).total_s
@@ -379,7 +382,8 @@ def test_the_h100_step_times_at_shapes_measured_later():
     XLA:GPU's fusions move beyond Megatron's (float32 intermediates of GELU's gradient, Q/K/V split and joined,
     bias and norm gradients reduced apart), the more so under `full`, whose replayed forward runs them again."""
     root = os.path.dirname(os.path.dirname(__file__))
-    later = json.loads(open(os.path.join(root, "experiments/results/gpu_target_vs_measured.json")).read())["later_shapes"]
+    later = json.loads(open(os.path.join(root,
+                                         "experiments/results/gpu_target_vs_measured.json")).read())["later_shapes"]
     check = json.loads(open(os.path.join(root, "experiments/results/gpu_h100_2026-11-27/gpu.json")).read())
     base = ModelConfig(**check["models"]["gpt3-1.3b"]["config"])
     hw = HARDWARE["h100"]
@@ -688,7 +692,8 @@ def test_zero_bubble_time_and_memory_are_the_hand_computation():
     res = search(CFG, request(schedules=("1f1b", "zb-h1")), HandCosts(), "hand")
     assert "v = zb: ZB-H1" in format_result(res, top=400) and to_json(res)["schedules"] == ["1f1b", "zb-h1"]
     for cell in ("zb", "2z"):
-        assert any(re.match(rf"\s*\d+\s+\d+\s+\d+\s+{cell} ", line) for line in format_result(res, top=400).splitlines())
+        assert any(re.match(rf"\s*\d+\s+\d+\s+\d+\s+{cell} ", line)
+                   for line in format_result(res, top=400).splitlines())
 
 
 def test_no_fit_and_nothing_valid_are_one_line():
@@ -725,7 +730,8 @@ def test_the_hardware_follows_the_target():
     (["--preset", "tiny", "--hbm-gb-per-s", "-1"], "error: hbm_gb_per_s=-1.0 must be positive"),
     (["--preset", "tiny", "--global-batch", "0"], "error: global_batch=0 must be a positive integer"),
     (["--preset", "tiny", "--context-sizes", "1,0"], "error: context size 0 must be a positive integer"),
-    (["--preset", "tiny", "--verify", "2"], "error: --verify 2 compiles whole train steps for a GPU: it needs --target"),
+    (["--preset", "tiny", "--verify", "2"],
+     "error: --verify 2 compiles whole train steps for a GPU: it needs --target"),
     (["--preset", "tiny", "--verify", "-1"], "error: verify=-1 must be a non-negative integer"),
     (["--preset", "tiny", "--dropout", "1.5"], "error: dropout=1.5 must be in [0, 1)"),
     (["--preset", "tiny", "--layer-loop", "while"], "error: layer_loop='while' is not valid; valid: scan, unrolled"),
@@ -806,7 +812,8 @@ PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data r
 @pytest.mark.slow
 @pytest.mark.parametrize("candidate", PIPELINED_CANDIDATES,
                          ids=[f"p{c.pipe}-v{c.virtual}{'-distopt' if c.distributed_optimizer else ''}"
-                              f"{'-zb' if c.zero_bubble else ''}{f'-c{c.context}-{c.context_strategy}' if c.context > 1 else ''}"
+                              f"{'-zb' if c.zero_bubble else ''}"
+                              f"{f'-c{c.context}-{c.context_strategy}' if c.context > 1 else ''}"
                               for c in PIPELINED_CANDIDATES])
 def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
     """jaxseq's own pipelined step, its executor's buffers included (a Megatron-style stage alone is 1.09–1.43×
@@ -839,7 +846,8 @@ def test_llama_gemms_are_the_formulas_flops_but_for_repeated_kv_heads():
 def test_tensor_sizes_split_or_repeat_the_kv_heads():
     cfg = replace(LLAMA, hidden=96, heads=12, kv_heads=6, ffn_hidden=192)  # t = 4 neither divides 6 nor is a multiple
     r = request(gpus=8, global_batch=8)
-    assert family_reason(cfg, r, 4, 1) == FamilyReason("tensor", "t=4 neither divides kv_heads=6 nor is a multiple of it")
+    assert family_reason(cfg, r, 4, 1) == FamilyReason("tensor",
+                                                       "t=4 neither divides kv_heads=6 nor is a multiple of it")
     assert family_reason(cfg, r, 2, 1) is None and family_reason(LLAMA, r, 4, 1) is None
     assert {c.tensor for c in enumerate_candidates(cfg, r)} == {1, 2}
 

@@ -84,7 +84,8 @@ def test_gradient_accumulation_with_dropout_is_the_mean_of_the_micro_batches():
     state, metrics = step(state, batch, jax.random.key(1))
     assert abs(float(metrics["loss"]) - np.mean([float(loss) for loss, _ in parts])) < 1e-5
     mean_grad = jax.tree.map(lambda *g: np.mean(np.stack(jax.device_get(g)), axis=0), *[g for _, g in parts])
-    for b, a, g in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(mean_grad)):
+    for b, a, g in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params)),
+                       jax.tree.leaves(mean_grad)):
         np.testing.assert_allclose(b - a, g, atol=1e-6 * max(1.0, np.max(np.abs(g))))
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +150,8 @@ def _unmatched(reduced: list, expected: list, tensor: int) -> tuple[list, list]:
     return reduced, expected
 
 
-# the fast tier keeps the distributed optimizer's (a reduce-scatter onto the master shards); Adam's all-reduce is slow-tier
+# the fast tier keeps the distributed optimizer's (a reduce-scatter onto the master shards); Adam's all-reduce is
+# slow-tier
 @pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["adam", "distributed-optimizer"])
 @pytest.mark.parametrize("name", list(ACCUMULATING))
@@ -160,7 +162,8 @@ def test_accumulation_reduces_each_gradient_over_data_once_per_step(accumulating
     over the `data` groups after it carry each gradient buffer once (`_unmatched`): all-reduced, or with the
     distributed optimizer reduce-scattered onto its master shard (all-reduced where no dimension splits over
     `data`). Scalars are left out (the loss and the grad-norm's partial sums share those reductions)."""
-    cfg, parallel = replace(preset("tiny"), dtype="float32"), replace(ACCUMULATING[name], distributed_optimizer=distributed)
+    cfg, parallel = (replace(preset("tiny"), dtype="float32"),
+                     replace(ACCUMULATING[name], distributed_optimizer=distributed))
     in_loop, after = _over_data(accumulating_hlo(name, distributed), 1, parallel.data, parallel.tensor)
     assert not [r.op_name for r in in_loop]
     shapes = lambda kind: [d for r in after if r.kind == kind for d in r.shapes if d]

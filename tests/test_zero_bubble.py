@@ -170,7 +170,8 @@ FAST_POLICIES = ("selective", "dots")  # the fast tier's: the default, and the o
 
 @pytest.mark.parametrize("family,policies", [
     pytest.param("tiny", FAST_POLICIES, id="tiny"),
-    pytest.param("tiny", tuple(p for p in R.POLICIES if p not in FAST_POLICIES), marks=pytest.mark.slow, id="tiny-rest"),
+    pytest.param("tiny", tuple(p for p in R.POLICIES if p not in FAST_POLICIES), marks=pytest.mark.slow,
+                 id="tiny-rest"),
     pytest.param("tiny-llama", tuple(R.POLICIES), marks=pytest.mark.slow, id="tiny-llama")])
 def test_an_f_stashes_what_it_stashes_under_1f1b_for_every_policy(family, policies, devices):
     """Deferring the weight gradients changes nothing a forward keeps for its B (the same residual leaves, each

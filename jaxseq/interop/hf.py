@@ -111,7 +111,8 @@ class Weights:
                 self.names.append(key)
                 self.shapes[key], self.codes[key], self._file[key] = tuple(view.get_shape()), view.get_dtype(), handle
         if "BF16" in self.codes.values():
-            importlib.import_module("ml_dtypes")  # registers NumPy's "bfloat16", which safetensors' NumPy API reads into
+            # registers NumPy's "bfloat16", which safetensors' NumPy API reads into
+            importlib.import_module("ml_dtypes")
 
     def __contains__(self, name: str) -> bool:
         return name in self._file
@@ -254,7 +255,8 @@ def leftovers(weights: Weights, used: set, buffer_suffixes: tuple[str, ...]) -> 
         raise ConfigError(f"model.safetensors holds {unknown[0]}, which jaxseq cannot represent")
     buffers = {n: weights.read(n) for n in extra}
     dtypes = {n: PARAM_DTYPES[weights.codes[n]] for n in weights.names if n not in buffers}
-    return buffers, {"order": list(weights.names), "dtypes": {**dtypes, **{n: str(b.dtype) for n, b in buffers.items()}}}
+    return buffers, {"order": list(weights.names),
+                     "dtypes": {**dtypes, **{n: str(b.dtype) for n, b in buffers.items()}}}
 
 
 def check_params(weights: Weights, expect: dict, used: set) -> None:

@@ -371,7 +371,8 @@ class Schedule:
                    f"gradients {self.depths['g']}"]
         if self.split_backward:
             lines.append("deferred weight gradients held per stage: "
-                         + ", ".join(str(self.deferred(s)) for s in range(self.p)) + f"; W stash slots {self.depths['w']}")
+                         + ", ".join(str(self.deferred(s)) for s in range(self.p))
+                         + f"; W stash slots {self.depths['w']}")
         return "\n".join(lines)
 
 

@@ -50,7 +50,8 @@ class TickRow(NamedTuple):
 FIELDS = TickRow._fields
 
 
-def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int, forward_only: bool = False) -> schedule.Schedule:
+def schedule_of(parallel: ParallelConfig, microbatches: int, layers: int,
+                forward_only: bool = False) -> schedule.Schedule:
     return schedule.Schedule.make(parallel.schedule, parallel.pipe, microbatches, parallel.virtual_stages, layers,
                            forward_only)
 
@@ -59,7 +60,8 @@ def branches_of(tables: dict[str, np.ndarray]) -> np.ndarray:
     """[ticks, p]: the `Branch` of each stage at each tick, from the schedule's kind, first and last."""
     kind, first, last = tables["kind"], tables["first"] == 1, tables["last"] == 1
     forward, backward = kind == schedule.FORWARD, kind == schedule.BACKWARD
-    return np.select([kind == schedule.IDLE, kind == schedule.WEIGHT, forward & first, forward & last, forward, backward & first],
+    return np.select([kind == schedule.IDLE, kind == schedule.WEIGHT, forward & first, forward & last, forward,
+                      backward & first],
                      [Branch.IDLE, Branch.WEIGHT, Branch.FORWARD_FIRST, Branch.FORWARD_LAST, Branch.FORWARD,
                       Branch.BACKWARD_FIRST], Branch.BACKWARD)
 
@@ -70,7 +72,8 @@ def tick_rows(sched: schedule.Schedule) -> np.ndarray:
     tab, depth = sched.tables, sched.depths
     row = TickRow(
         branch=branches_of(tab), mb=np.maximum(tab["mb"], 0), chunk=np.maximum(tab["chunk"], 0),
-        stash=np.maximum(tab["stash"], 0), w_slot=np.maximum(tab["w_slot"], 0), x_slot=np.maximum(tab["x_slot"], 0), g_slot=np.maximum(tab["g_slot"], 0),
+        stash=np.maximum(tab["stash"], 0), w_slot=np.maximum(tab["w_slot"], 0), x_slot=np.maximum(tab["x_slot"], 0),
+        g_slot=np.maximum(tab["g_slot"], 0),
         recv_x=np.where(tab["recv_x"] < 0, depth["x"], tab["recv_x"]),
         recv_g=np.where(tab["recv_g"] < 0, depth["g"], tab["recv_g"]),
     )

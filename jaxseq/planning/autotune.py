@@ -63,11 +63,13 @@ class RecordedGemms:
         try:
             text = Path(path).read_text()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--autotune-results {path}: cannot be read ({type(e).__name__}); give the text file that "
-                              f"`jaxseq.train --record-autotune` (xla_gpu_dump_autotune_results_to) wrote on a GPU") from None
+            raise ConfigError(f"--autotune-results {path}: cannot be read ({type(e).__name__}); give the text file "
+                              f"that `jaxseq.train --record-autotune` (xla_gpu_dump_autotune_results_to) "
+                              f"wrote on a GPU") from None
         if "entries {" not in text and "results {" not in text:
             raise ConfigError(f"--autotune-results {path}: holds no autotune results (no `entries {{`); give the text "
-                              f"file that `jaxseq.train --record-autotune` (xla_gpu_dump_autotune_results_to) wrote on a GPU")
+                              f"file that `jaxseq.train --record-autotune` (xla_gpu_dump_autotune_results_to) "
+                              f"wrote on a GPU")
         self.source, self.cublas_choices = path, len(CUBLAS_CHOICE.findall(text))
         self._dir = tempfile.TemporaryDirectory(prefix="jaxseq-autotune-")
         self.path = str(Path(self._dir.name) / "autotune.textproto")
@@ -75,7 +77,8 @@ class RecordedGemms:
 
 
 def relabelled(text: str, version: str) -> str:
-    """`text` with its cuBLAS choices labelled CUDA `version`; other choices unchanged (a cuDNN choice carries cuDNN's)."""
+    """`text` with its cuBLAS choices labelled CUDA `version`; other choices unchanged (a cuDNN choice carries
+    cuDNN's)."""
     entries = text.split("entries {")
     return "entries {".join(CUDA_BUILD_VERSION.sub(rf'\1"{version}"', e) if CUBLAS_CHOICE.search(e) else e
                             for e in entries)
@@ -117,8 +120,9 @@ def replay(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: 
         if "autotune results" in error:  # e.g. "Failed to parse autotune results string."
             import jax
 
-            raise ConfigError(f"--autotune-results {recorded.source}: this JAX's XLA ({jax.__version__}) cannot read it "
-                              f"({error[-120:]}); plan with the JAX that recorded it (XLA:GPU's files from JAX 0.11 on)")
+            raise ConfigError(f"--autotune-results {recorded.source}: this JAX's XLA ({jax.__version__}) cannot read "
+                              f"it ({error[-120:]}); plan with the JAX that recorded it "
+                              f"(XLA:GPU's files from JAX 0.11 on)")
         raise ConfigError(f"--autotune-results {recorded.source}: the step did not compile with it ({error[-200:]})")
     result = json.loads(line)
     if "error" in result:  # a fusion without a choice that cannot be told from a GEMM (`without_a_choice`)

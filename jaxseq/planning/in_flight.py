@@ -65,7 +65,8 @@ class InFlight:
 
 def paper_in_flight_layers(schedule: str, layers: int, p: int, v: int, m: int) -> tuple[str, float]:
     """The paper's layers' worth of activations on the first stage (§4.2.3 and Narayanan et al.)."""
-    return {"1f1b": ("L", float(layers)), "zb-h1": ("L", float(layers)), "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
+    return {"1f1b": ("L", float(layers)), "zb-h1": ("L", float(layers)),
+            "interleaved": ("L·(1 + (p−1)/(p·v))", layers * (1 + (p - 1) / (p * v))),
             "gpipe": ("L·m/p", layers * m / p)}[schedule]
 
 

@@ -76,7 +76,8 @@ class Compiler:
                  strategy: str = "all-gather", progress=None):
         # the readers find a layer in the scan's loop: an unrolled model's layers are measured as scanned ones
         self.cfg, self.b, self.devices, self.workers = replace(cfg, layer_loop="scan"), micro_batch, devices, workers
-        if cfg.fused_kernel == "cudnn" and not cudnn_compiles(ParallelConfig(context=context, context_strategy=strategy)):
+        if cfg.fused_kernel == "cudnn" and not cudnn_compiles(ParallelConfig(context=context,
+                                                                             context_strategy=strategy)):
             self.cfg = replace(self.cfg, fused_kernel="xla")  # XLA's attention, as `train` runs this context strategy
         self.context, self.strategy = context, strategy  # every program on a context × tensor mesh
         self.progress = progress  # a `planning.progress.Progress`: a line as each program starts compiling
@@ -164,7 +165,8 @@ class Compiler:
         stored = hlo_loops.stored_bytes_per_layer(step.as_text(), MEASURE_LAYERS)
         state = state_bytes(cfg, c.tensor)
         accounted = state.weight_copy + state.loop_gradients + activation_bytes(
-            stored, MEASURE_LAYERS, non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
+            stored, MEASURE_LAYERS,
+            non_layer_activation_bytes(cfg, self.b, c.tensor, c.sequence_parallel, self.context))
         return step.memory_analysis().temp_size_in_bytes - accounted
 
     def moved_bytes(self, c: RowSpec) -> float | None:

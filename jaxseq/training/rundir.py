@@ -135,7 +135,8 @@ class Restored:
     step: int
 
 
-def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32", seq_len: int | None = None) -> Restored:
+def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32",
+            seq_len: int | None = None) -> Restored:
     """The params of the newest checkpoint of a run or converted directory (or of the step RUN/checkpoints/N),
     read onto `mesh` in the train step's master shardings for `parallel` (layers over `pipe`, heads over
     `tensor`, split over `data` too with the distributed optimizer): every device reads only its own slices,
@@ -147,7 +148,8 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, cast_mask(model))
     layout = Layout(model, parallel, mesh)
     abstract = jax.tree.map(lambda shape, sharding, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding),
-                            layout.param_shapes, layout.master_shardings, dtypes, is_leaf=lambda x: isinstance(x, tuple))
+                            layout.param_shapes, layout.master_shardings, dtypes,
+                            is_leaf=lambda x: isinstance(x, tuple))
     step, params = _read_params(path, abstract)
     return Restored(model=model, params=params, tokenizer=saved["train"].get("tokenizer"), step=step)
 
