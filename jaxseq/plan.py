@@ -16,7 +16,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import autotune, gpu_target, search, search_report, search_space
+from jaxseq.planning import autotune, document_mask, gpu_target, search, search_report, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gib", type=float, default=None,
                    help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
                         "forward, full), then by the measured FLOPs")
+    p.add_argument("--document-mask", action="store_true",
+                   help="packed documents that do not attend to each other (train --document-mask): every program "
+                        "compiled with the mask; the plan notes its segment ids, masks and the ring blocks it can skip")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search_memory.py and search_time.py state the memory "
@@ -148,6 +151,8 @@ def resolve(args) -> ModelConfig:
         cfg = replace(cfg, seq_len=args.seq_len)
     if args.dropout is not None:
         cfg = replace(cfg, dropout=args.dropout)
+    if args.document_mask:  # any id ends a document in a program compiled on abstract tokens: the vocabulary's last
+        cfg = replace(cfg, document_mask=True, eod_token=cfg.vocab_size - 1)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:
@@ -301,8 +306,12 @@ def _plan(args) -> int:
         raise ConfigError(str(e)) from None
     chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
     compiled = block_on_target(args, p, chosen, progress)
+    held = p.microbatches if p.pipeline > 1 else 1  # a pipeline's stages hold every micro-batch's segment ids
+    documents = (document_mask.costs(cfg, args.micro_batch_size, args.tensor, args.context, args.context_strategy, held)
+                 if cfg.document_mask else None)
     if args.json:
         out = p.to_json()
+        out["document_mask"] = documents
         if args.budget_gib is not None:
             out["budget"] = {"budget_gib": args.budget_gib, "recommended": chosen and chosen.config,
                              "recommended_remat": chosen and chosen.remat,
@@ -312,6 +321,8 @@ def _plan(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(format_table(p))
+        if documents is not None:
+            print(document_mask.format_note(documents))
         if args.budget_gib is not None:
             print()
             print(format_recommendation(p, args.budget_gib))

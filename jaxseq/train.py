@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "full, the rest under POLICY (default none)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
+    a("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+      help="packed documents: attention never crosses the data's end-of-document token and positions restart at "
+           "each document (default off: a token attends to the documents packed before it)")
     a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default {ModelConfig().layer_loop}; "
                            "unrolled avoids the scan's stacked buffers: on an H100, gpt3-1.3b's step 13%% faster "
                            "under none, 10%% under lean, 3%% under full, with 5–9%% less memory; GPUs only; its "
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
                "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
-               "context_strategy", "layer_loop", "record_autotune")
+               "context_strategy", "layer_loop", "record_autotune", "document_mask")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -521,11 +524,18 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     if train.record_autotune is not None and platform != "gpu":
         raise ConfigError(f"record_autotune={train.record_autotune!r}: XLA autotunes GEMMs on GPUs only; this run's "
                           f"devices are {platform} (leave --record-autotune out)")
-    model = on_platform(replace(model, vocab_size=vocab), platform, parallel)
+    model = on_platform(replace(model, vocab_size=vocab, eod_token=document_end(model, corpus)), platform, parallel)
     if (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and not cudnn_compiles(parallel)
             and is_main_process()):
         print("attention: XLA's fused attention (scores materialised), not cuDNN's: jaxseq's cuDNN attention does not "
               "take the all-gather context strategy's mask (--context-strategy ring does; config.cudnn_compiles)",
+              flush=True)
+    elif (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and model.document_mask
+          and parallel.context == 1 and is_main_process()):
+        print("attention: XLA's fused attention with the documents' dense mask (scores materialised), not cuDNN's: "
+              "jaxseq calls cuDNN through jax.nn.dot_product_attention, which gives it one sequence length a row, not "
+              "segment ids (at context > 1 the ring strategy runs its own flash-style blocks, skipping those no document "
+              "spans)",
               flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
         train = replace(train, remat=default_remat(platform, model.attention))
@@ -539,6 +549,17 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     if saved is not None and is_main_process():
         print(resume_line(saved, run, dropped), flush=True)
     return run, corpus
+
+
+def document_end(model: ModelConfig, corpus: Corpus) -> int | None:
+    """The end-of-document id a document-masked run splits its sequences at: the data's (one line where it has
+    none); the model's own (None) without the mask."""
+    if not model.document_mask:
+        return model.eod_token
+    if corpus.eod is None:
+        raise ConfigError(f"--document-mask: the data {corpus.name!r} has no end-of-document token (its tokenizer has "
+                          "none of <|endoftext|>, <|end_of_text|>, </s>, <eos>): python -m jaxseq.data adds one")
+    return corpus.eod
 
 
 def resume_line(saved: dict, run: RunConfig, dropped: dict) -> str:
