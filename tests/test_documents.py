@@ -208,3 +208,25 @@ def test_the_plans_note_counts_the_segment_ids_and_the_ring_blocks_the_mask_can_
     assert (ring["ring_skippable_blocks"], ring["ring_blocks_per_layer"]) == (3, 5)
     assert ring["ring_skippable_flops_per_layer"] == pytest.approx(blocks * 3 / 5, rel=1e-12)
     assert "the ring skips up to 3 of its 5 blocks a layer" in document_mask.format_note(ring)
+
+
+@pytest.mark.slow  # two pipelined steps traced (no compile)
+def test_a_pipeline_stash_keeps_no_segment_ids():
+    """Each chunk's vjp reads its micro-batch's segment ids, which the stage holds for the whole step: its stash slot
+    is the unmasked run's, the ids taken from the live arrays at backward time (`ResidualLayout`, by identity)."""
+    parallel = ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True)
+    mesh = make_mesh(parallel, jax.devices())
+    tokens = np.zeros((8, 64), np.int32)
+    found = {}
+    for mask in (False, True):
+        cfg = replace(FAMILIES["gpt"], document_mask=mask, eod_token=EOD)
+        seen = []
+        fn = partial(PL.pipeline_loss_and_grad, layout=Layout(cfg, parallel, mesh), remat="selective", microbatches=2,
+                     inspect=lambda *avals: seen.append(avals))
+        with jax.set_mesh(mesh):
+            jax.eval_shape(fn, M.init_params(jax.random.key(1), cfg, tensor=8), {"inputs": tokens, "targets": tokens},
+                           jax.random.key(2))
+        found[mask] = seen[0][:2]  # (one stash slot, the leaves taken from the weights, keys and documents)
+    assert found[True][0] == found[False][0]
+    ids = found[True][1][-1]
+    assert found[True][1][:-1] == found[False][1] and (ids.shape, ids.dtype) == ((2, 64), jnp.int32)
