@@ -16,7 +16,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import autotune, document_mask, gpu_target, search, search_report, search_space
+from jaxseq.planning import autotune, cost, document_mask, gpu_target, search, search_report, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-efficiency", type=float, default=search_space.LINK_EFFICIENCY,
                    help=f"achieved fraction of link bandwidth (default {search_space.LINK_EFFICIENCY})")
     g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
+    g.add_argument("--tokens", type=float, default=None,
+                   help="the run's total tokens (e.g. 1e12): each row's days, GPU-hours and, with "
+                        "--price-per-gpu-hour, dollars to train them at its step time, each with the time model's "
+                        "measured error band (planning/cost.py)")
+    g.add_argument("--price-per-gpu-hour", type=float, default=None, help="dollars one GPU costs an hour (with --tokens)")
     return p
 
 
@@ -188,6 +193,22 @@ def search_devices(r: search_space.Request, scale_context: bool = False):
         return jax.devices("cpu")
 
 
+def pricing(args) -> cost.Pricing | None:
+    """--tokens and --price-per-gpu-hour (one-line ConfigErrors), or None."""
+    if args.tokens is None and args.price_per_gpu_hour is None:
+        return None
+    if not args.search:
+        raise ConfigError("--tokens and --price-per-gpu-hour price the rows of --search, which predicts each step's "
+                          "time (the plan's rows do not): add --search with --gpus and --global-batch")
+    if args.tokens is None:
+        raise ConfigError("--price-per-gpu-hour needs --tokens, the run's total tokens (e.g. --tokens 1e12)")
+    if not (args.tokens >= 1 and args.tokens == int(args.tokens)):
+        raise ConfigError(f"tokens={args.tokens:g} must be a whole number of tokens, at least 1")
+    if args.price_per_gpu_hour is not None and not args.price_per_gpu_hour > 0:
+        raise ConfigError(f"price_per_gpu_hour={args.price_per_gpu_hour:g} must be positive (dollars per GPU-hour)")
+    return cost.Pricing(int(args.tokens), args.price_per_gpu_hour)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.target is not None:
@@ -223,6 +244,7 @@ def search_request(args) -> search_space.Request:
 
 def _search(args) -> int:
     recorded_gemms(args)  # refused with --search, in one line
+    priced = pricing(args)
     cfg = resolve(args)
     validate(cfg, ParallelConfig(), "none")
     request = search_request(args)
@@ -248,8 +270,8 @@ def _search(args) -> int:
         progress.phase(f"the best {verify} configurations' whole train steps for the {args.target} (and the next in "
                        "place of any over the budget)", None)
         result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
-    print(json.dumps(search_report.to_json(result, args.top), indent=1) if args.json
-          else search_report.format_result(result, args.top))
+    print(json.dumps(search_report.to_json(result, args.top, priced), indent=1) if args.json
+          else search_report.format_result(result, args.top, priced))
     return 0
 
 
@@ -286,6 +308,7 @@ def recorded_gemms(args) -> autotune.RecordedGemms | None:
 
 
 def _plan(args) -> int:
+    pricing(args)  # refused without --search, in one line
     cfg = resolve(args)
     context = ParallelConfig(data=1, context=args.context, tensor=args.tensor, context_strategy=args.context_strategy)
     validate(cfg, context, "none")
