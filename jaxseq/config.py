@@ -230,6 +230,7 @@ class TrainConfig:
     sample_tokens: int = 200
     host_devices: int = 8  # simulated CPU devices when there is no accelerator
     record_autotune: str | None = None  # a GPU run: where XLA writes its autotuner's choices for the train step
+    profile: str | None = None  # "START:STOP": a jax.profiler trace of those steps (training/profile.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, GPU_FUSED_REMAT,
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
 from jaxseq.parallel.distributed import initialize, is_main_process
 from jaxseq.remat import POLICIES
-from jaxseq.training import loop, rundir
+from jaxseq.training import goodput, loop, profile, rundir
 from jaxseq.training.data import Corpus, load_corpus
 
 DEFAULT_PRESET = "stdlib-bytes"
@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
            "flags and key=value change only the fields they name")
     a("--init-from", help="start from the weights (and architecture) of a run or converted directory, at step 0")
     a("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (auto on A100/H100/H200)")
+    a("--profile", metavar="START:STOP",
+      help="a jax.profiler trace of steps START to STOP into RUN_DIR/tensorboard (TensorBoard's profile plugin, or "
+           "its .trace.json.gz in ui.perfetto.dev) and a device-memory profile as step STOP runs (RUN_DIR/profile)")
     a("--record-autotune", metavar="FILE",
       help="on GPUs: write the train step's GEMM choices (cuBLAS or Triton, XLA's autotuner) to FILE, for "
            "`python -m jaxseq.plan --target … --autotune-results FILE` to compile this step offline as the device did")
@@ -197,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
                "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
-               "context_strategy", "layer_loop", "record_autotune", "document_mask")
+               "context_strategy", "layer_loop", "record_autotune", "document_mask", "profile")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -299,7 +302,7 @@ def read_yaml(path: str):
 
 # What a resume neither restores nor reports: how this launch finds the run, what the platform decides, and the
 # settings of one launch on one machine (its simulated devices, its device's peak, a GPU's autotuner record).
-NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune"},
+NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune", "profile"},
                 "model": {"matmul", "fused_kernel"}}
 
 
@@ -391,6 +394,7 @@ def validate_train(train: TrainConfig) -> None:
             raise ConfigError(f"{name}={getattr(train, name)} must be at least 1")
     if train.peak_tflops is not None and train.peak_tflops <= 0:
         raise ConfigError(f"peak_tflops={train.peak_tflops} must be positive")
+    profile.parse_window(train.profile, train.steps)
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -586,9 +590,11 @@ def main(argv=None) -> int:
 
 
 def _train(args) -> int:
-    run, corpus = resolve(args)
+    clock = goodput.Clock()  # the run's wall time from here: the devices, the data and the configuration its set-up
+    with clock.part("set_up"):
+        run, corpus = resolve(args)
     try:
-        return loop.train(run, corpus)
+        return loop.train(run, corpus, clock)
     except loop.TrainingError as e:
         return cli.error(str(e), 1)
     except jax.errors.JaxRuntimeError as e:

@@ -80,8 +80,10 @@ ALLOWED = {
                           "training.data"},
     "training.loop": {"config", "mesh", "models.model", "parallel.data_parallel", "parallel.distributed",
                       "parallel.layout", "parallel.pipeline", "parallel.schedule", "training.aot",
-                      "training.checkpoint", "training.data", "training.metrics", "training.rundir",
-                      "training.sampling", "training.train_step"},
+                      "training.checkpoint", "training.data", "training.goodput", "training.metrics",
+                      "training.profile", "training.rundir", "training.sampling", "training.train_step"},
+    "training.goodput": set(),
+    "training.profile": {"config", "training.goodput"},
     # planning: XLA's compiled programs read back (the HLO parser, then its loops, collectives, FLOPs and GPU
     # kernels), the memory model, the plan and its report, the configurator (its costs and candidates' kernels at the
     # base, the memory and time models on them, the search, its output)
@@ -125,7 +127,7 @@ ALLOWED = {
     "planning.search_costs": {"config", "planning.costs", "planning.measure", "planning.memory"},
     # the commands
     "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",
-              "training.rundir"},
+              "training.goodput", "training.profile", "training.rundir"},
     "plan": {"cli", "config", "hardware", "planning.autotune", "planning.cost", "planning.document_mask",
              "planning.gpu_target",
              "planning.memory", "planning.plan", "planning.progress",

@@ -29,8 +29,9 @@ def run(*args, check=True):
 
 
 def metrics(run_dir):
+    """The steps' records (not a run's closing time record, `"run": "time"`: training/goodput.py)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if "run" not in r]
 
 
 def losses(run_dir):
