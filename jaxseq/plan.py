@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's total tokens (e.g. 1e12): each row's days, GPU-hours and, with "
                         "--price-per-gpu-hour, dollars to train them at its step time, each with the time model's "
                         "measured error band (planning/cost.py)")
-    g.add_argument("--price-per-gpu-hour", type=float, default=None, help="dollars one GPU costs an hour (with --tokens)")
+    g.add_argument("--price-per-gpu-hour", type=float, default=None,
+                   help="dollars one GPU costs an hour (with --tokens)")
     return p
 
 

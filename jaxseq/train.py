@@ -538,8 +538,8 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
           and parallel.context == 1 and is_main_process()):
         print("attention: XLA's fused attention with the documents' dense mask (scores materialised), not cuDNN's: "
               "jaxseq calls cuDNN through jax.nn.dot_product_attention, which gives it one sequence length a row, not "
-              "segment ids (at context > 1 the ring strategy runs its own flash-style blocks, skipping those no document "
-              "spans)",
+              "segment ids (at context > 1 the ring strategy runs its own flash-style blocks, skipping those no "
+              "document spans)",
               flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
         train = replace(train, remat=default_remat(platform, model.attention))

@@ -485,7 +485,8 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, messag
 
 
 @pytest.mark.parametrize("content, message", [
-    ("model: {hiden: 64}\n", "unknown config field model.hiden; valid model fields: attention, document_mask, dropout, "),
+    ("model: {hiden: 64}\n",
+     "unknown config field model.hiden; valid model fields: attention, document_mask, dropout, "),
     ("optimizer:\n  learning_rate: 1e-3\n", "unknown config field optimizer.learning_rate; valid optimizer fields: "
                                             "b1, b2, clip_norm, decay_steps, eps, lr, "),
     ("modle: {hidden: 64}\n", "unknown section 'modle'; valid: model, optimizer, train, parallel (or flat field "),

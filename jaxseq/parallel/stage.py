@@ -140,7 +140,8 @@ class Stage:
 
     def embed(self, embed_params, mb, k_embed):
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
-        return model.embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard_of(self.documents_of(mb)))
+        shard = self.shard_of(self.documents_of(mb))
+        return model.embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, shard)
 
     @property
     def loss_scale(self) -> float:

@@ -36,8 +36,8 @@ class Band:
 
 
 ONE_GPU_TARGET = Band(1 / 1.033, 1 / 0.973, "one GPU, --target: the 19 H100 steps measured, predicted −2.7% to +3.3%")
-ONE_GPU_COUNTED = Band(1 / 0.964, 1 / 0.919, "one GPU, without --target: the 19 H100 steps measured, predicted 3.6–8.1% "
-                                             "low")
+ONE_GPU_COUNTED = Band(1 / 0.964, 1 / 0.919,
+                       "one GPU, without --target: the 19 H100 steps measured, predicted 3.6–8.1% low")
 PAPERS = Band(0.927, 1.136, "several GPUs: the papers' 12 A100 runs, predicted TFLOP/s −7.3% to +13.6% of the measured")
 
 

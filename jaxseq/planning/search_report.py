@@ -62,7 +62,8 @@ def _band(res: Result) -> cost.Band:
 
 
 def row_cost(res: Result, e: Evaluated, pricing: cost.Pricing) -> dict:
-    """Row e's days, GPU-hours and dollars to train `pricing.tokens` at its predicted step time (`cost.training_cost`)."""
+    """Row e's days, GPU-hours and dollars to train `pricing.tokens` at its predicted step time
+    (`cost.training_cost`)."""
     return cost.training_cost(e.time.total_s, pricing, res.request.global_batch, res.config.seq_len, res.request.gpus,
                               _band(res))
 
@@ -231,7 +232,8 @@ def to_json(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> 
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
         "ranked": [{**e.to_json(), **priced(e)} for e in res.ranked[:top]],
-        "pricing": None if pricing is None else {"tokens": pricing.tokens, "price_per_gpu_hour": pricing.price_per_gpu_hour,
+        "pricing": None if pricing is None else {"tokens": pricing.tokens,
+                                                 "price_per_gpu_hour": pricing.price_per_gpu_hour,
                                                  "band": asdict(_band(res)), "source": "planning/cost.py"},
         "over_budget_by_compiled_step": [e.to_json() for e in res.over_budget],
         "rejected_families": res.rejected_families,

@@ -409,8 +409,9 @@ def _profile_window(run: RunConfig, start: int) -> profile.Window | None:
     """--profile's steps (`profile.parse_window`), which must come after the step a resumed run starts from."""
     window = profile.parse_window(run.train.profile, run.train.steps)
     if window is not None and window.start <= start:
-        raise ConfigError(f"profile={run.train.profile!r}: the run resumes after step {start}, past step {window.start}; "
-                          f"trace later steps (e.g. {start + 1}:{start + 1 + window.stop - window.start})")
+        later = f"{start + 1}:{start + 1 + window.stop - window.start}"
+        raise ConfigError(f"profile={run.train.profile!r}: the run resumes after step {start}, past step "
+                          f"{window.start}; trace later steps (e.g. {later})")
     return window
 
 
