@@ -233,7 +233,7 @@ def child(argv: list[str], profile: bool, without_attention: bool = False) -> di
         rc = train.main(argv + ["--run-dir", run_dir])
         wall = time.perf_counter() - t0
         clock.wait()
-        records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+        records = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "run" not in r]
         config = json.load(open(os.path.join(run_dir, "config.json")))
     t = config["train"]
     steps = clock.steps()

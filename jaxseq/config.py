@@ -24,6 +24,7 @@ def on_platform(model: "ModelConfig", platform: str, parallel: "ParallelConfig |
     (`cudnn_compiles`; jax.nn.dot_product_attention chooses XLA's, which materialises the scores, unless asked for
     cuDNN), XLA's elsewhere."""
     cudnn = platform == "gpu" and model.dtype == "bfloat16" and (parallel is None or cudnn_compiles(parallel))
+    cudnn = cudnn and not model.document_mask  # cuDNN's kernel as jaxseq calls it takes no segment ids
     if platform == "cpu" and model.layer_loop == "unrolled":
         raise ConfigError("layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy for unrolled layers (it "
                           "merges selective's replay with the forward, and full holds more than none); use scan, "
@@ -79,6 +80,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_positions: int = 8192
+    # Packed documents (models/documents.py): attention within each document, positions from its first token.
+    document_mask: bool = False
+    eod_token: int | None = None  # the end-of-document id that separates them: the data's (set at the edge)
 
     @property
     def num_kv_heads(self) -> int:
@@ -109,7 +113,8 @@ class ModelConfig:
 
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
-RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel", "layer_loop")
+RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel", "layer_loop", "document_mask",
+                  "eod_token")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
@@ -225,6 +230,7 @@ class TrainConfig:
     sample_tokens: int = 200
     host_devices: int = 8  # simulated CPU devices when there is no accelerator
     record_autotune: str | None = None  # a GPU run: where XLA writes its autotuner's choices for the train step
+    profile: str | None = None  # "START:STOP": a jax.profiler trace of those steps (training/profile.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,7 +364,18 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"fused_kernel={model.fused_kernel!r} is not valid; valid: {', '.join(FUSED_KERNELS)}")
     if model.layer_loop not in LAYER_LOOPS:
         raise ConfigError(f"layer_loop={model.layer_loop!r} is not valid; valid: {', '.join(LAYER_LOOPS)}")
+    validate_documents(model)
     validate_family(model)
+
+
+def validate_documents(model: ModelConfig) -> None:
+    """The document mask needs the id that ends each document, one of the vocabulary's."""
+    if not isinstance(model.document_mask, bool):
+        raise ConfigError(f"document_mask={model.document_mask!r} must be true or false")
+    eod = model.eod_token
+    if model.document_mask and (not isinstance(eod, int) or not 0 <= eod < model.vocab_size):
+        raise ConfigError(f"document_mask needs eod_token, the end-of-document id, in 0 … {model.vocab_size - 1}; "
+                          f"got {eod!r}")
 
 
 # Each model family's check of its own fields, by family name (the names a ModelConfig's `family` may take), in

@@ -16,7 +16,7 @@ import jax
 from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
-from jaxseq.planning import autotune, gpu_target, search, search_report, search_space
+from jaxseq.planning import autotune, cost, document_mask, gpu_target, search, search_report, search_space
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gib", type=float, default=None,
                    help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
                         "forward, full), then by the measured FLOPs")
+    p.add_argument("--document-mask", action="store_true",
+                   help="packed documents that do not attend to each other (train --document-mask): every program "
+                        "compiled with the mask; the plan notes its segment ids, masks and the ring blocks it can skip")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search_memory.py and search_time.py state the memory "
@@ -139,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-efficiency", type=float, default=search_space.LINK_EFFICIENCY,
                    help=f"achieved fraction of link bandwidth (default {search_space.LINK_EFFICIENCY})")
     g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
+    g.add_argument("--tokens", type=float, default=None,
+                   help="the run's total tokens (e.g. 1e12): each row's days, GPU-hours and, with "
+                        "--price-per-gpu-hour, dollars to train them at its step time, each with the time model's "
+                        "measured error band (planning/cost.py)")
+    g.add_argument("--price-per-gpu-hour", type=float, default=None,
+                   help="dollars one GPU costs an hour (with --tokens)")
     return p
 
 
@@ -148,6 +157,8 @@ def resolve(args) -> ModelConfig:
         cfg = replace(cfg, seq_len=args.seq_len)
     if args.dropout is not None:
         cfg = replace(cfg, dropout=args.dropout)
+    if args.document_mask:  # any id ends a document in a program compiled on abstract tokens: the vocabulary's last
+        cfg = replace(cfg, document_mask=True, eod_token=cfg.vocab_size - 1)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:
@@ -181,6 +192,22 @@ def search_devices(r: search_space.Request, scale_context: bool = False):
     except ConfigError:
         host_devices(tensor)  # one line where not even the largest t fits
         return jax.devices("cpu")
+
+
+def pricing(args) -> cost.Pricing | None:
+    """--tokens and --price-per-gpu-hour (one-line ConfigErrors), or None."""
+    if args.tokens is None and args.price_per_gpu_hour is None:
+        return None
+    if not args.search:
+        raise ConfigError("--tokens and --price-per-gpu-hour price the rows of --search, which predicts each step's "
+                          "time (the plan's rows do not): add --search with --gpus and --global-batch")
+    if args.tokens is None:
+        raise ConfigError("--price-per-gpu-hour needs --tokens, the run's total tokens (e.g. --tokens 1e12)")
+    if not (args.tokens >= 1 and args.tokens == int(args.tokens)):
+        raise ConfigError(f"tokens={args.tokens:g} must be a whole number of tokens, at least 1")
+    if args.price_per_gpu_hour is not None and not args.price_per_gpu_hour > 0:
+        raise ConfigError(f"price_per_gpu_hour={args.price_per_gpu_hour:g} must be positive (dollars per GPU-hour)")
+    return cost.Pricing(int(args.tokens), args.price_per_gpu_hour)
 
 
 def main(argv=None) -> int:
@@ -218,6 +245,7 @@ def search_request(args) -> search_space.Request:
 
 def _search(args) -> int:
     recorded_gemms(args)  # refused with --search, in one line
+    priced = pricing(args)
     cfg = resolve(args)
     validate(cfg, ParallelConfig(), "none")
     request = search_request(args)
@@ -243,8 +271,8 @@ def _search(args) -> int:
         progress.phase(f"the best {verify} configurations' whole train steps for the {args.target} (and the next in "
                        "place of any over the budget)", None)
         result = search.verify(result, verify, partial(target_step_costs, cfg, args.target, progress), costs)
-    print(json.dumps(search_report.to_json(result, args.top), indent=1) if args.json
-          else search_report.format_result(result, args.top))
+    print(json.dumps(search_report.to_json(result, args.top, priced), indent=1) if args.json
+          else search_report.format_result(result, args.top, priced))
     return 0
 
 
@@ -281,6 +309,7 @@ def recorded_gemms(args) -> autotune.RecordedGemms | None:
 
 
 def _plan(args) -> int:
+    pricing(args)  # refused without --search, in one line
     cfg = resolve(args)
     context = ParallelConfig(data=1, context=args.context, tensor=args.tensor, context_strategy=args.context_strategy)
     validate(cfg, context, "none")
@@ -301,8 +330,12 @@ def _plan(args) -> int:
         raise ConfigError(str(e)) from None
     chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
     compiled = block_on_target(args, p, chosen, progress)
+    held = p.microbatches if p.pipeline > 1 else 1  # a pipeline's stages hold every micro-batch's segment ids
+    documents = (document_mask.costs(cfg, args.micro_batch_size, args.tensor, args.context, args.context_strategy, held)
+                 if cfg.document_mask else None)
     if args.json:
         out = p.to_json()
+        out["document_mask"] = documents
         if args.budget_gib is not None:
             out["budget"] = {"budget_gib": args.budget_gib, "recommended": chosen and chosen.config,
                              "recommended_remat": chosen and chosen.remat,
@@ -312,6 +345,8 @@ def _plan(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(format_table(p))
+        if documents is not None:
+            print(document_mask.format_note(documents))
         if args.budget_gib is not None:
             print()
             print(format_recommendation(p, args.budget_gib))

@@ -13,9 +13,10 @@ parallel/context.py: the models below it call attention through `models.ops.atte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,13 @@ class Sharder:
     # attention(q, k, v, cfg, key, shard) over the whole causal prefix when the sequence is split over
     # `context` (parallel/context.py's strategies); None: the partitioner's choice (`models.ops.attention`).
     context_attention: Callable | None = field(default=None, compare=False)
+    # The packed documents of the tokens being run (models/documents.Documents, in their stored order), or None:
+    # no document mask. Set per batch (`with_documents`): the model's attention and positions read it here.
+    documents: Any = field(default=None, compare=False)
+
+    def with_documents(self, documents) -> "Sharder":
+        """This Sharder for tokens whose packed documents are `documents` (None: no document mask)."""
+        return dataclasses.replace(self, documents=documents)
 
     @property
     def rules(self) -> dict[str, str | None]:
@@ -86,7 +94,10 @@ class Sharder:
         return context_order(s, self.context) if self.context > 1 else None
 
     def positions(self, s: int):
-        """The global positions of the stored tokens of a sequence of s (0 … s−1 without context parallelism)."""
+        """The global positions of the stored tokens of a sequence of s (0 … s−1 without context parallelism); with
+        packed documents each token's position in its document, [b, s]."""
+        if self.documents is not None:
+            return self.documents.positions
         order = self.reorder(s)
         return np.arange(s) if order is None else order
 

@@ -39,7 +39,7 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, SECTIONS, GPU_FU
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
 from jaxseq.parallel.distributed import initialize, is_main_process
 from jaxseq.remat import POLICIES
-from jaxseq.training import loop, rundir
+from jaxseq.training import goodput, loop, profile, rundir
 from jaxseq.training.resume import check_architecture, drop_unusable, resume_line, resumed_configs
 from jaxseq.training.data import Corpus, load_corpus
 
@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "full, the rest under POLICY (default none)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
+    a("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+      help="packed documents: attention never crosses the data's end-of-document token and positions restart at "
+           "each document (default off: a token attends to the documents packed before it)")
     a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default {ModelConfig().layer_loop}; "
                            "unrolled avoids the scan's stacked buffers: on an H100, gpt3-1.3b's step 13%% faster "
                            "under none, 10%% under lean, 3%% under full, with 5–9%% less memory; GPUs only; its "
@@ -178,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
            "flags and key=value change only the fields they name")
     a("--init-from", help="start from the weights (and architecture) of a run or converted directory, at step 0")
     a("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (auto on A100/H100/H200)")
+    a("--profile", metavar="START:STOP",
+      help="a jax.profiler trace of steps START to STOP into RUN_DIR/tensorboard (TensorBoard's profile plugin, or "
+           "its .trace.json.gz in ui.perfetto.dev) and a device-memory profile as step STOP runs (RUN_DIR/profile)")
     a("--record-autotune", metavar="FILE",
       help="on GPUs: write the train step's GEMM choices (cuBLAS or Triton, XLA's autotuner) to FILE, for "
            "`python -m jaxseq.plan --target … --autotune-results FILE` to compile this step offline as the device did")
@@ -195,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
                "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
-               "context_strategy", "layer_loop", "record_autotune")
+               "context_strategy", "layer_loop", "record_autotune", "document_mask", "profile")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -315,6 +321,7 @@ def validate_train(train: TrainConfig) -> None:
             raise ConfigError(f"{name}={getattr(train, name)} must be at least 1")
     if train.peak_tflops is not None and train.peak_tflops <= 0:
         raise ConfigError(f"peak_tflops={train.peak_tflops} must be positive")
+    profile.parse_window(train.profile, train.steps)
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -448,11 +455,18 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     if train.record_autotune is not None and platform != "gpu":
         raise ConfigError(f"record_autotune={train.record_autotune!r}: XLA autotunes GEMMs on GPUs only; this run's "
                           f"devices are {platform} (leave --record-autotune out)")
-    model = on_platform(replace(model, vocab_size=vocab), platform, parallel)
+    model = on_platform(replace(model, vocab_size=vocab, eod_token=document_end(model, corpus)), platform, parallel)
     if (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and not cudnn_compiles(parallel)
             and is_main_process()):
         print("attention: XLA's fused attention (scores materialised), not cuDNN's: jaxseq's cuDNN attention does not "
               "take the all-gather context strategy's mask (--context-strategy ring does; config.cudnn_compiles)",
+              flush=True)
+    elif (platform == "gpu" and model.attention == "fused" and model.dtype == "bfloat16" and model.document_mask
+          and parallel.context == 1 and is_main_process()):
+        print("attention: XLA's fused attention with the documents' dense mask (scores materialised), not cuDNN's: "
+              "jaxseq calls cuDNN through jax.nn.dot_product_attention, which gives it one sequence length a row, not "
+              "segment ids (at context > 1 the ring strategy runs its own flash-style blocks, skipping those no "
+              "document spans)",
               flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
         train = replace(train, remat=default_remat(platform, model.attention))
@@ -468,6 +482,17 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     return run, corpus
 
 
+def document_end(model: ModelConfig, corpus: Corpus) -> int | None:
+    """The end-of-document id a document-masked run splits its sequences at: the data's (one line where it has
+    none); the model's own (None) without the mask."""
+    if not model.document_mask:
+        return model.eod_token
+    if corpus.eod is None:
+        raise ConfigError(f"--document-mask: the data {corpus.name!r} has no end-of-document token (its tokenizer has "
+                          "none of <|endoftext|>, <|end_of_text|>, </s>, <eos>): python -m jaxseq.data adds one")
+    return corpus.eod
+
+
 def main(argv=None) -> int:
     """The command: its exit status (0; 1 a failed run; 2 a bad configuration; 128 + N after signal N:
     130 for SIGINT, 143 for SIGTERM, docs/training.md)."""
@@ -480,9 +505,11 @@ def main(argv=None) -> int:
 
 
 def _train(args) -> int:
-    run, corpus = resolve(args)
+    clock = goodput.Clock()  # the run's wall time from here: the devices, the data and the configuration its set-up
+    with clock.part("set_up"):
+        run, corpus = resolve(args)
     try:
-        return loop.train(run, corpus)
+        return loop.train(run, corpus, clock)
     except loop.TrainingError as e:
         return cli.error(str(e), 1)
     except jax.errors.JaxRuntimeError as e:

@@ -29,8 +29,9 @@ def run(*args, check=True):
 
 
 def metrics(run_dir):
+    """The steps' records (not a run's closing time record, `"run": "time"`: training/goodput.py)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if "run" not in r]
 
 
 def losses(run_dir):
@@ -485,7 +486,8 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys, content, messag
 
 
 @pytest.mark.parametrize("content, message", [
-    ("model: {hiden: 64}\n", "unknown config field model.hiden; valid model fields: attention, dropout, dtype, "),
+    ("model: {hiden: 64}\n",
+     "unknown config field model.hiden; valid model fields: attention, document_mask, dropout, "),
     ("optimizer:\n  learning_rate: 1e-3\n", "unknown config field optimizer.learning_rate; valid optimizer fields: "
                                             "b1, b2, clip_norm, decay_steps, eps, lr, "),
     ("modle: {hidden: 64}\n", "unknown section 'modle'; valid: model, optimizer, train, parallel (or flat field "),

@@ -77,10 +77,13 @@ def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
     """tokens [b, s] → the first block's input [b, s(/t), h] from the embedding group (params["embed"]): the
     vocab-parallel lookup (each rank masks its rows and the ranks reduce; reduce-scatter with SP) plus the
-    learned positions (of the stored order under context parallelism), then dropout."""
+    learned positions (of the stored order under context parallelism; with packed documents each token's position
+    in its document), then dropout."""
     x = shard.embed(group["token"], tokens)
     order = shard.reorder(tokens.shape[1])
     positions = group["position"][: tokens.shape[1]] if order is None else jnp.take(group["position"], order, axis=0)
+    if shard.documents is not None:
+        positions = jnp.take(group["position"], shard.documents.positions, axis=0)  # [b, s, h]
     x = shard(x + positions, "batch", "seq_sp", None)
     return dropout(x, cfg.dropout, key, remat.EMBED_DROPOUT_MASK, order, shard=shard)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq.remat import remat_policy, segments
-from jaxseq.models import gpt, llama
+from jaxseq.models import documents, gpt, llama
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
@@ -248,12 +248,20 @@ def head_loss(params, x, targets, cfg: ModelConfig, shard: Sharder):
     return cross_entropy(logits_fn(params, final_norm(params, x, cfg), cfg, shard), targets)
 
 
+def packed_documents(tokens, cfg: ModelConfig) -> documents.Documents | None:
+    """The packed documents of `tokens` [..., s] (natural order) where the model masks them, else None."""
+    return documents.of_tokens(tokens, cfg.eod_token) if cfg.document_mask else None
+
+
 def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
     """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32), in natural order.
 
     Where the sequence is split over `context`, the tokens are reordered here, once, into the stored order
     (`Sharder.split_sequence`: rank r keeps chunks r and 2c−1−r of 2c); the loss is a mean over tokens,
-    unchanged. Inside a region manual over `context` (`StageSharder`) it is the mean over this rank's tokens."""
+    unchanged. Inside a region manual over `context` (`StageSharder`) it is the mean over this rank's tokens.
+    With `cfg.document_mask` the packed documents are read from the inputs, in natural order, and travel with the
+    tokens in `shard` (`with_documents`)."""
+    shard = shard.with_documents(documents.split(packed_documents(batch["inputs"], cfg), shard.split_sequence))
     batch = {name: shard.split_sequence(t) for name, t in batch.items()}
     x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
     return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"])

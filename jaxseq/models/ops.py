@@ -18,6 +18,7 @@ from jax.extend.random import threefry2x32_p
 from jaxseq.config import ModelConfig
 from jaxseq import remat
 from jaxseq import deferred
+from jaxseq.models import documents
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.models.cudnn_attention import cudnn_attention
 from jaxseq.sharding import Sharder
@@ -115,17 +116,34 @@ def causal_mask(order, s_q: int, s_k: int):
     return jnp.asarray(q_order)[:, None] >= jnp.asarray(k_order)[None, :]
 
 
-def _causal_softmax(scores, scale, order):
-    causal = causal_mask(order, *scores.shape[-2:])
+def document_causal_mask(order, segments, like):
+    """[b, s_q, s_k] bool: `causal_mask` and, with packed documents, query and key in the same document.
+    segments: (query segments [b, s_q], key segments [b, s_k]) (models/documents.py). They pass an optimization
+    barrier with `like` (the scores, or the queries): the mask is the same in every layer, and left alone the layer
+    scan's partial evaluation (or XLA) would make it once outside the loop and hold it, b·s_q·s_k bytes."""
+    segments, _ = jax.lax.optimization_barrier((segments, like))
+    same = documents.same_document(*segments)
+    return causal_mask(order, *same.shape[-2:])[None] & same
+
+
+def _causal_softmax(scores, scale, order, segments=None):
+    if segments is None:
+        causal = causal_mask(order, *scores.shape[-2:])
+    else:  # [b, s_q, s_k] → [b, 1…, s_q, s_k] over the scores' head axes
+        causal = document_causal_mask(order, segments, scores)
+        causal = causal.reshape(causal.shape[0], *(1,) * (scores.ndim - 3), *causal.shape[1:])
     logits = jnp.where(causal, scores.astype(jnp.float32) * scale, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
     return checkpoint_name(probs, remat.ATTN_PROBS)
 
 
-def causal_softmax(scores, scale, order=None):
+def causal_softmax(scores, scale, order=None, segments=None):
     """softmax(scale·scores) over keys with a causal mask, in float32; backward keeps only the output. order:
-    the global positions of the stored queries and keys (context parallelism's reorder), or None (natural)."""
-    return _masked_softmax(scores, scale, order)
+    the global positions of the stored queries and keys (context parallelism's reorder), or None (natural);
+    segments: (query, key) segment ids of packed documents (`document_causal_mask`), or None."""
+    if segments is None:
+        return _masked_softmax(scores, scale, order)
+    return _document_softmax(scores, scale, order, segments)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -145,6 +163,16 @@ def _softmax_bwd(scale, probs, g):
 
 
 _masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _document_softmax(scores, scale, order, segments):
+    """`_masked_softmax` with packed documents: the same output kept, the segment ids given no gradient."""
+    return _causal_softmax(scores, scale, order, segments)
+
+
+_document_softmax.defvjp(lambda scores, scale, order, segments: (_causal_softmax(scores, scale, order, segments),) * 2,
+                         lambda scale, probs, g: (*_softmax_bwd(scale, probs, g), None))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -362,11 +390,12 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope(x, positions, cfg: ModelConfig):
-    """Rotary position embedding of x [b, s, heads, d] at positions [s], rotate-half convention (the first
-    and second halves of d are the pair's two coordinates: how Hugging Face stores Llama's q and k).
-    Computed in float32; a linear map, so its backward stores nothing."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(cfg))[None, :]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    """Rotary position embedding of x [b, s, heads, d] at positions [s] (or [b, s]: each row's own, packed
+    documents), rotate-half convention (the first and second halves of d are the pair's two coordinates: how Hugging
+    Face stores Llama's q and k). Computed in float32; a linear map, so its backward stores nothing."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(cfg))
+    angles = angles[None, :, None, :] if angles.ndim == 2 else angles[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -382,7 +411,8 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
         return cudnn_attention(q, k, v, shard, tagged_context)
     if shard.context > 1 and shard.context_attention is not None:
         return shard.context_attention(q, k, v, cfg, key, shard)
-    return tagged_context(causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1])), shard)
+    segments = None if shard.documents is None else (shard.documents.segments,) * 2
+    return tagged_context(causal_attention(q, k, v, cfg, key, shard, shard.reorder(q.shape[1]), segments), shard)
 
 
 def tagged_context(ctx, shard: Sharder):
@@ -392,35 +422,39 @@ def tagged_context(ctx, shard: Sharder):
     return checkpoint_name(shard(ctx, "batch", "seq", "heads", None), remat.CONTEXT)
 
 
-def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None):
+def causal_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, order=None, segments=None):
     """`attention` written over the whole sequence (the partitioner splits it), queries and keys stored in
-    `order` (their global positions, one array or a (queries, keys) pair; None: natural). Scores are split
+    `order` (their global positions, one array or a (queries, keys) pair; None: natural), and with packed documents
+    `segments` (the queries' and the keys' segment ids [b, s], as stored; None: no document mask). Scores are split
     over `seq` like the queries."""
     if cfg.attention == "fused":
         # cfg.fused_kernel: cuDNN flash attention where an edge chose it (GPU, bf16), XLA's otherwise (which
         # JAX also picks when not told: it materialises the scores); grouped K/V heads natively. No dropout
         # argument exists, so attention-probs dropout is not applied with the fused implementation.
-        if order is None:
+        if order is None and segments is None:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.fused_kernel)
-        # A reordered sequence is no top-left triangle: the mask of global positions, given densely.
-        mask = causal_mask(order, q.shape[1], k.shape[1])[None, None]
+        # A reordered sequence or packed documents are no top-left triangle: the mask given densely.
+        if segments is None:
+            mask = causal_mask(order, q.shape[1], k.shape[1])[None, None]
+        else:
+            mask = document_causal_mask(order, segments, q)[:, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.fused_kernel)
     b, s, a, d = q.shape
     kv = k.shape[2]
     if kv == a:
         scores = checkpoint_name(jnp.einsum("bqad,bkad->baqk", q, k), remat.ATTN_SCORES)
         scores = shard(scores, "batch", "heads", "seq", None)
-        probs = _probs(scores, cfg, key, order, shard)
+        probs = _probs(scores, cfg, key, order, shard, segments)
         return jnp.einsum("baqk,bkad->bqad", probs, v)
     q = q.reshape(b, s, kv, a // kv, d)
     scores = checkpoint_name(jnp.einsum("bqkgd,bskd->bkgqs", q, k), remat.ATTN_SCORES)
     scores = shard(scores, "batch", "heads", None, "seq", None)
-    probs = _probs(scores, cfg, key, order, shard)
+    probs = _probs(scores, cfg, key, order, shard, segments)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, a, d)
 
 
-def _probs(scores, cfg: ModelConfig, key, order, shard: Sharder):
-    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim), order)
+def _probs(scores, cfg: ModelConfig, key, order, shard: Sharder, segments=None):
+    probs = causal_softmax(scores, 1.0 / math.sqrt(cfg.head_dim), order, segments)
     if cfg.dropout == 0.0 or key is None:
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).

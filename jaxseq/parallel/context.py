@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq import remat
-from jaxseq.models import ops
+from jaxseq.models import documents, ops
 from jaxseq.parallel.region import StageSharder
 from jaxseq.sharding import Sharder, context_chunks, entry_axes, spec_axes
 
@@ -63,7 +63,18 @@ def attention(q, k, v, cfg: ModelConfig, key, shard: Sharder, strategy: str):
     order = shard.reorder(q.shape[1])
     if shard.context_manual:  # one rank's queries against the gathered whole sequence's keys
         order = (order, shard.whole_order(k.shape[1]))
-    return ops.tagged_context(ops.causal_attention(q, k, v, cfg, key, shard, order), shard)
+    return ops.tagged_context(ops.causal_attention(q, k, v, cfg, key, shard, order, _segments(shard)), shard)
+
+
+def _segments(shard: Sharder):
+    """(the queries' segment ids, the gathered keys') of packed documents (`shard.documents`), or None. Inside a
+    region manual over `context` the keys' are every rank's, gathered as K and V are (4 bytes a token)."""
+    if shard.documents is None:
+        return None
+    mine = shard.documents.segments
+    if not shard.context_manual:
+        return mine, mine
+    return mine, jax.lax.all_gather(mine, "context", axis=1, tiled=True)
 
 
 def gather_over_context(x, shard: Sharder):
@@ -155,6 +166,9 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
     row0 = shard.first_row(q.shape[0]) if shard.rows_manual else 0
     key_data = jnp.concatenate([key_data, jnp.asarray(row0, jnp.uint32)[None]])
     static = dict(chunks=context_chunks(c), scale=1.0 / math.sqrt(cfg.head_dim), rate=rate, s=s)
+    # With packed documents, this rank's segment ids [b, s/c] (stored order) ride along: the blocks' masks, and
+    # the full blocks no document spans skipped.
+    segments = () if shard.documents is None else (shard.documents.segments,)
     if shard.context_manual:
         # Already one context rank's tokens: the ring runs here, its heads left to the partitioner (global over
         # `tensor`). A nested shard_map over `tensor` failed to lower in this region (a value it closed over
@@ -163,29 +177,31 @@ def ring_attention(q, k, v, cfg: ModelConfig, key, shard: Sharder):
         backward = partial(_ring_backward, **static, tensor=1, data=())
     else:
         seq, lse_spec = shard.spec("batch", "seq", "heads", None), shard.spec("batch", "heads", None, "seq")
+        tokens = (shard.spec("batch", "seq"),) * len(segments)
         static.update(tensor=shard.tensor, data=tuple(a for a in ("data", "fsdp") if a in _axes(seq)))
         nested = partial(jax.shard_map, mesh=shard.map_mesh, axis_names=_axes(seq))
-        forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P()), out_specs=(seq, lse_spec))
-        backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P()),
+        forward = nested(partial(_ring_forward, **static), in_specs=(seq, seq, seq, P(), *tokens),
+                         out_specs=(seq, lse_spec))
+        backward = nested(partial(_ring_backward, **static), in_specs=(seq, seq, seq, seq, lse_spec, seq, P(), *tokens),
                           out_specs=(seq, seq, seq))
 
     @jax.custom_vjp
-    def ring(q, k, v, key_data):
-        return shard(forward(q, k, v, key_data)[0], "batch", "seq", "heads", None)
+    def ring(q, k, v, key_data, *segments):
+        return shard(forward(q, k, v, key_data, *segments)[0], "batch", "seq", "heads", None)
 
-    def ring_fwd(q, k, v, key_data):
-        out, lse = forward(q, k, v, key_data)
+    def ring_fwd(q, k, v, key_data, *segments):
+        out, lse = forward(q, k, v, key_data, *segments)
         # Tagged inside the forward rule, so the policies that keep the attention context keep these too; the
         # output the model goes on with is the one backward keeps (`ops.tagged_context`: one tensor, not two).
         out, lse = ops.tagged_context(out, shard), checkpoint_name(lse, remat.CONTEXT)
-        return out, (q, k, v, key_data, out, lse)
+        return out, (q, k, v, key_data, out, lse, segments)
 
     def ring_bwd(res, g):
-        q, k, v, key_data, out, lse = res
-        return (*backward(q, k, v, out, lse, g, key_data), None)
+        q, k, v, key_data, out, lse, segments = res
+        return (*backward(q, k, v, out, lse, g, key_data, *segments), None, *(None for _ in segments))
 
     ring.defvjp(ring_fwd, ring_bwd)
-    return ring(q, k, v, key_data)
+    return ring(q, k, v, key_data, *segments)
 
 
 def _pass_on(x, c: int):
@@ -211,7 +227,7 @@ def _by_pattern(plan, step: int, make_branch, *operands):
 class _Blocks:
     """One rank's view inside the ring's shard_map: its query halves and the geometry of a block."""
 
-    def __init__(self, q, k, chunks, scale, rate, s, tensor, data, key_data):
+    def __init__(self, q, k, chunks, scale, rate, s, tensor, data, key_data, segments=None):
         self.b, two_n, self.a, self.d = q.shape
         self.n, self.kv = two_n // 2, k.shape[2]
         self.g = self.a // self.kv
@@ -222,6 +238,30 @@ class _Blocks:
         # the first batch row here: this map's own data (× fsdp) rank's, or the enclosing manual region's
         self.row0 = jax.lax.axis_index(data).astype(jnp.uint32) * self.b if data else key_data[2]
         self.rank = jax.lax.axis_index("context")
+        # Packed documents: this rank's segment ids as halves [b, 2, n], and every rank's [c, b, 2, n] (4 bytes a
+        # token, gathered once: the key halves' ids as their K/V blocks come round).
+        self.documents = segments is not None
+        if self.documents:
+            self.segments = segments.reshape(self.b, 2, self.n)
+            self.all_segments = jax.lax.all_gather(self.segments, "context")
+
+    def key_segments(self, rank, half):
+        """[b, n]: the segment ids of key half `half` of the K/V block rank `rank` holds (None without documents)."""
+        if not self.documents:
+            return None
+        return jax.lax.dynamic_index_in_dim(self.all_segments, rank, 0, keepdims=False)[:, half]
+
+    def query_segments(self, half):
+        """[b, n]: the segment ids of this rank's query half `half` (None without documents)."""
+        return self.segments[:, half] if self.documents else None
+
+    def spanned(self, rel, q_segments, k_segments):
+        """Whether a block of relation `rel` has a query that sees a key of it: always without documents or on a
+        diagonal (each token sees itself); a full block (keys wholly before the queries) only where a document
+        spans the two chunks (`documents.spans`). None: always, statically."""
+        if not self.documents or rel != FULL:
+            return None
+        return documents.spans(q_segments, k_segments)
 
     def halves(self, x, heads):  # [b, 2n, heads…, d] → [b, 2, n, heads…, d]
         return x.reshape(self.b, 2, self.n, *heads, self.d)
@@ -229,14 +269,20 @@ class _Blocks:
     def positions(self, rank, half):
         return jnp.asarray(self.chunks, jnp.int32)[rank, half] * self.n + jnp.arange(self.n)
 
-    def scores(self, qh, kh, rel, row0=0):
+    def scores(self, qh, kh, rel, row0=0, q_segments=None, k_segments=None):
         """float32 scale·q·kᵀ [b, kv, g, rows, n] of query rows row0… of a half against one key half, causal on a
-        diagonal."""
+        diagonal; with packed documents (the rows' and the keys' segment ids [b, rows], [b, n]) within each
+        document."""
         scores = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=jnp.float32) * self.scale
+        # The rows (and segment ids) pass an optimization barrier with the queries: the mask is the same in every
+        # layer, and JAX's partial evaluation of the layer scan moved it out of the loop, made for every query tile
+        # of the block at once.
+        if q_segments is not None:
+            (q_segments, k_segments), _ = jax.lax.optimization_barrier(((q_segments, k_segments), qh))
+            same = q_segments[:, None, None, :, None] == k_segments[:, None, None, None, :]
+            scores = jnp.where(same, scores, -jnp.inf)
         if rel != DIAG:
             return scores
-        # The rows pass an optimization barrier with the queries: the mask is the same in every layer, and JAX's
-        # partial evaluation of the layer scan moved it out of the loop, made for every query tile of the block at once.
         rows, _ = jax.lax.optimization_barrier((row0 + jnp.arange(qh.shape[1]), qh))
         return jnp.where(rows[:, None] >= jnp.arange(self.n)[None, :], scores, -jnp.inf)
 
@@ -280,32 +326,40 @@ def _over_tiles(blk: _Blocks, tile, carry, xs):
     return carry, jax.tree.map(lambda *x: jnp.stack(x), *outs)
 
 
-def _forward_block(blk: _Blocks, qh, kh, vh, rel, q_pos, k_pos):
+def _finite(lse):
+    """lse with −∞ (a row no key of the block is visible to: packed documents) as 0, to subtract: exp(−∞ − 0) = 0."""
+    return jnp.where(jnp.isneginf(lse), 0.0, lse)
+
+
+def _forward_block(blk: _Blocks, qh, kh, vh, rel, q_pos, k_pos, q_segments=None, k_segments=None):
     """One block: its output [b, n, kv, g, d] and log-sum-exp [b, kv, g, n] (float32), its query rows a tile at a
-    time."""
+    time; with packed documents (segment ids [b, n]) a row may see none of the block's keys: its output 0, its
+    log-sum-exp −∞."""
     def tile(_, xs):
-        q, row0, pos = xs
-        scores = blk.scores(q, kh, rel, row0)
+        q, row0, pos, segs = xs
+        scores = blk.scores(q, kh, rel, row0, segs, k_segments)
         lse = jax.nn.logsumexp(scores, axis=-1)
-        probs = jnp.exp(scores - lse[..., None])
+        probs = jnp.exp(scores - (_finite(lse) if blk.documents else lse)[..., None])
         if blk.rate:
             probs = probs * blk.kept(pos, k_pos)
         return None, (jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(vh.dtype), vh, preferred_element_type=jnp.float32), lse)
 
     rows0 = jnp.arange(blk.tiles) * blk.rows
-    _, (out, lse) = _over_tiles(blk, tile, None, (blk.by_tiles(qh), rows0, q_pos.reshape(blk.tiles, blk.rows)))
+    segs = None if q_segments is None else blk.by_tiles(q_segments)
+    _, (out, lse) = _over_tiles(blk, tile, None, (blk.by_tiles(qh), rows0, q_pos.reshape(blk.tiles, blk.rows), segs))
     return blk.from_tiles(out), blk.from_tiles(lse, 3)
 
 
-def _backward_block(blk: _Blocks, qh, kh, vh, gh, lse, delta, rel, q_pos, k_pos, zeros):
+def _backward_block(blk: _Blocks, qh, kh, vh, gh, lse, delta, rel, q_pos, k_pos, zeros, q_segments=None,
+                    k_segments=None):
     """One block's dQ [b, n, kv, g, d] and dK, dV [b, n, kv, d] (float32), recomputed against the global
     log-sum-exp, its query rows a tile at a time (dK and dV summed over them)."""
     f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)  # the model's dtype in, float32 accumulated
 
     def tile(carry, xs):
         dk, dv = carry
-        q, g, lse_rows, delta_rows, row0, pos = xs
-        probs = jnp.exp(blk.scores(q, kh, rel, row0) - lse_rows[..., None])
+        q, g, lse_rows, delta_rows, row0, pos, segs = xs
+        probs = jnp.exp(blk.scores(q, kh, rel, row0, segs, k_segments) - lse_rows[..., None])
         dprobs = f32("bqkgd,bskd->bkgqs", g, vh)
         dropped = probs
         if blk.rate:
@@ -318,14 +372,32 @@ def _backward_block(blk: _Blocks, qh, kh, vh, gh, lse, delta, rel, q_pos, k_pos,
 
     rows0 = jnp.arange(blk.tiles) * blk.rows
     xs = (blk.by_tiles(qh), blk.by_tiles(gh), blk.by_tiles(lse, 3), blk.by_tiles(delta, 3), rows0,
-          q_pos.reshape(blk.tiles, blk.rows))
+          q_pos.reshape(blk.tiles, blk.rows), None if q_segments is None else blk.by_tiles(q_segments))
     (dk, dv), dq = _over_tiles(blk, tile, (zeros, zeros), xs)
     return blk.from_tiles(dq), dk, dv
 
 
-def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
+def _merged(blk: _Blocks, out, lse, qa, block_out, block_lse):
+    """The running output and log-sum-exp of query half qa with one block's merged in (with packed documents a row
+    may have seen no key yet: both −∞, its output left 0)."""
+    merged = jnp.logaddexp(lse[:, qa], block_lse)
+    base = _finite(merged) if blk.documents else merged
+    out = out.at[:, qa].set(out[:, qa] * _to_rows(jnp.exp(lse[:, qa] - base))
+                            + block_out * _to_rows(jnp.exp(block_lse - base)))
+    return out, lse.at[:, qa].set(merged)
+
+
+def _when(spanned, fn, *operands):
+    """fn(*operands), or the operands unchanged where `spanned` (a traced bool) says the block has nothing to see;
+    spanned None: always fn."""
+    if spanned is None:
+        return fn(*operands)
+    return jax.lax.cond(spanned, fn, lambda *x: x, *operands)
+
+
+def _ring_forward(q, k, v, key_data, segments=None, *, chunks, scale, rate, s, tensor, data):
     """One context rank's ring: out [b, 2n, a, d] and its log-sum-exp [b, kv, g, 2n] (float32)."""
-    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
+    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data, segments)
     c, plan = len(chunks), ring_plan(chunks)
     qh = blk.halves(q, (blk.kv, blk.g))
     out = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.g, blk.d), jnp.float32), q, k)
@@ -340,12 +412,14 @@ def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
                     rel = pattern[qa][kb]
                     if rel == EMPTY:
                         continue
-                    block_out, block_lse = _forward_block(blk, qh[:, qa], kh[:, kb], vh[:, kb], rel,
-                                                          blk.positions(blk.rank, qa), blk.positions(src, kb))
-                    merged = jnp.logaddexp(lse[:, qa], block_lse)
-                    out = out.at[:, qa].set(out[:, qa] * _to_rows(jnp.exp(lse[:, qa] - merged))
-                                            + block_out * _to_rows(jnp.exp(block_lse - merged)))
-                    lse = lse.at[:, qa].set(merged)
+                    q_segs, k_segs = blk.query_segments(qa), blk.key_segments(src, kb)
+
+                    def add(out, lse, qa=qa, kb=kb, rel=rel, q_segs=q_segs, k_segs=k_segs):
+                        block = _forward_block(blk, qh[:, qa], kh[:, kb], vh[:, kb], rel, blk.positions(blk.rank, qa),
+                                               blk.positions(src, kb), q_segs, k_segs)
+                        return _merged(blk, out, lse, qa, *block)
+
+                    out, lse = _when(blk.spanned(rel, q_segs, k_segs), add, out, lse)
             return out, lse
         return run
 
@@ -357,11 +431,11 @@ def _ring_forward(q, k, v, key_data, *, chunks, scale, rate, s, tensor, data):
     return out.reshape(q.shape).astype(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, tensor, data):
+def _ring_backward(q, k, v, out, lse, g, key_data, segments=None, *, chunks, scale, rate, s, tensor, data):
     """The ring's backward on one context rank: each K/V block comes round again with its dK/dV accumulators,
     and every block is recomputed against the global log-sum-exp (P = exp(S − lse)); after c passes the
     accumulators are back with their owners. Returns dq, dk, dv."""
-    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data)
+    blk = _Blocks(q, k, chunks, scale, rate, s, tensor, data, key_data, segments)
     c, plan = len(chunks), ring_plan(chunks)
     qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g.astype(q.dtype), (blk.kv, blk.g))
     lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
@@ -381,12 +455,15 @@ def _ring_backward(q, k, v, out, lse, g, key_data, *, chunks, scale, rate, s, te
                     rel = pattern[qa][kb]
                     if rel == EMPTY:
                         continue
-                    dq_block, dk_block, dv_block = _backward_block(
-                        blk, qh[:, qa], kh[:, kb], vh[:, kb], gh[:, qa], lse[:, qa], delta[:, qa], rel,
-                        blk.positions(blk.rank, qa), blk.positions(src, kb), zeros[:, 0])
-                    dq = dq.at[:, qa].add(dq_block)
-                    dk = dk.at[:, kb].add(dk_block)
-                    dv = dv.at[:, kb].add(dv_block)
+                    q_segs, k_segs = blk.query_segments(qa), blk.key_segments(src, kb)
+
+                    def add(dq, dk, dv, qa=qa, kb=kb, rel=rel, q_segs=q_segs, k_segs=k_segs):
+                        dq_block, dk_block, dv_block = _backward_block(
+                            blk, qh[:, qa], kh[:, kb], vh[:, kb], gh[:, qa], lse[:, qa], delta[:, qa], rel,
+                            blk.positions(blk.rank, qa), blk.positions(src, kb), zeros[:, 0], q_segs, k_segs)
+                        return dq.at[:, qa].add(dq_block), dk.at[:, kb].add(dk_block), dv.at[:, kb].add(dv_block)
+
+                    dq, dk, dv = _when(blk.spanned(rel, q_segs, k_segs), add, dq, dk, dv)
             return dq, dk, dv
         return run
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxseq import deferred
 from jaxseq.config import ModelConfig
-from jaxseq.models import model
+from jaxseq.models import documents, model
 from jaxseq.parallel import data_parallel
 from jaxseq.parallel.region import StageSharder
 from jaxseq.parallel.schedule import Schedule
@@ -70,6 +70,8 @@ class Stage:
     others: dict
     micro: dict  # {"inputs", "targets"}: [m, b, s/c] int32, this data rank's rows, this context rank's tokens
     taps: deferred.Taps | None = None  # zb-h1: the chunk's deferred weight ops (`discover_taps`); None: B computes them
+    # the micro-batches' packed documents ([m, b, s/c] each, stored order: `ModelConfig.document_mask`), or None
+    documents: documents.Documents | None = None
 
     @staticmethod
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: Schedule, loss_ranks: int, remat: str,
@@ -78,16 +80,19 @@ class Stage:
         [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
         dropout)."""
         key = None if key_data is None else jax.random.wrap_key_data(key_data)
-        micro = {name: jax.vmap(shard.split_sequence)(t) for name, t in micro.items()}
+        split = jax.vmap(shard.split_sequence)
+        docs = documents.split(model.packed_documents(micro["inputs"], cfg), split)  # read in natural order
+        micro = {name: split(t) for name, t in micro.items()}
         return Stage(cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
                      index=jax.lax.axis_index("pipe"), key=key, layers=jax.tree.map(lambda a: data_parallel.varying(a[0]), layers),
                      others=jax.tree.map(data_parallel.varying, others), micro=micro,
-                     taps=deferred.Taps() if sched.split_backward else None)
+                     taps=deferred.Taps() if sched.split_backward else None, documents=docs)
 
     def discover_taps(self) -> None:
         """zb-h1: trace chunk 0 once to find its deferred weight ops (`deferred.Taps.discover`)."""
         w, keys, _ = self.chunk_inputs(0, 0)
-        self.taps.discover(self._run_layers(keys), w, varying_zeros(self.activation.shape, self.activation.dtype))
+        self.taps.discover(self._run_layers(keys, self.documents_of(0)), w,
+                           varying_zeros(self.activation.shape, self.activation.dtype))
 
     @property
     def layers_per_chunk(self) -> int:
@@ -111,14 +116,22 @@ class Stage:
         k_embed, layer_keys = micro_keys(self.key, mb, self.cfg)
         return w, layer_keys[ids], k_embed
 
-    def _run_layers(self, keys) -> Callable:
-        return lambda x, w: model.layers(x, w, keys, self.cfg, self.shard, self.remat)
+    def documents_of(self, mb) -> documents.Documents | None:
+        """Micro-batch mb's packed documents ([b, s/c] each), or None without a document mask."""
+        return None if self.documents is None else documents.Documents(*(a[mb] for a in self.documents))
 
-    def chunk_vjp(self, x, w, keys):
-        """(y, vjp) of one chunk's k layers: x, y [b, s, h]. The vjp maps dy to (dx, dw); under zb-h1 to (dx, the
-        gradients of every parameter but the kernels, each deferred op's (x, dy) [k, …]: the W stash), the
-        kernels being `Deferred` constants whose gradients W computes."""
-        run = self._run_layers(keys)
+    def shard_of(self, docs) -> StageSharder:
+        """The stage's Sharder for a micro-batch whose packed documents are `docs` (`documents_of`)."""
+        return self.shard if docs is None else self.shard.with_documents(docs)
+
+    def _run_layers(self, keys, docs=None) -> Callable:
+        return lambda x, w: model.layers(x, w, keys, self.cfg, self.shard_of(docs), self.remat)
+
+    def chunk_vjp(self, x, w, keys, docs=None):
+        """(y, vjp) of one chunk's k layers: x, y [b, s, h]; docs: its micro-batch's packed documents (or None). The
+        vjp maps dy to (dx, dw); under zb-h1 to (dx, the gradients of every parameter but the kernels, each deferred
+        op's (x, dy) [k, …]: the W stash), the kernels being `Deferred` constants whose gradients W computes."""
+        run = self._run_layers(keys, docs)
         if self.taps is None:
             return jax.vjp(run, x, w)
         kernels, others = deferred.split_kernels(w)
@@ -127,7 +140,8 @@ class Stage:
 
     def embed(self, embed_params, mb, k_embed):
         """Micro-batch mb's embedded tokens [b, s, h] (the first chunk's input)."""
-        return model.embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, self.shard)
+        shard = self.shard_of(self.documents_of(mb))
+        return model.embed(embed_params, self.micro["inputs"][mb], k_embed, self.cfg, shard)
 
     @property
     def loss_scale(self) -> float:
@@ -151,11 +165,12 @@ class Stage:
 class ResidualLayout:
     """Where the leaves of one chunk's vjp (`jax.vjp`'s VJP object is a pytree) come from: most are
     activations, kept in a stash slot from the forward to the backward; the rest are the chunk's own
-    weights and dropout keys (matched by identity), taken from the live arrays at backward time instead.
+    weights, dropout keys and packed documents (matched by identity), taken from the live arrays at backward time
+    instead.
     This leans on the layout of jax.vjp's residuals (tests/test_pipeline.py pins it)."""
 
     treedef: Any  # the VJP's structure; it carries the backward jaxpr
-    source: tuple[int, ...]  # per leaf: its index among the leaves of (weights, keys), or −1: stashed
+    source: tuple[int, ...]  # per leaf: its index among the leaves of (weights, keys, documents), or −1: stashed
     avals: tuple[jax.ShapeDtypeStruct, ...]  # per leaf
 
     @property
@@ -165,7 +180,7 @@ class ResidualLayout:
 
     @property
     def reused(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The leaves taken from the weights and keys."""
+        """The leaves taken from the weights, keys and documents."""
         return tuple(a for a, i in zip(self.avals, self.source) if i >= 0)
 
     @staticmethod
@@ -174,16 +189,16 @@ class ResidualLayout:
         chunk's vjp has it: the chunks differ in values, not in shapes or in which residuals are inputs."""
         found = []  # the one trace below records its static findings here
 
-        def residuals(x, w, keys):
-            _, f_vjp = stage.chunk_vjp(x, w, keys)
+        def residuals(x, w, keys, docs):
+            _, f_vjp = stage.chunk_vjp(x, w, keys, docs)
             leaves, treedef = jax.tree.flatten(f_vjp)
-            inputs = jax.tree.leaves((w, keys))
+            inputs = jax.tree.leaves((w, keys, docs))
             found.append((treedef, tuple(next((i for i, a in enumerate(inputs) if a is leaf), -1) for leaf in leaves)))
             return leaves
 
         w, keys, _ = stage.chunk_inputs(0, 0)
         x = varying_zeros(stage.activation.shape, stage.activation.dtype)
-        avals = jax.eval_shape(residuals, x, w, keys)
+        avals = jax.eval_shape(residuals, x, w, keys, stage.documents_of(0))
         (treedef, source), = found
         return ResidualLayout(treedef, source, tuple(avals))
 
@@ -197,9 +212,9 @@ class ResidualLayout:
                                f"leaves {shapes} where the stash holds {len(traced)} {traced}")
         return [data_parallel.varying(leaf) for leaf, i in zip(leaves, self.source) if i < 0]
 
-    def join(self, stashed: list, w, keys) -> Callable:
-        """The vjp of a chunk from its stash slot and its live weights and keys. The treedef traced in `of`
-        serves every branch: it carries the backward jaxpr, whose inputs are the residual leaves (it closes
+    def join(self, stashed: list, w, keys, docs=None) -> Callable:
+        """The vjp of a chunk from its stash slot and its live weights, keys and packed documents. The treedef traced
+        in `of` serves every branch: it carries the backward jaxpr, whose inputs are the residual leaves (it closes
         over no tracer), so any leaves of the same types run it."""
-        inputs, it = jax.tree.leaves((w, keys)), iter(stashed)
+        inputs, it = jax.tree.leaves((w, keys, docs)), iter(stashed)
         return jax.tree.unflatten(self.treedef, [inputs[i] if i >= 0 else next(it) for i in self.source])

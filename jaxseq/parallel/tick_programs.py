@@ -97,7 +97,7 @@ class TickProgram:
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
         if first:
             x = stage.embed(stage.others["embed"], row.mb, k_embed)
-        y, f_vjp = stage.chunk_vjp(x, w, keys)
+        y, f_vjp = stage.chunk_vjp(x, w, keys, stage.documents_of(row.mb))
         slot = self.layout.split(f_vjp)
         if not last:
             return self.nothing(g)._replace(send_x=y.astype(stage.activation.dtype), slot=slot)
@@ -109,12 +109,12 @@ class TickProgram:
         Under zb-h1 this is B: the kernels' gradients are left to W, their inputs go to the W stash slot."""
         stage, row = self.stage, TickRow.of(table_row)
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
-        nothing = self.nothing(g)
+        nothing, docs = self.nothing(g), stage.documents_of(row.mb)
         if stage.taps is None:
-            dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
+            dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys, docs)(g)
             out = nothing._replace(dw=as_float32(dw))
         else:
-            dx, d_others, w_slot = self.layout.join([buf[row.stash] for buf in stash], w, keys)(g)
+            dx, d_others, w_slot = self.layout.join([buf[row.stash] for buf in stash], w, keys, docs)(g)
             kernels, _ = deferred.split_kernels(nothing.dw)
             out = nothing._replace(dw=deferred.merge_kernels(kernels, as_float32(d_others)), w_slot=jax.tree.leaves(w_slot))
         if not first:
@@ -250,7 +250,7 @@ class ForwardProgram:
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
         if first:
             x = stage.embed(stage.others["embed"], row.mb, k_embed)
-        y = model.layers(x, w, keys, stage.cfg, stage.shard, stage.remat)
+        y = model.layers(x, w, keys, stage.cfg, stage.shard_of(stage.documents_of(row.mb)), stage.remat)
         nothing = self.idle(table_row, x)
         if last:
             return nothing._replace(loss=stage.loss(y, row.mb))

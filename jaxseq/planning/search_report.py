@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from jaxseq.models import formulas
 from jaxseq.models import model
-from jaxseq.planning import kernel_time
+from jaxseq.planning import cost, kernel_time
 from jaxseq.planning.costs import ring_size, run_kernels
 from jaxseq.planning.search import Evaluated, Result
 from jaxseq.planning.search_memory import MEMORY_ACCOUNTING
@@ -40,15 +40,38 @@ BLOCK_NOTE = ("full:N+POLICY: Megatron-LM's block recompute (--recompute-method 
               "full's")
 
 
-def format_result(res: Result, top: int = 10) -> str:
+def format_result(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> str:
     """The ranking's first `top` as a table: a header of the model, the cluster and the models' constants, a row
-    per configuration, and the notes of the columns and options shown."""
+    per configuration, and the notes of the columns and options shown; with `pricing`, each row's days, GPU-hours
+    and dollars to train its tokens (`planning.cost`)."""
     fsdp = any(f > 1 for f in res.request.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
     remat_width = max([10, *(len(e.candidate.remat) + 1 for e in res.ranked[:top])])  # block specs are longer
-    lines = [*_header(res), "", _column_heads(fsdp, verified, remat_width)]
-    lines += [_row(i, e, fsdp, verified, remat_width) for i, e in enumerate(res.ranked[:top])]
-    return "\n".join(lines + _notes(res, fsdp, verified))
+    priced = pricing is not None
+    heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "")
+    rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "")
+            for i, e in enumerate(res.ranked[:top])]
+    notes = _notes(res, fsdp, verified)
+    if pricing is not None:
+        notes.insert(1, cost.format_note(pricing, res.request.global_batch, res.config.seq_len, _band(res)))
+    return "\n".join([*_header(res), "", heads, *rows, *notes])
+
+
+def _band(res: Result) -> cost.Band:
+    return cost.band(res.request.gpus, res.target)
+
+
+def row_cost(res: Result, e: Evaluated, pricing: cost.Pricing) -> dict:
+    """Row e's days, GPU-hours and dollars to train `pricing.tokens` at its predicted step time
+    (`cost.training_cost`)."""
+    return cost.training_cost(e.time.total_s, pricing, res.request.global_batch, res.config.seq_len, res.request.gpus,
+                              _band(res))
+
+
+def _cost_cells(c: dict) -> str:
+    """A row's days, GPU-h and cost $ cells (`row_cost`; "-" without a price)."""
+    dollars = "-" if c["cost"] is None else f"{c['cost']['value']:,.0f}"
+    return f"{c['days']['value']:>9.2f}{c['gpu_hours']['value']:>11,.0f}{dollars:>13}"
 
 
 def _header(res: Result) -> list[str]:
@@ -81,13 +104,13 @@ def _header(res: Result) -> list[str]:
     ]
 
 
-def _column_heads(fsdp: bool, verified: bool, remat_width: int) -> str:
+def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = "") -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
     return (f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
             f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}"
             f"{'mem GiB':>8}{step_head}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}"
-            f"{'p2p s':>8}{'DP s':>8}{'CP s':>8}{fsdp_head}{'opt s':>8}  CP strategy, layer")
+            f"{'p2p s':>8}{'DP s':>8}{'CP s':>8}{fsdp_head}{'opt s':>8}{priced}  CP strategy, layer")
 
 
 def _v_cell(c: Candidate) -> str:
@@ -95,8 +118,9 @@ def _v_cell(c: Candidate) -> str:
     return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
 
 
-def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int) -> str:
-    """The table's row of the i-th (from 0) configuration: memory in GiB per device, times in seconds per step."""
+def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, priced: str = "") -> str:
+    """The table's row of the i-th (from 0) configuration: memory in GiB per device, times in seconds per step;
+    `priced`: its cost cells (`_cost_cells`), before the CP strategy."""
     c, t = e.candidate, e.time
     step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
     step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
@@ -108,7 +132,7 @@ def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int) -> 
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}"
             f"{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
-            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}"
+            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}{priced}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
 
 
@@ -191,9 +215,11 @@ def fused_attention_caveat(res: Result) -> str:
             f"{flash['hbm'] / 2**20:,.2f} MiB (formula): its memory is over-stated by at least the difference")
 
 
-def to_json(res: Result, top: int = 10) -> dict:
-    """The ranking's first `top` (each `Evaluated.to_json`) and the request, the models' notes and the sources."""
+def to_json(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> dict:
+    """The ranking's first `top` (each `Evaluated.to_json`, and with `pricing` its `days`, `gpu_hours` and `cost`,
+    each {value, low, high}) and the request, the models' notes and the sources."""
     r = res.request
+    priced = (lambda e: {}) if pricing is None else (lambda e: row_cost(res, e, pricing))
     return {
         "model": res.model, "family": res.config.family, "hidden": res.config.hidden, "heads": res.config.heads,
         "kv_heads": res.config.num_kv_heads, "mlp_hidden": res.config.mlp_hidden, "layers": res.config.layers,
@@ -205,7 +231,10 @@ def to_json(res: Result, top: int = 10) -> dict:
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
-        "ranked": [e.to_json() for e in res.ranked[:top]],
+        "ranked": [{**e.to_json(), **priced(e)} for e in res.ranked[:top]],
+        "pricing": None if pricing is None else {"tokens": pricing.tokens,
+                                                 "price_per_gpu_hour": pricing.price_per_gpu_hour,
+                                                 "band": asdict(_band(res)), "source": "planning/cost.py"},
         "over_budget_by_compiled_step": [e.to_json() for e in res.over_budget],
         "rejected_families": res.rejected_families,
         "fused_attention_caveat": fused_attention_caveat(res) if caveat_applies(res) else None,

@@ -54,6 +54,7 @@ class Corpus:
     vocab_size: int
     name: str
     tokenizer: str | None = None  # path of tokenizer.json; None: bytes
+    eod: int | None = None  # the id that ends each document (packed documents: ModelConfig.document_mask); None: none
 
 
 def _split_files(paths: list[str]) -> tuple[list[str], list[str]]:
@@ -78,7 +79,8 @@ def embedded_corpus() -> Corpus:
     if len(files) < 10:
         raise ConfigError(f"the standard library at {sysconfig.get_paths()['stdlib']} has too few .py files")
     train, val = _split_files(files)
-    return Corpus(_in_memory(train, None, BYTE_EOD), _in_memory(val, None, BYTE_EOD), BYTE_VOCAB, "python-stdlib")
+    return Corpus(_in_memory(train, None, BYTE_EOD), _in_memory(val, None, BYTE_EOD), BYTE_VOCAB, "python-stdlib",
+                  eod=BYTE_EOD)
 
 
 def expand(pattern: str) -> list[str]:
@@ -201,9 +203,9 @@ def load_corpus(data: str | None, tokenizer: str | None = None) -> Corpus:
     if len(paths) == 1:  # one file, encoded once: the last 5% of its tokens validate
         tokens = _in_memory(paths, tok, eod)
         cut = int(len(tokens) * 0.95)
-        return _checked(Corpus(tokens[:cut], tokens[cut:], vocab, data, tokenizer))
+        return _checked(Corpus(tokens[:cut], tokens[cut:], vocab, data, tokenizer, eod))
     train, val = _split_files(paths)
-    return _checked(Corpus(_in_memory(train, tok, eod), _in_memory(val, tok, eod), vocab, data, tokenizer))
+    return _checked(Corpus(_in_memory(train, tok, eod), _in_memory(val, tok, eod), vocab, data, tokenizer, eod))
 
 
 def _checked(corpus: Corpus) -> Corpus:
@@ -224,7 +226,7 @@ def load_token_files(prefix: str) -> Corpus:
     val = np.memmap(prefix + ".val.bin", dtype=dtype, mode="r")
     tok = meta.get("tokenizer")
     tok = None if tok is None else str(Path(prefix).parent / tok)
-    return _checked(Corpus(train, val, int(meta["vocab_size"]), prefix, tok))
+    return _checked(Corpus(train, val, int(meta["vocab_size"]), prefix, tok, meta.get("eod_token")))
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

@@ -28,7 +28,7 @@ from jaxseq.parallel.data_parallel import accumulated_loss
 from jaxseq.parallel.layout import Layout
 from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.training import aot, rundir
+from jaxseq.training import aot, goodput, profile, rundir
 from jaxseq.training import checkpoint
 from jaxseq.training.data import Batches, Corpus, decode_tokens, printable, unigram_entropy
 from jaxseq.training.metrics import MetricsLog, memory_gib, peak_tflops, throughput
@@ -355,42 +355,80 @@ class Progress:
         self.metrics.close()
 
 
-def train(run: RunConfig, corpus: Corpus) -> int:
+def train(run: RunConfig, corpus: Corpus, clock: goodput.Clock | None = None) -> int:
     """Train to run.train.steps on `corpus`. `run` is final and validated (`train.resolve`). Returns the
-    exit status: 0, or 128 + the signal's number for a run a signal stopped (its checkpoint saved)."""
+    exit status: 0, or 128 + the signal's number for a run a signal stopped (its checkpoint saved). `clock`: where
+    the run's wall time goes (`goodput`; the command's, its set-up timed; default one started here)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    session = set_up(run, corpus)
-    state, position = initial_state(session)
+    clock = clock or goodput.Clock()
+    with clock.part("set_up"):
+        session = set_up(run, corpus)
+        state, position = initial_state(session)
     start = int(state.step)
     if start >= run.train.steps:
         return _finished(run, start)
-    if distributed.is_main_process():
-        rundir.write_config(run.train.run_dir, run)
-        print(_banner(session, corpus, start), flush=True)
-    learning_rate = host_learning_rate(run.optimizer)
+    profiler = profile.Profiler(_profile_window(run, start), run.train.run_dir, clock)
+    with clock.part("set_up"):
+        if distributed.is_main_process():
+            rundir.write_config(run.train.run_dir, run)
+            print(_banner(session, corpus, start), flush=True)
+        learning_rate = host_learning_rate(run.optimizer)
     # Compiled before the run's signal handlers: a signal during start-up ends the command at once
     # (`jaxseq.train.main`), with nothing to save.
-    session, step_fn, batch = compile_step(session, state, position)
+    with clock.part("compile"):
+        session, step_fn, batch = compile_step(session, state, position)
     with StopFlag(session.layout) as stop:
-        progress = Progress(run, session.devices, learning_rate, start)
+        with clock.part("set_up"):  # the metrics log opened (TensorBoard's writer)
+            progress = Progress(run, session.devices, learning_rate, start)
         try:
-            state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
-                                                         progress)
+            with clock.part("steps"):
+                state, step, stopping, val_loss = _run_steps(session, step_fn, batch, state, start, position, stop,
+                                                             progress, clock=clock, profiler=profiler)
         finally:  # whatever ended the steps, the checkpoints they saved are written
-            progress.close(session.checkpoints)
+            profiler.stop()
+            with clock.part("checkpointing"):
+                progress.close(session.checkpoints)
         if stopping:
             if distributed.is_main_process():
                 print(f"{stopping}: saved a checkpoint at step {step} in {session.checkpoint_dir}; resume with "
                       f"{rundir.resume_command(run)}", flush=True)
+            _time_report(session, clock, profiler, start, step)
             # Not 0: a scheduler tells an interrupted run from a finished one (the shell's 128 + N).
             return 128 + signal.Signals[stopping].value
-        stopping = _closing_report(session, corpus, state, val_loss, stop)
+        with clock.part("sampling"):
+            stopping = _closing_report(session, corpus, state, val_loss, stop)
+        _time_report(session, clock, profiler, start, step)
         if stopping:  # after the last step, its checkpoint written: the sample is cut short, the status says why
             if distributed.is_main_process():
                 print(f"{stopping}: the closing sample was cut short; the run had finished its {step} steps (its "
                       f"checkpoint is in {session.checkpoint_dir})", flush=True)
             return 128 + signal.Signals[stopping].value
     return 0
+
+
+def _profile_window(run: RunConfig, start: int) -> profile.Window | None:
+    """--profile's steps (`profile.parse_window`), which must come after the step a resumed run starts from."""
+    window = profile.parse_window(run.train.profile, run.train.steps)
+    if window is not None and window.start <= start:
+        later = f"{start + 1}:{start + 1 + window.stop - window.start}"
+        raise ConfigError(f"profile={run.train.profile!r}: the run resumes after step {start}, past step "
+                          f"{window.start}; trace later steps (e.g. {later})")
+    return window
+
+
+def _time_report(session: Session, clock: goodput.Clock, profiler: profile.Profiler, start: int, step: int) -> None:
+    """The closing lines on process 0: where the wall time of steps start+1 … step went (`goodput`, also
+    metrics.jsonl's last record) and the profile's files."""
+    if not distributed.is_main_process():
+        return
+    run, steps = session.run, step - start
+    mfu = throughput(run.model, run.train.remat, run.train.batch_size, steps, clock.seconds["steps"],
+                     len(session.devices), run.train.peak_tflops or peak_tflops(), run.parallel.chunks)["mfu"]
+    record = clock.report(steps, mfu if steps else None)
+    goodput.write_record(run.train.run_dir, step, record)
+    print(goodput.format_line(record), flush=True)
+    if profiler.line() is not None:
+        print(profiler.line(), flush=True)
 
 
 def _finished(run: RunConfig, start: int) -> int:
@@ -406,11 +444,12 @@ def _finished(run: RunConfig, start: int) -> int:
 
 
 def _run_steps(session: Session, step_fn, batch, state, step: int, position: int, stop: StopFlag,
-               progress: Progress):
+               progress: Progress, *, clock: goodput.Clock, profiler: profile.Profiler):
     """The steps after `step` (with `batch` the first one's) to the last, or to the one a signal
     stops the run at: (state, step, the signal's name or None, the last validation loss or None).
     Logs, checkpoints and evaluates on the boundaries, saving before evaluating: an evaluation that
-    fails loses no checkpoint."""
+    fails loses no checkpoint. `clock` times the evaluations and checkpoints apart from the steps; `profiler` traces
+    its window's steps (timing its own work apart from them too)."""
     settings = session.run.train
     pending, last_good, late_log, val_loss = PendingMetrics(), None, None, None
     while step < settings.steps:
@@ -418,13 +457,16 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
         # next batch built while it runs, and its loss and gradient norm stay on the device. On a
         # GPU, whose step is short, a per-step fetch would leave it idle while the host catches up.
         pending.note_ready()
+        profiler.before(step + 1)
         with jax.transfer_guard_device_to_host("disallow"):
-            state, out = step_fn(state, batch, session.key)
+            with profiler.annotate(step + 1):
+                state, out = step_fn(state, batch, session.key)
             step, position = step + 1, position + 1
             if step < settings.steps:  # the host reads the next batch while the device runs this step
                 batch = session.batch(position)
             pending.add(step, out)
             progress.bar.update(1)
+        profiler.after(step, out)
         # Agreed by every process (all save the same step); it reads the previous step's flag, so by
         # then this step is queued and the device is not left waiting.
         stopping = stop.after_step()
@@ -443,10 +485,12 @@ def _run_steps(session: Session, step_fn, batch, state, step: int, position: int
         loss, grad_norm, finished = progress.read(pending, step, last_good)
         record = progress.record(step, loss, grad_norm, finished) if log_now else None
         if save_now:
-            session.save(step, state, position)
+            with clock.part("checkpointing"):
+                session.save(step, state, position)
             last_good = step
         if evaluate_now:
-            val_loss = record["val_loss"] = session.evaluate(state.params)
+            with clock.part("evaluation"):
+                val_loss = record["val_loss"] = session.evaluate(state.params)
             progress.restart_clock()
         if record:
             progress.write(record)

@@ -14,7 +14,7 @@ from jaxseq.training import rundir
 
 # What a resume neither restores nor reports: how this launch finds the run, what the platform decides, and the
 # settings of one launch on one machine (its simulated devices, its device's peak, a GPU's autotuner record).
-NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune"},
+NOT_RESTORED = {"train": {"resume", "run_dir", "host_devices", "peak_tflops", "record_autotune", "profile"},
                 "model": {"matmul", "fused_kernel"}}
 
 
