@@ -3,6 +3,7 @@ gradient accumulation's `jax.shard_map`): `StageSharder`, where only `tensor` is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,6 +39,16 @@ class StageSharder(Sharder):
     @property
     def context_manual(self) -> bool:
         return self.context > 1
+
+    @property
+    def averaged_ranks(self) -> int:
+        """The region's ranks of the batch's tokens (data, fsdp, expert, context): the step averages their
+        gradients (each rank's loss is the mean over its own tokens)."""
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    def token_region(self, fn, x, params, param_axes):
+        """fn itself: the region is manual over every token axis already, its experts this rank's."""
+        return fn(self, x, params)
 
     @property
     def casts_at_gather(self) -> bool:
