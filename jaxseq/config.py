@@ -467,6 +467,10 @@ def validate_zero_bubble(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.fsdp > 1:
         raise ConfigError(f"schedule=zb-h1 with fsdp={parallel.fsdp} is not supported: its W ops would need FSDP's "
                           "gather and reduce-scatter again; use 1f1b or interleaved with fsdp, or zb-h1 without it")
+    if model.moe_experts:
+        raise ConfigError("schedule=zb-h1 with a mixture of experts is not supported: its W ops defer the weight "
+                          "matmuls' gradients, and the experts' are batched GEMMs with an all-to-all between them; "
+                          "use 1f1b or interleaved")
     if parallel.tensor > model.num_kv_heads:
         raise ConfigError(f"schedule=zb-h1 with tensor={parallel.tensor} > kv_heads={model.num_kv_heads} is not "
                           "supported (the K/V kernel is repeated over tensor ranks before its matmul): use tensor ≤ "

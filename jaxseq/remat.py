@@ -51,7 +51,8 @@ MOE_ROUTING = "moe_routing"  # each slot's token (int32) and routing weight (flo
 MOE_DISPATCHED = "moe_dispatched"  # the experts' input after the dispatch all-to-all [e, ep·C, h]: 2h a slot
 MOE_EXPERT_HIDDEN = "moe_expert_hidden"  # the experts' first matmul output [e, ep·C, 2, f]: 4f a slot, split t ways
 MOE_EXPERT_OUTPUT = "moe_expert_output"  # the experts' output after the combine all-to-all [E, C, h]: 2h a slot
-MOE = (MOE_ROUTER_LOGITS, MOE_ROUTING, MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
+MOE_LOADS = "moe_loads"  # each expert's assignments over the micro-batch [E] int32 (an all-reduce to recompute)
+MOE = (MOE_ROUTER_LOGITS, MOE_ROUTING, MOE_LOADS, MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
 
 CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
 
@@ -78,10 +79,10 @@ EVERYTHING = (
 SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
 
 # What the matmuls need and nothing cheap to recompute: 2+2 residuals, 6 q/k/v, 2 context, 8 mlpwi = 20.
-# A mixture of experts' layer: the experts' input and output, which only an all-to-all would bring back, and their
-# hidden activations; the router (a small matmul) and its routing replayed.
-LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX_STATS, CONTEXT, MLPWI, MOE_DISPATCHED,
-        MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
+# A mixture of experts' layer: the experts' input and output and the experts' loads, which only a collective would
+# bring back, and their hidden activations; the router (a small matmul) and its routing replayed.
+LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX_STATS, CONTEXT, MLPWI, MOE_LOADS,
+        MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
 
 
 # The forward matmuls of a layer, by the names `formulas.layer_matmul_flops` counts them under.

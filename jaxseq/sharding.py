@@ -73,9 +73,15 @@ class Sharder:
     @property
     def averaged_ranks(self) -> int:
         """How many ranks' gradients the step averages where this Sharder's code runs: 1 where autodiff sums them
-        (the partitioner, a shard_map's transpose). A loss term every rank holds the same share of is seeded this
-        many times on each (models/experts.py)."""
+        (the partitioner, a shard_map's transpose). A loss term of the whole micro-batch, of which each rank holds
+        a share, is seeded this many times on each (models/experts.py), times `loss_seed`."""
         return 1
+
+    @property
+    def loss_seed(self) -> float:
+        """The cotangent this rank's loss enters backward with: 1 here (an executor that weighs each micro-batch's
+        loss as it seeds backward sets its weight: the pipeline's `StageSharder`)."""
+        return 1.0
 
     def token_region(self, fn, x, params, param_axes):
         """fn(shard, x, params) → (y, z) on each rank's own tokens: x [b, s, h] whole over `tensor`, split over

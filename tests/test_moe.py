@@ -131,7 +131,7 @@ def test_the_balancing_terms_gradients_are_their_losses_gradients():
 POLICY_KEEPS = {  # what each policy keeps of the MoE half of a layer (beyond the attention half's, Llama's)
     "none": set(remat.MOE) | {remat.MLPWI_INPUT, remat.MLP_ACTIVATION},
     "selective": set(remat.MOE) | {remat.MLPWI_INPUT, remat.MLP_ACTIVATION},
-    "lean": {remat.MOE_DISPATCHED, remat.MOE_EXPERT_HIDDEN, remat.MOE_EXPERT_OUTPUT},
+    "lean": {remat.MOE_LOADS, remat.MOE_DISPATCHED, remat.MOE_EXPERT_HIDDEN, remat.MOE_EXPERT_OUTPUT},
     "full": set(),
 }
 

@@ -158,12 +158,12 @@ def _group(shard: Sharder, y, w, *, cfg: ModelConfig):
     combined = jnp.zeros((tokens, h), jnp.float32).at[token_of_slot].add(
         out.reshape(experts * slots, h).astype(jnp.float32) * weight_of_slot[:, None], mode="drop")
 
-    # The balancing terms of the whole micro-batch: this group's share of each, its gradient seeded on every rank
-    # whose gradients the step averages (`Sharder.averaged_ranks`).
-    total, seed, bias = tokens * ranks, shard.averaged_ranks, w.get("bias")
+    # The balancing terms of the whole micro-batch: this group's share of each, its gradient seeded as the ranks'
+    # losses are weighed (`Sharder.averaged_ranks`, `Sharder.loss_seed`).
+    total, seed, bias = tokens * ranks, shard.averaged_ranks * shard.loss_seed, w.get("bias")
     if cfg.moe_aux_loss_coef or bias is not None:  # the micro-batch's assignments (one all-reduce of E integers)
         counts = assignments(choices, experts)
-        counts = jax.lax.psum(counts, token_axes) if token_axes else counts
+        counts = checkpoint_name(jax.lax.psum(counts, token_axes) if token_axes else counts, remat.MOE_LOADS)
     if cfg.moe_aux_loss_coef:
         aux = load_balancing_loss(jnp.sum(probs, axis=0), counts, total, experts)  # summed over the ranks: the loss
         combined = _with_loss(combined, aux, cfg.moe_aux_loss_coef * seed)

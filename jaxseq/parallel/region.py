@@ -25,7 +25,11 @@ class StageSharder(Sharder):
     Shardings name the abstract mesh (a concrete-mesh NamedSharding fails in a partial-manual region), and the
     collectives over `tensor` (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose
     forward and backward are forward-only nested shard_maps (autodiff through a nested shard_map fails to
-    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index)."""
+    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index).
+    `loss_seed`: the cotangent each rank's loss enters backward with (the pipeline's 1/(m·ranks); 1 where gradient
+    accumulation scales the summed gradients after)."""
+
+    loss_seed: float = 1.0
 
     @property
     def rules(self) -> dict[str, str | None]:
