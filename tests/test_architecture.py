@@ -49,6 +49,7 @@ ALLOWED = {
     # formats from the outside world
     "interop.hf": {"config"},
     "interop.hf_llama": {"config", "interop.hf"},
+    "interop.hf_mixtral": {"config", "interop.hf", "interop.hf_llama"},
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
@@ -72,8 +73,8 @@ ALLOWED = {
     "training.checkpoint": {"config", "models.model", "parallel.layout"},
     "training.rundir": {"config", "mesh", "models.model", "parallel.layout", "training.checkpoint", "training.sampling",
                         "training.train_step"},
-    "training.conversion": {"config", "interop.hf", "interop.hf_llama", "mesh", "models.model", "parallel.layout",
-                            "sharding", "training.checkpoint", "training.rundir"},
+    "training.conversion": {"config", "interop.hf", "interop.hf_llama", "interop.hf_mixtral", "mesh", "models.model",
+                            "parallel.layout", "sharding", "training.checkpoint", "training.rundir"},
     "training.data": {"config"},
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
