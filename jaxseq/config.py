@@ -82,7 +82,7 @@ class ModelConfig:
     # The mixture-of-experts family's, which it validates (models/moe.py, `validate`; models/experts.py):
     moe_experts: int = 0  # routed experts per layer (0: none, the dense families)
     moe_top_k: int = 2  # experts each token is routed to
-    moe_capacity_factor: float | None = 1.25  # slots per expert = ceil(factor·T·k/E) in a group of T tokens; None: dropless
+    moe_capacity_factor: float | None = 1.25  # slots per expert: ceil(factor·T·k/E) of T tokens; None: dropless
     moe_shared_experts: int = 0  # experts every token passes through (one SwiGLU of this many expert widths)
     moe_norm_topk: bool = True  # the k routing weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_aux_loss_coef: float = 0.01  # the load-balancing loss's coefficient (Switch/Mixtral form), per MoE layer
@@ -125,7 +125,7 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Mesh shape: pipe × data × fsdp × expert × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
+    """Mesh: pipe × data × fsdp × expert × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
     layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved, zb-h1; see
     parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
     `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).

@@ -16,7 +16,7 @@ from jaxseq.config import ConfigError, ParallelConfig
 
 MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 FSDP_AXIS = "fsdp"  # the weights' `embed` (hidden) dimension splits over it (`models.model.param_specs`)
-EXPERT_AXIS = "expert"  # a mixture of experts' experts split over it; to everything else a data axis (models/experts.py)
+EXPERT_AXIS = "expert"  # a mixture of experts' experts split over it; to the rest a data axis (models/experts.py)
 
 
 def available_devices() -> list:
@@ -37,8 +37,8 @@ def use_host_devices(count: int | None) -> None:
 
 def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
     """'pipe=2,data=2,tensor=2', 'context=4,tensor=2', 'data=2,fsdp=4' or 'expert=4,data=2' (pipe, fsdp, expert and
-    context default to 1;
-    data or tensor left out takes the remaining devices) → {axis: size} for every axis of MESH_AXES."""
+    context default to 1; data or tensor left out takes the remaining devices) → {axis: size} for every axis of
+    MESH_AXES."""
     axes = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
@@ -55,7 +55,8 @@ def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A pipe × data × fsdp × expert × context × tensor mesh with Auto axes, so sharding constraints steer XLA's partitioner.
+    """A pipe × data × fsdp × expert × context × tensor mesh with Auto axes, so sharding constraints steer XLA's
+    partitioner.
 
     Tensor ranks are the fastest-varying axis: consecutive devices (one host's GPUs) form a tensor
     group, data parallelism spans hosts, pipeline stages are the slowest axis, as the Megatron-LM

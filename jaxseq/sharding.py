@@ -93,7 +93,8 @@ class Sharder:
             return fn(self, x, params)
         inner = RegionView(self.mesh, self.sequence_parallel, manual=frozenset(axes))
         x_spec = only_axes(self.spec("batch", "seq", None), axes)
-        p_specs = jax.tree.map(lambda a: only_axes(self.spec(*a), axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
+        p_specs = jax.tree.map(lambda a: only_axes(self.spec(*a), axes), param_axes,
+                               is_leaf=lambda a: isinstance(a, tuple))
         return jax.shard_map(partial(fn, inner), mesh=self.mesh, axis_names=set(axes), in_specs=(x_spec, p_specs),
                              out_specs=(x_spec, x_spec))(x, params)
 

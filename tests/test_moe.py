@@ -24,12 +24,14 @@ def _layer(cfg, key=0):
     return jax.tree.map(lambda a: a[0], model.init_params(jax.random.key(key), cfg)["layers"])
 
 
+@pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_one_expert_top_1_without_dropping_is_the_dense_llama_layer_exactly():
     dense = dataclasses.replace(preset("tiny-llama"), dtype="float32", ffn_hidden=CFG.mlp_hidden)
     one = dataclasses.replace(CFG, moe_experts=1, moe_top_k=1, moe_capacity_factor=None)
     p = _layer(dense)
     mine = {**{k: v for k, v in p.items() if k != "mlp"}, "router": {"kernel": jnp.ones((CFG.hidden, 1))},
-            "experts": {"wi": {"kernel": p["mlp"]["wi"]["kernel"][None]}, "wo": {"kernel": p["mlp"]["wo"]["kernel"][None]}}}
+            "experts": {"wi": {"kernel": p["mlp"]["wi"]["kernel"][None]},
+                        "wo": {"kernel": p["mlp"]["wo"]["kernel"][None]}}}
     x = jax.random.normal(jax.random.key(1), (2, CFG.seq_len, CFG.hidden))
     ref, ref_vjp = jax.vjp(lambda x, p: model.block(x, p, None, dense, NO_MESH), x, p)
     out, vjp = jax.vjp(lambda x, p: model.block(x, p, None, one, NO_MESH), x, mine)
@@ -70,6 +72,7 @@ def test_an_expert_keeps_its_first_slots_assignments_by_choice_then_token(slots)
         np.bincount(choices.ravel(), minlength=e) - slots, 0).sum()
 
 
+@pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_the_layer_drops_what_the_rule_drops():
     """A router that sends every token first to expert 0 and then to expert 1 + t mod 3 (its logits built from two
     features of the token: 1 and t mod 3), at a capacity of C = ceil(factor·T·k/E) slots: each token's output is
@@ -104,6 +107,7 @@ def test_the_layer_drops_what_the_rule_drops():
     np.testing.assert_allclose(np.asarray(out).reshape(tokens, h), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_the_balancing_terms_gradients_are_their_losses_gradients():
     """The layer adds coef·(load-balancing loss) + coef_z·(z-loss) to the loss through their gradient alone: the
     gradient of a loss through the layer equals, with coefficients, the one without plus their gradients."""
@@ -176,6 +180,7 @@ def test_routing_reads_every_layers_router():
     np.testing.assert_allclose(logits[0], want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_the_aux_loss_free_bias_gradient_is_each_experts_load_above_its_share():
     """DeepSeek-V3's bias: the experts chosen by probability + bias, and the bias's gradient (which the optimizer
     moves it against by sign: training/train_step.make_optimizer) each expert's assignments less their mean."""

@@ -71,8 +71,10 @@ def llama_fields(hf: dict, dtype: str) -> dict:
         refuse(f"num_attention_heads={heads} not dividing hidden_size={h} without a head_dim")
     head_dim = int(head_dim if head_dim is not None else h // heads)
     return dict(vocab_size=vocab, seq_len=positions, hidden=h, heads=heads, layers=layers,
-                kv_heads=None if kv == heads else kv, ffn_hidden=ffn, kv_channels=None if head_dim * heads == h else head_dim,
-                dropout=float(hf.get("attention_dropout", 0.0)), dtype=dtype, ln_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                kv_heads=None if kv == heads else kv, ffn_hidden=ffn,
+                kv_channels=None if head_dim * heads == h else head_dim,
+                dropout=float(hf.get("attention_dropout", 0.0)), dtype=dtype,
+                ln_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 **_rope(hf, refuse))
 
 

@@ -66,7 +66,8 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
     """HF tensors → (jaxseq params as `Leaf`s read on demand, the record from_params needs to write them back,
     buffers), as `hf_llama.to_params`."""
     h, f, E, L = cfg.hidden, cfg.mlp_hidden, cfg.moe_experts, cfg.layers
-    expect = {"router": (E, h), **{(w, e): (h, f) if w == "w2" else (f, h) for e in range(E) for w in ("w1", "w2", "w3")}}
+    expect = {"router": (E, h),
+              **{(w, e): (h, f) if w == "w2" else (f, h) for e in range(E) for w in ("w1", "w2", "w3")}}
 
     def experts(read):
         def each(idx, one):  # the experts range(E)[idx] of a [E, …] block

@@ -63,8 +63,8 @@ def route(logits, cfg: ModelConfig, bias=None):
 
 
 def assign_slots(choices, experts: int, slots: int):
-    """Choices [T, k] → each assignment's slot in the [E·C] dispatch buffer (expert e's slots e·C … e·C + C − 1),
-    E·C where it is dropped: an expert's assignments in (choice, token) order, its first C kept."""
+    """Choices [T, k] → each assignment's slot in the [E·C] dispatch buffer (expert e's: e·C … e·C + C − 1), E·C
+    where it is dropped: an expert's assignments in (choice, token) order, its first C kept."""
     tokens, k = choices.shape
     order = choices.T.reshape(-1)  # [k·T]: every first choice, then every second, …
     seen = jnp.cumsum(jax.nn.one_hot(order, experts, dtype=jnp.int32), axis=0)
@@ -125,7 +125,8 @@ _with_loss.defvjp(lambda x, loss, seed: (x, loss), lambda seed, loss, g: (g, los
 
 
 def moe(y, p, cfg: ModelConfig, shard: Sharder, bias=None):
-    """The MoE MLP of the normed stream y [b, s(/t), h] → ([b, s(/t), h] before dropout, router logits [b, s, E]). p: {"router": {"kernel": [h, E]}, "experts": {"wi": [E, h, 2, f], "wo": [E, f, h]}}, the
+    """The MoE MLP of the normed stream y [b, s(/t), h] → ([b, s(/t), h] before dropout, router logits [b, s, E]).
+    p: {"router": {"kernel": [h, E]}, "experts": {"wi": [E, h, 2, f], "wo": [E, f, h]}}, the
     experts split over `expert`. The tokens are gathered over `tensor` (every tensor rank routes them alike) and
     run on each rank's group (`Sharder.token_region`)."""
     whole = shard(y, "batch", "seq", None)

@@ -187,7 +187,8 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
     args, in_specs = _stage_inputs(params, batch, layout, sched)
     over = {"loss": layout.gradient_axes, "weights": data_parallel.left_to_reduce(layout, layout.gradient_axes)}
     loss_ranks = parallel.batch_ranks * parallel.context
-    shard = replace(context.sharder(mesh, parallel, stage=True), loss_seed=1.0 / (sched.m * loss_ranks))  # Stage.loss_scale
+    seed = 1.0 / (sched.m * loss_ranks)  # Stage.loss_scale
+    shard = replace(context.sharder(mesh, parallel, stage=True), loss_seed=seed)
     program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
                       grad_specs=grad_specs, over=over, inspect=inspect, ring=_ring(parallel))
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
