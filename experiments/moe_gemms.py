@@ -37,11 +37,12 @@ def compile_for_h100(fn, shapes, gemms: str):
 
 
 def largest_arrays(text: str, count: int = 3) -> list[tuple[str, tuple[int, ...], int]]:
-    """The `count` largest arrays any instruction of a program produces: (dtype, dims, bytes)."""
+    """The `count` largest arrays any instruction of a program produces: (dtype, dims, bytes), ties by dtype and dims
+    (the same table each run)."""
     from jaxseq.planning import hlo
 
     found = {(dt, dims) for instrs in hlo.parse_hlo(text).values() for ins in instrs for dt, dims in ins.arrays()}
-    return sorted(((dt, dims, hlo.array_bytes(dt, dims)) for dt, dims in found), key=lambda a: -a[2])[:count]
+    return sorted(((dt, dims, hlo.array_bytes(dt, dims)) for dt, dims in found), key=lambda a: (-a[2], a[0], a[1]))[:count]
 
 
 def gemm_lines(text: str, op: str) -> list[str]:
