@@ -92,6 +92,7 @@ ALLOWED = {
     "planning.hlo_flops": {"planning.hlo", "planning.hlo_loops"},
     "planning.hlo_kernels": {"planning.hlo", "planning.hlo_loops"},
     "planning.memory": {"config", "models.model", "parallel.layout", "sharding"},
+    "planning.moe": {"config", "hardware", "models.experts", "models.model", "planning.memory"},
     "planning.measure": {"config", "mesh", "planning.hlo_collectives", "planning.hlo_flops", "planning.hlo_kernels",
                          "planning.hlo_loops", "planning.memory", "training.aot"},
     "planning.in_flight": {"config", "mesh", "parallel.layout", "parallel.pipeline", "parallel.schedule", "parallel.ticks",
@@ -124,7 +125,8 @@ ALLOWED = {
     # the commands
     "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",
               "training.rundir"},
-    "plan": {"cli", "config", "hardware", "planning.autotune", "planning.gpu_target", "planning.memory", "planning.plan",
+    "plan": {"cli", "config", "hardware", "planning.autotune", "planning.gpu_target", "planning.memory", "planning.moe",
+             "planning.plan",
              "planning.progress",
              "planning.report",
              "planning.search", "planning.search_costs", "planning.search_report", "planning.search_space", "remat"},

@@ -27,6 +27,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo_collectives
+from jaxseq.planning import moe as moe_plan
 from jaxseq.training import train_step
 
 CFG = replace(preset("tiny-moe"), dtype="float32", moe_capacity_factor=None, moe_z_loss_coef=0.01)
@@ -46,7 +47,8 @@ def step_gradients(parallel: ParallelConfig, micro_batches: int, cfg=CFG):
     layout = Layout(cfg, parallel, mesh)
     params = jax.device_put(model.init_params(jax.random.key(0), cfg, parallel.tensor), layout.master_shardings)
     batch, key = counting_batch(cfg, ROWS, 0), jax.random.key(1)
-    compiled = jax.jit(train_step.step_gradients(layout, "selective", micro_batches)).lower(params, batch, key).compile()
+    step = jax.jit(train_step.step_gradients(layout, "selective", micro_batches))
+    compiled = step.lower(params, batch, key).compile()
     loss, grads = compiled(params, batch, key)
     return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
 
@@ -90,6 +92,7 @@ def test_each_moe_layer_has_one_all_to_all_each_way_a_pass_and_no_other_collecti
         assert len({c.instruction for c in to_all}) == 2
         assert all(set(c.groups) == expert_groups(parallel) for c in to_all)
         assert sum(c.elements for c in to_all) == 2 * CFG.moe_experts * tokens * CFG.hidden
+        assert sum(c.elements for c in to_all) == moe_plan.all_to_all_elements(CFG, tokens)  # the plan's count
         others = [(c.kind, c.elements) for c in found if c.kind != "all-to-all"]
         assert others == ([] if backward else [("all-reduce", CFG.moe_experts)])
 
