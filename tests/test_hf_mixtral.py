@@ -126,6 +126,7 @@ def torch_grads_in_jaxseq_layout(grads: dict, padded_vocab: int) -> dict:
     }
 
 
+@pytest.mark.slow  # the loss and gradients compiled on both sides (the logits stay in the fast tier)
 def test_loss_and_every_gradient_match_pytorch(hf_model, loaded):
     """PyTorch's loss: the mean cross-entropy + COEF × the sum over layers of each layer's balancing loss
     (transformers' function of that layer's router logits); jaxseq's loss_fn adds the same through its gradient."""

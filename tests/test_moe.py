@@ -169,6 +169,7 @@ def test_an_expert_axis_needs_experts():
         validate(preset("tiny-llama"), ParallelConfig(expert=2), "selective")
 
 
+@pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_routing_reads_every_layers_router():
     params = model.init_params(jax.random.key(7), CFG)
     tokens = jax.random.randint(jax.random.key(8), (2, CFG.seq_len), 0, CFG.vocab_size)
