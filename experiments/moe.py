@@ -1,7 +1,8 @@
 """Expert parallelism measured on 8 simulated devices, and the plan's MoE terms for GPUs (issue 58, item 7, in part).
 
-    python experiments/moe.py                 # writes experiments/results/moe.{md,json} (about 10 min on 2 busy cores)
+    python experiments/moe.py                 # writes experiments/results/moe.{md,json} (about 12 min on 2 busy cores)
     python experiments/moe.py --render-only   # moe.md again from moe.json
+    python experiments/moe.py --loads-only    # the simulated rows kept from moe.json, the rest again
 
 1. One mixture of experts (8 experts, top-2, h = 256, f = 512, 2 layers, s = 128, float32, capacity factor 1.25)
    and global batch (16 sequences, no accumulation) at expert = E × data = 8/E for E = 1, 2, 4, 8: the compiled
@@ -11,8 +12,10 @@
 2. What `plan --expert E` prints after its table for Qwen3-30B-A3B on 16 H100s (EP 16) and Mixtral 8x7B on 8 (EP 8)
    and on 64 (EP 8 × t 8): parameters, state per device, the all-to-all per layer (planning/moe.py: arithmetic at
    data-sheet bandwidths, nothing compiled).
-Not here: tokens per expert over a run with and without the balancing loss, and `plan --search` over E (no expert
-dimension yet), so no prediction for Megatron-Bridge's Qwen3-30B-A3B run.
+3. Tokens per expert over a run of the embedded corpus (tiny-moe, one device, float32, 16 sequences a step), with
+   the balancing loss (coefficient 0.01) and without: each expert's share of the assignments of a fixed held-out
+   batch, every layer, every 25 steps (a table; no plot: matplotlib is not in this venv).
+Not here: `plan --search` over E (no expert dimension yet), so no prediction for Megatron-Bridge's Qwen3-30B-A3B run.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # no
 from jaxseq.hardware import HARDWARE  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
+from jaxseq.models import experts, moe as moe_family  # noqa: E402
 from jaxseq.planning import hlo, hlo_loops, moe  # noqa: E402
+from jaxseq.training import data  # noqa: E402
 from jaxseq.training import aot  # noqa: E402
 from jaxseq.training import train_step  # noqa: E402
 
@@ -87,7 +92,60 @@ def simulated_rows() -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], plans: dict[str, str]) -> str:
+RUN_STEPS, EVERY = 200, 25
+
+
+def expert_loads() -> dict[str, list[dict]]:
+    """coefficient name → [{step, shares: [layer][expert]}]: each expert's share of a held-out batch's assignments."""
+    corpus = data.load_corpus(None)
+    base = replace(preset("tiny-moe"), vocab_size=corpus.vocab_size, dtype="float32")
+    held_out = data.Batches(corpus.val, base.seq_len, BATCH, seed=1).rows(0)["inputs"]
+    out = {}
+    for name, coef in (("with the balancing loss (0.01)", 0.01), ("without (0)", 0.0)):
+        cfg = replace(base, moe_aux_loss_coef=coef)
+        layout = Layout(cfg, ParallelConfig(), make_mesh(ParallelConfig(), jax.devices()[:1]))
+        optimizer = train_step.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), cfg)
+        step = train_step.make_train_step(layout, "selective", optimizer)
+        routing = jax.jit(lambda params, tokens, cfg=cfg: moe_family.routing(params, tokens, cfg))
+        state, batches, found = train_step.init_state(jax.random.key(0), layout, optimizer), \
+            data.Batches(corpus.train, cfg.seq_len, BATCH, seed=0), []
+        for i in range(RUN_STEPS + 1):
+            if i % EVERY == 0:
+                logits = np.asarray(routing(state.params, held_out)).reshape(cfg.layers, -1, cfg.moe_experts)
+                counts = [np.bincount(np.asarray(experts.route(layer, cfg)[1]).ravel(), minlength=cfg.moe_experts)
+                          for layer in logits]
+                found.append({"step": i, "shares": [(c / c.sum()).tolist() for c in counts]})
+            if i < RUN_STEPS:
+                state, _ = step(state, batches.rows(i), jax.random.key(i))
+        out[name] = found
+        print(name, found[-1], flush=True)
+    return out
+
+
+def render_loads(loads: dict[str, list[dict]]) -> list[str]:
+    lines = ["## Tokens per expert over a run", "",
+             f"tiny-moe (8 experts, top-2, capacity factor 1.25) on the embedded corpus, one device, float32, {BATCH} "
+             f"sequences a step, lr 3e-3: each expert's share of the assignments of one held-out batch of {BATCH} "
+             "sequences (an even load: 12.5% each), and the largest share over the smallest, every "
+             f"{EVERY} steps."]
+    for name, found in loads.items():
+        last = found[-1]
+        largest = ", ".join(f"{100 * max(shares):.1f}%" for shares in last["shares"])
+        lines.append(f"At step {last['step']} {name}, the largest expert's share by layer: {largest}.")
+    lines.append("")
+    for name, found in loads.items():
+        lines += [f"### {name}", "", "| step | layer | shares (%) | largest / smallest |", "| --- | --- | --- | --- |"]
+        for f in found:
+            for layer, shares in enumerate(f["shares"]):
+                low = min(shares)
+                ratio = f"{max(shares) / low:.2f}" if low > 0 else "∞ (an expert gets none)"
+                lines.append(f"| {f['step']} | {layer} | " + " ".join(f"{100 * x:.1f}" for x in shares)
+                             + f" | {ratio} |")
+        lines.append("")
+    return lines
+
+
+def render(rows: list[dict], plans: dict[str, str], loads: dict[str, list[dict]]) -> str:
     lines = ["# Expert parallelism: measured on simulated devices, planned for H100s", "",
              "Made by `python experiments/moe.py`. A mixture of 8 experts (top-2, capacity factor 1.25) of h = 256, "
              f"f = 512, 2 layers, s = {CFG.seq_len}, V = {CFG.vocab_size} (float32, selective recompute), {BATCH} "
@@ -111,21 +169,23 @@ def render(rows: list[dict], plans: dict[str, str]) -> str:
               "## What `plan --expert E` prints for GPUs (planning/moe.py)", ""]
     for name, text in plans.items():
         lines += [f"### {name}", "", "```", text, "```", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + render_loads(loads))
 
 
 def main() -> None:
     if "--render-only" in sys.argv:
         saved = json.loads((RESULTS / "moe.json").read_text())
-        (RESULTS / "moe.md").write_text(render(saved["simulated"], saved["plans"]))
+        (RESULTS / "moe.md").write_text(render(saved["simulated"], saved["plans"], saved["loads"]))
         return
-    rows = simulated_rows()
+    saved = json.loads((RESULTS / "moe.json").read_text()) if "--loads-only" in sys.argv else None
+    rows = saved["simulated"] if saved else simulated_rows()
     plans = {name: moe.report(preset(p), tensor=t, expert=e, context=1, micro_batch=1, microbatches=1,
                               hw=HARDWARE[hw]) for name, (p, t, e, hw) in PLANS.items()}
+    loads = expert_loads()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe.json").write_text(json.dumps({"simulated": rows, "plans": plans}, indent=1))
-    (RESULTS / "moe.md").write_text(render(rows, plans))
-    print(render(rows, plans))
+    (RESULTS / "moe.json").write_text(json.dumps({"simulated": rows, "plans": plans, "loads": loads}, indent=1))
+    (RESULTS / "moe.md").write_text(render(rows, plans, loads))
+    print(render(rows, plans, loads))
 
 
 if __name__ == "__main__":
