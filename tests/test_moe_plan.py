@@ -14,6 +14,7 @@ from jaxseq.hardware import HARDWARE
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import memory, moe
+from jaxseq.planning import plan as plan_rows
 
 # Published (B, rounded to 0.1 B): Mixtral 8x7B 46.7 total, 12.9 active (Mistral AI); Qwen3-30B-A3B 30.5 total,
 # 3.3 active (its model card; jaxseq's count lacks only its q/k norms' 12,288, and reads 3.35 active).
@@ -77,3 +78,12 @@ def test_the_report_prints_each_term_with_its_unit():
     assert f"{p.total:,} total, {p.active:,} active per token" in text
     assert f"{split.total / 2**30:.1f} GiB at expert = 16" in text
     assert "320.0 MiB, of which 140.0 MiB over NVLink (450 GB/s) and 160.0 MiB over InfiniBand (50 GB/s)" in text
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_a_moe_layer_has_no_stored_bytes_formula_yet(context):
+    """The plan's formula column is empty for a mixture (the dense Llama layer's count would be wrong), with and
+    without context parallelism; the dense Llama layer keeps its formula."""
+    rows = plan_rows.configurations(2)
+    assert all(plan_rows.formula_bytes_per_layer(preset("tiny-moe"), r, 1, context) is None for r in rows)
+    assert all(plan_rows.formula_bytes_per_layer(preset("tiny-llama"), r, 1, context) for r in rows)
