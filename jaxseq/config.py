@@ -83,6 +83,15 @@ class ModelConfig:
     # Packed documents (models/documents.py): attention within each document, positions from its first token.
     document_mask: bool = False
     eod_token: int | None = None  # the end-of-document id that separates them: the data's (set at the edge)
+    # The mixture-of-experts family's, which it validates (models/moe.py, `validate`; models/experts.py):
+    moe_experts: int = 0  # routed experts per layer (0: none, the dense families)
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_capacity_factor: float | None = 1.25  # slots per expert: ceil(factor·T·k/E) of T tokens; None: dropless
+    moe_shared_experts: int = 0  # experts every token passes through (one SwiGLU of this many expert widths)
+    moe_norm_topk: bool = True  # the k routing weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_aux_loss_coef: float = 0.01  # the load-balancing loss's coefficient (Switch/Mixtral form), per MoE layer
+    moe_z_loss_coef: float = 0.0  # the router z-loss's coefficient (ST-MoE)
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's aux-loss-free balancing: the bias's update rate γ (0: no bias)
 
     @property
     def num_kv_heads(self) -> int:
@@ -114,13 +123,13 @@ class ModelConfig:
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
 RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel", "layer_loop", "document_mask",
-                  "eod_token")
+                  "eod_token", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Mesh shape: pipe × data × fsdp × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
+    """Mesh: pipe × data × fsdp × expert × context × tensor; sequence parallelism rides on `tensor`. With pipe > 1 the
     layers split into pipe·virtual_stages chunks run by `schedule` (gpipe, 1f1b, interleaved, zb-h1; see
     parallel/schedule.py). With context > 1 the whole sequence is split over `context`, attention included, by
     `context_strategy` ("all-gather": K and V gathered; "ring": K/V blocks passed rank to rank; parallel/context.py).
@@ -132,6 +141,9 @@ class ParallelConfig:
     fsdp: ranks that split the batch's rows as data ranks do and also every weight, its gradient and its
     optimizer state (FSDP, ZeRO-3): each weight's hidden dimension is split over `fsdp` and gathered layer by
     layer as it is used (parallel/fsdp.py). data × fsdp is HSDP: shards within an fsdp group, replicas across.
+
+    expert: ranks that split the batch's rows as data ranks do and a mixture of experts' experts (expert
+    parallelism: tokens sent to their experts' ranks and back by all-to-all; models/experts.py).
     """
 
     data: int = 1
@@ -144,10 +156,11 @@ class ParallelConfig:
     context: int = 1
     context_strategy: str = "all-gather"
     fsdp: int = 1
+    expert: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.pipe * self.data * self.fsdp * self.context * self.tensor
+        return self.pipe * self.data * self.fsdp * self.expert * self.context * self.tensor
 
     @property
     def chunks(self) -> int:
@@ -156,12 +169,13 @@ class ParallelConfig:
 
     @property
     def batch_ranks(self) -> int:
-        """Ranks that each hold other rows of the batch: data × fsdp."""
-        return self.data * self.fsdp
+        """Ranks that each hold other rows of the batch: data × fsdp × expert."""
+        return self.data * self.fsdp * self.expert
 
     def mesh_text(self) -> str:
         return ((f"pipe={self.pipe} × " if self.pipe > 1 else "") + f"data={self.data} × "
                 + (f"fsdp={self.fsdp} × " if self.fsdp > 1 else "")
+                + (f"expert={self.expert} × " if self.expert > 1 else "")
                 + (f"context={self.context} × " if self.context > 1 else "") + f"tensor={self.tensor}")
 
 
@@ -282,6 +296,17 @@ PRESETS: dict[str, ModelConfig] = {
                          layers=32, ffn_hidden=14336, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
     "llama3-70b": _preset(family="llama", vocab_size=128256, seq_len=8192, hidden=8192, heads=64, kv_heads=8,
                           layers=80, ffn_hidden=28672, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
+    # The mixture-of-experts family (Llama's attention, SwiGLU experts). tiny-moe: for tests (8 experts, top-2, an
+    # expert width no multiple of hidden). Mixtral 8x7B and Qwen3-30B-A3B with their published shapes (Qwen3's
+    # attention has a per-head RMSNorm on q and k that jaxseq's has not), their coefficients, trained at 4k tokens.
+    "tiny-moe": _preset(family="moe", vocab_size=256, seq_len=64, hidden=64, heads=8, kv_heads=2, layers=2,
+                        ffn_hidden=48, dropout=0.0, moe_experts=8, moe_top_k=2),
+    "mixtral-8x7b": _preset(family="moe", vocab_size=32000, seq_len=4096, hidden=4096, heads=32, kv_heads=8,
+                            layers=32, ffn_hidden=14336, dropout=0.0, rope_theta=1e6, moe_experts=8, moe_top_k=2,
+                            moe_aux_loss_coef=0.02),
+    "qwen3-30b-a3b": _preset(family="moe", vocab_size=151936, seq_len=4096, hidden=2048, heads=32, kv_heads=4,
+                             kv_channels=128, layers=48, ffn_hidden=768, dropout=0.0, ln_eps=1e-6, rope_theta=1e6,
+                             moe_experts=128, moe_top_k=8, moe_aux_loss_coef=0.001),
 }
 
 
@@ -398,7 +423,7 @@ def validate_family(model: ModelConfig) -> None:
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None = None) -> None:
-    for name in ("pipe", "data", "fsdp", "context", "tensor"):
+    for name in ("pipe", "data", "fsdp", "expert", "context", "tensor"):
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -418,6 +443,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         raise ConfigError(f"tensor={t} does not divide seq_len={model.seq_len} (required by sequence parallelism)")
     validate_context(model, parallel)
     validate_fsdp(model, parallel)
+    validate_expert(model, parallel)
     if parallel.pipe > 1 or parallel.virtual_stages != 1 or parallel.schedule != "1f1b":
         resolve_schedule(parallel.schedule, parallel.virtual_stages)
         if parallel.pipe == 1:  # accepted and ignored, a run would not be what was asked for
@@ -430,7 +456,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
             raise ConfigError(f"layers={model.layers} is not divisible by pipe×virtual_stages = "
                               f"{parallel.pipe}×{parallel.virtual_stages}")
     if num_devices is not None and parallel.num_devices != num_devices:
-        names = tuple(n for n in ("pipe", "data", "fsdp", "context", "tensor")
+        names = tuple(n for n in ("pipe", "data", "fsdp", "expert", "context", "tensor")
                       if n in ("data", "tensor") or getattr(parallel, n) > 1)
         raise ConfigError(
             f"{'×'.join(names)} = {'×'.join(str(getattr(parallel, n)) for n in names)} = {parallel.num_devices} "
@@ -461,6 +487,10 @@ def validate_zero_bubble(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.fsdp > 1:
         raise ConfigError(f"schedule=zb-h1 with fsdp={parallel.fsdp} is not supported: its W ops would need FSDP's "
                           "gather and reduce-scatter again; use 1f1b or interleaved with fsdp, or zb-h1 without it")
+    if model.moe_experts:
+        raise ConfigError("schedule=zb-h1 with a mixture of experts is not supported: its W ops defer the weight "
+                          "matmuls' gradients, and the experts' are batched GEMMs with an all-to-all between them; "
+                          "use 1f1b or interleaved")
     if parallel.tensor > model.num_kv_heads:
         raise ConfigError(f"schedule=zb-h1 with tensor={parallel.tensor} > kv_heads={model.num_kv_heads} is not "
                           "supported (the K/V kernel is repeated over tensor ranks before its matmul): use tensor ≤ "
@@ -480,6 +510,19 @@ def validate_fsdp(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"the distributed optimizer with fsdp={f} and data=1 means nothing: fsdp already splits "
                           "the master weights and Adam moments; the distributed optimizer splits them further over "
                           "data (HSDP's replicas): drop it, or add data ranks")
+
+
+def validate_expert(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Expert parallelism splits a mixture of experts' experts over `expert`: it needs experts, as many on each rank."""
+    e = parallel.expert
+    if e == 1:
+        return
+    if model.moe_experts == 0:
+        raise ConfigError(f"expert={e} splits a mixture of experts' experts, and this model has none (moe_experts=0); "
+                          "use a mixture-of-experts preset (e.g. tiny-moe), or expert=1")
+    if model.moe_experts % e:
+        raise ConfigError(f"expert={e} does not divide moe_experts={model.moe_experts}: each expert rank holds "
+                          "moe_experts/expert experts")
 
 
 def validate_optimizer(opt: OptimizerConfig) -> None:
@@ -505,7 +548,10 @@ def validate_batch(parallel: ParallelConfig, batch_size: int, micro_batch_size: 
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
     ranks = parallel.batch_ranks
-    what = f"data×fsdp = {parallel.data}×{parallel.fsdp}" if parallel.fsdp > 1 else f"data={parallel.data}"
+    what = f"data={parallel.data}"
+    if parallel.fsdp > 1 or parallel.expert > 1:
+        names = [n for n in ("data", "fsdp", "expert") if n == "data" or getattr(parallel, n) > 1]
+        what = f"{'×'.join(names)} = {'×'.join(str(getattr(parallel, n)) for n in names)}"
     if batch_size % ranks:
         raise ConfigError(f"{what} does not divide batch_size={batch_size}")
     if micro_batch_size is not None:

@@ -17,6 +17,7 @@ from jaxseq import cli
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
 from jaxseq.hardware import HARDWARE
 from jaxseq.planning import autotune, cost, document_mask, gpu_target, search, search_report, search_space
+from jaxseq.planning import moe as moe_plan
 from jaxseq.planning.memory import GIB
 from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
 from jaxseq.planning.progress import Progress
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=1,
                    help="FSDP size F: every weight's master, moments and gradient split over F (each layer gathers "
                         "its weights: the rows' working memory holds them); with --data, HSDP (default 1)")
+    p.add_argument("--expert", type=int, default=1,
+                   help="expert-parallel size E of a mixture of experts: its parameters (total, active), state per "
+                        "device with the routed experts over E and all-to-all per layer, after the table "
+                        "(planning/moe.py; links of --hardware, default a100); default 1")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
                         "(the state table shows both)")
@@ -313,6 +318,9 @@ def _plan(args) -> int:
     cfg = resolve(args)
     context = ParallelConfig(data=1, context=args.context, tensor=args.tensor, context_strategy=args.context_strategy)
     validate(cfg, context, "none")
+    if args.expert != 1:  # the experts split over E ranks: one line if they cannot be
+        validate(cfg, replace(context, expert=args.expert), "none")
+    moe_lines = moe_report(args, cfg) if cfg.moe_experts else None  # before compiling: bad --hardware in one line
     pipe = args.pipeline if args.pipeline > 1 else 1  # the pipelined step compiles on pipeline × tensor devices
     if args.context > 1 and pipe > 1:
         validate(cfg, replace(context, pipe=pipe), "none")  # the pipelined step at context c: one line if it cannot run
@@ -347,6 +355,9 @@ def _plan(args) -> int:
         print(format_table(p))
         if documents is not None:
             print(document_mask.format_note(documents))
+        if moe_lines is not None:
+            print()
+            print(moe_lines)
         if args.budget_gib is not None:
             print()
             print(format_recommendation(p, args.budget_gib))
@@ -355,6 +366,16 @@ def _plan(args) -> int:
                       f"{compiled / GIB:.1f} GiB per device ({'within' if compiled <= args.budget_gib * GIB else 'over'}"
                       f" the budget; the composed row {chosen.total_bytes_per_device / GIB:.1f} GiB)")
     return 0
+
+
+def moe_report(args, cfg: ModelConfig) -> str:
+    """A mixture of experts' lines (planning/moe.py) on --hardware's links (default: the --target GPU, else a100)."""
+    name = args.hardware or args.target or "a100"
+    if name not in HARDWARE:
+        raise ConfigError(f"hardware={name!r} is not known; valid: {', '.join(HARDWARE)}")
+    return moe_plan.report(cfg, tensor=args.tensor, expert=args.expert, context=args.context,
+                           micro_batch=args.micro_batch_size, microbatches=args.microbatches or args.pipeline,
+                           hw=HARDWARE[name])
 
 
 def block_on_target(args, p, chosen, progress: Progress) -> int | None:

@@ -44,6 +44,15 @@ EMBED_DROPOUT_MASK = "embed_dropout_mask"  # outside the layers: not subject to 
 # A weight matmul's output where models/cpu_matmul.py hides the dot in a custom VJP (bf16 on CPU): the `dots`
 # policies save it there as JAX's dot policies save a plain dot.
 MATMUL = "matmul"
+# A mixture-of-experts layer's (models/experts.py), in place of the MLP's MLPWI (its MLP_ACTIVATION the same name),
+# per routing group of T tokens, E experts, C slots each, e = E/ep local experts (ep·C slots each):
+MOE_ROUTER_LOGITS = "moe_router_logits"  # the router's float32 logits [T, E]: 4E bytes a token
+MOE_ROUTING = "moe_routing"  # each slot's token (int32) and routing weight (float32) [E·C]: 8 bytes a slot
+MOE_DISPATCHED = "moe_dispatched"  # the experts' input after the dispatch all-to-all [e, ep·C, h]: 2h a slot
+MOE_EXPERT_HIDDEN = "moe_expert_hidden"  # the experts' first matmul output [e, ep·C, 2, f]: 4f a slot, split t ways
+MOE_EXPERT_OUTPUT = "moe_expert_output"  # the experts' output after the combine all-to-all [E, C, h]: 2h a slot
+MOE_LOADS = "moe_loads"  # each expert's assignments over the micro-batch [E] int32 (an all-reduce to recompute)
+MOE = (MOE_ROUTER_LOGITS, MOE_ROUTING, MOE_LOADS, MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
 
 CORE_ATTENTION = (ATTN_PROBS, ATTN_DROPOUT_MASK, ATTN_PROBS_DROPOUT)
 
@@ -64,12 +73,16 @@ EVERYTHING = (
     MLPWI,
     MLP_ACTIVATION,
     MLP_DROPOUT_MASK,
+    *MOE,
 )
 
 SELECTIVE = tuple(n for n in EVERYTHING if n not in CORE_ATTENTION)
 
 # What the matmuls need and nothing cheap to recompute: 2+2 residuals, 6 q/k/v, 2 context, 8 mlpwi = 20.
-LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX_STATS, CONTEXT, MLPWI)
+# A mixture of experts' layer: the experts' input and output and the experts' loads, which only a collective would
+# bring back, and their hidden activations; the router (a small matmul) and its routing replayed.
+LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX_STATS, CONTEXT, MLPWI, MOE_LOADS,
+        MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
 
 
 # The forward matmuls of a layer, by the names `formulas.layer_matmul_flops` counts them under.

@@ -46,7 +46,8 @@ class Sharder:
 
     @property
     def rules(self) -> dict[str, str | None]:
-        return logical_rules(self.sequence_parallel, context=self.context > 1, fsdp=self.fsdp > 1)
+        return logical_rules(self.sequence_parallel, context=self.context > 1, fsdp=self.fsdp > 1,
+                             expert=self.expert > 1)
 
     @property
     def tensor(self) -> int:
@@ -63,10 +64,52 @@ class Sharder:
         """Ranks of the `fsdp` axis (1 without a mesh or without FSDP)."""
         return self.mesh.shape.get("fsdp", 1) if self.mesh is not None else 1
 
+    @property
+    def expert(self) -> int:
+        """Ranks of the `expert` axis (1 without a mesh or without expert parallelism)."""
+        return self.mesh.shape.get("expert", 1) if self.mesh is not None else 1
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes but `tensor` that split a micro-batch's tokens (its rows over data, fsdp and expert, the
+        sequence over context), those of size > 1: a mixture of experts routes each rank's tokens over them as one
+        group (models/experts.py)."""
+        if self.mesh is None:
+            return ()
+        return tuple(a for a in ("data", "fsdp", "expert", "context") if self.mesh.shape.get(a, 1) > 1)
+
+    @property
+    def averaged_ranks(self) -> int:
+        """How many ranks' gradients the step averages where this Sharder's code runs: 1 where autodiff sums them
+        (the partitioner, a shard_map's transpose). A loss term of the whole micro-batch, of which each rank holds
+        a share, is seeded this many times on each (models/experts.py), times `loss_seed`."""
+        return 1
+
+    @property
+    def loss_seed(self) -> float:
+        """The cotangent this rank's loss enters backward with: 1 here (an executor that weighs each micro-batch's
+        loss as it seeds backward sets its weight: the pipeline's `StageSharder`)."""
+        return 1.0
+
+    def token_region(self, fn, x, params, param_axes):
+        """fn(shard, x, params) → (y, z) on each rank's own tokens: x [b, s, h] whole over `tensor`, split over
+        `token_axes`; `params` (their logical `param_axes`) each rank's shard over `expert`, whole over the other
+        token axes; y and z [b, s, …] split as x. A shard_map manual over the token axes (`tensor` left to the
+        partitioner; `shard` the Sharder of code inside it), or fn itself where there are none."""
+        axes = self.token_axes
+        if not axes:
+            return fn(self, x, params)
+        inner = RegionView(self.mesh, self.sequence_parallel, manual=frozenset(axes))
+        x_spec = only_axes(self.spec("batch", "seq", None), axes)
+        p_specs = jax.tree.map(lambda a: only_axes(self.spec(*a), axes), param_axes,
+                               is_leaf=lambda a: isinstance(a, tuple))
+        return jax.shard_map(partial(fn, inner), mesh=self.mesh, axis_names=set(axes), in_specs=(x_spec, p_specs),
+                             out_specs=(x_spec, x_spec))(x, params)
+
     def first_row(self, rows: int):
         """Inside a region manual over the batch's rows (`rows_manual`): the global index of this rank's first
         row when each holds `rows` (data-major, then fsdp, as `batch_sharding` splits them)."""
-        return jax.lax.axis_index(batch_axes(self.fsdp > 1)) * rows
+        return jax.lax.axis_index(batch_axes(self.fsdp > 1, self.expert > 1)) * rows
 
     @property
     def casts_at_gather(self) -> bool:
@@ -177,6 +220,26 @@ class Sharder:
         )(table, tokens)
 
 
+@dataclass(frozen=True)
+class RegionView(Sharder):
+    """The Sharder of code inside `Sharder.token_region`'s shard_map, manual over `manual`: its constraints name the
+    abstract mesh and none of those axes."""
+
+    manual: frozenset[str] = frozenset()
+
+    @property
+    def rules(self) -> dict:
+        keep = lambda entry: only_axes(P(entry), tuple(a for a in spec_axes(P(entry)) if a not in self.manual))[0]
+        return {name: keep(entry) for name, entry in super().rules.items()}
+
+    def named(self, *axes: str | None) -> NamedSharding:
+        return NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(*axes))
+
+    @property
+    def map_mesh(self):
+        return jax.sharding.get_abstract_mesh()
+
+
 def _several(out_axes) -> bool:
     """Whether column_parallel's out_axes name several outputs (a tuple of axis tuples)."""
     return len(out_axes) > 0 and isinstance(out_axes[0], tuple)
@@ -211,7 +274,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     replicated over `pipe`, `context` and `tensor`. Under context parallelism `models.model.loss_fn` reorders
     the tokens (`context_order`) and keeps each context rank's; placed whole on every context rank (token ids: 4
     bytes a token), the reorder is a local gather that moves nothing between devices."""
-    return NamedSharding(mesh, P(batch_axes("fsdp" in mesh.shape), None))
+    return NamedSharding(mesh, P(batch_axes("fsdp" in mesh.shape, "expert" in mesh.shape), None))
 
 
 def context_chunks(c: int) -> tuple[tuple[int, int], ...]:

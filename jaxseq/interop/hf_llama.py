@@ -39,11 +39,20 @@ def model_config(hf: dict, dtype: str = "float32") -> ModelConfig:
 
     if hf.get("model_type") != "llama":
         refuse(f"model_type={hf.get('model_type')!r} (only 'llama')")
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag, False):
             refuse(f"{flag}=true")
+    return ModelConfig(family="llama", **llama_fields(hf, dtype))
+
+
+def llama_fields(hf: dict, dtype: str) -> dict:
+    """The ModelConfig fields of a Llama-shaped HF config (Llama's, Mixtral's): sizes, heads, RoPE, norms; a
+    ConfigError naming what does not fit."""
+    def refuse(what):
+        raise ConfigError(f"config.json: {what} is not supported by jaxseq")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
     if hf.get("sliding_window") is not None:
         refuse(f"sliding_window={hf['sliding_window']!r} (only null)")
     if hf.get("tie_word_embeddings", False):
@@ -61,11 +70,12 @@ def model_config(hf: dict, dtype: str = "float32") -> ModelConfig:
     if head_dim is None and h % heads:
         refuse(f"num_attention_heads={heads} not dividing hidden_size={h} without a head_dim")
     head_dim = int(head_dim if head_dim is not None else h // heads)
-    return ModelConfig(family="llama", vocab_size=vocab, seq_len=positions, hidden=h, heads=heads, layers=layers,
-                       kv_heads=None if kv == heads else kv, ffn_hidden=ffn,
-                       kv_channels=None if head_dim * heads == h else head_dim,
-                       dropout=float(hf.get("attention_dropout", 0.0)), dtype=dtype,
-                       ln_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope(hf, refuse))
+    return dict(vocab_size=vocab, seq_len=positions, hidden=h, heads=heads, layers=layers,
+                kv_heads=None if kv == heads else kv, ffn_hidden=ffn,
+                kv_channels=None if head_dim * heads == h else head_dim,
+                dropout=float(hf.get("attention_dropout", 0.0)), dtype=dtype,
+                ln_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                **_rope(hf, refuse))
 
 
 def _rope(hf: dict, refuse) -> dict:
@@ -96,16 +106,21 @@ def hf_config(cfg: ModelConfig) -> dict:
     RoPE in `rope_parameters`, the embeddings untied (lm_head.weight is written)."""
     if cfg.family != "llama":
         raise ConfigError(f"family={cfg.family!r}: HF Llama needs family='llama'")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_config(cfg), "attention_bias": False,
+            "mlp_bias": False}
+
+
+def llama_config(cfg: ModelConfig) -> dict:
+    """The config.json entries of a Llama-shaped model's sizes, heads, RoPE and norms (`llama_fields` back)."""
     rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
         rope.update({k: getattr(cfg, ours) for k, ours in LLAMA3_ROPE.items()})
     elif cfg.rope_scaling is not None:
         raise ConfigError(f"rope_scaling={cfg.rope_scaling!r}: HF Llama takes None or 'llama3'")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.layers,
-            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads or cfg.heads,
-            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.seq_len,
-            "rms_norm_eps": cfg.ln_eps, "rope_parameters": rope, "attention_bias": False, "mlp_bias": False,
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp_hidden,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads or cfg.heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.ln_eps, "rope_parameters": rope,
             "attention_dropout": cfg.dropout, "tie_word_embeddings": False, "dtype": "float32"}
 
 
@@ -129,11 +144,16 @@ def _prefix(weights: Weights) -> str:
 
 
 def _layer_names(p: str, i: int) -> dict[str, str]:
+    """Layer i's attention and norm tensors (Llama's and the Llama-shaped families')."""
     b = f"{p}layers.{i}."
     return {"q": b + "self_attn.q_proj.weight", "k": b + "self_attn.k_proj.weight", "v": b + "self_attn.v_proj.weight",
-            "o": b + "self_attn.o_proj.weight", "gate": b + "mlp.gate_proj.weight", "up": b + "mlp.up_proj.weight",
-            "down": b + "mlp.down_proj.weight", "attn_norm": b + "input_layernorm.weight",
+            "o": b + "self_attn.o_proj.weight", "attn_norm": b + "input_layernorm.weight",
             "mlp_norm": b + "post_attention_layernorm.weight"}
+
+
+def _mlp_names(p: str, i: int) -> dict[str, str]:
+    b = f"{p}layers.{i}.mlp."
+    return {"gate": b + "gate_proj.weight", "up": b + "up_proj.weight", "down": b + "down_proj.weight"}
 
 
 def _f32(x) -> np.ndarray:
@@ -176,16 +196,33 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
     """HF tensors → (jaxseq Llama params as `Leaf`s, read on demand, the record from_params needs to write
     them back, buffers). The embedding and lm_head keep their vocab_size rows; lm_head.weight must be saved
     (tied embeddings are refused by `model_config`)."""
-    p, h, a, d, L, f = _prefix(weights), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.mlp_hidden
+    h, f = cfg.hidden, cfg.mlp_hidden
+    mlp_expect = {"gate": (f, h), "up": (f, h), "down": (h, f)}
+
+    def mlp(read):  # gate_proj, up_proj [f, h] → [h, 2, f]; down_proj [h, f] → [f, h].
+        return {"mlp": {
+            "wi": {"kernel": _stacked(cfg.layers, (h, 2, f), lambda i, idx: _pair(
+                lambda j: read(i, ("gate", "up")[j], (idx[2], idx[0])).T, idx[1], axis=1))},
+            "wo": {"kernel": _stacked(cfg.layers, (f, h), lambda i, idx: read(i, "down", (idx[1], idx[0])).T)},
+        }}
+
+    return read_params(cfg, weights, _mlp_names, mlp_expect, mlp)
+
+
+def read_params(cfg: ModelConfig, weights: Weights, mlp_names, mlp_expect: dict, mlp) -> tuple[dict, dict, dict]:
+    """`to_params` of a Llama-shaped model whose MLP is its family's own: mlp_names(prefix, i) its tensors' names
+    in layer i (by key), mlp_expect their shapes (by key), mlp(read) its leaves under "layers", where read(i, key,
+    idx) is block idx of layer i's tensor `key`."""
+    p, h, a, d, L = _prefix(weights), cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers
     k = cfg.kv_heads or cfg.heads
     embed, norm = p + "embed_tokens.weight", p + "norm.weight"
     if "lm_head.weight" not in weights:
         raise ConfigError("model.safetensors has no lm_head.weight (tie_word_embeddings=false in config.json)")
     expect = {embed: (cfg.vocab_size, h), norm: (h,), "lm_head.weight": (cfg.vocab_size, h)}
     used = {embed, norm, "lm_head.weight"}
-    names = [_layer_names(p, i) for i in range(L)]
-    layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "gate": (f, h), "up": (f, h),
-                    "down": (h, f), "attn_norm": (h,), "mlp_norm": (h,)}
+    names = [{**_layer_names(p, i), **mlp_names(p, i)} for i in range(L)]
+    layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "attn_norm": (h,),
+                    "mlp_norm": (h,), **mlp_expect}
     for i, layer in enumerate(names):
         missing = [n for n in layer.values() if n not in weights]
         if missing:
@@ -209,12 +246,7 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
                     weights, names[i]["o"], d, idx[0], idx[1], idx[2]))},
             },
             "mlp_norm": {"scale": _stacked(L, (h,), lambda i, idx: read(i, "mlp_norm", idx))},
-            "mlp": {
-                # gate_proj, up_proj [f, h] → [h, 2, f]; down_proj [h, f] → [f, h].
-                "wi": {"kernel": _stacked(L, (h, 2, f), lambda i, idx: _pair(
-                    lambda j: read(i, ("gate", "up")[j], (idx[2], idx[0])).T, idx[1], axis=1))},
-                "wo": {"kernel": _stacked(L, (f, h), lambda i, idx: read(i, "down", (idx[1], idx[0])).T)},
-            },
+            **mlp(read),
         },
         "final_norm": {"scale": tensor_leaf(weights, norm)},
         "lm_head": {"kernel": tensor_leaf(weights, "lm_head.weight")},
@@ -232,27 +264,38 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
     """jaxseq Llama params → HF tensors, each computed when written (lm_head.weight included: untied); with the
     record of a from-hf conversion, the original names, order and dtypes. A params leaf is anything with a
     shape whose `[i]` (layer i of a stacked leaf) and `np.asarray` give host arrays."""
+    h, f = cfg.hidden, cfg.mlp_hidden
+    wi, wo = params["layers"]["mlp"]["wi"]["kernel"], params["layers"]["mlp"]["wo"]["kernel"]
+
+    def mlp(n, i):
+        return {n["gate"]: ((f, h), lambda: _f32(wi[i])[:, 0].T), n["up"]: ((f, h), lambda: _f32(wi[i])[:, 1].T),
+                n["down"]: ((h, f), lambda: _f32(wo[i]).T)}
+
+    return write_params(cfg, params, record, buffers, _mlp_names, mlp)
+
+
+def write_params(cfg: ModelConfig, params: dict, record: dict | None, buffers: dict[str, np.ndarray] | None,
+                 mlp_names, mlp) -> dict[str, Tensor]:
+    """`from_params` of a Llama-shaped model whose MLP is its family's own: mlp_names as `read_params`'s, mlp(names,
+    i) layer i's MLP tensors {name: (shape, load)} (names: that layer's, by key)."""
     record = record or {"prefix": "model."}
     p, h, a, d, L, V = record["prefix"], cfg.hidden, cfg.heads, cfg.head_dim, cfg.layers, cfg.vocab_size
-    k, f = cfg.kv_heads or cfg.heads, cfg.mlp_hidden
+    k = cfg.kv_heads or cfg.heads
     lay = params["layers"]
     q, kv, o = lay["attn"]["q"]["kernel"], lay["attn"]["kv"]["kernel"], lay["attn"]["out"]["kernel"]
-    wi, wo = lay["mlp"]["wi"]["kernel"], lay["mlp"]["wo"]["kernel"]
     token, head = params["embed"]["token"], params["lm_head"]["kernel"]
     tensors = {p + "embed_tokens.weight": ((V, h), lambda: _f32(token)[:V]),
                p + "norm.weight": unstacked(params["final_norm"]["scale"]),
                "lm_head.weight": ((V, h), lambda: _f32(head)[:V])}
-    for i, n in enumerate(_layer_names(p, j) for j in range(L)):
+    for i, n in enumerate({**_layer_names(p, j), **mlp_names(p, j)} for j in range(L)):
         tensors.update({
             n["q"]: ((a * d, h), lambda i=i: _f32(q[i]).reshape(h, a * d).T),
             n["k"]: ((k * d, h), lambda i=i: _f32(kv[i])[:, 0].reshape(h, k * d).T),
             n["v"]: ((k * d, h), lambda i=i: _f32(kv[i])[:, 1].reshape(h, k * d).T),
             n["o"]: ((h, a * d), lambda i=i: _f32(o[i]).reshape(a * d, h).T),
-            n["gate"]: ((f, h), lambda i=i: _f32(wi[i])[:, 0].T),
-            n["up"]: ((f, h), lambda i=i: _f32(wi[i])[:, 1].T),
-            n["down"]: ((h, f), lambda i=i: _f32(wo[i]).T),
             n["attn_norm"]: ((h,), lambda i=i: _f32(lay["attn_norm"]["scale"][i])),
             n["mlp_norm"]: ((h,), lambda i=i: _f32(lay["mlp_norm"]["scale"][i])),
+            **mlp(n, i),
         })
     dtypes = dict(record.get("dtypes", {}))
     dtypes.setdefault("lm_head.weight", dtypes.get(p + "embed_tokens.weight", "float32"))

@@ -121,6 +121,13 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     train = key is not None
     k_attn, k_resid1, k_resid2 = jax.random.split(key, 3) if train else (None, None, None)
     order = shard.reorder(x.shape[1])  # the stored tokens' global positions under context parallelism
+    x = attention_half(x, p, k_attn, k_resid1, cfg, shard)
+    return _mlp_half(x, p, k_resid2, order, cfg, shard)
+
+
+def attention_half(x, p, k_attn, k_resid1, cfg: ModelConfig, shard: Sharder):
+    """The block's first half: x + attention(RMSNorm(x)) (after dropout with key k_resid1), tagged as the
+    mid-layer residual; the mixture-of-experts family's block shares it (models/moe.py)."""
     x = checkpoint_name(shard(x, "batch", "seq_sp", None), remat.DECODER_LAYER_INPUT)
 
     # Attention: RMSNorm on the (sequence-sharded) stream, all-gather, column-parallel Q and K/V (one gather).
@@ -137,19 +144,27 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
                           remat.OUT_PROJ)
-    dropped = dropout(out, cfg.dropout, k_resid1, remat.ATTN_OUT_DROPOUT_MASK, order, shard=shard)
-    x = checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
+    dropped = dropout(out, cfg.dropout, k_resid1, remat.ATTN_OUT_DROPOUT_MASK, shard.reorder(x.shape[1]), shard=shard)
+    return checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
 
+
+def _mlp_half(x, p, k_resid2, order, cfg: ModelConfig, shard: Sharder):
     # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
     y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), remat.MLPWI_INPUT)
-    hid = shard.column_parallel(lambda y, w: matmul("bsh,hcf->bscf", y, w["kernel"], cfg), y,
-                                {"kernel": p["mlp"]["wi"]["kernel"]}, {"kernel": (None, None, "mlp")},
-                                ("batch", "seq", None, "mlp"))
-    hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), remat.MLPWI)
-    out = checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["mlp"]["wo"]["kernel"], cfg), "batch", "seq_sp", None),
-                          remat.MLPWO)
+    out = swiglu_mlp(y, p["mlp"], cfg, shard)
     x = x + dropout(out, cfg.dropout, k_resid2, remat.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
+
+
+def swiglu_mlp(y, p, cfg: ModelConfig, shard: Sharder):
+    """The SwiGLU MLP of the normed stream y [b, s(/t), h] with p = {"wi": [h, 2, f], "wo": [f, h]}: column-parallel
+    gate and up (one matmul, one all-gather under SP), row-parallel down; its output before dropout [b, s(/t), h]."""
+    hid = shard.column_parallel(lambda y, w: matmul("bsh,hcf->bscf", y, w["kernel"], cfg), y,
+                                {"kernel": p["wi"]["kernel"]}, {"kernel": (None, None, "mlp")},
+                                ("batch", "seq", None, "mlp"))
+    hid = checkpoint_name(shard(hid, "batch", "seq", None, "mlp"), remat.MLPWI)
+    return checkpoint_name(shard(matmul("bsf,fh->bsh", swiglu(hid), p["wo"]["kernel"], cfg), "batch", "seq_sp", None),
+                           remat.MLPWO)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +180,14 @@ def decode_layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend
     """Layer i (as `block` computes it without dropout) on x [b, n, h] at positions start … start + n − 1,
     writing its keys and values into layer i of the cache (K, V [L, b, S, cache_heads, d]) first;
     `attend(q, k, v)` is the cached attention."""
+    x, cache = decode_attention(x, p, cache, i, start, cfg, shard, attend)
+    y = rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps)
+    hid = shard(swiglu(matmul("bsh,hcf->bscf", y, p["mlp"]["wi"]["kernel"], cfg)), "batch", None, "mlp")
+    return x + shard(matmul("bsf,fh->bsh", hid, p["mlp"]["wo"]["kernel"], cfg), "batch", None, None), cache
+
+
+def decode_attention(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend):
+    """`decode_layer`'s first half, x + attention (the mixture-of-experts family's too), and the cache."""
     y = rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps)
     q, kv = _project_qkv(y, {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}, cfg)
     positions = start + jnp.arange(x.shape[1])
@@ -173,7 +196,4 @@ def decode_layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend
     v = shard(kv[:, :, 1], "batch", None, "heads", None)
     cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
     ctx = attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache))
-    x = x + shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", None, None)
-    y = rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps)
-    hid = shard(swiglu(matmul("bsh,hcf->bscf", y, p["mlp"]["wi"]["kernel"], cfg)), "batch", None, "mlp")
-    return x + shard(matmul("bsf,fh->bsh", hid, p["mlp"]["wo"]["kernel"], cfg), "batch", None, None), cache
+    return x + shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", None, None), cache

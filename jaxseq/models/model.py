@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq.remat import remat_policy, segments
-from jaxseq.models import documents, gpt, llama
+from jaxseq.models import documents, gpt, llama, moe
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
 
-FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
+FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama, "moe": moe}
 
 
 def _register_families() -> None:
@@ -66,9 +66,10 @@ def param_axes(cfg: ModelConfig, tensor: int = 1) -> dict:
 
 def param_specs(cfg: ModelConfig, parallel: ParallelConfig) -> dict:
     """PartitionSpecs of the weights as the step holds them (`mesh.logical_rules` of `param_axes`): split over
-    `tensor` (and the stacked layers over `pipe`), replicated over `data`; under FSDP each weight's hidden
-    dimension (logical axis `embed`) split over `fsdp`, gathered as a layer uses it (`Sharder.gather_weights`)."""
-    rules = {**logical_rules(parallel.sequence_parallel, parallel.pipe > 1),
+    `tensor` (and the stacked layers over `pipe`, a mixture's experts over `expert`), replicated over `data`; under
+    FSDP each weight's hidden dimension (logical axis `embed`) split over `fsdp`, gathered as a layer uses it
+    (`Sharder.gather_weights`)."""
+    rules = {**logical_rules(parallel.sequence_parallel, parallel.pipe > 1, expert=parallel.expert > 1),
              "embed": FSDP_AXIS if parallel.fsdp > 1 else None}
     return decl.derive(param_table(cfg, parallel.tensor), lambda p: logical_to_spec(p.axes, rules))
 
@@ -95,6 +96,11 @@ def decay_mask(cfg: ModelConfig) -> dict:
 def cast_mask(cfg: ModelConfig) -> dict:
     """True where a parameter is copied to the compute dtype; norm parameters stay float32."""
     return decl.derive(param_table(cfg), lambda p: p.cast)
+
+
+def sign_update_mask(cfg: ModelConfig) -> dict:
+    """True where the optimizer moves a parameter by −rate·sign(gradient) rather than AdamW (`Param.update`)."""
+    return decl.derive(param_table(cfg), lambda p: p.update == "sign")
 
 
 def vocab_mask(cfg: ModelConfig) -> dict:

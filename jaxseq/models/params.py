@@ -20,13 +20,16 @@ from jaxseq.config import ModelConfig
 @dataclass(frozen=True)
 class Param:
     """One parameter's declaration. `dims` name the shape symbolically: L layers, V padded vocabulary,
-    s positions, h hidden, a heads, k K/V heads, d head width, f MLP width, 2 and 3 (stacked projections)."""
+    s positions, h hidden, a heads, k K/V heads, d head width, f MLP width, 2 and 3 (stacked projections), E experts,
+    g the shared experts' width."""
 
     dims: tuple[str, ...]
     axes: tuple[str | None, ...]  # logical axes; mesh.logical_rules maps them to mesh axes
     init: str  # "normal" N(0, 0.02), "residual" N(0, 0.02/sqrt(2L)), "zeros", "ones"
     decay: bool  # AdamW weight decay applies (kernels and the token embedding)
     cast: bool  # copied to the compute dtype each step (norm parameters stay float32)
+    update: str = "adamw"  # how the optimizer moves it: AdamW, or "sign", −rate·sign(its gradient) (DeepSeek-V3's
+    # aux-loss-free balancing bias, whose "gradient" is each expert's load above its share: models/experts.py)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def derive(table: dict, fn, *trees):
 def sizes(cfg: ModelConfig, tensor: int) -> dict[str, int]:
     """What each symbolic dimension of a declaration is for `cfg` on `tensor` ranks."""
     return {"L": cfg.layers, "V": cfg.padded_vocab(tensor), "s": cfg.seq_len, "h": cfg.hidden, "a": cfg.heads,
-            "k": cfg.num_kv_heads, "d": cfg.head_dim, "f": cfg.mlp_hidden, "2": 2, "3": 3}
+            "k": cfg.num_kv_heads, "d": cfg.head_dim, "f": cfg.mlp_hidden, "2": 2, "3": 3,
+            "E": cfg.moe_experts, "g": cfg.moe_shared_experts * cfg.mlp_hidden}
 
 
 def count(table: dict, cfg: ModelConfig) -> int:

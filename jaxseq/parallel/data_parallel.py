@@ -24,16 +24,18 @@ from jaxseq.config import ModelConfig, ParallelConfig
 from jaxseq.models import model
 from jaxseq.parallel import context
 from jaxseq.parallel.layout import Layout, gradient_axes
-from jaxseq.mesh import FSDP_AXIS, batch_axes
+from jaxseq.mesh import EXPERT_AXIS, FSDP_AXIS, batch_axes
 from jaxseq.sharding import Sharder, entry_axes, only_axes, spec_axes
 
 
 def region_axes(parallel: ParallelConfig) -> frozenset[str]:
     """The axes the pipeline's and gradient accumulation's regions are manual over: `pipe`, `data`, and
     `context` under context parallelism (each rank then runs its own tokens; the mesh has no `context` axis
-    otherwise), and `fsdp` under FSDP (each rank its rows, and its shard of every weight: `parallel.fsdp`).
-    `tensor` stays with XLA's partitioner."""
+    otherwise), `fsdp` under FSDP (each rank its rows, and its shard of every weight: `parallel.fsdp`), and
+    `expert` under expert parallelism (each rank its rows and its experts: models/experts.py). `tensor` stays with
+    XLA's partitioner."""
     return frozenset({"pipe", "data"} | ({"fsdp"} if parallel.fsdp > 1 else set())
+                     | ({"expert"} if parallel.expert > 1 else set())
                      | ({"context"} if parallel.context > 1 else set()))
 
 
@@ -67,15 +69,18 @@ def reduce_over(g, spec: P, over: tuple[str, ...]):
                          axis_names={"tensor"})(g)
 
 
-def fsdp_split(layout: Layout) -> dict:
-    """The weights' specs naming `fsdp` alone: how each enters a region manual over it (its shard)."""
-    return jax.tree.map(lambda spec: only_axes(spec, (FSDP_AXIS,)), layout.param_specs, is_leaf=lambda x: isinstance(x, P))
+def region_split(layout: Layout) -> dict:
+    """The weights' specs naming `fsdp` and `expert` alone: how each enters a region manual over them (its shard
+    of every weight under FSDP, of the experts under expert parallelism)."""
+    return jax.tree.map(lambda spec: only_axes(spec, (FSDP_AXIS, EXPERT_AXIS)), layout.param_specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def left_to_reduce(layout: Layout, over: tuple[str, ...]) -> dict:
     """Per weight, the axes of `over` its gradient is still summed over after the region's loop: a weight split
-    over `fsdp` arrives reduce-scattered over it (`parallel.fsdp.gather`'s backward), the rest are not."""
-    return jax.tree.map(lambda spec: tuple(a for a in over if a not in spec_axes(spec)), fsdp_split(layout),
+    over `fsdp` arrives reduce-scattered over it (`parallel.fsdp.gather`'s backward), an expert's over `expert`
+    summed by the all-to-all's transpose; the rest are not."""
+    return jax.tree.map(lambda spec: tuple(a for a in over if a not in spec_axes(spec)), region_split(layout),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -98,13 +103,13 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
     micro = jax.tree.map(lambda a: Sharder(mesh, parallel.sequence_parallel)(
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
     over = gradient_axes(parallel)
-    if parallel.data * parallel.fsdp * parallel.context == 1:
+    if parallel.batch_ranks * parallel.context == 1:
         return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh)
     loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat,
                                                shard=context.sharder(mesh, parallel, stage=True)))
-    # the mean over micro-batches, data, fsdp and context ranks (each rank's loss: the mean over its tokens)
-    scale = 1.0 / (microbatches * parallel.data * parallel.fsdp * parallel.context)
-    weight_specs, still_over = fsdp_split(layout), left_to_reduce(layout, over)
+    # the mean over micro-batches, data, fsdp, expert and context ranks (each rank's loss: the mean over its tokens)
+    scale = 1.0 / (microbatches * parallel.batch_ranks * parallel.context)
+    weight_specs, still_over = region_split(layout), left_to_reduce(layout, over)
 
     def rank(params, micro, key_data):
         key, weights = jax.random.wrap_key_data(key_data), jax.tree.map(lambda a: varying(a, over), params)
@@ -114,7 +119,7 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
 
     out_specs = jax.tree.map(lambda spec: only_axes(spec, over), grad_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(rank, mesh=mesh, axis_names=set(region_axes(parallel)),
-                         in_specs=(weight_specs, P(None, batch_axes(parallel.fsdp > 1)), P()),
+                         in_specs=(weight_specs, P(None, batch_axes(parallel.fsdp > 1, parallel.expert > 1)), P()),
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
 
 

@@ -33,10 +33,12 @@ from jaxseq.sharding import batch_sharding, entry_axes
 
 
 def gradient_axes(parallel: ParallelConfig) -> tuple[str, ...]:
-    """The axes a replicated weight's gradient is summed over: `data`, `fsdp` (its ranks hold other rows of the
-    batch) and `context` (its ranks hold other tokens of the same sequences: to the weights they are data
-    ranks, as in Megatron-LM), each where the mesh has it."""
-    return ("data",) + (("fsdp",) if parallel.fsdp > 1 else ()) + (("context",) if parallel.context > 1 else ())
+    """The axes a replicated weight's gradient is summed over: `data`, `fsdp` and `expert` (their ranks hold other
+    rows of the batch) and `context` (its ranks hold other tokens of the same sequences: to the weights they are
+    data ranks, as in Megatron-LM), each where the mesh has it. (A weight split over `expert`, an expert's, is
+    summed over the rest: the all-to-all's transpose brings every rank's tokens' gradient to its rank.)"""
+    return (("data",) + (("fsdp",) if parallel.fsdp > 1 else ()) + (("expert",) if parallel.expert > 1 else ())
+            + (("context",) if parallel.context > 1 else ()))
 
 
 def optimizer_axes(parallel: ParallelConfig) -> tuple[str, ...]:

@@ -137,10 +137,11 @@ def _stage_inputs(params, batch, layout: Layout, sched: Schedule):
     layers, others = _stage_weights(params, layout)
     shard = Sharder(layout.mesh, layout.parallel.sequence_parallel)
     micro = jax.tree.map(lambda a: shard(a.reshape(sched.m, -1, *a.shape[1:]), None, "batch", None), batch)
-    split = data_parallel.fsdp_split(layout)  # FSDP: each rank enters with its shard of every weight
+    split = data_parallel.region_split(layout)  # FSDP, experts: each rank enters with its shard of every weight
     layer_specs = jax.tree.map(lambda spec: P("pipe", None, None, *spec[1:]), split["layers"],
                                is_leaf=lambda x: isinstance(x, P))
-    return (layers, others, micro), (layer_specs, _others(split), P(None, batch_axes(layout.parallel.fsdp > 1)))
+    rows = batch_axes(layout.parallel.fsdp > 1, layout.parallel.expert > 1)
+    return (layers, others, micro), (layer_specs, _others(split), P(None, rows))
 
 
 def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
@@ -185,9 +186,11 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
                              "split over pipe on its first dimension (the stage's layers)")
     args, in_specs = _stage_inputs(params, batch, layout, sched)
     over = {"loss": layout.gradient_axes, "weights": data_parallel.left_to_reduce(layout, layout.gradient_axes)}
-    program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=parallel.batch_ranks * parallel.context, remat=remat,
-                      shard=context.sharder(mesh, parallel, stage=True), grad_specs=grad_specs, over=over, inspect=inspect,
-                      ring=_ring(parallel))
+    loss_ranks = parallel.batch_ranks * parallel.context
+    seed = 1.0 / (sched.m * loss_ranks)  # Stage.loss_scale
+    shard = replace(context.sharder(mesh, parallel, stage=True), loss_seed=seed)
+    program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
+                      grad_specs=grad_specs, over=over, inspect=inspect, ring=_ring(parallel))
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(grad_specs, layout.gradient_axes)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))

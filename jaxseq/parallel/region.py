@@ -3,6 +3,7 @@ gradient accumulation's `jax.shard_map`): `StageSharder`, where only `tensor` is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -24,7 +25,11 @@ class StageSharder(Sharder):
     Shardings name the abstract mesh (a concrete-mesh NamedSharding fails in a partial-manual region), and the
     collectives over `tensor` (sequence-parallel all-gather, vocab-parallel lookup) are custom_vjps whose
     forward and backward are forward-only nested shard_maps (autodiff through a nested shard_map fails to
-    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index)."""
+    lower). A context rank's stored order is a traced value here (`reorder`: its chunks depend on its index).
+    `loss_seed`: the cotangent each rank's loss enters backward with (the pipeline's 1/(m·ranks); 1 where gradient
+    accumulation scales the summed gradients after)."""
+
+    loss_seed: float = 1.0
 
     @property
     def rules(self) -> dict[str, str | None]:
@@ -38,6 +43,16 @@ class StageSharder(Sharder):
     @property
     def context_manual(self) -> bool:
         return self.context > 1
+
+    @property
+    def averaged_ranks(self) -> int:
+        """The region's ranks of the batch's tokens (data, fsdp, expert, context): the step averages their
+        gradients (each rank's loss is the mean over its own tokens)."""
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    def token_region(self, fn, x, params, param_axes):
+        """fn itself: the region is manual over every token axis already, its experts this rank's."""
+        return fn(self, x, params)
 
     @property
     def casts_at_gather(self) -> bool:

@@ -24,6 +24,7 @@ class Collective:
     group_size: int
     source: str = ""  # the jaxpr op it came from (HLO metadata op_name), e.g. ".../bsf,fh->bsh/dot_general"
     groups: tuple | None = None  # its device groups (`replica_groups`), None where they are not read
+    instruction: str = ""  # the HLO instruction (a tuple collective, as XLA:CPU writes an all-to-all, has several)
 
 
 _PASS_THROUGH = {"convert", "bitcast", "copy", "reshape", "get-tuple-element"}
@@ -86,7 +87,7 @@ def loop_collectives(hlo_text: str, num_layers: int, backward: bool) -> list[Col
                     elements *= size  # report the full buffer, like the others
                 groups = replica_groups(ins.rest)
                 out.append(Collective(kind, elements, size, op_name(ins.rest),
-                                      None if groups is None else tuple(map(tuple, groups))))
+                                      None if groups is None else tuple(map(tuple, groups)), ins.name))
     return out
 
 

@@ -67,13 +67,14 @@ EMBEDDING_GROUP = "embedding group"
 
 
 def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int = 1,
-            fsdp: int = 1) -> list[_Leaf]:
+            fsdp: int = 1, expert: int = 1) -> list[_Leaf]:
     """Every parameter's per-device elements under the train step's own specs (`Layout.master_specs`). With
     pipe > 1, `cfg` is one stage's (its layers), and the embedding group's master weights and moments are
     split over `pipe` as the pipelined step's are. With fsdp > 1, every leaf with a hidden dimension is split
-    over `fsdp` (master weights, moments and gradient)."""
+    over `fsdp` (master weights, moments and gradient). With expert > 1, a mixture's routed experts are split over
+    `expert` (each rank holds and updates its own: weights, gradients and moments)."""
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=False, pipe=pipe,
-                              distributed_optimizer=distributed_optimizer, fsdp=fsdp)
+                              distributed_optimizer=distributed_optimizer, fsdp=fsdp, expert=expert)
     sizes = {"tensor": tensor, "data": data, "pipe": pipe, "fsdp": fsdp}
     out = []
     layout = Layout(cfg, parallel)
@@ -85,7 +86,7 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
             # pipe = 1 the distributed optimizer may put `data` there: that split counts)
             axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)
                     if not (part == "layers" and i == 0 and a == "pipe")]
-            n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor")
+            n = int(np.prod(shape, dtype=np.int64)) // tensor ** axes.count("tensor") // expert ** axes.count("expert")
             split = int(np.prod([sizes[a] for a in axes if a in ("data", "pipe", "fsdp")]))
             out.append(_Leaf("layers" if part == "layers" else EMBEDDING_GROUP, n, n // split, cast,
                              any(a in ("data", "pipe") for a in axes), fsdp if "fsdp" in axes else 1, fsdp > 1,
@@ -136,14 +137,15 @@ class State:
 
 
 def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
-                pipe: int = 1, fsdp: int = 1) -> State:
+                pipe: int = 1, fsdp: int = 1, expert: int = 1) -> State:
     """Per-device state bytes; the distributed optimizer divides master weights and moments by
     `data` for every parameter with a dimension `data` divides (the others are counted whole). With
     pipe = p > 1, `cfg` holds one stage's layers (the first stage's: L/p), and the embedding group's
     master weights and moments are divided by p too, as the pipelined step splits them over `pipe`
     (`state_bytes_by_part` tells the two apart). FSDP (fsdp = F > 1) divides every weight's master, moments and
-    gradient by F and makes no compute copy of it (16 bytes a parameter over F; biases and norm scales whole)."""
-    return _state(_leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp), cfg)
+    gradient by F and makes no compute copy of it (16 bytes a parameter over F; biases and norm scales whole).
+    expert = E > 1 divides a mixture's routed experts by E (planning/moe.py)."""
+    return _state(_leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp, expert), cfg)
 
 
 def state_bytes_by_part(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,

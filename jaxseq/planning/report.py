@@ -136,6 +136,9 @@ def _kv_heads(p: Plan) -> str:
 
 def _formula_label(p: Plan) -> list[str]:
     """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
+    if p.config.moe_experts:  # `plan.formula_bytes_per_layer`: none for a mixture of experts yet
+        return ["formula: none derived for a mixture of experts' layer yet (its stored bytes are the compiled "
+                "program's alone)"]
     if p.context > 1:
         return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
                 "every stored tensor / c" + (", no scores, + the ring's log-sum-exp (ring_lse)"
@@ -152,8 +155,10 @@ def _format_formula_flops(p: Plan) -> str:
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
     if not model.traits(cfg).papers_formulas:
+        mlp = ("a mixture counted as one SwiGLU MLP of width f, not yet k experts and the router" if cfg.moe_experts
+               else "the MLP's gate, up and down")
         return (f"FLOPs per layer per device (t={p.tensor}), formulas.train_flops ({cfg.family}: K/V heads counted "
-                f"once, the MLP's gate, up and down): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
+                f"once, {mlp}): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
                 f"{f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%); with full "
                 f"{f['hardware_full'] / 1e12:.4f} (+{full_pct:.2f}%)")
     attention_share_pct = 100 * cfg.seq_len / (6 * cfg.hidden)  # the paper's s/(6h)

@@ -1,7 +1,8 @@
-"""Hugging Face weights in and out (GPT-2 and Llama), the Python API behind `python -m jaxseq.convert`: `from_hf`,
+"""Hugging Face weights in and out (GPT-2, Llama and Mixtral), the Python API behind `python -m jaxseq.convert`: `from_hf`,
 `to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
 
-config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama);
+config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama,
+interop/hf_mixtral.py for mixtral);
 a jaxseq model's family picks it back (the model_type each family declares, `HF_MODEL_TYPE`).
 
 Why the converted checkpoint is a jaxseq run directory (config.json + an orbax checkpoint at step 0,
@@ -24,7 +25,7 @@ import numpy as np
 
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
-from jaxseq.interop import hf, hf_llama
+from jaxseq.interop import hf, hf_llama, hf_mixtral
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel
 from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
@@ -38,7 +39,8 @@ HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-
 # Python API
 
 
-FORMATS = {"gpt2": hf, "llama": hf_llama}  # config.json's model_type → the module that reads and writes it
+# config.json's model_type → the module that reads and writes it
+FORMATS = {"gpt2": hf, "llama": hf_llama, "mixtral": hf_mixtral}
 # ModelConfig.family → the model_type its weights convert to, as each family declares it (`HF_MODEL_TYPE`)
 FAMILY_FORMAT = {name: family.HF_MODEL_TYPE for name, family in model.FAMILIES.items()}
 

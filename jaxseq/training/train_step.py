@@ -35,13 +35,20 @@ def learning_rate_schedule(opt: OptimizerConfig):
 
 
 def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; weight decay where the family's table declares it (`model.decay_mask`)."""
-
-    return optax.chain(
+    """AdamW after global-norm clipping; weight decay where the family's table declares it (`model.decay_mask`).
+    A parameter the table moves by sign (`model.sign_update_mask`: a mixture of experts' aux-loss-free bias, whose
+    gradient is each expert's load above its share) moves by −moe_bias_rate·sign(gradient), outside the clipping."""
+    adamw = optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                     weight_decay=opt.weight_decay, mask=model.decay_mask(cfg)),
     )
+    by_sign = model.sign_update_mask(cfg)
+    if not any(jax.tree.leaves(by_sign)):
+        return adamw
+    labels = jax.tree.map(lambda sign: "sign" if sign else "adamw", by_sign)
+    return optax.multi_transform({"adamw": adamw, "sign": optax.chain(optax.scale_by_sign(),
+                                                                      optax.scale(-cfg.moe_bias_rate))}, labels)
 
 
 def state_shardings(layout: Layout, optimizer) -> TrainState:
@@ -95,10 +102,12 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     the masters split further (over `data`, `pipe`) is gathered once as the compute copy first (`fsdp_weights`).
     """
     gradients = step_gradients(layout, remat, micro_batches)
+    by_sign = model.sign_update_mask(layout.model)
 
     def step(state: TrainState, batch, key):
         loss, grads = gradients(state.params, batch, jax.random.fold_in(key, state.step))
-        grad_norm = optax.tree.norm(grads)  # of the global arrays: exact whatever the shards
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g, sign: None if sign else g, grads, by_sign))  # of the
+        # global arrays: exact whatever the shards; not of a load moved by sign (`make_optimizer`)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)

@@ -1,0 +1,189 @@
+"""The mixture-of-experts family against `transformers`' MixtralForCausalLM (the outside reference), through jaxseq's
+converter (interop/hf_mixtral.py): a random model of an odd shape (vocabulary 300, 4 query heads over 2 K/V heads,
+4 experts of width 48, top-2, RMSNorm scales not all ones), no token dropped (Mixtral routes dropless).
+- logits equal transformers' (relative ≤ 1e-5);
+- each layer's load-balancing loss equals transformers' `load_balancing_loss_func` of that layer's router logits;
+- the loss (cross-entropy + coefficient × each layer's balancing loss) and the gradient of every parameter equal
+  PyTorch autograd's (relative ≤ 1e-5 per parameter);
+- from-hf → to-hf gives back every tensor exactly, and transformers loads it with the same logits;
+- what Mixtral cannot hold or jaxseq cannot compute is refused in one line.
+transformers' own `aux_loss` pools every layer's router logits into one balancing loss (the counts and probabilities
+summed over layers before their product); jaxseq's, as Megatron-LM's, adds each layer's: equal for one layer, and
+each layer's is compared here. Without torch/transformers these tests fail (an import error), never skip."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+    import torch
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+except ImportError as e:  # the outside reference: fail, never skip
+    raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
+from safetensors.numpy import load_file  # noqa: E402
+
+from jaxseq import convert  # noqa: E402
+from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, preset, replace  # noqa: E402
+from jaxseq.interop import hf_mixtral  # noqa: E402
+from jaxseq.models import experts, model, moe  # noqa: E402
+from jaxseq.sharding import Sharder  # noqa: E402
+from jaxseq.training import conversion  # noqa: E402
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, EXPERTS, TOP_K, SEQ = 300, 64, 4, 2, 48, 2, 4, 2, 32
+COEF = 0.02
+TOLERANCE = 1e-5
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ + 1)).astype(np.int32)
+
+
+def mixtral(seed: int = 0):
+    """A random float32 MixtralForCausalLM whose norms are not all ones."""
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                        num_key_value_heads=KV_HEADS, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                                        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                        max_position_embeddings=SEQ, rms_norm_eps=1e-5, router_aux_loss_coef=COEF,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=None)  # no padding row
+    hf_model = transformers.MixtralForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    hf = mixtral()
+    path = tmp_path_factory.mktemp("hf") / "mixtral"
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, str(path)
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_model):
+    """(cfg, params) as converted, the vocabulary rows padded (as a run holds them)."""
+    cfg, params = conversion.load_hf(hf_model[1])
+    rows = cfg.padded_vocab(1)
+    for group, name in (("embed", "token"), ("lm_head", "kernel")):
+        leaf = params[group][name]
+        params[group][name] = np.concatenate([leaf, np.zeros((rows - len(leaf), HIDDEN), leaf.dtype)])
+    return cfg, params
+
+
+def test_the_converted_config_is_mixtrals(loaded):
+    cfg = loaded[0]
+    assert (cfg.family, cfg.moe_experts, cfg.moe_top_k, cfg.mlp_hidden, cfg.moe_capacity_factor, cfg.moe_norm_topk,
+            cfg.moe_aux_loss_coef, cfg.num_kv_heads) == ("moe", EXPERTS, TOP_K, FFN, None, True, COEF, KV_HEADS)
+
+
+def test_logits_and_each_layers_balancing_loss_match_transformers(hf_model, loaded):
+    cfg, params = loaded
+    inputs = TOKENS[:, :-1]
+    with torch.no_grad():
+        out = hf_model[0](torch.tensor(inputs, dtype=torch.long), output_router_logits=True)
+    logits = conversion.logits(params, inputs, cfg)
+    np.testing.assert_allclose(logits, out.logits.numpy(), rtol=0, atol=TOLERANCE * np.abs(out.logits.numpy()).max())
+    router = np.asarray(moe.routing(params, jnp.asarray(inputs), cfg)).reshape(LAYERS, -1, EXPERTS)
+    for layer in range(LAYERS):
+        np.testing.assert_allclose(router[layer], out.router_logits[layer].numpy(), rtol=0, atol=1e-5)
+        probs, choices, _ = experts.route(jnp.asarray(router[layer]), cfg)
+        ours = experts.load_balancing_loss(probs.sum(0), experts.assignments(choices, EXPERTS), router.shape[1],
+                                           EXPERTS)
+        theirs = load_balancing_loss_func((out.router_logits[layer],), EXPERTS, TOP_K).item()
+        assert abs(float(ours) - theirs) <= TOLERANCE * theirs, (layer, float(ours), theirs)
+
+
+def torch_grads_in_jaxseq_layout(grads: dict, padded_vocab: int) -> dict:
+    """Torch gradients ([out, in] weights; transformers 5 holds the experts fused: gate_up_proj [E, 2f, h],
+    down_proj [E, h, f]) in jaxseq's moe tree, vocabulary rows padded with zeros."""
+    h, a, k, d, f = HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN
+    pad = lambda g: np.concatenate([g, np.zeros((padded_vocab - VOCAB, h), g.dtype)])
+
+    def stack(fn):
+        return np.stack([fn(lambda name: grads[f"model.layers.{i}.{name}"]) for i in range(LAYERS)])
+
+    return {
+        "embed": {"token": pad(grads["model.embed_tokens.weight"])},
+        "layers": {
+            "attn_norm": {"scale": stack(lambda g: g("input_layernorm.weight"))},
+            "attn": {"q": {"kernel": stack(lambda g: g("self_attn.q_proj.weight").T.reshape(h, a, d))},
+                     "kv": {"kernel": stack(lambda g: np.stack([g("self_attn.k_proj.weight").T.reshape(h, k, d),
+                                                                g("self_attn.v_proj.weight").T.reshape(h, k, d)], 1))},
+                     "out": {"kernel": stack(lambda g: g("self_attn.o_proj.weight").T.reshape(a, d, h))}},
+            "mlp_norm": {"scale": stack(lambda g: g("post_attention_layernorm.weight"))},
+            "router": {"kernel": stack(lambda g: g("mlp.gate.weight").T)},
+            "experts": {"wi": {"kernel": stack(lambda g: g("mlp.experts.gate_up_proj").reshape(EXPERTS, 2, f, h)
+                                               .transpose(0, 3, 1, 2))},
+                        "wo": {"kernel": stack(lambda g: g("mlp.experts.down_proj").transpose(0, 2, 1))}},
+        },
+        "final_norm": {"scale": grads["model.norm.weight"]},
+        "lm_head": {"kernel": pad(grads["lm_head.weight"])},
+    }
+
+
+@pytest.mark.slow  # the loss and gradients compiled on both sides (the logits stay in the fast tier)
+def test_loss_and_every_gradient_match_pytorch(hf_model, loaded):
+    """PyTorch's loss: the mean cross-entropy + COEF × the sum over layers of each layer's balancing loss
+    (transformers' function of that layer's router logits); jaxseq's loss_fn adds the same through its gradient."""
+    cfg, params = loaded
+    hf = hf_model[0]
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    hf.zero_grad()
+    out = hf(torch.tensor(inputs, dtype=torch.long), output_router_logits=True)
+    cross_entropy = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB),
+                                                      torch.tensor(targets, dtype=torch.long).reshape(-1))
+    balance = sum(load_balancing_loss_func((r,), EXPERTS, TOP_K) for r in out.router_logits)
+    (cross_entropy + COEF * balance).backward()
+    ref = torch_grads_in_jaxseq_layout({n: p.grad.numpy().copy() for n, p in hf.named_parameters()},
+                                       cfg.padded_vocab(1))
+
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    loss, grads = jax.value_and_grad(lambda p: model.loss_fn(p, batch, cfg, Sharder(None), "none"))(params)
+    assert abs(float(loss) - cross_entropy.item()) <= TOLERANCE * cross_entropy.item()  # the loss reported: CE
+    assert jax.tree.structure(ref) == jax.tree.structure(grads)  # every jaxseq parameter is compared
+    for (where, want), got in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(grads)):
+        name, got = jax.tree_util.keystr(where), np.asarray(got)
+        assert got.shape == want.shape and np.linalg.norm(want) > 0, (name, got.shape, want.shape)
+        error = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert error <= TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
+def test_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path):
+    converted, back = str(tmp_path / "converted"), str(tmp_path / "back")
+    assert convert.main(["from-hf", hf_model[1], converted]) == 0
+    assert convert.main(["to-hf", converted, back]) == 0
+    src, dst = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_model[1], back))
+    assert list(dst) == list(src)
+    for name, t in src.items():
+        assert dst[name].dtype == t.dtype and np.array_equal(dst[name], t), name
+    again = transformers.MixtralForCausalLM.from_pretrained(back).eval()
+    with torch.no_grad():
+        tokens = torch.tensor(TOKENS, dtype=torch.long)
+        np.testing.assert_array_equal(again(tokens).logits.numpy(), hf_model[0](tokens).logits.numpy())
+
+
+def test_a_mixture_trained_in_jaxseq_gets_a_config_that_reads_back_as_itself():
+    cfg = preset("tiny-moe")
+    back = hf_mixtral.model_config(json.loads(json.dumps(hf_mixtral.hf_config(cfg))))
+    assert {f: getattr(back, f) for f in ARCHITECTURE_FIELDS} == {f: getattr(cfg, f) for f in ARCHITECTURE_FIELDS}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported by jaxseq"),
+    ({"sliding_window": 4096}, "sliding_window=4096 (only null) is not supported"),
+])
+def test_what_jaxseq_cannot_compute_is_refused_in_one_line(hf_model, changes, message):
+    config = {**json.load(open(os.path.join(hf_model[1], "config.json"))), **changes}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        hf_mixtral.model_config(config)
+    assert "\n" not in str(e.value)
+
+
+def test_what_mixtral_cannot_hold_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="moe_shared_experts=1: Mixtral has no shared experts"):
+        hf_mixtral.hf_config(replace(preset("tiny-moe"), moe_shared_experts=1))
