@@ -42,7 +42,8 @@ def largest_arrays(text: str, count: int = 3) -> list[tuple[str, tuple[int, ...]
     from jaxseq.planning import hlo
 
     found = {(dt, dims) for instrs in hlo.parse_hlo(text).values() for ins in instrs for dt, dims in ins.arrays()}
-    return sorted(((dt, dims, hlo.array_bytes(dt, dims)) for dt, dims in found), key=lambda a: (-a[2], a[0], a[1]))[:count]
+    return sorted(((dt, dims, hlo.array_bytes(dt, dims)) for dt, dims in found),
+                  key=lambda a: (-a[2], a[0], a[1]))[:count]
 
 
 def gemm_lines(text: str, op: str) -> list[str]:

@@ -315,11 +315,14 @@ def issue(args) -> dict:
                                                  ("tokens_per_sec", "tflops_per_device", "median_device_s",
                                                   "median_host_s", "host_share", "cpu_s_per_step")}
         if args.baseline:
-            ratio = out["medians"][f"new/{dtype}"]["tokens_per_sec"] / out["medians"][f"baseline/{dtype}"]["tokens_per_sec"]
+            ratio = (out["medians"][f"new/{dtype}"]["tokens_per_sec"]
+                     / out["medians"][f"baseline/{dtype}"]["tokens_per_sec"])
             out["medians"][f"speedup/{dtype}"] = ratio
-            cpu = out["medians"][f"baseline/{dtype}"]["cpu_s_per_step"] / out["medians"][f"new/{dtype}"]["cpu_s_per_step"]
+            cpu = (out["medians"][f"baseline/{dtype}"]["cpu_s_per_step"]
+                   / out["medians"][f"new/{dtype}"]["cpu_s_per_step"])
             out["medians"][f"cpu_speedup/{dtype}"] = cpu
-            print(f"{dtype}: new / baseline tokens/s (medians) = {ratio:.3f}; baseline / new CPU s per step = {cpu:.3f}")
+            print(f"{dtype}: new / baseline tokens/s (medians) = {ratio:.3f}; "
+                  f"baseline / new CPU s per step = {cpu:.3f}")
     return out
 
 
@@ -474,7 +477,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    labels = [f"{r['dtype'][:4]} {r['remat'][:4]}\n{r['mesh'].replace('data=', 'd').replace(',tensor=', 't')} {r['attention'][:4]}"
+    labels = [f"{r['dtype'][:4]} {r['remat'][:4]}\n"
+              f"{r['mesh'].replace('data=', 'd').replace(',tensor=', 't')} {r['attention'][:4]}"
               for r in runs]
     device = [r["median_device_s"] * 1e3 for r in runs]
     host = [r["median_host_s"] * 1e3 for r in runs]
@@ -500,7 +504,8 @@ def plot(result: dict, path: Path) -> None:
 
 def _shares(r: dict) -> str:
     shares = r.get("profile", {}).get("thread_time_share", {})
-    return " / ".join(f"{shares.get(k, 0) * 100:.0f}" for k in ("collective", "matmul", "convert", "copy/transpose", "other"))
+    return " / ".join(f"{shares.get(k, 0) * 100:.0f}"
+                      for k in ("collective", "matmul", "convert", "copy/transpose", "other"))
 
 
 def report(args) -> dict:
@@ -510,9 +515,10 @@ def report(args) -> dict:
     head = ("| tokens/s | GFLOP/s per device (model) | step, ms | device, ms | host, ms | host share | CPU s per step "
             "| thread time: collective / matmul / convert / copy / other, % | load |")
     rule = "| " + " | ".join(["---"] * 9) + " |"
-    row = lambda r: (f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device'] * 1e3:.2f} | {r['median_period_s'] * 1e3:.0f} | "
-                     f"{r['median_device_s'] * 1e3:.0f} | {r['median_host_s'] * 1e3:.1f} | {r['host_share'] * 100:.1f}% | "
-                     f"{r['cpu_s_per_step']:.3f} | {_shares(r) if 'profile' in r else ''} | {r['load_average'][0]:.1f} |")
+    row = lambda r: (f"{r['tokens_per_sec']:.0f} | {r['tflops_per_device'] * 1e3:.2f} | "
+                     f"{r['median_period_s'] * 1e3:.0f} | {r['median_device_s'] * 1e3:.0f} | "
+                     f"{r['median_host_s'] * 1e3:.1f} | {r['host_share'] * 100:.1f}% | {r['cpu_s_per_step']:.3f} | "
+                     f"{_shares(r) if 'profile' in r else ''} | {r['load_average'][0]:.1f} |")
     if issue_path.exists():
         res = json.loads(issue_path.read_text())
         lines += ["## Issue 15's configuration, interleaved runs", "", f"`{res['command']}`", "",
@@ -521,7 +527,8 @@ def report(args) -> dict:
         lines += ["", "| medians | tokens/s | CPU s per step | host share |", "| --- | --- | --- | --- |"]
         for k, m in res["medians"].items():
             if isinstance(m, dict):
-                lines.append(f"| {k} | {m['tokens_per_sec']:.0f} | {m['cpu_s_per_step']:.3f} | {m['host_share'] * 100:.1f}% |")
+                lines.append(f"| {k} | {m['tokens_per_sec']:.0f} | {m['cpu_s_per_step']:.3f} | "
+                             f"{m['host_share'] * 100:.1f}% |")
         for k, m in res["medians"].items():
             if not isinstance(m, dict):
                 lines.append(f"\n{k}: **{m:.3f}**")

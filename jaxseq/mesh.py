@@ -73,7 +73,8 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
                           f"{len(devices)}")
     # Without context parallelism the mesh has no `context` axis at all: XLA:CPU (jax 0.10.2) fails to compile
     # a bf16 step with gradient accumulation on a mesh holding a size-1 `context` axis ("Invalid binary
-    # instruction opcode copy"), and nothing names the axis then (`logical_rules`, the regions of `parallel.data_parallel.region_axes`).
+    # instruction opcode copy"), and nothing names the axis then (`logical_rules`, the regions of
+    # `parallel.data_parallel.region_axes`).
     # The same for a size-1 `fsdp` and `expert`: a mesh holds them only where they split something.
     sizes = axis_sizes(parallel)
     names = tuple(name for name in MESH_AXES if name not in ("fsdp", "expert", "context") or sizes[name] > 1)

@@ -216,7 +216,8 @@ class Sharder:
             return jnp.take(table, tokens, axis=0)
         return jax.shard_map(
             partial(vocab_parallel_lookup, sequence_parallel=self.sequence_parallel), mesh=self.mesh,
-            in_specs=(self.spec("vocab", None), self.spec("batch", "seq")), out_specs=self.spec("batch", "seq_sp", None),
+            in_specs=(self.spec("vocab", None), self.spec("batch", "seq")),
+            out_specs=self.spec("batch", "seq_sp", None),
         )(table, tokens)
 
 

@@ -150,7 +150,8 @@ def test_fused_attention_asks_for_the_configured_kernel(monkeypatch):
     from jaxseq.models import cudnn_attention
 
     asked = []
-    monkeypatch.setattr(ops.jax.nn, "dot_product_attention", lambda *a, **kw: asked.append(kw["implementation"]) or a[0])
+    monkeypatch.setattr(ops.jax.nn, "dot_product_attention",
+                        lambda *a, **kw: asked.append(kw["implementation"]) or a[0])
     monkeypatch.setattr(ops, "cudnn_attention", lambda q, k, v, shard, tag: asked.append("jaxseq's VJP") or q)
     q = jnp.zeros((1, 4, 2, 8))
     for kernel in ("cudnn", "xla"):
@@ -198,7 +199,8 @@ def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):
 
     bf16 = replace(preset("tiny"), attention="fused", dtype="bfloat16")
     for parallel, cudnn in ((ParallelConfig(tensor=8, sequence_parallel=True), True), (ParallelConfig(data=2), True),
-                            (ParallelConfig(pipe=2), True), (ParallelConfig(fsdp=2), True), (ParallelConfig(context=2), False),
+                            (ParallelConfig(pipe=2), True), (ParallelConfig(fsdp=2), True),
+                            (ParallelConfig(context=2), False),
                             (ParallelConfig(context=2, context_strategy="ring"), True)):
         assert cudnn_compiles(parallel) == cudnn
         assert on_platform(bf16, "gpu", parallel).fused_kernel == ("cudnn" if cudnn else "xla"), parallel

@@ -122,11 +122,11 @@ def test_the_rings_products_take_bf16_and_accumulate_in_float32(gpt_reference):
 def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, monkeypatch):
     """A ring block's query rows run `context.QUERY_TILE` at a time (a scan), so one tile's float32 scores are
     alive, not the block's (s/2c)². Tiled (4 tiles of 4 rows at s = 64, c = 2, or 2 of 8) the ring equals
-    context 1, dropout included; at s = 2048 (blocks of 512², 8 MiB of scores each) tiles of 128 rows take the step's transient from
-    63.7 MiB to 19.4 MiB on XLA:CPU (jax 0.10; on the H100's program at s = 16384 tiles of 1024 rows take it from
-    4,652 to 497 MiB), and with dropout from 112.2 to 26.2 MiB. The dropout counters and the causal mask are the same
-    in every layer, and JAX's partial evaluation of the layer scan had moved them out of it, made for every tile of a
-    block at once (stacked [tiles, …] arrays): with dropout the tiled step held 112.5 MiB (171.2 untiled); they are
+    context 1, dropout included; at s = 2048 (blocks of 512², 8 MiB of scores each) tiles of 128 rows take the step's
+    transient from 63.7 MiB to 19.4 MiB on XLA:CPU (jax 0.10; on the H100's program at s = 16384 tiles of 1024 rows take
+    it from 4,652 to 497 MiB), and with dropout from 112.2 to 26.2 MiB. The dropout counters and the causal mask are the
+    same in every layer, and JAX's partial evaluation of the layer scan had moved them out of it, made for every tile of
+    a block at once (stacked [tiles, …] arrays): with dropout the tiled step held 112.5 MiB (171.2 untiled); they are
     made in the loop now (`ops.bernoulli_at`, `_Blocks.scores`)."""
     from jaxseq.parallel import context as CTX
 
@@ -140,7 +140,8 @@ def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, m
         temp = {}
         for rows in (128, 1 << 20):
             monkeypatch.setattr(CTX, "QUERY_TILE", rows)
-            temp[rows] = aot.compile_loss_and_grad(cfg, parallel, "selective", mesh, 1).memory_analysis().temp_size_in_bytes
+            temp[rows] = aot.compile_loss_and_grad(
+                cfg, parallel, "selective", mesh, 1).memory_analysis().temp_size_in_bytes
         block_scores = cfg.heads * 512 * 512 * 4
         assert temp[128] < temp[1 << 20] - 4 * block_scores and temp[128] < 4 * block_scores, (dropout, temp)
 
@@ -182,7 +183,8 @@ def test_gradient_accumulation_equals_context_1(strategy, accumulated_reference)
 
 @pytest.mark.parametrize("schedule,virtual,strategy", [  # the fast tier keeps 1F1B with all-gather (9 s)
     ("1f1b", 1, "all-gather"), pytest.param("interleaved", 2, "all-gather", marks=pytest.mark.slow),
-    pytest.param("interleaved", 2, "ring", marks=pytest.mark.slow), pytest.param("zb-h1", 1, "ring", marks=pytest.mark.slow)])
+    pytest.param("interleaved", 2, "ring", marks=pytest.mark.slow),
+    pytest.param("zb-h1", 1, "ring", marks=pytest.mark.slow)])
 def test_a_pipelined_run_equals_context_1(schedule, virtual, strategy, accumulated_reference):
     """pipe=2 × context=2 × tensor=2 + SP, dropout on, both strategies: the executor's region is manual over
     context too, each stage passing one context rank's activations to the next. The ring's sends run inside
@@ -339,7 +341,8 @@ def test_stored_bytes_divide_by_context(compiled):
 
 def _shards(shape, spec, sizes) -> tuple[int, ...]:
     """A tensor's per-device shape under `spec` (entries naming one axis or several)."""
-    return tuple(n // int(np.prod([sizes[a] for a in entry_axes(e)])) for n, e in zip(shape, [*spec, *[None] * len(shape)]))
+    return tuple(n // int(np.prod([sizes[a] for a in entry_axes(e)]))
+                 for n, e in zip(shape, [*spec, *[None] * len(shape)]))
 
 
 def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_shards():
@@ -365,7 +368,8 @@ def test_accumulation_reduces_gradients_over_data_and_context_once_onto_their_sh
     assert not [r.op_name for r in reductions if r.in_loop and (r.groups is None or any(
         spans(g, "data") or spans(g, "context") for g in r.groups))]
     data_context = _groups(mesh, "data", "context")
-    after = [r for r in reductions if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
+    after = [r for r in reductions
+             if not r.in_loop and r.groups and {tuple(sorted(g)) for g in r.groups} == data_context]
     sizes = {"data": 2, "context": 2, "tensor": 2}
     specs = jax.tree.leaves(layout.master_specs, is_leaf=lambda x: isinstance(x, P))
     shapes = jax.tree.leaves(M.param_shapes(cfg, parallel.tensor), is_leaf=lambda x: isinstance(x, tuple))
@@ -461,7 +465,8 @@ def test_parse_mesh_with_context():
     (replace(GPT, seq_len=40), ParallelConfig(context=2, tensor=4, sequence_parallel=True),
      "seq_len=40 is not divisible by 2·context·tensor = 16"),
     (GPT, ParallelConfig(context=2, context_strategy="ulysses"), "context_strategy='ulysses' is not valid"),
-    (GPT, ParallelConfig(data=2, context=2, tensor=4), "data×context×tensor = 2×2×4 = 16 does not equal the device count 8"),
+    (GPT, ParallelConfig(data=2, context=2, tensor=4),
+     "data×context×tensor = 2×2×4 = 16 does not equal the device count 8"),
     (GPT, ParallelConfig(context=0), "context=0 must be a positive integer"),
 ])
 def test_bad_input_is_one_line(model, parallel, message):

@@ -64,7 +64,8 @@ def test_no_device_value_is_read_between_log_boundaries(tmp_path, devices, monke
     monkeypatch.setattr(ArrayImpl, "_value", property(lambda self: events.append("read") or original_value.fget(self)))
     fetched = []
     real_fetch = loop.fetch_metrics
-    monkeypatch.setattr(loop, "fetch_metrics", lambda pending: fetched.append([s for s, _ in pending]) or real_fetch(pending))
+    monkeypatch.setattr(loop, "fetch_metrics",
+                        lambda pending: fetched.append([s for s, _ in pending]) or real_fetch(pending))
 
     assert loop.train(*_run(tmp_path, steps=6, log_every=3, checkpoint_every=10_000)) == 0
     first = events.index("step")
@@ -154,7 +155,8 @@ def test_the_last_step_is_evaluated_once_and_its_loss_reported(tmp_path, devices
     character set, 0x1b, 0x00, a lone 0xff) are U+FFFD, newlines and tabs stay."""
     evaluated = []
     real_evaluate, real_sample = loop.Session.evaluate, loop.sample
-    monkeypatch.setattr(loop.Session, "evaluate", lambda self, params: evaluated.append(1) or real_evaluate(self, params))
+    monkeypatch.setattr(loop.Session, "evaluate",
+                        lambda self, params: evaluated.append(1) or real_evaluate(self, params))
     drawn = [0x0E, ord("a"), 0x1B, 0x00, 0xFF, ord("\t"), ord("\n"), ord("b")]
     monkeypatch.setattr(loop, "sample", lambda *args, **kwargs: real_sample(*args, **kwargs) and drawn)
     assert loop.train(*_run(tmp_path, steps=4, log_every=2, checkpoint_every=10_000, eval_every=2)) == 0
@@ -264,7 +266,8 @@ def test_every_record_times_its_own_steps(tmp_path, devices, monkeypatch):
     was. A record written one step late (log-only steps are) once took its time from when it was written: after
     a dispatch that returned only once its step ran (XLA:CPU's may), that is the next step's end, and the last
     record got the remainder, ~0 s: 51,467 tokens/s where every other said ~15,000 (68× in a gpt2-124m run).
-    Here every dispatch runs its step and then 0.3 s more, so each step takes 0.3 s or more and every record about the same."""
+    Here every dispatch runs its step and then 0.3 s more, so each step takes 0.3 s or more and every record
+    about the same."""
     real_compile = loop.compile_step
 
     def synchronous(session, state, position):

@@ -23,7 +23,8 @@ from jaxseq.interop.hf import (Leaf, Tensor, Weights, as_tensors, check_params, 
 
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_positions"}
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_positions"}
 # Older conversions saved RoPE's inverse frequencies as a buffer: kept verbatim, never used.
 BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
 

@@ -37,7 +37,8 @@ PARAMS = {
         },
         "ln2": {"scale": norm_scale(layers=True), "bias": norm_bias(layers=True)},
         "mlp": {
-            "wi": {"kernel": kernel(("L", "h", "f"), ("layers", "embed", "mlp")), "bias": bias(("L", "f"), ("layers", "mlp"))},
+            "wi": {"kernel": kernel(("L", "h", "f"), ("layers", "embed", "mlp")),
+                   "bias": bias(("L", "f"), ("layers", "mlp"))},
             "wo": {"kernel": kernel(("L", "f", "h"), ("layers", "mlp", "embed"), "residual"),
                    "bias": bias(("L", "h"), ("layers", None))},
         },
@@ -112,7 +113,8 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     x = checkpoint_name(shard(x, "batch", "seq_sp", None), remat.DECODER_LAYER_INPUT)
 
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
-    y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), remat.QKV_INPUT)
+    y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None),
+                        remat.QKV_INPUT)
     qkv = shard.column_parallel(_linear("bsh,hcad->bscad", cfg), y, {"kernel": p["attn"]["qkv"]["kernel"]},
                                 {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", "seq", None, "heads", None))
     qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
@@ -128,7 +130,8 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     x = checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
 
     # MLP: LN, all-gather, column-parallel up, GELU, row-parallel down.
-    y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None), remat.MLPWI_INPUT)
+    y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None),
+                        remat.MLPWI_INPUT)
     hid = shard.column_parallel(_linear("bsh,hf->bsf", cfg), y, {"kernel": p["mlp"]["wi"]["kernel"]},
                                 {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", "seq", "mlp"))
     hid = add_bias(hid, p["mlp"]["wi"]["bias"])

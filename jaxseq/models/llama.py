@@ -131,7 +131,8 @@ def attention_half(x, p, k_attn, k_resid1, cfg: ModelConfig, shard: Sharder):
     x = checkpoint_name(shard(x, "batch", "seq_sp", None), remat.DECODER_LAYER_INPUT)
 
     # Attention: RMSNorm on the (sequence-sharded) stream, all-gather, column-parallel Q and K/V (one gather).
-    y = checkpoint_name(shard(rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), remat.QKV_INPUT)
+    y = checkpoint_name(shard(rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None),
+                        remat.QKV_INPUT)
     w = {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}
     q, kv = shard.column_parallel(lambda y, w: _project_qkv(y, w, cfg), y, w,
                                   {"q": (None, "heads", None), "kv": (None, None, "heads", None)},
@@ -150,7 +151,8 @@ def attention_half(x, p, k_attn, k_resid1, cfg: ModelConfig, shard: Sharder):
 
 def _mlp_half(x, p, k_resid2, order, cfg: ModelConfig, shard: Sharder):
     # MLP: RMSNorm, all-gather, column-parallel gate and up (one matmul), SwiGLU, row-parallel down.
-    y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None), remat.MLPWI_INPUT)
+    y = checkpoint_name(shard(rms_norm(x, p["mlp_norm"]["scale"], cfg.ln_eps), "batch", "seq_sp", None),
+                        remat.MLPWI_INPUT)
     out = swiglu_mlp(y, p["mlp"], cfg, shard)
     x = x + dropout(out, cfg.dropout, k_resid2, remat.MLP_DROPOUT_MASK, order, shard=shard)
     return shard(x, "batch", "seq_sp", None)
@@ -189,7 +191,8 @@ def decode_layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend
 def decode_attention(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend):
     """`decode_layer`'s first half, x + attention (the mixture-of-experts family's too), and the cache."""
     y = rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps)
-    q, kv = _project_qkv(y, {"q": p["attn"]["q"]["kernel"], "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}, cfg)
+    q, kv = _project_qkv(y, {"q": p["attn"]["q"]["kernel"],
+                             "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}, cfg)
     positions = start + jnp.arange(x.shape[1])
     q = shard(rope(q, positions, cfg), "batch", None, "heads", None)
     k = shard(rope(kv[:, :, 0], positions, cfg), "batch", None, "heads", None)

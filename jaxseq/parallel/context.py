@@ -110,7 +110,8 @@ def _gather_in_region(x, shard: Sharder):
     axis, then): left with `tensor` automatic, XLA:CPU aborted compiling the bfloat16 reduce-scatter ("Invalid
     binary instruction opcode copy", its all-reduce promotion)."""
     spec = shard.spec("batch", None, "heads", None)
-    nested = partial(jax.shard_map, mesh=shard.map_mesh, in_specs=spec, out_specs=spec, axis_names=set(shard.manual_axes))
+    nested = partial(jax.shard_map, mesh=shard.map_mesh, in_specs=spec, out_specs=spec,
+                     axis_names=set(shard.manual_axes))
     gather = nested(lambda y: jax.lax.all_gather(y, "context", axis=1, tiled=True))
     scatter = nested(lambda g: jax.lax.psum_scatter(g, "context", scatter_dimension=1, tiled=True))
 
@@ -342,7 +343,8 @@ def _forward_block(blk: _Blocks, qh, kh, vh, rel, q_pos, k_pos, q_segments=None,
         probs = jnp.exp(scores - (_finite(lse) if blk.documents else lse)[..., None])
         if blk.rate:
             probs = probs * blk.kept(pos, k_pos)
-        return None, (jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(vh.dtype), vh, preferred_element_type=jnp.float32), lse)
+        return None, (jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(vh.dtype), vh,
+                                 preferred_element_type=jnp.float32), lse)
 
     rows0 = jnp.arange(blk.tiles) * blk.rows
     segs = None if q_segments is None else blk.by_tiles(q_segments)
@@ -439,7 +441,8 @@ def _ring_backward(q, k, v, out, lse, g, key_data, segments=None, *, chunks, sca
     c, plan = len(chunks), ring_plan(chunks)
     qh, gh = blk.halves(q, (blk.kv, blk.g)), blk.halves(g.astype(q.dtype), (blk.kv, blk.g))
     lse = jnp.moveaxis(lse.reshape(blk.b, blk.kv, blk.g, 2, blk.n), 3, 1)  # [b, 2, kv, g, n]
-    delta = jnp.sum(gh.astype(jnp.float32) * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32), axis=-1)  # rowsum(dO·O)
+    delta = jnp.sum(gh.astype(jnp.float32) * blk.halves(out, (blk.kv, blk.g)).astype(jnp.float32),
+                    axis=-1)  # rowsum(dO·O)
     delta = jnp.moveaxis(delta, 2, -1)  # [b, 2, kv, g, n]
     dq = _varying(jnp.zeros(qh.shape, jnp.float32), q, k, g)
     zeros = _varying(jnp.zeros((blk.b, 2, blk.n, blk.kv, blk.d), jnp.float32), q, k, g)

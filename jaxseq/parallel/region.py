@@ -145,7 +145,8 @@ class StageSharder(Sharder):
         if self.mesh is None:
             return jnp.take(table, tokens, axis=0)
         nested = partial(jax.shard_map, mesh=jax.sharding.get_abstract_mesh(), axis_names=self.manual_axes)
-        t_spec, id_spec, x_spec = self.spec("vocab", None), self.spec("batch", "seq"), self.spec("batch", "seq_sp", None)
+        t_spec, id_spec, x_spec = (self.spec("vocab", None), self.spec("batch", "seq"),
+                                   self.spec("batch", "seq_sp", None))
         sp = self.sequence_parallel
 
         def forward(table, tokens):

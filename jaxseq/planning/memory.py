@@ -81,7 +81,8 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
     for part, specs in layout.master_specs.items():
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
         shapes = jax.tree.leaves(layout.param_shapes[part], is_leaf=lambda x: isinstance(x, tuple))
-        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(model.cast_mask(cfg)[part])):
+        for shape, spec, cast in zip(shapes, jax.tree.leaves(specs, is_leaf=is_spec),
+                                     jax.tree.leaves(model.cast_mask(cfg)[part])):
             # a layer's dimension 0 is split over `pipe` into the stages' layers, which `cfg` already holds (at
             # pipe = 1 the distributed optimizer may put `data` there: that split counts)
             axes = [a for i, entry in enumerate(spec) for a in entry_axes(entry)
@@ -193,7 +194,8 @@ def activation_bytes(stored_bytes_per_layer: float, in_flight_layers: float, non
     return stored_bytes_per_layer * in_flight_layers + non_layer_bytes
 
 
-def peak_bytes(state: float, activations: float, working: float, accumulator: float = 0, after_loop: float = 0) -> float:
+def peak_bytes(state: float, activations: float, working: float, accumulator: float = 0,
+               after_loop: float = 0) -> float:
     """The train step's peak per device (the first pipeline stage): in the backward layer loop, the state's share of
     it (`State.at_peak`) + stored activations + the step's working memory, + the fp32 gradient accumulator of an
     unpipelined step over m > 1 micro-batches (the search's; the plan compiles one micro-batch per step); or after

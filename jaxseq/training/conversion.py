@@ -1,5 +1,5 @@
-"""Hugging Face weights in and out (GPT-2, Llama and Mixtral), the Python API behind `python -m jaxseq.convert`: `from_hf`,
-`to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
+"""Hugging Face weights in and out (GPT-2, Llama and Mixtral), the Python API behind `python -m jaxseq.convert`:
+`from_hf`, `to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
 
 config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama,
 interop/hf_mixtral.py for mixtral);
