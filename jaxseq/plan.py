@@ -42,6 +42,13 @@ VERIFIED_WITH_TARGET = 3  # `--search --target`: the best configurations whose w
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m jaxseq.plan", description=__doc__.splitlines()[0], epilog=SOURCES)
+    _plan_arguments(p)
+    _search_arguments(p)
+    return p
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the layout and the compile: what one plan is of."""
     p.add_argument("--preset", default="gpt3-175b", help="model preset (default gpt3-175b)")
     p.add_argument("--tensor", type=int, default=8, help="tensor-parallel size t (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch b (default 1)")
@@ -91,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="packed documents that do not attend to each other (train --document-mask): every program "
                         "compiled with the mask; the plan notes its segment ids, masks and the ring blocks it can skip")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+    """--search: the cluster, what to try, the time model's efficiencies, the cost."""
     g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
                              "for a cluster (jaxseq/planning/search_memory.py and search_time.py state the memory "
                              "and time models)")
@@ -153,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured error band (planning/cost.py)")
     g.add_argument("--price-per-gpu-hour", type=float, default=None,
                    help="dollars one GPU costs an hour (with --tokens)")
-    return p
-
 
 def resolve(args) -> ModelConfig:
     cfg = replace(preset(args.preset), attention=args.attention, dtype=args.dtype, layer_loop=args.layer_loop)
