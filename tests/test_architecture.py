@@ -28,6 +28,7 @@ ALLOWED = {
     # base: configuration, the mesh and its sharding rules, the remat policies, the command-line edge, GPU specs
     "config": {"remat"},
     "remat": set(),
+    "offload": {"remat"},  # host memory as a tier for what a remat policy stores
     "mesh": {"config"},
     "sharding": {"deferred", "mesh"},
     "deferred": {"remat"},  # zb-h1's weights whose gradient waits: read by ops.matmul and column_parallel
@@ -35,7 +36,7 @@ ALLOWED = {
     "hardware": set(),
     # the models: the one door (model), the families behind it, their shared ops and parameter declarations,
     # the CPU matmul form an edge may choose, and the paper's formulas
-    "models.model": {"config", "mesh", "models.gpt", "models.llama", "models.ops", "models.params", "remat",
+    "models.model": {"config", "mesh", "models.gpt", "models.llama", "models.ops", "models.params", "offload", "remat",
                      "sharding"},
     "models.gpt": {"config", "models.ops", "models.params", "remat", "sharding"},
     "models.llama": {"config", "models.ops", "models.params", "remat", "sharding"},
@@ -76,7 +77,7 @@ ALLOWED = {
     "training.metrics": {"config", "hardware", "models.formulas"},
     "training.sampling": {"config", "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
                           "training.data"},
-    "training.loop": {"config", "mesh", "models.model", "parallel.data_parallel", "parallel.distributed",
+    "training.loop": {"config", "mesh", "models.model", "offload", "parallel.data_parallel", "parallel.distributed",
                       "parallel.layout", "parallel.pipeline", "parallel.schedule", "training.aot",
                       "training.checkpoint", "training.data", "training.metrics", "training.rundir",
                       "training.sampling", "training.train_step"},
@@ -119,7 +120,8 @@ ALLOWED = {
     "planning.search_space": {"config", "hardware", "remat"},
     "planning.search_costs": {"config", "planning.costs", "planning.measure", "planning.memory"},
     # the commands
-    "train": {"cli", "config", "mesh", "parallel.distributed", "remat", "training.data", "training.loop",
+    "train": {"cli", "config", "mesh", "models.model", "offload", "parallel.distributed", "remat", "training.data",
+              "training.loop",
               "training.rundir"},
     "plan": {"cli", "config", "hardware", "planning.autotune", "planning.gpu_target", "planning.memory", "planning.plan",
              "planning.progress",

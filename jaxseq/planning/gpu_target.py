@@ -90,28 +90,30 @@ GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-                 target: str, gemms: str = "triton", options: dict | None = None):
+                 target: str, gemms: str = "triton", options: dict | None = None, offload: tuple[str, ...] = ()):
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
     `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`, its GEMMs
-    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`)."""
+    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`); the
+    stored tensors `offload` names in host memory (jaxseq/offload.py)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
     return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches,
-                                  GEMMS[gemms] if options is None else options)
+                                  GEMMS[gemms] if options is None else options, offload)
 
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-               target: str) -> int:
+               target: str, offload: tuple[str, ...] = ()) -> int:
     """The step's peak bytes per device (argument + output + temp − alias, `aot.step_bytes`): the larger of its
     programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose."""
-    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False)[0]
+    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False, offload=offload)[0]
 
 
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-               target: str, priced: bool = True) -> tuple[int, int | None]:
+               target: str, priced: bool = True, offload: tuple[str, ...] = ()) -> tuple[int, int | None]:
     """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
     move per step (`hlo_kernels.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
     time is priced by."""
-    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g) for g in GEMMS}
+    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
+                for g in GEMMS}
     peak = max(aot.step_bytes(p) for p in programs.values())
     return peak, hlo_kernels.memory_bound_bytes(programs["triton"].as_text()) if priced else None
 

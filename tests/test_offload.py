@@ -1,0 +1,109 @@
+"""Host offload (`--offload NAMES`, `--offload-optimizer`; jaxseq/offload.py) on 8 simulated CPU devices: a request
+is checked once, in one line; the same loss and every gradient with the stored tensors offloaded as without, under
+TP + SP, FSDP with block recompute, the ring context and a 1F1B pipeline (whose stash then waits in host memory);
+the train command with both offloads, resumed, sampled from. Where the bytes go is the GPU program's to say:
+tests/test_gpu_target.py."""
+
+import jax
+import numpy as np
+import pytest
+
+from commands import command
+from jaxseq import offload as O
+from jaxseq import train
+from jaxseq import generate
+from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.mesh import make_mesh
+from jaxseq.models import model as M
+from jaxseq.parallel import pipeline as PL
+from jaxseq.parallel.layout import Layout
+from jaxseq.remat import EVERYTHING, LEAN
+from jaxseq.training import train_step as T
+
+CFG = replace(preset("tiny"), dtype="float32", dropout=0.1)
+
+
+@pytest.mark.parametrize("text, remat, cfg, message", [
+    ("attn_probs", "selective", CFG, "offload='attn_probs' is not a tensor remat='selective' stores here; valid: all"),
+    ("contxt", "lean", CFG, "offload='contxt' is no checkpoint name; valid: all, or any of decoder_layer_input, "
+                            "query_proj, key_proj, value_proj, context, mid_layer_residual, mlpwi"),
+    ("mlp_dropout_mask", "none", replace(CFG, dropout=0.0), "is not a tensor remat='none' stores here"),  # no dropout
+    ("attn_probs", "none", replace(CFG, attention="fused"), "is not a tensor remat='none' stores here"),  # no scores
+    ("mlpwi", "full", CFG, "valid: all, or any of decoder_layer_input"),
+])
+def test_an_offload_the_policy_does_not_store_is_one_line(text, remat, cfg, message):
+    with pytest.raises(ValueError) as e:
+        O.resolve(text, remat, M.tagged_names(cfg))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_all_is_what_each_policy_stores_that_the_model_makes():
+    tagged = M.tagged_names(CFG)
+    assert O.resolve("all", "none", tagged) == EVERYTHING[:6] + EVERYTHING[7:]  # no cuDNN statistics on XLA's
+    assert set(O.resolve("all", "lean", tagged)) == set(LEAN) - {"attn_softmax_stats"}
+    assert O.resolve("all", "full", tagged) == ("decoder_layer_input",)
+    assert O.resolve("all", "full:1+lean", tagged) == O.resolve("all", "lean", tagged)  # both segments' names
+    assert O.resolve("context, mlpwi", "lean", tagged) == ("context", "mlpwi")
+    assert "attn_probs" not in O.resolve("all", "none", M.tagged_names(replace(CFG, attention="fused")))
+
+
+def test_the_train_command_refuses_a_bad_offload_in_one_line():
+    done = command(train.main, "--preset", "tiny", "--remat", "lean", "--offload", "attn_probs", "--steps", "1",
+                   check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: offload='attn_probs' is not a tensor remat='lean' stores here; valid: all, "
+                                   "or any of decoder_layer_input, query_proj, key_proj, value_proj, context, "
+                                   "mid_layer_residual, mlpwi")
+
+
+def _batch():
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (8, CFG.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _loss_and_grads(parallel: ParallelConfig, remat: str, offload: tuple[str, ...], microbatches: int = 1):
+    params = M.init_params(jax.random.key(1), CFG, tensor=parallel.tensor)
+    layout = Layout(CFG, parallel, make_mesh(parallel, jax.devices()[: parallel.num_devices]))
+    fn = (PL.make_loss_and_grad(layout, remat, microbatches, offload) if parallel.pipe > 1 else
+          T.make_loss_and_grad(layout, remat, offload))
+    loss, grads = fn(params, _batch(), jax.random.key(2))
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, remat, text, microbatches", [
+    pytest.param(ParallelConfig(data=2, tensor=4, sequence_parallel=True), "selective", "all", 1, id="tp+sp"),
+    pytest.param(ParallelConfig(fsdp=4, tensor=2, sequence_parallel=True), "full:1+lean", "all", 1,
+                 id="fsdp+block"),
+    pytest.param(ParallelConfig(data=2, context=2, tensor=2, sequence_parallel=True, context_strategy="ring"), "lean",
+                 "context,mlpwi", 1, id="ring"),
+    pytest.param(ParallelConfig(pipe=2, data=2, tensor=2, sequence_parallel=True), "selective", "all", 4, id="1f1b"),
+])
+def test_offloading_computes_the_same_loss_and_gradients(parallel, remat, text, microbatches):
+    """float32, dropout on: loss and every gradient relative ≤ 1e-6 of the same policy without offload."""
+    names = O.resolve(text, remat, M.tagged_names(CFG))
+    assert names
+    (loss, grads), (ref_loss, ref_grads) = (_loss_and_grads(parallel, remat, offload, microbatches)
+                                            for offload in (names, ()))
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+        assert err <= 1e-6, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_a_run_with_both_offloads_resumes_and_samples(tmp_path):
+    """The train command with --offload all --offload-optimizer: its banner says what XLA:CPU does with it, its state
+    is held in host memory (the memory kind on its checkpoint's restore target too), a resume continues it, and
+    `generate` restores its weights."""
+    run = str(tmp_path / "run")
+    args = ("--preset", "tiny", "--steps", "2", "--batch-size", "8", "--log-every", "1", "--eval-every", "2",
+            "--checkpoint-every", "2", "--run-dir", run, "sample_tokens=0")
+    done = command(train.main, *args, "--offload", "all", "--offload-optimizer")
+    assert "XLA:CPU JAX lowers the transfers to nothing" in done.stdout
+    assert "master weights and Adam moments in host memory (pinned_host)" in done.stdout
+    resumed = command(train.main, "--run-dir", run, "--resume", "--steps", "3", "sample_tokens=0")
+    assert "step=3" in resumed.stdout + resumed.stderr
+    assert "offload: decoder_layer_input, norm_stats" in resumed.stdout  # the saved, resolved names
+    sampled = command(generate.main, "--run-dir", run, "--max-tokens", "4")
+    assert sampled.stdout.startswith("# step 3")
