@@ -107,3 +107,77 @@ def test_a_run_with_both_offloads_resumes_and_samples(tmp_path):
     assert "offload: decoder_layer_input, norm_stats" in resumed.stdout  # the saved, resolved names
     sampled = command(generate.main, "--run-dir", run, "--max-tokens", "4")
     assert sampled.stdout.startswith("# step 3")
+
+
+def test_the_search_offers_offloading_where_a_configuration_does_not_fit():
+    """`plan --search --offload all --offload-optimizer` on hand-set costs (tests/test_search.py's): each configuration
+    over the budget under a plain policy gains its variants, composed from its evaluation: device memory less the
+    formula's bytes per layer × the layers in flight (and the masters and moments during the loops), those in host
+    memory, its time plus the PCIe seconds the overlap assumption charges; an offloaded `none` fits where `none` does
+    not, and is ranked by that time."""
+    from test_search import CFG as SEARCH_CFG, NODE, HandCosts, request
+    from jaxseq.planning import host_tier
+    from jaxseq.planning.search import search
+
+    plain = search(SEARCH_CFG, request(hardware=replace(NODE, memory_gib=0.12)), HandCosts(), "hand")
+    r = request(hardware=replace(NODE, memory_gib=0.12), offload=True, offload_optimizer=True)
+    res = search(SEARCH_CFG, r, HandCosts(), "hand")
+    by_label = {e.candidate.label(): e for e in res.ranked}
+    base = {e.candidate.label(): e for e in plain.ranked}
+    offloaded = [e for e in res.ranked if e.candidate.offload]
+    assert offloaded and any(e.candidate.remat == "none" for e in offloaded)
+    assert not any(e.candidate.remat == "none" and e.candidate.pipe == 1 and e.candidate.tensor == 1
+                   for e in plain.ranked)
+    e = next(e for e in offloaded if not e.candidate.offload_optimizer)
+    c = e.candidate
+    names = O.resolve("all", c.remat, M.tagged_names(SEARCH_CFG))
+    per_layer = host_tier.bytes_per_layer(SEARCH_CFG, c.remat, names, c.micro_batch, c.tensor, c.sequence_parallel)
+    assert e.memory.host_bytes == per_layer * e.memory.in_flight_layers > 0
+    assert e.time.pcie_s >= 0 and e.time.total_s == sum(
+        getattr(e.time, f) for f in ("compute_s", "tp_s", "p2p_s", "bubble_s", "dp_s", "context_s", "optimizer_s",
+                                     "fsdp_s", "pcie_s"))
+    assert [x.time.total_s for x in res.ranked] == sorted(x.time.total_s for x in res.ranked)
+    assert set(base) <= set(by_label)  # what fit without offload is still there, unchanged
+
+
+def test_the_plans_offloaded_rows_move_the_formulas_bytes_to_the_host(monkeypatch):
+    """`plan --offload all --offload-optimizer` (the rows' layers measured alike, nothing compiled: test_plan.py's
+    arithmetic-only compiler with layers larger than what they offload): each row keeps what its own policy stores in
+    host memory, `host_tier.bytes_per_layer` × the layers in flight, and the float32 masters and moments; its device
+    total falls by the same bytes; PCIe carries each layer's tensors out and back and the state in and out, at the
+    hardware table's bandwidth × the link efficiency. A name no row stores is one line."""
+    from test_plan import ArithmeticOnly
+    from jaxseq.planning import host_tier, measure, report
+    from jaxseq.planning import plan as P
+
+    class LargeLayers(ArithmeticOnly):
+        def measure(self, c):
+            return measure.Measured(2**30, 1e6, {}, 500)
+
+    monkeypatch.setattr(P, "Compiler", LargeLayers)
+    cfg, t = replace(preset("tiny"), dtype="bfloat16"), 2
+    plain = P.plan(cfg, t, 2, jax.devices(), "tiny", policies=["lean"])
+    p = P.plan(cfg, t, 2, jax.devices(), "tiny", policies=["lean"], offload="all", offload_optimizer=True,
+               pcie_gb_per_s=64.0)
+    for row, before in zip(p.rows, plain.rows):
+        state = P.plan_state(cfg, row.tensor, 1, 1, False)
+        names = O.resolve("all", row.remat, M.tagged_names(cfg))
+        per_layer = host_tier.bytes_per_layer(cfg, row.remat, names, 2, row.tensor, row.sequence_parallel)
+        held = state.params + state.optimizer
+        assert row.offload == names and per_layer > 0
+        assert row.host_bytes_per_device == per_layer * cfg.layers + held
+        assert row.total_bytes_per_device == before.total_bytes_per_device - row.host_bytes_per_device
+        assert row.pcie_bytes_per_step == 2 * per_layer * cfg.layers + 2 * held
+        assert row.pcie_seconds_per_step == row.pcie_bytes_per_step / (64e9 * host_tier.PCIE_EFFICIENCY)
+    first, rest = (next(r for r in p.rows if r.tensor == t and r.sequence_parallel and r.remat == name)
+                   for name in ("full", "lean"))
+    block = P.block_row(p, first, rest, 1)  # --budget-gib's block recompute: each segment offloads its own
+    names = O.resolve("all", block.remat, M.tagged_names(cfg))
+    chunk = host_tier.bytes_per_layer(cfg, block.remat, names, 2, t, True, chunk_layers=cfg.layers)
+    assert block.host_bytes_per_device == pytest.approx(chunk * cfg.layers + held)
+    out = p.to_json()
+    assert out["host_tier"]["pcie_gb_per_s"] == 64.0 and "host_bytes_per_device" in out["rows"][0]
+    assert "host bytes: the formula (planning/host_tier.py)" in report.format_table(p)
+    with pytest.raises(ValueError) as e:
+        P.plan(cfg, t, 2, jax.devices(), "tiny", policies=["lean"], offload="contxt")
+    assert str(e.value).startswith("offload='contxt' is no tensor these rows' policies store here; valid: all, or")

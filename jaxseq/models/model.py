@@ -224,6 +224,7 @@ def decoder(x, stacked, key, cfg: ModelConfig, shard: Sharder, remat: str, offlo
     return layers(x, stacked, None if key is None else jax.random.split(key, cfg.layers), cfg, shard, remat, offload)
 
 
+@lru_cache(maxsize=None)
 def tagged_names(cfg: ModelConfig) -> frozenset[str]:
     """The checkpoint names one layer of `cfg` tags (its family, attention kernel and dropout decide which), read
     from the layer traced once on abstract inputs: what an `--offload` request may name (`offload.resolve`)."""

@@ -76,13 +76,14 @@ def target_devices(target: str, count: int) -> list:
 
 def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distributed_optimizer: bool = False,
                   pipeline: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, context: int = 1,
-                  strategy: str = "all-gather", fsdp: int = 1) -> ParallelConfig:
+                  strategy: str = "all-gather", fsdp: int = 1, offload_optimizer: bool = False) -> ParallelConfig:
     """The mesh a row's whole step compiles on. Data ranks all hold the same bytes unless the distributed
     optimizer splits the state over them: only then does the step compile on all d of them. FSDP ranks each hold
     their shard: the step compiles on all F."""
     return ParallelConfig(data=data if distributed_optimizer else 1, tensor=tensor, sequence_parallel=sequence_parallel,
                           distributed_optimizer=distributed_optimizer and data > 1, pipe=pipeline, schedule=schedule,
-                          virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp)
+                          virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp,
+                          offload_optimizer=offload_optimizer)
 
 
 # XLA's GEMM choice without an autotuner: its own (a Triton fusion per GEMM, default tiles) or cuBLAS forced.
@@ -116,6 +117,21 @@ def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_bat
                 for g in GEMMS}
     peak = max(aot.step_bytes(p) for p in programs.values())
     return peak, hlo_kernels.memory_bound_bytes(programs["triton"].as_text()) if priced else None
+
+
+def host_bytes(compiled) -> int:
+    """Per-device bytes a compiled program holds in host memory: its host arguments (the optimizer state under
+    --offload-optimizer, which its outputs alias) and temporaries (offloaded activations), XLA's own accounting."""
+    m = compiled.memory_analysis()
+    return m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes
+
+
+def step_memory(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+                target: str, offload: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(device peak, host bytes) per device of the step with `offload` (and the optimizer state where `parallel`
+    offloads it): each the larger of its Triton-GEMM and cuBLAS-GEMM programs' (`step_bytes`, `host_bytes`)."""
+    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload) for g in GEMMS]
+    return max(aot.step_bytes(p) for p in programs), max(host_bytes(p) for p in programs)
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
