@@ -12,6 +12,7 @@ from jaxseq.config import ParallelConfig, on_platform, preset, replace
 from jaxseq.models import model as M
 from jaxseq.planning import gpu_target as G
 from jaxseq.planning import hlo_host, host_tier
+from jaxseq.sharding import Sharder
 from jaxseq.training import aot
 
 pytest.importorskip("jax_cuda12_plugin", reason="the CUDA plugin: pip install -r requirements-gpu-target.txt")
@@ -32,6 +33,20 @@ def no_persistent_cache():
 
 def _names(cfg, remat: str, text: str = "all") -> tuple[str, ...]:
     return O.resolve(text, remat, M.tagged_names(on_platform(cfg, "gpu")))
+
+
+def test_a_cudnn_layers_names_are_those_its_backward_keeps():
+    """`models.model.tagged_names` of a layer under cuDNN's attention (composed, since cuDNN traces only where it is)
+    equals the names in that layer's forward for its backward, traced here with JAX's CUDA plugin (`jax.vjp`: the
+    context and statistics are tagged inside cuDNN's VJP's forward rule, which a plain trace does not enter)."""
+    cfg = on_platform(replace(SMALL, attention="fused", dropout=0.0), "gpu")
+    assert cfg.fused_kernel == "cudnn"
+    shapes, cast = M.param_shapes(cfg, 1)["layers"], M.cast_mask(cfg)["layers"]
+    p = jax.tree.map(lambda shape, c: jax.ShapeDtypeStruct(shape[1:], cfg.dtype if c else "float32"), shapes, cast,
+                     is_leaf=lambda x: isinstance(x, tuple))
+    x = jax.ShapeDtypeStruct((1, cfg.seq_len, cfg.hidden), cfg.dtype)
+    forward = jax.make_jaxpr(lambda x, p: jax.vjp(lambda x, p: M.block(x, p, None, cfg, Sharder(None)), x, p)[0])
+    assert M.tagged_names(cfg) == M._names_in(forward(x, p).jaxpr) >= {"context", "attn_softmax_stats"}
 
 
 def _every_host_array_moves_out_and_back(text: str, arrays: list) -> None:

@@ -47,6 +47,16 @@ def test_all_is_what_each_policy_stores_that_the_model_makes():
     assert "attn_probs" not in O.resolve("all", "none", M.tagged_names(replace(CFG, attention="fused")))
 
 
+def test_a_gpu_layers_names_are_known_without_cudnn():
+    """A plan or search for a GPU asks what a layer under cuDNN's attention tags on a machine without cuDNN (`plan
+    --search --attention fused --offload all` ended in cuDNN's RuntimeError): XLA's kernel's names and the
+    statistics cuDNN's VJP keeps (tests/test_gpu_offload.py holds them to the cuDNN layer's, traced where it can)."""
+    gpu = replace(CFG, attention="fused", fused_kernel="cudnn", dtype="bfloat16", dropout=0.0)
+    names = M.tagged_names(gpu)
+    assert names == M.tagged_names(replace(gpu, fused_kernel="xla")) | {"attn_softmax_stats"}
+    assert "context" in names and "attn_softmax_stats" in O.resolve("all", "lean", names)
+
+
 def test_the_train_command_refuses_a_bad_offload_in_one_line():
     done = command(train.main, "--preset", "tiny", "--remat", "lean", "--offload", "attn_probs", "--steps", "1",
                    check=False)

@@ -10,6 +10,7 @@ the trees derived from the table (models/params.py), the layer stack under `lax.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache, partial
 from types import ModuleType
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq import offload as host_offload
-from jaxseq.remat import remat_policy, segments
+from jaxseq.remat import ATTN_SOFTMAX_STATS, remat_policy, segments
 from jaxseq.models import gpt, llama
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
@@ -227,7 +228,18 @@ def decoder(x, stacked, key, cfg: ModelConfig, shard: Sharder, remat: str, offlo
 @lru_cache(maxsize=None)
 def tagged_names(cfg: ModelConfig) -> frozenset[str]:
     """The checkpoint names one layer of `cfg` tags (its family, attention kernel and dropout decide which), read
-    from the layer traced once on abstract inputs: what an `--offload` request may name (`offload.resolve`)."""
+    from the layer traced once on abstract inputs: what an `--offload` request may name (`offload.resolve`).
+    cuDNN's attention traces only where cuDNN is (a GPU, JAX's CUDA plugin), and a plan or search for a GPU asks
+    anywhere: its layer tags what the layer with XLA's kernel tags and the statistics its VJP keeps
+    (models/cudnn_attention.py; tests/test_gpu_offload.py holds them to the cuDNN layer's, traced under `jax.vjp`)."""
+    if cfg.attention == "fused" and cfg.fused_kernel == "cudnn":
+        return traced_names(dataclasses.replace(cfg, fused_kernel="xla")) | {ATTN_SOFTMAX_STATS}
+    return traced_names(cfg)
+
+
+@lru_cache(maxsize=None)
+def traced_names(cfg: ModelConfig) -> frozenset[str]:
+    """The checkpoint names in one layer of `cfg` traced on abstract inputs (`tagged_names`)."""
     shapes = param_shapes(cfg, 1)["layers"]
     cast = cast_mask(cfg)["layers"]
     p = jax.tree.map(lambda shape, c: jax.ShapeDtypeStruct(shape[1:], jnp.dtype(cfg.dtype) if c else jnp.float32),
