@@ -58,8 +58,18 @@ def run_case(argv: list[str]) -> dict:
     offered = search.search(cfg, request, costs, args.preset)
     return {"command": "python -m jaxseq.plan " + " ".join(argv), "seconds": time.perf_counter() - start,
             "budget_gib": request.hardware.memory_gib, "pcie_gb_per_s": request.hardware.pcie_gb_per_s,
-            "every_configuration": [e.to_json() for e in everything.ranked],
-            "fitting": [e.to_json() for e in offered.ranked]}
+            "every_configuration": [slim(e.to_json()) for e in everything.ranked],
+            "fitting": [slim(e.to_json()) for e in offered.ranked]}
+
+
+FIELDS = ("tensor", "pipe", "virtual", "data", "fsdp", "micro_batch", "microbatches", "schedule",
+          "distributed_optimizer", "sequence_parallel", "remat", "offload", "offload_optimizer", "host_gib")
+
+
+def slim(row: dict) -> dict:
+    """What the tables read of `Evaluated.to_json`: the configuration, its device and host GiB, its seconds."""
+    return {**{k: row[k] for k in FIELDS}, "memory_gib": {"total": row["memory_gib"]["total"]},
+            "time_s": {"total": row["time_s"]["total"], "pcie": row["time_s"]["pcie"]}}
 
 
 def _label(row: dict) -> str:
@@ -102,7 +112,7 @@ def main() -> int:
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in [] if args.render_only else [args.only] if args.only else list(CASES):
-        (RESULTS / f"offload_{name}.json").write_text(json.dumps(run_case(CASES[name] + COMMON), indent=1))
+        (RESULTS / f"offload_{name}.json").write_text(json.dumps(run_case(CASES[name] + COMMON)))
     results = {name: json.loads((RESULTS / f"offload_{name}.json").read_text()) for name in CASES
                if (RESULTS / f"offload_{name}.json").exists()}
     (RESULTS / "offload.md").write_text(render(results))
