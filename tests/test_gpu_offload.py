@@ -4,6 +4,8 @@ layers that hold them), every offloaded tensor is copied out to the host and bac
 XLA dropped has neither, and fails), the device's peak falls by what went to the host, and the optimizer state
 offloaded is the master weights and moments, 12 bytes a parameter over its shards."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -165,3 +167,25 @@ def test_the_offloaded_optimizer_state_is_the_masters_and_moments(data):
     assert m.host_argument_size_in_bytes == 12 * M.num_params(SMALL) // data + 8
     assert m.host_alias_size_in_bytes == m.host_argument_size_in_bytes
     assert m.argument_size_in_bytes < 2**14  # the batch (2 × 256 int32 tokens, twice), the key, the step count
+
+
+@pytest.mark.slow
+def test_a_target_plans_offloaded_row_is_the_gpu_programs_own():
+    """`plan --target h100 --offload all`: a row's device total and host bytes are its whole step compiled for the
+    H100 with the offload (`plan.offloaded_on_target`, `gpu_target.step_memory`): the host bytes the formula's × L,
+    the device total below the same step's without, each labelled as the program's."""
+    from jaxseq.planning import measure
+    from jaxseq.planning import plan as P
+
+    names = _names(SMALL, "selective")
+    c = measure.RowSpec("selective", "selective", False, 1, None)
+    zero = {f.name: 0 for f in dataclasses.fields(P.Row) if f.name.endswith(("_per_device", "_per_layer"))}
+    row = P.Row(**{**zero, "formula_bytes_per_layer": None}, config=c.name, remat=c.remat, sequence_parallel=False,
+                tensor=1, ratio=None, recompute_overhead_pct=0, collectives={}, offload=names)
+    step = dict(data=1, distributed_optimizer=False, pipeline=1, schedule="1f1b", virtual_stages=1, context=1,
+                strategy="all-gather", fsdp=1, offload_optimizer=False)
+    out = P.offloaded_on_target(SMALL, row, c, B, 1, "h100", step, tagged=frozenset(), text="all")
+    per_layer = host_tier.bytes_per_layer(on_platform(SMALL, "gpu"), "selective", names, B, 1, False)
+    assert out.host_bytes_per_device == per_layer * SMALL.layers
+    assert out.total_bytes_per_device < G.step_bytes(SMALL, ParallelConfig(), "selective", B, 1, "h100")
+    assert out.memory_source.endswith("; host bytes: the same program's")
