@@ -21,7 +21,10 @@ and data; float32 takes XLA's attention, cuDNN's has none in float32); the first
 lengths 1024, 4096 and 8192 (the micro-batch's tokens held), each measured peak beside `plan --target`'s; and with
 two GPUs or more context = 2 × tensor = n/2 with each strategy (ring, all-gather), the same beside the plan, and a
 pipelined configuration (pipe = 2) at two micro-batch counts, whose measured bubble is set beside the schedule's
-(parallel/schedule.py).
+(parallel/schedule.py); and host offload: the first model under `lean` with everything it stores in host memory
+(`--offload all`) and with the optimizer state there (`--offload-optimizer`), each step and peak beside the step
+without and beside plan --target's device peak and host bytes, and the copy bandwidth to pinned host memory and back
+beside the hardware table's PCIe figure (`offload_check`).
 
 The models' rows always run; the sweep, the context and the pipeline configurations start only while the run's
 budget (`--budget-minutes`, 8 on a GPU) leaves time for one more, and the rest say they were skipped.
@@ -108,7 +111,8 @@ def measure(spec: dict, devices) -> dict:
     batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
     key = jax.random.key(1)
     start = time.perf_counter()
-    step = T.make_train_step(layout, spec["remat"], optimizer, spec["microbatches"])
+    step = T.make_train_step(layout, spec["remat"], optimizer, spec["microbatches"],
+                             offload=tuple(spec.get("offload", ())))
     autotune = autotune_path(spec) if devices[0].platform == "gpu" else None
     compiled = step.lower(state, batch, key).compile(compiler_options={AUTOTUNE_DUMP: autotune} if autotune else None)
     compile_s = time.perf_counter() - start
@@ -499,7 +503,7 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
             save(out)
     ran = [k for k, m in out["models"].items() if "skipped" not in m]
     if not ran:
-        for section in ("sequence_sweep", "context", "pipeline"):
+        for section in ("sequence_sweep", "context", "pipeline", "offload"):
             out[section] = {"skipped": "no model runs on this mesh"}
         return out
     first = ran[0]
@@ -516,6 +520,10 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
         save(out)
     out["pipeline"] = (pipeline_check(gpu, {k: cfgs[k] for k in ran}, devices, base_spec, attention, isolate, Schedule)
                        if in_budget(deadline) else {"skipped": BUDGET_SKIP})
+    if save is not None:
+        save(out)
+    out["offload"] = offload_check(gpu, first, cfg, devices, base_spec, {"tensor": n, "sequence_parallel": sp},
+                                   isolate, deadline)
     return out
 
 
@@ -677,6 +685,72 @@ def context_check(gpu: bool, name: str, cfg, devices, base_spec: dict, isolate: 
     return out
 
 
+OFFLOAD_RUNS = {"without": ({}, None), "--offload all": ({}, "all"),
+                "--offload-optimizer": ({"offload_optimizer": True}, None)}
+COPY_BYTES = 2**30  # the array timed to host memory and back (`copy_bandwidth`)
+
+
+def offload_check(gpu: bool, name: str, cfg, devices, base_spec: dict, parallel: dict, isolate: bool,
+                  deadline) -> dict:
+    """Host offload (train --offload all, --offload-optimizer) under `SWEEP_POLICY` at the model's shape: each run's
+    step and peak beside the same step without, and beside plan --target's device peak and host bytes
+    (`gpu_target.step_memory`); and the copy bandwidth to host memory and back, against the hardware table's PCIe
+    figure the plan prices the copies at (jaxseq/hardware.py)."""
+    from jaxseq import offload
+    from jaxseq.config import ParallelConfig
+    from jaxseq.models.model import tagged_names
+    from jaxseq.planning import gpu_target
+
+    names = offload.resolve("all", SWEEP_POLICY, tagged_names(cfg))
+    target = gpu_target.target_of(devices[0].device_kind) if gpu else None
+    out = {"model": name, "remat": SWEEP_POLICY, "offloaded": list(names), "runs": {},
+           "copy": copy_bandwidth(devices[0], COPY_BYTES if gpu else 2**20)}
+    for label, (extra, text) in OFFLOAD_RUNS.items():
+        if not in_budget(deadline):
+            out["runs"][label] = {"skipped": BUDGET_SKIP}
+            continue
+        print(f"offload: {name} {label} …", flush=True)
+        run = {**parallel, **extra}
+        chosen = names if text else ()
+        row = {"target_peak_bytes": None, "target_host_bytes": None}
+        if target is not None:
+            try:
+                row["target_peak_bytes"], row["target_host_bytes"] = gpu_target.step_memory(
+                    cfg, ParallelConfig(**run), SWEEP_POLICY, base_spec["micro_batch"], 1, target, chosen)
+            except Exception as e:  # a finding
+                row["target_error"] = f"{type(e).__name__}: {e}"
+        row.update(run_spec({**base_spec, "model": dataclasses.asdict(cfg), "parallel": run, "remat": SWEEP_POLICY,
+                             "offload": list(chosen)}, devices, isolate))
+        out["runs"][label] = row
+    plain = out["runs"]["without"].get("median_step_s")
+    for row in out["runs"].values():
+        row["step_vs_without"] = row["median_step_s"] / plain if plain and "median_step_s" in row else None
+    return out
+
+
+def copy_bandwidth(device, nbytes: int, repeats: int = 5) -> dict:
+    """GB/s of a `nbytes` float32 array copied from `device`'s memory to its pinned host memory and back (the
+    median of `repeats` each way); an error is a finding (XLA:CPU may have no such memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device)
+        host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        back = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        times = {"to_host": [], "to_device": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            h = jax.block_until_ready(jax.device_put(x, host))
+            times["to_host"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            jax.block_until_ready(jax.device_put(h, back))
+            times["to_device"].append(time.perf_counter() - start)
+        return {"bytes": nbytes, **{f"{k}_gb_per_s": nbytes / statistics.median(v) / 1e9 for k, v in times.items()}}
+    except Exception as e:
+        return {"bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
+
+
 def pipeline_check(gpu: bool, cfgs: dict, devices, base_spec: dict, attention: str, isolate: bool, Schedule) -> dict:
     """pipe = 2 × tensor = n/2 (+ SP) with 1F1B at m = 2 and m = 4 micro-batches of the first model. The lock-step
     executor runs `Schedule.ticks` ticks, so step(m) = fixed + ticks(m)·τ: two m give τ and the fixed part, and
@@ -801,7 +875,33 @@ def table(result: dict) -> str:
             lines += ["", f"tick {pl['tick_s']:.4g} s and fixed {pl['fixed_s']:.4g} s per step, fitted from the two "
                           "step times; measured bubble = (step − busy ticks × tick) / (busy ticks × tick)"
                           + ("" if pl["tick_s"] > 0 else " (n/a: the fitted tick is not positive)") + "."]
+    lines += offload_table(result.get("offload"))
     return "\n".join(lines) + "\n"
+
+
+def offload_table(section: dict | None) -> list[str]:
+    """The offload rows: each run's step and peak against the step without and against plan --target."""
+    if not section:
+        return []
+    if "skipped" in section:
+        return ["", f"## Host offload: skipped ({section['skipped']})"]
+    mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"
+    c = section["copy"]
+    lines = ["", f"## Host offload: {section['model']}, {section['remat']} (`--offload all`: "
+                 f"{', '.join(section['offloaded'])})", "",
+             "copy to pinned host memory and back: " + (c.get("error") or f"{c['to_host_gb_per_s']:.1f} and "
+                                                           f"{c['to_device_gb_per_s']:.1f} GB/s ({c['bytes']} bytes)"),
+             "", "| run | step, s | vs without | peak memory, MiB (measured) | peak memory, MiB (plan --target) | "
+                 "host memory, MiB (plan --target) |", "| --- | --- | --- | --- | --- | --- |"]
+    for label, r in section["runs"].items():
+        if "median_step_s" not in r:
+            lines.append(f"| {label} | {r.get('skipped') or r.get('error', '')} | | | | |")
+            continue
+        ratio = "" if r["step_vs_without"] is None else f"{r['step_vs_without']:.3f}"
+        lines.append(f"| {label} | {r['median_step_s']:.4f} | {ratio} | "
+                     f"{mib(r.get('peak_bytes_in_use')) or 'n/a'} | {mib(r['target_peak_bytes'])} | "
+                     f"{mib(r['target_host_bytes'])} |")
+    return lines
 
 
 DEVICE_TIME_KINDS = ("matmul", "attention", "collective", "other", "convert", "copy/transpose")

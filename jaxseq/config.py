@@ -157,6 +157,9 @@ class ParallelConfig:
     context_strategy: str = "all-gather"
     fsdp: int = 1
     expert: int = 1
+    # The float32 master weights and Adam moments in host memory between steps, sharded as above; each step copies
+    # them to the device for the update and back (training/train_step.py, docs/parallelism.md "Host offload").
+    offload_optimizer: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -229,6 +232,9 @@ class TrainConfig:
     batch_size: int = 32  # global, sequences per optimizer step
     micro_batch_size: int | None = None  # gradient accumulation when smaller than batch_size
     remat: str = "selective"
+    # The stored tensors the remat policy keeps in host memory between the forward and the backward: checkpoint
+    # names, comma-separated, or "all" (jaxseq/offload.py); None: none. The edge resolves it to the names.
+    offload: str | None = None
     seed: int = 0
     data: str | None = None  # None: the embedded corpus
     tokenizer: str | None = None  # a local tokenizer.json for text data; None: bytes
@@ -427,7 +433,7 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, num_devices:
         value = getattr(parallel, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-    for name in ("sequence_parallel", "distributed_optimizer"):
+    for name in ("sequence_parallel", "distributed_optimizer", "offload_optimizer"):
         if not isinstance(getattr(parallel, name), bool):
             raise ConfigError(f"{name}={getattr(parallel, name)!r} must be true or false")
     t = parallel.tensor

@@ -91,6 +91,16 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                         "planned with the JAX that recorded it): each row's whole train step compiles with them where "
                         "the file holds a choice for each of its GEMMs, instead of the larger of the all-Triton and "
                         "all-cuBLAS programs")
+    p.add_argument("--offload", default=None,
+                   help="each row keeps the stored tensors these checkpoint names tag (comma-separated), or all its "
+                        "policy stores, in host memory (train --offload): its device bytes, host bytes, PCIe bytes "
+                        "and seconds per step (at --hardware's PCIe bandwidth, default the --target GPU's, else a100); "
+                        "with --search, --offload all adds offloading as a choice where a configuration does not fit "
+                        "(+offload in its label), ranked with its PCIe time")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="each row with its float32 master weights and Adam moments in host memory between steps "
+                        "(train --offload-optimizer); with --search, as a choice (+offload-opt), with --offload all "
+                        "too")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
                         "forward, full), then by the measured FLOPs")
@@ -122,6 +132,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-recompute", action="store_true",
                    help="also Megatron's block recompute (remat full:N+POLICY): where a configuration does not fit "
                         "under a policy and fits under full, the fewest full layers per chunk that make it fit")
+
     g.add_argument("--tensor-sizes", default=None, help="t values to try (default: every divisor of --gpus-per-node)")
     g.add_argument("--context-sizes", default="1,2,4,8",
                    help="context-parallel sizes c to try, where s divides by 2c (2c·t with SP), each with every "
@@ -254,7 +265,19 @@ def search_request(args) -> search_space.Request:
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
                      search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
-                     search.parse_list(args.context_strategies, str), args.block_recompute)
+                     search.parse_list(args.context_strategies, str), args.block_recompute, search_offload(args),
+                     args.offload_optimizer)
+
+
+def search_offload(args) -> bool:
+    """--search --offload all: host offload as a choice (everything each candidate's policy stores); one line for a
+    list of names, which the search does not try."""
+    if args.offload is None:
+        return False
+    if args.offload.strip() != "all":
+        raise ConfigError(f"--search --offload {args.offload}: the search tries offloading everything a candidate's "
+                          "policy stores (--offload all); a list of names is for the plan's rows (without --search)")
+    return True
 
 
 def _search(args) -> int:
@@ -342,7 +365,8 @@ def _plan(args) -> int:
                  args.pipeline, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, data=args.data, distributed_optimizer=args.distributed_optimizer,
                  context=args.context, context_strategy=args.context_strategy, progress=progress,
-                 target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args))
+                 target=args.target, fsdp=args.fsdp, recorded=recorded_gemms(args), offload=args.offload,
+                 offload_optimizer=args.offload_optimizer, pcie_gb_per_s=plan_hardware(args).pcie_gb_per_s)
     except ValueError as e:  # e.g. JAX refusing a device count: still one line
         raise ConfigError(str(e)) from None
     chosen, rejected = recommend(p, args.budget_gib * GIB) if args.budget_gib is not None else (None, [])
@@ -378,13 +402,18 @@ def _plan(args) -> int:
 
 
 def moe_report(args, cfg: ModelConfig) -> str:
-    """A mixture of experts' lines (planning/moe.py) on --hardware's links (default: the --target GPU, else a100)."""
+    """A mixture of experts' lines (planning/moe.py) on --hardware's links (`plan_hardware`)."""
+    return moe_plan.report(cfg, tensor=args.tensor, expert=args.expert, context=args.context,
+                           micro_batch=args.micro_batch_size, microbatches=args.microbatches or args.pipeline,
+                           hw=plan_hardware(args))
+
+
+def plan_hardware(args):
+    """The node a plan's PCIe figures are for: --hardware, else the --target GPU, else an A100 (as --search's)."""
     name = args.hardware or args.target or "a100"
     if name not in HARDWARE:
         raise ConfigError(f"hardware={name!r} is not known; valid: {', '.join(HARDWARE)}")
-    return moe_plan.report(cfg, tensor=args.tensor, expert=args.expert, context=args.context,
-                           micro_batch=args.micro_batch_size, microbatches=args.microbatches or args.pipeline,
-                           hw=HARDWARE[name])
+    return HARDWARE[name]
 
 
 def block_on_target(args, p, chosen, progress: Progress) -> int | None:

@@ -38,6 +38,8 @@ from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, SECTIONS, GPU_FU
                            validate_optimizer)
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
 from jaxseq.parallel.distributed import initialize, is_main_process
+from jaxseq import offload as host_offload
+from jaxseq.models.model import tagged_names
 from jaxseq.remat import POLICIES
 from jaxseq.training import goodput, loop, profile, rundir
 from jaxseq.training.resume import check_architecture, drop_unusable, resume_line, resumed_configs
@@ -151,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                       f"--attention fused {GPU_FUSED_REMAT}, measured there to hold less and run faster); or "
                       "full:N[+POLICY], Megatron's block recompute: the first N layers of each pipeline chunk under "
                       "full, the rest under POLICY (default none)")
+    a("--offload", help="the stored tensors the remat policy keeps in host memory between forward and backward: "
+                        "checkpoint names, comma-separated (e.g. context,mlpwi), or all (everything it stores); one "
+                        "line lists the valid names (docs/parallelism.md, \"Host offload\")")
+    a("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None,
+      help="keep the float32 master weights and Adam moments in host memory between steps (copied to the device "
+           "for the update and back: 24 bytes a parameter over PCIe per step, over the shards)")
     a("--attention", help="explicit (scores materialised) or fused (jax.nn.dot_product_attention)")
     a("--dtype", help=f"compute dtype: {' or '.join(COMPUTE_DTYPES)} (parameters are float32)")
     a("--document-mask", action=argparse.BooleanOptionalAction, default=None,
@@ -201,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batch_size", "seq_len", "lr",
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
                "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
-               "context_strategy", "layer_loop", "record_autotune", "document_mask", "profile")
+               "context_strategy", "layer_loop", "record_autotune", "document_mask", "profile", "offload",
+               "offload_optimizer")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:
@@ -476,6 +485,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     if saved is not None:
         check_architecture(saved["model"], run.model)
     validate_run(run, default_mesh=mesh_text is None and not train.resume)  # a resume keeps the run's mesh
+    run = dataclasses.replace(run, train=resolved_offload(run.train, run.model))
     check_run_dir(run.train.run_dir)
     if saved is not None and is_main_process():
         print(resume_line(saved, run, dropped), flush=True)
@@ -491,6 +501,18 @@ def document_end(model: ModelConfig, corpus: Corpus) -> int | None:
         raise ConfigError(f"--document-mask: the data {corpus.name!r} has no end-of-document token (its tokenizer has "
                           "none of <|endoftext|>, <|end_of_text|>, </s>, <eos>): python -m jaxseq.data adds one")
     return corpus.eod
+
+
+def resolved_offload(train: TrainConfig, model: ModelConfig) -> TrainConfig:
+    """`train` with its --offload resolved to the checkpoint names it sends to host memory (`offload.resolve`: `all`
+    is every name the remat policy stores that the model tags); a name it does not store is one line."""
+    if not train.offload:
+        return replace(train, offload=None)
+    try:
+        names = host_offload.resolve(train.offload, train.remat, tagged_names(model))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return replace(train, offload=",".join(names) or None)
 
 
 def main(argv=None) -> int:

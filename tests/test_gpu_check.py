@@ -130,7 +130,8 @@ def dry():
     return result, before, after
 
 
-# the plan's compiles for 2 policies, 7 train steps (2 policies, traced, parity, the sweep, 2 context) and 3 pipelined
+# the plan's compiles for 2 policies, 10 train steps (2 policies, traced, parity, the sweep, 2 context, 3 offload)
+# and 3 pipelined
 @pytest.mark.slow
 def test_dry_run_reports_consistent_measurements(dry, tmp_path):
     result, before, after = dry
@@ -201,7 +202,14 @@ def test_dry_run_reports_consistent_measurements(dry, tmp_path):
         assert r["measured_bubble"] == (pytest.approx((r["median_step_s"] - busy) / busy) if busy > 0 else None)
     assert pl["zb_h1_over_1f1b"] == pytest.approx(zb["median_step_s"] / c["median_step_s"])
 
+    off = result["offload"]  # lean with everything it stores offloaded, and with the optimizer state: same numbers
+    assert list(off["runs"]) == ["without", "--offload all", "--offload-optimizer"] and off["offloaded"]
+    first = off["runs"]["without"]["losses"][0]
+    assert all(r["losses"][0] == pytest.approx(first, rel=1e-3) and r["target_host_bytes"] is None
+               for r in off["runs"].values())
+
     text = gpu.table(result)
+    assert "## Host offload: tiny, lean" in text
     assert text.startswith("# jaxseq on 2 × cpu") and "DRY RUN" in text and "not applicable on CPU" in text
     assert "Where a step's time goes, ms per step (jax.profiler trace of 2 steps, /host:CPU" in text
     json_path, md_path = gpu.write(result, tmp_path)

@@ -10,6 +10,7 @@ the trees derived from the table (models/params.py), the layer stack under `lax.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache, partial
 from types import ModuleType
 
@@ -18,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
-from jaxseq.remat import remat_policy, segments
+from jaxseq import offload as host_offload
+from jaxseq.remat import ATTN_SOFTMAX_STATS, remat_policy, segments
 from jaxseq.models import documents, gpt, llama, moe
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
@@ -160,9 +162,10 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     return family(cfg).block(x, p, key, cfg, shard)
 
 
-def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
+def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str, offload: tuple[str, ...] = ()):
     """Layers [k, …], each under jax.checkpoint with the named policy; keys [k] or None (no dropout). The whole
-    stack (`decoder`) and a pipeline chunk are this.
+    stack (`decoder`) and a pipeline chunk are this. `offload`: the stored tensors sent to host memory between the
+    forward and the backward (jaxseq/offload.py; each segment's policy offloads those it stores).
 
     `cfg.layer_loop="scan"`: under lax.scan, which keeps compile time flat in depth. Its residuals become stacked
     [k, …] buffers of the loop, which a GPU fills with zeros, copies each residual into and slices again, and each
@@ -177,11 +180,11 @@ def layers(x, stacked, keys, cfg: ModelConfig, shard: Sharder, remat: str):
     under its own policy: the first N, then the rest (one scan each)."""
     runs = segments(remat, jax.tree.leaves(stacked)[0].shape[0])  # [(policy, layers)]
     if len(runs) == 1:
-        return _segment(x, stacked, keys, cfg, shard, remat)
+        return _segment(x, stacked, keys, cfg, shard, remat, offload)
     starts = [sum(count for _, count in runs[:i]) for i in range(len(runs))]
     parts = split_layers(stacked, tuple(count for _, count in runs))
     for (policy, count), start, part in zip(runs, starts, parts):
-        x = _segment(x, part, None if keys is None else keys[start:start + count], cfg, shard, policy)
+        x = _segment(x, part, None if keys is None else keys[start:start + count], cfg, shard, policy, offload)
     return x
 
 
@@ -192,7 +195,7 @@ def split_layers(stacked, sizes: tuple[int, ...]) -> list:
     return [tree.unflatten([parts[i] for parts in split]) for i in range(len(sizes))]
 
 
-def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
+def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str, offload: tuple[str, ...] = ()):
     """Layers [k, …] under one registered remat policy. A scan of one layer is no loop to XLA (it removes a loop of
     one trip), so its checkpoint is kept from CSE as unrolled layers' are."""
     axes, cast = layer_axes(cfg, shard.tensor), cast_mask(cfg)["layers"]
@@ -202,7 +205,8 @@ def _segment(x, stacked, keys, cfg: ModelConfig, shard: Sharder, policy: str):
         return block(x, shard.gather_weights(p, axes=axes, cast=cast, dtype=cfg.dtype), key, cfg, shard)
 
     unrolled = cfg.layer_loop == "unrolled"
-    body = jax.checkpoint(layer, policy=remat_policy(policy).policy, prevent_cse=unrolled or count == 1)
+    placed = host_offload.policy(remat_policy(policy).policy, host_offload.for_policy(policy, offload))
+    body = jax.checkpoint(layer, policy=placed, prevent_cse=unrolled or count == 1)
     if unrolled:
         for i, p in enumerate(unstack(stacked)):
             x = body(x, p, None if keys is None else keys[i])
@@ -221,21 +225,60 @@ def unstack(stacked) -> list:
     return [tree.unflatten([parts[i].reshape(parts[i].shape[1:]) for parts in split]) for i in range(count)]
 
 
-def decoder(x, stacked, key, cfg: ModelConfig, shard: Sharder, remat: str):
+def decoder(x, stacked, key, cfg: ModelConfig, shard: Sharder, remat: str, offload: tuple[str, ...] = ()):
     """Every layer; key=None: no dropout."""
-    return layers(x, stacked, None if key is None else jax.random.split(key, cfg.layers), cfg, shard, remat)
+    return layers(x, stacked, None if key is None else jax.random.split(key, cfg.layers), cfg, shard, remat, offload)
+
+
+@lru_cache(maxsize=None)
+def tagged_names(cfg: ModelConfig) -> frozenset[str]:
+    """The checkpoint names one layer of `cfg` tags (its family, attention kernel and dropout decide which), read
+    from the layer traced once on abstract inputs: what an `--offload` request may name (`offload.resolve`).
+    cuDNN's attention traces only where cuDNN is (a GPU, JAX's CUDA plugin), and a plan or search for a GPU asks
+    anywhere: its layer tags what the layer with XLA's kernel tags and the statistics its VJP keeps
+    (models/cudnn_attention.py; tests/test_gpu_offload.py holds them to the cuDNN layer's, traced under `jax.vjp`)."""
+    if cfg.attention == "fused" and cfg.fused_kernel == "cudnn":
+        return traced_names(dataclasses.replace(cfg, fused_kernel="xla")) | {ATTN_SOFTMAX_STATS}
+    return traced_names(cfg)
+
+
+@lru_cache(maxsize=None)
+def traced_names(cfg: ModelConfig) -> frozenset[str]:
+    """The checkpoint names in one layer of `cfg` traced on abstract inputs (`tagged_names`)."""
+    shapes = param_shapes(cfg, 1)["layers"]
+    cast = cast_mask(cfg)["layers"]
+    p = jax.tree.map(lambda shape, c: jax.ShapeDtypeStruct(shape[1:], jnp.dtype(cfg.dtype) if c else jnp.float32),
+                     shapes, cast, is_leaf=lambda x: isinstance(x, tuple))
+    x = jax.ShapeDtypeStruct((1, cfg.seq_len, cfg.hidden), jnp.dtype(cfg.dtype))
+    key = jax.random.key(0) if cfg.dropout > 0 else None
+    jaxpr = jax.make_jaxpr(lambda x, p: block(x, p, key, cfg, Sharder(None)))(x, p)
+    return frozenset(_names_in(jaxpr.jaxpr))
+
+
+def _names_in(jaxpr) -> set[str]:
+    """The `checkpoint_name`s in a jaxpr and every jaxpr its equations hold (custom VJPs, conds, scans)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            names.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    names |= _names_in(inner)
+    return names
 
 
 def final_norm(params, x, cfg: ModelConfig):
     return family(cfg).final_norm(params, x, cfg)
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None, offload: tuple[str, ...] = ()):
     """tokens [b, s] → final-norm output [b, s, h] (sequence-sharded under SP). key=None: no dropout."""
     params = cast_params(params, cfg, shard)
     k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
     x = embed(params["embed"], tokens, k_embed, cfg, shard)
-    x = decoder(x, params["layers"], k_layers, cfg, shard, remat)
+    x = decoder(x, params["layers"], k_layers, cfg, shard, remat, offload)
     return final_norm(params, x, cfg)
 
 
@@ -259,7 +302,7 @@ def packed_documents(tokens, cfg: ModelConfig) -> documents.Documents | None:
     return documents.of_tokens(tokens, cfg.eod_token) if cfg.document_mask else None
 
 
-def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None):
+def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=None, offload: tuple[str, ...] = ()):
     """Next-token loss of batch = {"inputs": [b, s], "targets": [b, s]} (int32), in natural order.
 
     Where the sequence is split over `context`, the tokens are reordered here, once, into the stored order
@@ -269,5 +312,5 @@ def loss_fn(params, batch, cfg: ModelConfig, shard: Sharder, remat: str, key=Non
     tokens in `shard` (`with_documents`)."""
     shard = shard.with_documents(documents.split(packed_documents(batch["inputs"], cfg), shard.split_sequence))
     batch = {name: shard.split_sequence(t) for name, t in batch.items()}
-    x = hidden_states(params, batch["inputs"], cfg, shard, remat, key)
+    x = hidden_states(params, batch["inputs"], cfg, shard, remat, key, offload)
     return cross_entropy(logits_fn(params, x, cfg, shard), batch["targets"])

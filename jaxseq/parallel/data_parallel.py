@@ -84,7 +84,8 @@ def left_to_reduce(layout: Layout, over: tuple[str, ...]) -> dict:
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs):
+def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs,
+                             offload: tuple[str, ...] = ()):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), micro-batch i with dropout key fold_in(key, i) (one micro-batch: `key` itself, no scan), without
     a pipeline. The train step's gradients take this path with one micro-batch too: left to XLA, the reduction of
@@ -104,8 +105,9 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
         a.reshape(microbatches, -1, *a.shape[1:]), None, "batch", None), batch)
     over = gradient_axes(parallel)
     if parallel.batch_ranks * parallel.context == 1:
-        return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh)
-    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat,
+        return _unreduced_loss_and_grad(params, micro, key, cfg=cfg, parallel=parallel, remat=remat, mesh=mesh,
+                                        offload=offload)
+    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat, offload=offload,
                                                shard=context.sharder(mesh, parallel, stage=True)))
     # the mean over micro-batches, data, fsdp, expert and context ranks (each rank's loss: the mean over its tokens)
     scale = 1.0 / (microbatches * parallel.batch_ranks * parallel.context)
@@ -123,11 +125,13 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
                          out_specs=(P(), out_specs))(params, micro, jax.random.key_data(key))
 
 
-def _unreduced_loss_and_grad(params, micro, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh):
+def _unreduced_loss_and_grad(params, micro, key, *, cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh,
+                             offload: tuple[str, ...] = ()):
     """`accumulate_loss_and_grad` where there is no data or context rank to reduce over (data = context = 1): no
     region (one manual over axes all of size 1 made XLA's partitioner refuse its psum: "Cross-partition allreduce
     must be in (partial) manual partitioning mode"), the same keys and float32 sums."""
-    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat, shard=context.sharder(mesh, parallel)))
+    loss_and_grad = jax.value_and_grad(partial(model.loss_fn, cfg=cfg, remat=remat, offload=offload,
+                                               shard=context.sharder(mesh, parallel)))
     microbatches = jax.tree.leaves(micro)[0].shape[0]
     loss, grads = _summed(loss_and_grad, params, micro, key, lambda z: z)
     if microbatches == 1:

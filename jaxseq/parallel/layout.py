@@ -170,6 +170,22 @@ class Layout:
         return NamedSharding(self.mesh, P(self.mesh.axis_names))
 
 
+HOST = "pinned_host"  # the memory kind of what a run holds in host memory (jaxseq/offload.py's too)
+
+
+def held(shardings, host: bool):
+    """`shardings` in host memory (`HOST`) where `host` (the train state under `offload_optimizer`), else as given."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings) if host else shardings
+
+
+def on_device(tree):
+    """Inside a jitted function: each array of `tree` that is in host memory (the train state's params under
+    `offload_optimizer`) copied to the device; the rest as they are. For the programs that read the state between
+    steps (evaluation, sampling)."""
+    host = lambda a: jax.typeof(a).memory_space == jax.memory.Space.Host
+    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if host(a) else a, tree)
+
+
 def restorable(sharding: NamedSharding, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     """`sharding` on `mesh` for an array of `shape` saved under another layout, every dimension that its mesh axes
     do not divide replicated (a saved padding may not divide the new mesh). A spec entry names one mesh axis or
@@ -179,4 +195,4 @@ def restorable(sharding: NamedSharding, shape: tuple[int, ...], mesh: Mesh) -> N
     for i, entry in enumerate(spec):
         if shape[i] % math.prod(mesh.shape[a] for a in entry_axes(entry)):
             spec[i] = None
-    return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P(*spec), memory_kind=sharding.memory_kind)  # the state's memory (`held`) kept

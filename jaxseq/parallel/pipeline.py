@@ -90,12 +90,13 @@ def _others(tree: dict) -> dict:
 
 
 def stage_program(layers, others, micro, key_data, rows, *, cfg: ModelConfig, sched: Schedule, loss_ranks: int,
-                  remat: str, shard: StageSharder, grad_specs: dict, over: dict, inspect, ring: bool):
+                  remat: str, shard: StageSharder, grad_specs: dict, over: dict, inspect, ring: bool,
+                  offload: tuple[str, ...] = ()):
     """The shard_map's body: one stage and data rank's loss share and reduced gradients (`reduce_gradients`).
     rows: the tick table [ticks, p, len(FIELDS)]; ring: `TickProgram.ring`; the rest as `Stage.enter` and
     `reduce_gradients`."""
     stage = Stage.enter(layers, others, micro, key_data, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat,
-                        shard=shard)
+                        shard=shard, offload=offload)
     if stage.taps is not None:
         stage.discover_taps()
     layout = ResidualLayout.of(stage)
@@ -168,7 +169,7 @@ def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
 
 
 def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, microbatches: int, grad_specs=None,
-                           inspect=None):
+                           inspect=None, offload: tuple[str, ...] = ()):
     """(loss, float32 grads) of the mean loss over `microbatches` micro-batches of `batch` ({"inputs", "targets"}:
     [B, s] int32), equal to gradient accumulation with micro-batch i's dropout key fold_in(key, i).
     To be called under jit with the mesh's shardings. `grad_specs`: the gradients' PartitionSpecs (default:
@@ -190,7 +191,7 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
     seed = 1.0 / (sched.m * loss_ranks)  # Stage.loss_scale
     shard = replace(context.sharder(mesh, parallel, stage=True), loss_seed=seed)
     program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
-                      grad_specs=grad_specs, over=over, inspect=inspect, ring=_ring(parallel))
+                      grad_specs=grad_specs, over=over, inspect=inspect, ring=_ring(parallel), offload=offload)
     fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(grad_specs, layout.gradient_axes)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
@@ -198,9 +199,9 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
     return loss, {"layers": from_stages(layer_grads), **other_grads}
 
 
-def make_loss_and_grad(layout: Layout, remat: str, microbatches: int):
+def make_loss_and_grad(layout: Layout, remat: str, microbatches: int, offload: tuple[str, ...] = ()):
     """jit(params, batch, key) → (loss, grads), the pipelined counterpart of train_step.make_loss_and_grad."""
-    fn = partial(pipeline_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches)
+    fn = partial(pipeline_loss_and_grad, layout=layout, remat=remat, microbatches=microbatches, offload=offload)
     return jax.jit(
         fn,
         in_shardings=(layout.param_shardings, layout.batch, layout.replicated),

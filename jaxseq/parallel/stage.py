@@ -44,6 +44,11 @@ def varying_zeros(shape, dtype):
     return data_parallel.varying(jnp.zeros(shape, dtype))
 
 
+def in_memory(a, host: bool):
+    """`a` placed in host memory where `host` (a stash slot of an offloaded residual: jaxseq/offload.py)."""
+    return jax.device_put(a, jax.memory.Space.Host) if host else a
+
+
 def as_float32(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
@@ -72,10 +77,11 @@ class Stage:
     taps: deferred.Taps | None = None  # zb-h1: the chunk's deferred weight ops (`discover_taps`); None: B computes them
     # the micro-batches' packed documents ([m, b, s/c] each, stored order: `ModelConfig.document_mask`), or None
     documents: documents.Documents | None = None
+    offload: tuple[str, ...] = ()  # the stored tensors a chunk's forward sends to host memory (jaxseq/offload.py)
 
     @staticmethod
     def enter(layers, others, micro, key_data, *, cfg: ModelConfig, sched: Schedule, loss_ranks: int, remat: str,
-              shard: StageSharder) -> Stage:
+              shard: StageSharder, offload: tuple[str, ...] = ()) -> Stage:
         """The stage of the shard_map's arguments: `layers` [1, v, k, …] (this stage's block of the
         [p, v, k, …] stage layout), `others` and `micro` as above, `key_data` the key's raw data (None: no
         dropout)."""
@@ -86,7 +92,7 @@ class Stage:
         return Stage(cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
                      index=jax.lax.axis_index("pipe"), key=key, layers=jax.tree.map(lambda a: data_parallel.varying(a[0]), layers),
                      others=jax.tree.map(data_parallel.varying, others), micro=micro,
-                     taps=deferred.Taps() if sched.split_backward else None, documents=docs)
+                     taps=deferred.Taps() if sched.split_backward else None, documents=docs, offload=offload)
 
     def discover_taps(self) -> None:
         """zb-h1: trace chunk 0 once to find its deferred weight ops (`deferred.Taps.discover`)."""
@@ -125,7 +131,7 @@ class Stage:
         return self.shard if docs is None else self.shard.with_documents(docs)
 
     def _run_layers(self, keys, docs=None) -> Callable:
-        return lambda x, w: model.layers(x, w, keys, self.cfg, self.shard_of(docs), self.remat)
+        return lambda x, w: model.layers(x, w, keys, self.cfg, self.shard_of(docs), self.remat, self.offload)
 
     def chunk_vjp(self, x, w, keys, docs=None):
         """(y, vjp) of one chunk's k layers: x, y [b, s, h]; docs: its micro-batch's packed documents (or None). The
@@ -167,16 +173,38 @@ class ResidualLayout:
     activations, kept in a stash slot from the forward to the backward; the rest are the chunk's own
     weights, dropout keys and packed documents (matched by identity), taken from the live arrays at backward time
     instead.
-    This leans on the layout of jax.vjp's residuals (tests/test_pipeline.py pins it)."""
+    This leans on the layout of jax.vjp's residuals (tests/test_pipeline.py pins it).
+
+    An offloaded residual (`--offload`, jaxseq/offload.py) is a leaf in host memory: its stash slots are in host
+    memory too, so that a stage's stash of it waits there from the forward to the backward (`hosted`)."""
 
     treedef: Any  # the VJP's structure; it carries the backward jaxpr
     source: tuple[int, ...]  # per leaf: its index among the leaves of (weights, keys, documents), or −1: stashed
     avals: tuple[jax.ShapeDtypeStruct, ...]  # per leaf
+    host: tuple[bool, ...] = ()  # per leaf: in host memory (an offloaded residual); () for none
 
     @property
     def stashed(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """One stash slot: [k, b, …] per leaf."""
         return tuple(a for a, i in zip(self.avals, self.source) if i < 0)
+
+    @property
+    def hosted(self) -> tuple[bool, ...]:
+        """Per stashed leaf (`stashed`): whether its slots are in host memory."""
+        host = self.host or (False,) * len(self.avals)
+        return tuple(h for h, i in zip(host, self.source) if i < 0)
+
+    def slot_zeros(self, depth: int | None = None) -> list:
+        """Zeros of one stash slot per stashed leaf, each in its leaf's memory; with `depth`, of the whole buffer:
+        `depth` slots, and a trash slot more where it is in host memory (`TickProgram.stash` writes there)."""
+        lead = lambda h: () if depth is None else (depth + h,)
+        return [in_memory(varying_zeros((*lead(h), *a.shape), a.dtype), h) for a, h in zip(self.stashed, self.hosted)]
+
+    def read(self, stash: list, slot) -> list:
+        """Stash slot `slot` of every stashed leaf, on the device: a slot in host memory is copied back whole as the
+        chunk's backward starts (XLA's host offloader takes a slice of host memory only as a copy to the device)."""
+        return [jax.device_put(buf[slot], jax.memory.Space.Device) if h else buf[slot]
+                for buf, h in zip(stash, self.hosted)]
 
     @property
     def reused(self) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -193,14 +221,15 @@ class ResidualLayout:
             _, f_vjp = stage.chunk_vjp(x, w, keys, docs)
             leaves, treedef = jax.tree.flatten(f_vjp)
             inputs = jax.tree.leaves((w, keys, docs))
-            found.append((treedef, tuple(next((i for i, a in enumerate(inputs) if a is leaf), -1) for leaf in leaves)))
+            found.append((treedef, tuple(next((i for i, a in enumerate(inputs) if a is leaf), -1) for leaf in leaves),
+                          tuple(jax.typeof(leaf).memory_space == jax.memory.Space.Host for leaf in leaves)))
             return leaves
 
         w, keys, _ = stage.chunk_inputs(0, 0)
         x = varying_zeros(stage.activation.shape, stage.activation.dtype)
         avals = jax.eval_shape(residuals, x, w, keys, stage.documents_of(0))
-        (treedef, source), = found
-        return ResidualLayout(treedef, source, tuple(avals))
+        (treedef, source, host), = found
+        return ResidualLayout(treedef, source, tuple(avals), host)
 
     def split(self, f_vjp) -> list:
         """The leaves of a forward's vjp that go to the stash, varying over `pipe` and `data` as the stash is: a

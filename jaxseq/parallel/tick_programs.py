@@ -59,7 +59,7 @@ class TickProgram:
         gradients' zeros (f32) and a stash slot's among them, each its size in memory for the whole loop."""
         act = self.stage.activation
         no_act = varying_zeros(act.shape, act.dtype)
-        return BranchOut(send_x=no_act, send_g=no_act, slot=[varying_zeros(a.shape, a.dtype) for a in self.layout.stashed],
+        return BranchOut(send_x=no_act, send_g=no_act, slot=self.layout.slot_zeros(),
                          w_slot=[varying_zeros(a.shape, a.dtype) for a in self.w_stash_avals], g=g, dw=jax.tree.map(lambda a: varying_zeros(a.shape[1:], jnp.float32), self.stage.layers),
                          d_others=jax.tree.map(lambda a: varying_zeros(a.shape, jnp.float32), self.stage.others),
                          loss=varying_zeros((), jnp.float32))
@@ -72,7 +72,7 @@ class TickProgram:
             grads={"layers": jax.tree.map(lambda a: varying_zeros(a.shape, jnp.float32), self.stage.layers),
                    "others": jax.tree.map(lambda a: varying_zeros(a.shape, jnp.float32), self.stage.others)},
             loss=varying_zeros((), jnp.float32),
-            stash=[varying_zeros((depth["stash"], *a.shape), a.dtype) for a in self.layout.stashed],
+            stash=self.layout.slot_zeros(depth["stash"]),
             x=varying_zeros((depth["x"] + 1, *act.shape), act.dtype),
             w_stash=[varying_zeros((depth["w"], *a.shape), a.dtype) for a in self.w_stash_avals],
         )
@@ -111,10 +111,10 @@ class TickProgram:
         w, keys, k_embed = stage.chunk_inputs(row.mb, row.chunk)
         nothing, docs = self.nothing(g), stage.documents_of(row.mb)
         if stage.taps is None:
-            dx, dw = self.layout.join([buf[row.stash] for buf in stash], w, keys, docs)(g)
+            dx, dw = self.layout.join(self.layout.read(stash, row.stash), w, keys, docs)(g)
             out = nothing._replace(dw=as_float32(dw))
         else:
-            dx, d_others, w_slot = self.layout.join([buf[row.stash] for buf in stash], w, keys, docs)(g)
+            dx, d_others, w_slot = self.layout.join(self.layout.read(stash, row.stash), w, keys, docs)(g)
             kernels, _ = deferred.split_kernels(nothing.dw)
             out = nothing._replace(dw=deferred.merge_kernels(kernels, as_float32(d_others)), w_slot=jax.tree.leaves(w_slot))
         if not first:
@@ -170,13 +170,19 @@ class TickProgram:
             w_stash=self.write_w_stash(carry.w_stash, table_row, out),
         ), None
 
-    @staticmethod
-    def stash(buffers: list, table_row, out: BranchOut) -> list:
-        """The stash buffers with a forward's residuals written into its slot; untouched on the other ticks."""
+    def stash(self, buffers: list, table_row, out: BranchOut) -> list:
+        """The stash buffers with a forward's residuals written into its slot; untouched on the other ticks. A
+        buffer in host memory (an offloaded residual) is written on every tick, the other ticks' zeros into its
+        trash slot (its last), by a plain dynamic-update-slice: under the cond, or as `.at[].set` (a scatter, bounds
+        checked), XLA:GPU made the write a select of the old slot, which it computes on the host."""
         row = TickRow.of(table_row)
         forward = (row.branch >= Branch.FORWARD) & (row.branch <= Branch.FORWARD_LAST)
-        write = lambda bufs: [buf.at[row.stash].set(r) for buf, r in zip(bufs, out.slot)]
-        return jax.lax.cond(forward, write, lambda bufs: bufs, buffers)
+        hosted = self.layout.hosted
+        write = lambda bufs: [buf if h else buf.at[row.stash].set(r) for buf, r, h in zip(bufs, out.slot, hosted)]
+        written = jax.lax.cond(forward, write, lambda bufs: bufs, buffers) if not all(hosted) else buffers
+        place = lambda buf, r: jax.lax.dynamic_update_index_in_dim(buf, r, jnp.where(forward, row.stash,
+                                                                                     buf.shape[0] - 1), 0)
+        return [place(buf, r) if h else buf for buf, r, h in zip(written, out.slot, hosted)]
 
     @staticmethod
     def write_w_stash(buffers: list, table_row, out: BranchOut) -> list:

@@ -76,13 +76,14 @@ def target_devices(target: str, count: int) -> list:
 
 def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distributed_optimizer: bool = False,
                   pipeline: int = 1, schedule: str = "1f1b", virtual_stages: int = 1, context: int = 1,
-                  strategy: str = "all-gather", fsdp: int = 1) -> ParallelConfig:
+                  strategy: str = "all-gather", fsdp: int = 1, offload_optimizer: bool = False) -> ParallelConfig:
     """The mesh a row's whole step compiles on. Data ranks all hold the same bytes unless the distributed
     optimizer splits the state over them: only then does the step compile on all d of them. FSDP ranks each hold
     their shard: the step compiles on all F."""
     return ParallelConfig(data=data if distributed_optimizer else 1, tensor=tensor, sequence_parallel=sequence_parallel,
                           distributed_optimizer=distributed_optimizer and data > 1, pipe=pipeline, schedule=schedule,
-                          virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp)
+                          virtual_stages=virtual_stages, context=context, context_strategy=strategy, fsdp=fsdp,
+                          offload_optimizer=offload_optimizer)
 
 
 # XLA's GEMM choice without an autotuner: its own (a Triton fusion per GEMM, default tiles) or cuBLAS forced.
@@ -90,30 +91,47 @@ GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-                 target: str, gemms: str = "triton", options: dict | None = None):
+                 target: str, gemms: str = "triton", options: dict | None = None, offload: tuple[str, ...] = ()):
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
     `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`, its GEMMs
-    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`)."""
+    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`); the
+    stored tensors `offload` names in host memory (jaxseq/offload.py)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
     return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches,
-                                  GEMMS[gemms] if options is None else options)
+                                  GEMMS[gemms] if options is None else options, offload)
 
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-               target: str) -> int:
+               target: str, offload: tuple[str, ...] = ()) -> int:
     """The step's peak bytes per device (argument + output + temp − alias, `aot.step_bytes`): the larger of its
     programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose."""
-    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False)[0]
+    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False, offload=offload)[0]
 
 
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
-               target: str, priced: bool = True) -> tuple[int, int | None]:
+               target: str, priced: bool = True, offload: tuple[str, ...] = ()) -> tuple[int, int | None]:
     """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
     move per step (`hlo_kernels.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
     time is priced by."""
-    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g) for g in GEMMS}
+    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
+                for g in GEMMS}
     peak = max(aot.step_bytes(p) for p in programs.values())
     return peak, hlo_kernels.memory_bound_bytes(programs["triton"].as_text()) if priced else None
+
+
+def host_bytes(compiled) -> int:
+    """Per-device bytes a compiled program holds in host memory: its host arguments (the optimizer state under
+    --offload-optimizer, which its outputs alias) and temporaries (offloaded activations), XLA's own accounting."""
+    m = compiled.memory_analysis()
+    return m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes
+
+
+def step_memory(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+                target: str, offload: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(device peak, host bytes) per device of the step with `offload` (and the optimizer state where `parallel`
+    offloads it): each the larger of its Triton-GEMM and cuBLAS-GEMM programs' (`step_bytes`, `host_bytes`)."""
+    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload) for g in GEMMS]
+    return max(aot.step_bytes(p) for p in programs), max(host_bytes(p) for p in programs)
 
 
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,

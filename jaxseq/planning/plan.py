@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate, validate_fsdp
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace, validate, validate_fsdp
 from jaxseq.models import formulas
-from jaxseq.models.model import traits
+from jaxseq.models.model import tagged_names, traits
+from jaxseq.offload import ALL, parse, resolve, stored_names
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS, paper_activation_bytes, paper_hardware_flops, train_flops
 from jaxseq.parallel.schedule import Schedule
-from jaxseq.planning import autotune, gpu_target
+from jaxseq.planning import autotune, gpu_target, host_tier
 from jaxseq.planning.blocks import Block, fewest
 from jaxseq.planning.in_flight import InFlight, compiled_in_flight
 from jaxseq.planning.measure import Compiler, Measured, RowSpec
@@ -85,6 +86,13 @@ class Row:
     # of the activations: zb-h1's W stash, the deferred weight gradients' inputs the first stage's slots hold
     # (`formulas.deferred_stash_bytes` × slots × layers per chunk; tests hold the formula to the compiled carry)
     deferred_stash_bytes_per_device: float = 0
+    # Host memory as a tier (`plan --offload`, `--offload-optimizer`; planning/host_tier.py): the stored tensors this
+    # row keeps in host memory, what it holds there per device, what crosses PCIe per step and its seconds
+    offload: tuple[str, ...] = ()
+    offload_optimizer: bool = False
+    host_bytes_per_device: float = 0
+    pcie_bytes_per_step: float = 0
+    pcie_seconds_per_step: float = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class Plan:
     context_kv: dict | None = None  # formulas.context_kv_bytes: transient K/V and K/V traffic per layer per device
     fsdp: int = 1  # FSDP: every weight's state split over this many ranks (each layer gathers its weights)
     target: str | None = None  # the GPU whose programs the rows' stored bytes and totals are (not their FLOPs)
+    pcie_gb_per_s: float | None = None  # with --offload / --offload-optimizer: the node's PCIe, per direction
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.config == name)
@@ -140,6 +149,9 @@ class Plan:
             "context": self.context, "context_strategy": self.context_strategy,
             "context_kv_bytes_per_layer": self.context_kv,
             "target": self.target, "flops_source": FLOPS_SOURCE,
+            "host_tier": self.pcie_gb_per_s and {"pcie_gb_per_s": self.pcie_gb_per_s,
+                                                 "pcie_efficiency": host_tier.PCIE_EFFICIENCY,
+                                                 "overlap": host_tier.OVERLAP},
         }
 
     def state(self, tensor: int | None = None, distributed_optimizer: bool | None = None,
@@ -231,7 +243,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
          pipeline: int = 1, policies=None, schedule: str = "1f1b", virtual_stages: int = 1,
          microbatches: int | None = None, data: int = 1, distributed_optimizer: bool = False, context: int = 1,
          context_strategy: str = "all-gather", progress=None, target: str | None = None, fsdp: int = 1,
-         recorded: autotune.RecordedGemms | None = None) -> Plan:
+         recorded: autotune.RecordedGemms | None = None, offload: str | None = None, offload_optimizer: bool = False,
+         pcie_gb_per_s: float = 64.0) -> Plan:
     """Compile every configuration and assemble the rows. `devices`: at least `tensor` devices.
 
     pipeline = p: the whole-model figures are those of the first pipeline stage, which holds the
@@ -253,7 +266,11 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
     file holds a choice for each of its GEMMs (`autotune.step_bytes`), and the file must hold some row's.
     fsdp = F: the state of every weight split over F ranks (FSDP; with data, HSDP) and each row's working memory
     holding the gathered weights (`memory.fsdp_gathered_bytes`); the layers compile as before (an fsdp rank runs b
-    sequences like a data rank: its stored activations are the same)."""
+    sequences like a data rank: its stored activations are the same).
+    offload, offload_optimizer: each row with the stored tensors `offload` names (or `all`) that its policy stores in
+    host memory, and the master weights and moments with `offload_optimizer`: its device bytes as before and its host
+    bytes, PCIe bytes and seconds at `pcie_gb_per_s` per direction (`offloaded_row`; with `target`, both byte counts
+    the GPU program's own)."""
     configs = configurations(tensor, policies)
     _check_arguments(cfg, configs, micro_batch, data, pipeline, context, context_strategy, fsdp, distributed_optimizer)
     if target is not None:
@@ -263,6 +280,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                                                                          n_micro)
     deferred_layers = _deferred_layers(cfg, pipeline, schedule, virtual_stages, n_micro)
     _check_devices(devices, tensor * context, pipeline)  # tensor here: context × tensor, the rows' mesh
+    tagged = tagged_names(on_platform(cfg, "gpu") if target is not None else cfg) if offload else frozenset()
+    _check_offload(offload, [c.remat for c in configs], tagged)
     compiler = Compiler(cfg, micro_batch, devices, context=context, strategy=context_strategy, progress=progress)
     keys = [k for c in configs for k in compiler.programs(c)] + compiler.forward_programs(tensor)
     if progress is not None:  # the whole job, before its first program: the CPU's, then each row's for the GPU
@@ -284,12 +303,22 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                      plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline, fsdp=fsdp), context,
                      context_strategy, fsdp_gathered_bytes(cfg, c.tensor, fsdp), deferred_layers)
             for c, m in measured.items()]
+    tier = dict(tagged=tagged, text=offload, optimizer=offload_optimizer, pcie=pcie_gb_per_s, microbatches=n_micro,
+                device_layers=stage.layers, context=context, strategy=context_strategy, micro_batch=micro_batch,
+                in_flight_layers=in_flight_layers, state=lambda c: plan_state(cfg, c.tensor, data, context,
+                                                                             distributed_optimizer, pipeline, fsdp=fsdp))
+    if offload or offload_optimizer:
+        rows = [offloaded_row(cfg, r, c, **tier) for r, c in zip(rows, measured)]
     if target is not None:
         step = dict(data=data, distributed_optimizer=distributed_optimizer, pipeline=pipeline, schedule=schedule,
-                    virtual_stages=virtual_stages, context=context, strategy=context_strategy, fsdp=fsdp)
+                    virtual_stages=virtual_stages, context=context, strategy=context_strategy, fsdp=fsdp,
+                    offload_optimizer=offload_optimizer)
         found = recorded_totals(cfg, list(measured), micro_batch, n_micro, target, step, recorded, progress)
         rows = [on_target(cfg, r, c, micro_batch, n_micro, in_flight_layers, context, target, step, progress,
                           recorded and recorded.source, found.get(c)) for r, c in zip(rows, measured)]
+        if offload or offload_optimizer:
+            rows = [offloaded_on_target(cfg, r, c, micro_batch, n_micro, target, step, progress, **tier)
+                    for r, c in zip(rows, measured)]
     s, h, b = cfg.seq_len, cfg.hidden, micro_batch
     per_device = {k: v / context for k, v in formula_flops_per_layer(cfg, b, tensor).items()}  # s/c tokens a rank
     return Plan(model_name, cfg, tensor, micro_batch, rows, per_device,
@@ -300,7 +329,59 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
                 bubble=bubble, paper_bubble=paper_bubble, in_flight=in_flight, context=context,
                 context_strategy=context_strategy,
                 context_kv=formulas.context_kv_bytes(cfg, micro_batch, tensor, context, context_strategy), fsdp=fsdp,
-                target=target)
+                target=target, pcie_gb_per_s=pcie_gb_per_s if offload or offload_optimizer else None)
+
+
+def _check_offload(text: str | None, policies: list[str], tagged: frozenset[str]) -> None:
+    """One line for an --offload name that no row's policy stores (or the model does not tag)."""
+    names = [n for n in parse(text) if n != ALL]
+    for name in names:
+        if not any(name in stored_names(p) for p in policies) or name not in tagged:
+            valid = sorted({n for p in policies for n in stored_names(p)} & set(tagged))
+            raise ConfigError(f"offload={name!r} is no tensor these rows' policies store here; valid: {ALL}, or any of "
+                              f"{', '.join(valid)}")
+
+
+def row_offload(text: str | None, remat: str, tagged: frozenset[str]) -> tuple[str, ...]:
+    """The names row policy `remat` offloads of `--offload text`: `all` its own, else those of the list it stores."""
+    if not text:
+        return ()
+    if parse(text) == (ALL,):
+        return resolve(ALL, remat, tagged)
+    return tuple(n for n in stored_names(remat) if n in parse(text) and n in tagged)
+
+
+def offloaded_row(cfg: ModelConfig, row: Row, c: RowSpec, *, tagged, text, optimizer, pcie, microbatches,
+                  device_layers, context, strategy, micro_batch, in_flight_layers, state) -> Row:
+    """Row `row` with host memory as a tier: its policy's share of the offloaded names (`row_offload`) out of its
+    activations, `host_tier.bytes_per_layer` × the layers in flight; with `optimizer`, the master weights and moments
+    out of the state during the layer loops (the update holds them on the device: `State.after_loop` stays). Its
+    device total is the step's peak so (`memory.peak_bytes`); its host bytes and PCIe traffic `host_tier.host_tier`'s."""
+    names = row_offload(text, c.remat, tagged)
+    per_layer = host_tier.bytes_per_layer(cfg, c.remat, names, micro_batch, c.tensor, c.sequence_parallel, context,
+                                          strategy)
+    s = state(c)
+    held = s.params + s.optimizer if optimizer else 0
+    tier = host_tier.host_tier(per_layer, in_flight_layers, device_layers, microbatches, held, pcie)
+    activations = row.activation_bytes_per_device - per_layer * in_flight_layers
+    total = peak_bytes(s.at_peak - held, activations, row.working_bytes_per_device, after_loop=s.after_loop)
+    return dataclasses.replace(row, offload=names, offload_optimizer=optimizer, activation_bytes_per_device=activations,
+                               total_bytes_per_device=total, host_bytes_per_device=tier.host_bytes,
+                               pcie_bytes_per_step=tier.pcie_bytes, pcie_seconds_per_step=tier.seconds())
+
+
+def offloaded_on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbatches: int, target: str,
+                        step: dict, progress=None, *, tagged, text, **_) -> Row:
+    """An offloaded row (`offloaded_row`) with the GPU program's own figures: its whole train step compiled for
+    `target` with the row's names offloaded (and the optimizer state, where asked): the device peak and what the
+    program holds in host memory (`gpu_target.step_memory`)."""
+    whole = gpu_target.step_parallel(tensor=c.tensor, sequence_parallel=c.sequence_parallel, **step)
+    if progress is not None:
+        progress.compiling(f"{c.name} for {target}: the whole train step with its offload")
+    device, host = gpu_target.step_memory(cfg, whole, c.remat, micro_batch, microbatches if step["pipeline"] > 1 else 1,
+                                          target, row.offload)
+    return dataclasses.replace(row, total_bytes_per_device=device, host_bytes_per_device=host,
+                               memory_source=target_source(target) + "; host bytes: the same program's")
 
 
 def recorded_totals(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, microbatches: int, target: str,
@@ -475,7 +556,10 @@ def block_row(p: Plan, first: Row, rest: Row, n: int) -> Row:
         recompute_overhead_pct=block.mix(first.recompute_overhead_pct, rest.recompute_overhead_pct),
         collective_bytes_per_layer=sum(collectives.values()), collectives=collectives,
         activation_bytes_per_device=activations, working_bytes_per_device=working,
-        total_bytes_per_device=total,
+        total_bytes_per_device=total, host_bytes_per_device=block.mix(first.host_bytes_per_device,
+                                                                      rest.host_bytes_per_device),
+        pcie_bytes_per_step=block.mix(first.pcie_bytes_per_step, rest.pcie_bytes_per_step),
+        pcie_seconds_per_step=block.mix(first.pcie_seconds_per_step, rest.pcie_seconds_per_step),
         memory_source=f"composed from the rows {first.config} and {rest.config} (plan.block_row), theirs from "
                       f"{rest.memory_source.split(' (')[0]}")
 

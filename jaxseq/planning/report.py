@@ -6,6 +6,7 @@ from __future__ import annotations
 from jaxseq.models import model
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
+from jaxseq.planning import host_tier
 from jaxseq.planning.plan import CPU_SOURCE, FLOPS_SOURCE, Plan, chunk_layers, recommend
 from jaxseq.remat import block_spec
 
@@ -64,6 +65,7 @@ def format_table(p: Plan) -> str:
     if p.tensor > 1:
         lines += _format_measured_headlines(p)
     lines.append(_format_whole_model(p))
+    lines += format_host_tier(p)
     if p.in_flight is not None:
         lines += format_in_flight(p)
     lines += ["", *format_optimizer_state(p)]
@@ -227,6 +229,24 @@ def _format_whole_model(p: Plan) -> str:
               if p.fsdp > 1 else "")
            + ("; for bfloat16 an upper bound (only its float32 transients keep their size on a GPU: "
               "plan --target h100 compiles the GPU's program)" if cfg.dtype != "float32" else "")))
+
+
+def format_host_tier(p: Plan) -> list[str]:
+    """With --offload / --offload-optimizer: per row what it keeps in host memory and moves over PCIe per step."""
+    if p.pcie_gb_per_s is None:
+        return []
+    source = (f"host bytes and total: the {p.target} program's own" if p.target is not None else
+              "host bytes: the formula (planning/host_tier.py), total: the row's less them (XLA:CPU offloads nothing)")
+    lines = [f"host memory (--offload{'/--offload-optimizer' if any(r.offload_optimizer for r in p.rows) else ''}): "
+             f"total above is the device's; per row the bytes in host memory, PCIe bytes and seconds per step at "
+             f"{p.pcie_gb_per_s:g} GB/s per direction × {host_tier.PCIE_EFFICIENCY} (data sheet × the link "
+             f"efficiency); {source}; {host_tier.OVERLAP}"]
+    for r in p.rows:
+        names = ", ".join(r.offload) if r.offload else "no activations"
+        lines.append(f"  {r.config:<22}host {r.host_bytes_per_device / MIB:>10.1f} MiB  PCIe "
+                     f"{r.pcie_bytes_per_step / 1e6:>10.1f} MB/step {r.pcie_seconds_per_step:>8.4f} s  ({names}"
+                     f"{' + optimizer state' if r.offload_optimizer else ''})")
+    return lines
 
 
 def format_in_flight(p: Plan) -> list[str]:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from jaxseq.config import ConfigError, ModelConfig, replace
 from jaxseq.models.formulas import train_flops
-from jaxseq.planning import search_space
+from jaxseq.planning import search_offload, search_space
 from jaxseq.planning.blocks import Block, fewest
 from jaxseq.planning.costs import Costs, at_context, chunk_layers, costs_of, run_kernels
 from jaxseq.planning.search_memory import Memory, block_memory, memory
@@ -71,7 +71,8 @@ class Evaluated:
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
                            "context_kv": t.context_s, "optimizer_update": t.optimizer_s,
-                           "fsdp_gather_scatter": t.fsdp_s},
+                           "fsdp_gather_scatter": t.fsdp_s, "pcie": t.pcie_s},
+                "host_gib": mem.host_bytes / GIB,
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context,
                 "compiled_step_gib": None if self.compiled_bytes is None else self.compiled_bytes / GIB,
@@ -126,6 +127,8 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
     if r.block_recompute:
         evaluated += least_blocks(cfg, r, evaluated, costs)
+    if r.offload or r.offload_optimizer:
+        evaluated += search_offload.offloaded(cfg, r, evaluated, costs, evaluate_at)
     ranked = sorted((e for e in evaluated if e.fits),
                     key=lambda e: (e.time.total_s, e.memory.total_bytes, e.candidate))
     rejected = []

@@ -118,6 +118,7 @@ class Memory:
     after_loop_bytes: float = 0.0  # the state after the backward layer loop (`StateCost.after_loop_bytes`)
     # accumulating: the tables' compute copy beside their gradients (`accumulation_held_copy_bytes`)
     held_copy_bytes: float = 0.0
+    host_bytes: float = 0.0  # offloaded (planning/search_offload.py): held in host memory, not in `total_bytes`
 
     @property
     def total_bytes(self) -> float:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from jaxseq.models import formulas
 from jaxseq.models import model
-from jaxseq.planning import cost, kernel_time
+from jaxseq.planning import cost, host_tier, kernel_time
 from jaxseq.planning.costs import ring_size, run_kernels
 from jaxseq.planning.search import Evaluated, Result
 from jaxseq.planning.search_memory import MEMORY_ACCOUNTING
@@ -46,7 +46,7 @@ def format_result(res: Result, top: int = 10, pricing: cost.Pricing | None = Non
     and dollars to train its tokens (`planning.cost`)."""
     fsdp = any(f > 1 for f in res.request.fsdp_sizes)  # the f and FSDP s columns, where FSDP is searched
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
-    remat_width = max([10, *(len(e.candidate.remat) + 1 for e in res.ranked[:top])])  # block specs are longer
+    remat_width = max([10, *(len(_remat_cell(e.candidate)) + 1 for e in res.ranked[:top])])  # block specs, offload
     priced = pricing is not None
     heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "")
     rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "")
@@ -113,6 +113,11 @@ def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = ""
             f"{'p2p s':>8}{'DP s':>8}{'CP s':>8}{fsdp_head}{'opt s':>8}{priced}  CP strategy, layer")
 
 
+def _remat_cell(c: Candidate) -> str:
+    """The remat column: the policy or block spec, +off where what it stores is offloaded, +opt the optimizer state."""
+    return c.remat + ("+off" if c.offload else "") + ("+opt" if c.offload_optimizer else "")
+
+
 def _v_cell(c: Candidate) -> str:
     """The v column: chunks per stage; zb: ZB-H1, 2z: ZB-H1 over 2 chunks per stage."""
     return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
@@ -127,13 +132,15 @@ def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, pri
     return (f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {_v_cell(c):>2} {c.context:>2} {c.data:>4}"
             f"{f' {c.fsdp:>2}' if fsdp else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
-            f"{c.remat:<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}"
+            f"{_remat_cell(c):<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}"
             f"{'yes' if c.distributed_optimizer else 'no':<4}"
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}"
             f"{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
             f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}{priced}"
-            f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}")
+            f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}"
+            + (f"; host {e.memory.host_bytes / GIB:.1f} GiB, PCIe {t.pcie_s:.3f} s" if c.offload or c.offload_optimizer
+               else ""))
 
 
 def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
@@ -161,6 +168,12 @@ def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
         lines += [ZERO_BUBBLE_NOTE]
     if r.block_recompute:
         lines += [BLOCK_NOTE]
+    if r.offload or r.offload_optimizer:
+        lines += [f"+off: everything the policy stores in host memory (--offload all), +opt: the float32 master weights "
+                  f"and Adam moments (--offload-optimizer), tried where a configuration does not fit as it is; mem GiB "
+                  f"is the device's, host GiB what it holds in host memory, PCIe s what the step is charged at "
+                  f"{r.hardware.pcie_gb_per_s:g} GB/s per direction × {r.time_model.link_efficiency:g} "
+                  f"(planning/host_tier.py): {host_tier.OVERLAP}"]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:

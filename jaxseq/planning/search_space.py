@@ -73,6 +73,9 @@ class Request:
     context_strategies: tuple[str, ...] = CONTEXT_STRATEGIES  # those to try at c > 1 (Megatron-LM's --cp-comm-type)
     # also Megatron-LM's block recompute (`search.least_blocks`): full on the fewest layers per chunk that fit
     block_recompute: bool = False
+    # also host offload (`search_offload.offloaded`): what the policy stores in host memory; the optimizer state
+    offload: bool = False
+    offload_optimizer: bool = False
 
     @property
     def budget_bytes(self) -> float:
@@ -140,6 +143,8 @@ class Candidate:
     context_strategy: str = "all-gather"
     fsdp: int = 1  # f: FSDP ranks, which split the batch's rows as data ranks do and every weight's state
     zero_bubble: bool = False  # ZB-H1 (over v chunks per stage): the backward split into B and W (`parallel.schedule`)
+    offload: bool = False  # what its remat policy stores in host memory (`--offload all`: planning/search_offload.py)
+    offload_optimizer: bool = False  # the master weights and moments in host memory between steps
 
     @property
     def schedule(self) -> str:
@@ -155,7 +160,8 @@ class Candidate:
                 f"m={self.microbatches} {self.remat}{'+sp' if self.sequence_parallel else ''}"
                 f"{' +distopt' if self.distributed_optimizer else ''}"
                 + (f" c={self.context} {self.context_strategy}" if self.context > 1 else "")
-                + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else ""))
+                + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else "")
+                + (" +offload" if self.offload else "") + (" +offload-opt" if self.offload_optimizer else ""))
 
 
 def divisors(n: int) -> list[int]:

@@ -68,11 +68,12 @@ class Time:
     context_s: float = 0.0  # K/V traffic of context parallelism (its bubble share is in bubble_s)
     optimizer_s: float = 0.0  # the AdamW update after the gradient reduction (`optimizer_seconds`)
     fsdp_s: float = 0.0  # FSDP's weight gathers and gradient reduce-scatters (`fsdp_bytes`; bubble share in bubble_s)
+    pcie_s: float = 0.0  # host offload's copies the step is charged (`host_tier.HostTier.charged_seconds`)
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s + self.optimizer_s
-                + self.fsdp_s)
+                + self.fsdp_s + self.pcie_s)
 
 
 def links(c: Candidate, hw: Hardware) -> dict[str, float]:

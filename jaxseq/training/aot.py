@@ -103,18 +103,20 @@ def abstract_inputs(layout: Layout, micro_batch: int):
     return params, {"inputs": tokens, "targets": tokens}
 
 
-def lower_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+def lower_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
+                        offload: tuple[str, ...] = ()):
     """The forward + backward of one micro-batch, lowered for `mesh` on abstract inputs."""
     layout = Layout(cfg, parallel, mesh)
     params, batch = abstract_inputs(layout, micro_batch)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
-    return train_step.make_loss_and_grad(layout, remat).lower(params, batch, key)
+    return train_step.make_loss_and_grad(layout, remat, offload).lower(params, batch, key)
 
 
-def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
+def compile_loss_and_grad(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
+                          offload: tuple[str, ...] = ()):
     """The forward + backward of one micro-batch, compiled for `mesh` (no optimizer: its memory is
     accounted separately and it does not touch activations)."""
-    return compile_for_analysis(lower_loss_and_grad(cfg, parallel, remat, mesh, micro_batch))
+    return compile_for_analysis(lower_loss_and_grad(cfg, parallel, remat, mesh, micro_batch, offload))
 
 
 def compile_forward(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int):
@@ -139,13 +141,13 @@ def abstract_step_inputs(layout: Layout, optimizer, rows: int):
 
 
 def compile_train_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, mesh, micro_batch: int,
-                       microbatches: int = 1, options: dict | None = None):
+                       microbatches: int = 1, options: dict | None = None, offload: tuple[str, ...] = ()):
     """The real train step (AdamW, donated state) of `microbatches` micro-batches of `micro_batch` sequences
     per data (× fsdp) rank, compiled for `mesh` (with XLA `options` beside `analysis_options`)."""
     layout = Layout(cfg, parallel, mesh)
     optimizer = train_step.make_optimizer(OptimizerConfig(), cfg)
     inputs = abstract_step_inputs(layout, optimizer, micro_batch * microbatches * parallel.batch_ranks)
-    step = train_step.make_train_step(layout, remat, optimizer, micro_batches=microbatches)
+    step = train_step.make_train_step(layout, remat, optimizer, micro_batches=microbatches, offload=offload)
     return compile_for_analysis(step.lower(*inputs), options)
 
 

@@ -20,12 +20,13 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from jaxseq import offload as host_offload
 from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig
 from jaxseq.mesh import available_devices, make_mesh
 from jaxseq.models import model
 from jaxseq.parallel import distributed
 from jaxseq.parallel.data_parallel import accumulated_loss
-from jaxseq.parallel.layout import Layout
+from jaxseq.parallel.layout import Layout, held, on_device
 from jaxseq.parallel.pipeline import pipeline_loss
 from jaxseq.parallel.schedule import Schedule
 from jaxseq.training import aot, goodput, profile, rundir
@@ -52,7 +53,9 @@ def make_eval_fn(layout: Layout, micro_batches: int):
         loss = partial(pipeline_loss, layout=layout, microbatches=micro_batches)
     else:
         loss = partial(accumulated_loss, layout=layout, micro_batches=micro_batches)
-    return jax.jit(loss, in_shardings=(layout.master_shardings, layout.batch), out_shardings=layout.replicated)
+    return jax.jit(lambda params, batch: loss(on_device(params), batch),
+                   in_shardings=(held(layout.master_shardings, layout.parallel.offload_optimizer), layout.batch),
+                   out_shardings=layout.replicated)
 
 
 def _global(batch: dict, layout: Layout, batch_size: int) -> dict:
@@ -195,7 +198,8 @@ def set_up(run: RunConfig, corpus: Corpus) -> Session:
     checkpoint_dir = rundir.checkpoint_dir(settings.run_dir)
     return Session(
         run=run, devices=devices, mesh=mesh, layout=layout, optimizer=optimizer, micro_batches=micro,
-        step_fn=train_step.make_train_step(layout, settings.remat, optimizer, micro_batches=micro),
+        step_fn=train_step.make_train_step(layout, settings.remat, optimizer, micro_batches=micro,
+                                           offload=host_offload.parse(settings.offload)),
         eval_fn=make_eval_fn(layout, micro), sampler=None, key=jax.random.key(settings.seed + 1),
         rows=distributed.local_batch_rows(layout.batch["inputs"], settings.batch_size, run.model.seq_len),
         train_batches=Batches(corpus.train, run.model.seq_len, settings.batch_size, settings.seed),
@@ -372,6 +376,8 @@ def train(run: RunConfig, corpus: Corpus, clock: goodput.Clock | None = None) ->
         if distributed.is_main_process():
             rundir.write_config(run.train.run_dir, run)
             print(_banner(session, corpus, start), flush=True)
+            for line in _offload_lines(session):
+                print(line, flush=True)
         learning_rate = host_learning_rate(run.optimizer)
     # Compiled before the run's signal handlers: a signal during start-up ends the command at once
     # (`jaxseq.train.main`), with nothing to save.
@@ -506,6 +512,15 @@ def _banner(session: Session, corpus: Corpus, start: int) -> str:
             f"{' + SP' if p.sequence_parallel else ''}{' + distributed optimizer' if p.distributed_optimizer else ''}"
             f"{_pipeline_text(p, session.micro_batches)} on {len(session.devices)} "
             f"{session.devices[0].platform} devices, remat={run.train.remat}, steps {start}→{run.train.steps}")
+
+
+def _offload_lines(session: Session) -> list[str]:
+    """What the run keeps in host memory, and where that is on these devices (`offload.platform_note`)."""
+    run, platform = session.run, session.devices[0].platform
+    lines = [host_offload.platform_note(host_offload.parse(run.train.offload), platform)]
+    if run.parallel.offload_optimizer:
+        lines.append(host_offload.optimizer_note(platform))
+    return [line for line in lines if line]
 
 
 def _closing_report(session: Session, corpus: Corpus, state, val: float, stop: StopFlag) -> str | None:

@@ -28,7 +28,7 @@ import numpy as np
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig
 from jaxseq.mesh import logical_rules, make_mesh, mesh_parallel
 from jaxseq.models import model
-from jaxseq.parallel.layout import Layout
+from jaxseq.parallel.layout import Layout, on_device
 from jaxseq.sharding import Sharder
 from jaxseq.training import checkpoint
 from jaxseq.training.data import BYTE_EOD, Corpus, decode_tokens, encode_text, load_tokenizer
@@ -68,7 +68,7 @@ def resharding(cfg: ModelConfig, mesh):
     target = sampling_mesh(cfg, mesh)
     shardings = Layout(cfg, mesh_parallel(target), target).param_shardings
     rows = cfg.padded_vocab(target.shape["tensor"])
-    move = lambda params: checkpoint.resize_vocab(model.cast_params(params, cfg), rows, shardings)
+    move = lambda params: checkpoint.resize_vocab(model.cast_params(on_device(params), cfg), rows, shardings)
     return jax.jit(move, out_shardings=shardings), target
 
 

@@ -12,7 +12,7 @@ import optax
 from jaxseq.config import ModelConfig, OptimizerConfig
 from jaxseq.models import model
 from jaxseq.parallel import context, data_parallel
-from jaxseq.parallel.layout import Layout
+from jaxseq.parallel.layout import Layout, held
 from jaxseq.parallel.pipeline import pipeline_loss_and_grad
 
 
@@ -53,9 +53,11 @@ def make_optimizer(opt: OptimizerConfig, cfg: ModelConfig) -> optax.GradientTran
 
 def state_shardings(layout: Layout, optimizer) -> TrainState:
     """The TrainState's shardings, the layout's: master weights and optimizer moments in the master shardings
-    (`Layout.master_specs`, `Layout.optimizer_shardings`), the step count replicated."""
-    return TrainState(step=layout.replicated, params=layout.master_shardings,
-                      opt_state=layout.optimizer_shardings(optimizer))
+    (`Layout.master_specs`, `Layout.optimizer_shardings`), the step count replicated; under `offload_optimizer`
+    the master weights and moments in host memory (`layout.held`)."""
+    host = layout.parallel.offload_optimizer
+    return TrainState(step=layout.replicated, params=held(layout.master_shardings, host),
+                      opt_state=held(layout.optimizer_shardings(optimizer), host))
 
 
 def new_state(params, optimizer) -> TrainState:
@@ -75,7 +77,8 @@ def state_from_params(params, layout: Layout, optimizer) -> TrainState:
     return jax.jit(fresh, out_shardings=state_shardings(layout, optimizer))(params)
 
 
-def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 1, donate: bool = True):
+def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 1, donate: bool = True,
+                    offload: tuple[str, ...] = ()):
     """jit(step)(state, batch, key) → (state, metrics); batch = {"inputs", "targets"}: [B, s] int32.
 
     With micro_batches > 1 the global batch is split into that many micro-batches whose gradients
@@ -101,15 +104,20 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     reduce-scatters their float32 gradients at once (`parallel.fsdp`); the rest is reduced over data as above. What
     the masters split further (over `data`, `pipe`) is gathered once as the compute copy first (`fsdp_weights`).
     """
-    gradients = step_gradients(layout, remat, micro_batches)
+    gradients = step_gradients(layout, remat, micro_batches, offload)
     by_sign = model.sign_update_mask(layout.model)
+    moves = layout.parallel.offload_optimizer  # the masters and moments to the device and back (`optimizer_offload`)
 
     def step(state: TrainState, batch, key):
-        loss, grads = gradients(state.params, batch, jax.random.fold_in(key, state.step))
+        params, opt_state = (state.params, state.opt_state) if not moves else jax.device_put(
+            (state.params, state.opt_state), jax.memory.Space.Device)
+        loss, grads = gradients(params, batch, jax.random.fold_in(key, state.step))
         grad_norm = optax.tree.norm(jax.tree.map(lambda g, sign: None if sign else g, grads, by_sign))  # of the
         # global arrays: exact whatever the shards; not of a load moved by sign (`make_optimizer`)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if moves:
+            params, opt_state = jax.device_put((params, opt_state), jax.memory.Space.Host)
         new_state = TrainState(state.step + 1, params, opt_state)
         return new_state, {"loss": loss, "grad_norm": grad_norm}
 
@@ -122,7 +130,7 @@ def make_train_step(layout: Layout, remat: str, optimizer, micro_batches: int = 
     )
 
 
-def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
+def step_gradients(layout: Layout, remat: str, micro_batches: int = 1, offload: tuple[str, ...] = ()):
     """(float32 master params, batch, key) → (loss, float32 gradients in the master weights' shards): what the
     step hands to clipping and AdamW (`make_train_step`), to be called under jit."""
     constrain = lambda tree, shardings: jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
@@ -139,7 +147,8 @@ def step_gradients(layout: Layout, remat: str, micro_batches: int = 1):
         weights = fsdp_weights(params, layout) if layout.parallel.fsdp > 1 else constrain(
             model.cast_params(params, layout.model), layout.master_shardings)
         loss, grads = loss_and_grad(constrain(weights, layout.param_shardings), batch, key, layout=layout,
-                                    remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs)
+                                    remat=remat, microbatches=micro_batches, grad_specs=layout.master_specs,
+                                    offload=offload)
         # float32 gradients, reduced in float32, in the master weights' shards (where they already are: a no-op)
         return loss, constrain(grads, layout.master_shardings)
 
@@ -164,11 +173,11 @@ def fsdp_weights(params, layout: Layout) -> dict:
     return jax.tree.map(one, params, model.cast_mask(layout.model), layout.master_shardings, layout.param_shardings)
 
 
-def make_loss_and_grad(layout: Layout, remat: str):
+def make_loss_and_grad(layout: Layout, remat: str, offload: tuple[str, ...] = ()):
     """jit(params, batch, key) → (loss, grads) with the same shardings as the train step; for tests
     and ahead-of-time analysis (the gradient a step would apply, before the optimizer)."""
     shard = context.sharder(layout.mesh, layout.parallel)
-    fn = jax.value_and_grad(partial(model.loss_fn, cfg=layout.model, shard=shard, remat=remat))
+    fn = jax.value_and_grad(partial(model.loss_fn, cfg=layout.model, shard=shard, remat=remat, offload=offload))
     return jax.jit(
         lambda params, batch, key: fn(params, batch, key=key),
         in_shardings=(layout.param_shardings, layout.batch, layout.replicated),
