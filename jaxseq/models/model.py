@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq.remat import remat_policy, segments
-from jaxseq.models import gpt, llama
+from jaxseq.models import fp8, gpt, llama
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
@@ -44,6 +44,12 @@ def family(cfg: ModelConfig) -> ModuleType:
 def traits(cfg: ModelConfig) -> decl.Traits:
     """What the cost side reads of `cfg`'s family (models/params.py, `Traits`)."""
     return family(cfg).TRAITS
+
+
+def compile_options(cfg: ModelConfig, platform: str) -> dict:
+    """The XLA options `cfg`'s programs compile with on `platform` ("cpu", "gpu"): an FP8 model's on a GPU, under which
+    its FP8 GEMMs become cuBLASLt's FP8 GEMMs (`fp8.GPU_OPTIONS`); else none."""
+    return dict(fp8.GPU_OPTIONS) if cfg.fp8 and platform == "gpu" else {}
 
 
 def shape_label(cfg: ModelConfig) -> str:

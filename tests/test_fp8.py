@@ -1,0 +1,163 @@
+"""FP8 GEMMs (models/fp8.py, `--fp8`): the quantization, each GEMM of the custom VJP against a float64 reference of
+the same quantization, the scales at the edges of the range, and the model's layers under tensor and sequence
+parallelism against one device. What the program compiled for an H100 runs (cuBLASLt's FP8 GEMMs):
+tests/test_gpu_target.py."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
+from jaxseq.models import fp8, model  # model: registers the families `validate` checks
+
+SPEC = "bsh,hf->bsf"  # a layer's matmul: activations [b, s, h] × a weight [h, f]
+FORMS = ("einsum", "cpu-bf16")  # the GPU's (the dot XLA:GPU rewrites) and XLA:CPU's native bf16 dot
+
+
+def _operands(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 16, 64)) * 3.0
+    w = rng.standard_normal((64, 32)) * 0.02
+    dy = rng.standard_normal((2, 16, 32)) * 1e-3
+    return tuple(jnp.asarray(a, dtype) for a in (x, w, dy))
+
+
+def _exact(q, s) -> np.ndarray:
+    """A quantized tensor's value in float64: q · s, exact."""
+    return np.asarray(q.astype(jnp.float32), np.float64) * float(s)
+
+
+def _dot_bound(a: np.ndarray, b: np.ndarray, spec: str) -> np.ndarray:
+    """The float32 rounding a sum of k products can carry (k·eps · Σ|products|, Higham's γ_k bound), plus one
+    rounding of the result."""
+    k = a.size * b.size // np.einsum(spec, a, b).size
+    eps = np.finfo(np.float32).eps
+    return (k + 1) * eps * np.einsum(spec, np.abs(a), np.abs(b))
+
+
+def test_quantize_rounds_to_the_nearest_fp8_value_under_a_power_of_two_scale():
+    """q is x / s rounded to the nearest e4m3 (e5m2) value, as ml_dtypes rounds it from float64; s is the smallest
+    power of two with amax / s ≤ the format's maximum."""
+    x, _, dy = _operands(jnp.float32)
+    for value, fmt in ((x, fp8.E4M3), (dy, fp8.E5M2)):
+        q, s = fp8.quantize(value, fmt)
+        s = float(s)
+        top = float(ml_dtypes.finfo(fmt).max)
+        amax = float(np.max(np.abs(np.asarray(value, np.float64))))
+        assert np.log2(s) == round(np.log2(s)) and amax / s <= top < 2 * amax / s
+        expected = (np.asarray(value, np.float64) / s).astype(fmt)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_fp8_gemm_and_its_gradients_match_float64_of_the_same_quantization(form):
+    """y = x·w, dx = dy·wᵀ and dw = xᵀ·dy from e4m3 x and w and e5m2 dy (float32 operands and results, so that the
+    only rounding left is float32's): each within float32's rounding of a float64 GEMM of the same quantized values."""
+    x, w, dy = _operands(jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8.matmul(SPEC, x, w, form), x, w)
+    dx, dw = vjp(dy)
+    (xq, xs), (wq, ws), (gq, gs) = (fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3), fp8.quantize(dy, fp8.E5M2))
+    x64, w64, g64 = _exact(xq, xs), _exact(wq, ws), _exact(gq, gs)
+    for got, spec, a, b in ((y, SPEC, x64, w64), (dx, "bsf,hf->bsh", g64, w64), (dw, "bsh,bsf->hf", x64, g64)):
+        err = np.abs(np.asarray(got, np.float64) - np.einsum(spec, a, b))
+        assert got.dtype == jnp.float32 and np.all(err <= _dot_bound(a, b, spec)), (spec, float(err.max()))
+
+
+def test_in_bfloat16_both_forms_round_the_float32_sum_once():
+    """bf16 operands (the model's): each GEMM is the float64 one of the quantized values rounded once to bf16 (to the
+    float32 sum's rounding), in the GPU's form and the CPU's alike."""
+    x, w, dy = _operands(jnp.bfloat16)
+    (xq, xs), (wq, ws) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3)
+    exact = np.einsum(SPEC, _exact(xq, xs), _exact(wq, ws))
+    ulp = np.abs(exact) * 2.0 ** -8  # bf16's 8 significant bits: half an ulp either side at most
+    for form in FORMS:
+        y = fp8.matmul(SPEC, x, w, form)
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - exact)
+        assert y.dtype == jnp.bfloat16 and np.all(err <= ulp + _dot_bound(_exact(xq, xs), _exact(wq, ws), SPEC))
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-40, 1e30, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)])
+def test_scales_stay_finite_at_zero_and_at_large_inputs(value):
+    """A zero tensor, a subnormal one and one at bf16's largest value: finite, positive scales, quantized values
+    finite, and the GEMM's gradients finite (a large x's forward product is not: it overflows any format)."""
+    x = jnp.full((2, 4, 8), value, jnp.float32)
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        q, s = fp8.quantize(x, fmt)
+        assert np.isfinite(float(s)) and float(s) > 0 and np.all(np.isfinite(np.asarray(q.astype(jnp.float32))))
+    w, dy = jnp.full((8, 3), 0.5, jnp.float32), jnp.full((2, 4, 3), 1e-3, jnp.float32)
+    _, vjp = jax.vjp(lambda x, w: fp8.matmul("bsh,hf->bsf", x, w), x, w)
+    dx, _ = vjp(dy)
+    assert np.all(np.isfinite(np.asarray(dx)))
+
+
+def test_fp8_with_float32_is_one_line():
+    with pytest.raises(ConfigError, match=r"^fp8=True with dtype='float32': FP8 GEMMs run in a bfloat16 model"):
+        validate(ModelConfig(dtype="float32", fp8=True), ParallelConfig(), "none")
+    validate(ModelConfig(dtype="bfloat16", fp8=True), ParallelConfig(), "none")
+
+
+def _loss_and_grads(cfg, parallel, devices):
+    """The tiny model's loss and gradients on `devices` (the train step's own `make_loss_and_grad`)."""
+    from jaxseq.mesh import make_mesh
+    from jaxseq.parallel.layout import Layout
+    from jaxseq.training import train_step
+
+    params = model.init_params(jax.random.key(1), cfg, tensor=4)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, cfg.seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    fn = train_step.make_loss_and_grad(Layout(cfg, parallel, make_mesh(parallel, devices)), "selective")
+    loss, grads = fn(params, batch, jax.random.key(2))
+    return float(loss), jax.device_get(grads)
+
+
+def _relative(a: dict, b: dict) -> float:
+    """The largest relative difference ‖a − b‖ / ‖b‖ over the gradients' leaves."""
+    return max(float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_ranks_quantize_each_tensor_by_its_whole_amax(devices):
+    """An FP8 GEMM inside shard_map, x split over `data` by rows and w over `tensor` by columns (each output element's
+    whole sum on one rank): the forward is one device's bit for bit and the gradients, summed over ranks, within
+    float32's rounding of one device's. Only so if every rank scales by the whole tensor's amax: a power-of-two scale
+    changes no FP8 rounding in the format's normal range, so one rank's rows here are 2¹⁶ times the other's, which
+    puts the small ones among FP8's subnormals under the whole tensor's scale and not under their own."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxseq.mesh import make_mesh
+
+    x, w, dy = _operands(jnp.float32)
+    x = x * jnp.array([1.0, 2.0**16], jnp.float32)[:, None, None]  # the data ranks' rows
+    w = w * jnp.repeat(jnp.array([1.0, 1.0, 1.0, 2.0**16], jnp.float32), w.shape[1] // 4)  # the tensor ranks' columns
+    dy = dy * jnp.array([2.0**16, 1.0], jnp.float32)[:, None, None]
+    mesh = make_mesh(ParallelConfig(data=2, tensor=4), devices[:8])
+    spec = (P("data", None, None), P(None, "tensor"))
+
+    def grads(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8.matmul(SPEC, x, w, "cpu-bf16"), x, w)
+        return (y, *vjp(dy))
+
+    one = jax.jit(grads)(x, w, dy)
+    many = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(*spec, P("data", None, "tensor")),
+                                 out_specs=(P("data", None, "tensor"), *spec)))(x, w, dy)
+    np.testing.assert_array_equal(np.asarray(many[0]), np.asarray(one[0]))
+    for a, b in zip(many[1:], one[1:]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
+
+
+@pytest.mark.slow  # 39 s on a loaded 2-core machine: three tiny steps compiled
+def test_the_fp8_model_under_tensor_and_sequence_parallelism_matches_one_device(devices):
+    """data=2 × tensor=4 + SP against one device, the FP8 model's loss and gradients: the step lowers (its column-
+    parallel matmuls in nested shard_maps inside a region manual over `data`: `fp8.scale`'s docstring), its loss is
+    one device's, and its gradients are within FP8's own error of one device's (an operand a float32 sum order away
+    from an FP8 rounding boundary rounds the other way: the FP8 model's gradients differ from one device's about as
+    much as FP8's from bf16's; bf16's parallel gradients are 10× closer)."""
+    cfg = on_platform(replace(preset("tiny"), vocab_size=250, dtype="bfloat16", fp8=True), "cpu")
+    one = _loss_and_grads(cfg, ParallelConfig(), devices[:1])
+    many = _loss_and_grads(cfg, ParallelConfig(data=2, tensor=4, sequence_parallel=True), devices[:8])
+    bf16 = _loss_and_grads(replace(cfg, fp8=False), ParallelConfig(), devices[:1])
+    fp8_error, parallel_error = _relative(one[1], bf16[1]), _relative(many[1], one[1])
+    assert abs(many[0] - one[0]) <= 1e-4 * abs(one[0])
+    assert 0.01 < fp8_error < 0.2 and parallel_error < 1.5 * fp8_error, (parallel_error, fp8_error)
+
