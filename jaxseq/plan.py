@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "planned with the JAX that recorded it): each row's whole train step compiles with them where "
                         "the file holds a choice for each of its GEMMs, instead of the larger of the all-Triton and "
                         "all-cuBLAS programs")
+    p.add_argument("--fp8", action="store_true",
+                   help="the layers' weight GEMMs as FP8 GEMMs (models/fp8.py), with --target: each row's programs "
+                        "compiled so, with their FP8 GEMMs counted and the memory FP8 adds; with --search: FP8 as a "
+                        "dimension, every configuration searched with and without it")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
                         "forward, full), then by the measured FLOPs")
@@ -148,6 +152,11 @@ def resolve(args) -> ModelConfig:
         cfg = replace(cfg, seq_len=args.seq_len)
     if args.dropout is not None:
         cfg = replace(cfg, dropout=args.dropout)
+    if args.fp8 and not args.search:
+        if args.target is None:
+            raise ConfigError("--fp8: FP8 GEMMs are a GPU program's (on the CPU they are emulated in bf16): plan them "
+                              f"with --target ({', '.join(gpu_target.TARGETS)})")
+        cfg = replace(cfg, fp8=True)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:
@@ -213,7 +222,8 @@ def search_request(args) -> search_space.Request:
                      search.parse_list(args.remat_policies, str), time_model,
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
                      search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
-                     search.parse_list(args.context_strategies, str), args.block_recompute)
+                     search.parse_list(args.context_strategies, str), args.block_recompute,
+                     (False, True) if args.fp8 else (False,))
 
 
 def _search(args) -> int:
@@ -260,7 +270,7 @@ def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.C
     """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
     `gpu_target.step_parallel` sizes it): its peak bytes per device and, where its time is priced on them (no
     pipeline: `search_time.program_step_time`), its memory-bound kernels' bytes, else None (its HLO not read)."""
-    parallel = candidate_parallel(c)
+    parallel, cfg = candidate_parallel(c), replace(cfg, fp8=c.fp8)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
     if c.pipe > 1:
         return gpu_target.step_bytes(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target), None

@@ -91,7 +91,7 @@ ALLOWED = {
     "planning.hlo_flops": {"planning.hlo", "planning.hlo_loops"},
     "planning.hlo_kernels": {"planning.hlo", "planning.hlo_loops"},
     "planning.memory": {"config", "models.model", "parallel.layout", "sharding"},
-    "planning.measure": {"config", "mesh", "planning.hlo_collectives", "planning.hlo_flops", "planning.hlo_kernels",
+    "planning.measure": {"config", "mesh", "models.model", "planning.hlo_collectives", "planning.hlo_flops", "planning.hlo_kernels",
                          "planning.hlo_loops", "planning.memory", "training.aot"},
     "planning.in_flight": {"config", "mesh", "parallel.layout", "parallel.pipeline", "parallel.schedule", "parallel.ticks",
                            "planning.hlo", "planning.hlo_flops", "planning.hlo_loops", "planning.measure",

@@ -161,3 +161,75 @@ def test_the_fp8_model_under_tensor_and_sequence_parallelism_matches_one_device(
     assert abs(many[0] - one[0]) <= 1e-4 * abs(one[0])
     assert 0.01 < fp8_error < 0.2 and parallel_error < 1.5 * fp8_error, (parallel_error, fp8_error)
 
+
+# ---------------------------------------------------------------------------------------------
+# The time model and the search (no program compiled: hand costs)
+
+
+def test_the_time_model_prices_the_weight_gemms_at_the_fp8_peak_and_the_rest_in_bf16():
+    """With `fp8` the four weight GEMMs of a layer and their gradients run at the FP8 peak × the compute efficiency ×
+    FP8's relative efficiency, with 1-byte operands; the attention core and the LM head stay bf16 GEMMs."""
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning import kernel_time
+
+    hw, cfg = HARDWARE["h100"], preset("gpt3-1.3b")
+    bf16, eight = kernel_time.forward_gemms(cfg, 4, 1), kernel_time.forward_gemms(replace(cfg, fp8=True), 4, 1)
+    seconds = lambda g: kernel_time.gemm_seconds(g, hw, 2, 0.728, 0.88)
+    for name, g in eight.items():
+        weight = name in kernel_time.WEIGHT_GEMMS
+        assert g.fp8 == weight and all(b.fp8 == weight for b in g.backward()) and not bf16[name].fp8
+        expected = hw.peak_tflops / (hw.fp8_peak_tflops * kernel_time.FP8_RELATIVE_EFFICIENCY) if weight else 1.0
+        assert seconds(g) / seconds(bf16[name]) == pytest.approx(expected), name  # compute-bound at these shapes
+    assert not any(g.fp8 for g in kernel_time.head_gemms(replace(cfg, fp8=True), 4, 1))
+    assert kernel_time.FP8_RELATIVE_EFFICIENCY == pytest.approx(0.914, abs=1e-3)
+
+
+class HandCosts:
+    """Round per-layer costs (tests/test_search.py's kind), an FP8 layer's the same as bf16's: the search's FP8 memory
+    is its compiled layer's, the same stored bytes under every whitelist policy."""
+
+    def __init__(self):
+        self.prepared = []
+
+    def prepare(self, keys, micro_batches):
+        self.prepared = list(keys)
+
+    def layer(self, t, sp, remat, b, context=1, strategy="all-gather", fp8=False):
+        from jaxseq.planning.costs import LayerCost
+
+        return LayerCost(2e6 * b / t, {"all-reduce": 2e6 * b} if t > 1 else {}, 5e5 * b + 1e6, 2e6 * b / t)
+
+    def state(self, stage, t, d, dist, p, f=1):
+        from jaxseq.planning.costs import StateCost
+
+        layers = stage.layers * 10_000_000 // t
+        n = layers + 1_000_000
+        master = 4 * n // (d if dist else 1)
+        return StateCost(master + 4 * n + 2 * master + 2 * n, n, master, layers, 2 * n, 2 * layers)
+
+
+def test_the_search_takes_fp8_as_a_dimension():
+    """`plan --search --fp8`: every configuration twice, with bf16 and with FP8 weight GEMMs, FP8's faster by what its
+    GEMMs save and labelled so; the FP8 layers prepared apart; an A100 (no FP8 tensor cores) refused in one line."""
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning.search import search
+    from jaxseq.planning.search_report import format_result, to_json
+    from jaxseq.planning.search_space import Request, enumerate_candidates
+
+    cfg = ModelConfig(vocab_size=512, seq_len=256, hidden=512, heads=8, layers=4, dtype="bfloat16", attention="fused")
+    hw = replace(HARDWARE["h100"], memory_gib=80.0)
+    r = Request(gpus=8, global_batch=16, hardware=hw, micro_batches=(2,), remats=("selective",), fp8=(False, True))
+    both, bf16 = enumerate_candidates(cfg, r), enumerate_candidates(cfg, replace(r, fp8=(False,)))
+    assert len(both) == 2 * len(bf16) and {c.fp8 for c in both} == {False, True}
+    costs = HandCosts()
+    res = search(cfg, r, costs, "test")
+    assert any(len(k) == 6 and k[5] for k in costs.prepared) and any(len(k) == 5 for k in costs.prepared)
+    by = {(e.candidate.tensor, e.candidate.pipe, e.candidate.sequence_parallel, e.candidate.distributed_optimizer,
+           e.candidate.fp8): e for e in res.ranked}
+    pairs = [(e, by[k[:4] + (True,)]) for k, e in by.items() if not k[4] and k[:4] + (True,) in by]
+    assert pairs and all(fp8.time.compute_s < e.time.compute_s for e, fp8 in pairs)
+    text = format_result(res)
+    assert "GEMM" in text and " fp8 " in text and "FP8 peak 1979 TFLOP/s" in text
+    assert to_json(res)["fp8"] == [False, True] and any(e["fp8"] for e in to_json(res)["ranked"])
+    with pytest.raises(ConfigError, match=r"^--fp8 on the a100: it has no FP8 tensor cores"):
+        search(cfg, replace(r, hardware=HARDWARE["a100"]), costs, "test")

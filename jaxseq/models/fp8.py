@@ -42,8 +42,10 @@ E4M3 = jnp.float8_e4m3fn  # activations and weights
 E5M2 = jnp.float8_e5m2  # gradients
 MIN_EXPONENT = -126  # float32's smallest normal exponent: the smallest scale, 2⁻¹²⁶
 # XLA:GPU's options under which the dequantize-dot pattern becomes cuBLASLt's FP8 GEMM (the module docstring): an FP8
-# run's compile options on a GPU, and the program `plan --target --fp8` reads.
-GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# run's compile options on a GPU, and the program `plan --target --fp8` reads. Why no dot merging: XLA's dot merger
+# joins dots that share an operand (Llama's Q and K/V projections, forward, and their weight gradients) into one dot
+# of the concatenated dequantized operands, each with its own scale, which the rewriter can then only run in bf16.
+GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def scale(x, fmt) -> jax.Array:
