@@ -266,8 +266,8 @@ def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
     weight read for their amax and read again and written in e4m3 (2e + 1 a element), in forward and again in
     backward (no remat policy keeps an FP8 copy: the backward quantizes what its policy kept or replayed, the copy
     for the weight gradient transposed as it is cast), and its output gradient read for its amax and cast to e5m2
-    twice, as it is and transposed (3e + 2). For gpt3-1.3b at micro-batch 4, 3.3 GB a layer: the H100's program moves
-    3.3 GB a layer more with --fp8 than without."""
+    twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. With `--target` the
+    search reads these bytes from the FP8 layer's program instead."""
     e = cfg.itemsize
     gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS]
     operands = sum(g.m * g.k + g.k * g.n for g in gemms)
