@@ -153,9 +153,12 @@ def resolve(args) -> ModelConfig:
     if args.dropout is not None:
         cfg = replace(cfg, dropout=args.dropout)
     if args.fp8 and not args.search:
-        if args.target is None:
-            raise ConfigError("--fp8: FP8 GEMMs are a GPU program's (on the CPU they are emulated in bf16): plan them "
-                              f"with --target ({', '.join(gpu_target.TARGETS)})")
+        fp8_targets = [t for t in gpu_target.TARGETS if HARDWARE[t].fp8_peak_tflops > 0]  # FP8 tensor cores
+        if args.target not in fp8_targets:
+            where = "without --target" if args.target is None else f"with --target {args.target}"
+            raise ConfigError(f"--fp8 {where}: FP8 GEMMs are the program of a GPU with FP8 tensor "
+                              f"cores (on the CPU they are emulated in bf16): plan them with --target "
+                              f"({', '.join(fp8_targets)})")
         cfg = replace(cfg, fp8=True)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")

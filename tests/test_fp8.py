@@ -98,6 +98,21 @@ def test_fp8_with_float32_is_one_line():
     validate(ModelConfig(dtype="bfloat16", fp8=True), ParallelConfig(), "none")
 
 
+@pytest.mark.parametrize("args,message", [
+    ([], "--fp8 without --target: FP8 GEMMs are the program of a GPU with FP8 tensor cores"),
+    (["--target", "a100"], "--fp8 with --target a100: FP8 GEMMs are the program of a GPU with FP8 tensor cores"),
+    (["--search", "--gpus", "8", "--global-batch", "16", "--hardware", "a100"], "--fp8 on the a100: it has no FP8 "
+                                                                                  "tensor cores"),
+])
+def test_a_plan_with_fp8_where_no_fp8_gemm_runs_is_one_line(args, message):
+    """`plan --fp8` on the CPU's program (emulated FP8) or an A100 (no FP8 tensor cores): one line, nothing compiled."""
+    from commands import command
+    from jaxseq import plan as plan_command
+
+    out = command(plan_command.main, "--preset", "tiny", "--fp8", *args, check=False)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {message}") and out.stderr.count("\n") == 1, out
+
+
 def _loss_and_grads(cfg, parallel, devices):
     """The tiny model's loss and gradients on `devices` (the train step's own `make_loss_and_grad`)."""
     from jaxseq.mesh import make_mesh
