@@ -71,6 +71,7 @@ class ModelConfig:
     matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
     fused_kernel: str = "xla"  # attention=fused's implementation: "xla", or "cudnn" (set on GPUs in bf16)
     layer_loop: str = "scan"  # how the layers run: "scan" (lax.scan) or "unrolled" (a Python loop: models/model.layers)
+    fp8: bool = False  # the layers' weight matmuls as FP8 GEMMs (e4m3 activations and weights, e5m2 gradients: models/fp8.py)
     # The Llama family's, which it validates (models/llama.py, `validate`):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden
@@ -123,7 +124,7 @@ class ModelConfig:
 # How a model computes, free to change between runs of the same weights; every other ModelConfig
 # field is its architecture, which a resume or --init-from must keep.
 RUNTIME_FIELDS = ("dropout", "dtype", "attention", "matmul", "fused_kernel", "layer_loop", "document_mask",
-                  "eod_token", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+                  "eod_token", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "fp8")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
@@ -396,6 +397,7 @@ def validate_model(model: ModelConfig) -> None:
     if model.layer_loop not in LAYER_LOOPS:
         raise ConfigError(f"layer_loop={model.layer_loop!r} is not valid; valid: {', '.join(LAYER_LOOPS)}")
     validate_documents(model)
+    validate_fp8(model)
     validate_family(model)
 
 
@@ -407,6 +409,15 @@ def validate_documents(model: ModelConfig) -> None:
     if model.document_mask and (not isinstance(eod, int) or not 0 <= eod < model.vocab_size):
         raise ConfigError(f"document_mask needs eod_token, the end-of-document id, in 0 … {model.vocab_size - 1}; "
                           f"got {eod!r}")
+
+
+def validate_fp8(model: ModelConfig) -> None:
+    """FP8 GEMMs dequantize into bf16 operands (models/fp8.py): a float32 model has none to give them."""
+    if not isinstance(model.fp8, bool):
+        raise ConfigError(f"fp8={model.fp8!r} must be true or false")
+    if model.fp8 and model.dtype != "bfloat16":
+        raise ConfigError(f"fp8=True with dtype={model.dtype!r}: FP8 GEMMs run in a bfloat16 model (their operands "
+                          "dequantized to bf16, their outputs bf16); add --dtype bfloat16, or leave --fp8 out")
 
 
 # Each model family's check of its own fields, by family name (the names a ModelConfig's `family` may take), in

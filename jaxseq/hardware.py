@@ -34,7 +34,7 @@ def peak_tflops(device_kind: str) -> float | None:
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
     """One node type: dense bf16 peak, memory and its bandwidth, SMs (a GEMM runs in waves of one tile per
-    SM), NVLink per direction per GPU, InfiniBand per GPU."""
+    SM), NVLink per direction per GPU, InfiniBand per GPU; the dense FP8 peak (0: no FP8 tensor cores)."""
 
     name: str
     peak_tflops: float
@@ -45,6 +45,7 @@ class Hardware:
     intra_node_gb_per_s: float  # GB/s per direction per GPU (NVLink)
     inter_node_gbit_per_s: float  # Gb/s per GPU (InfiniBand)
     pcie_gb_per_s: float = 64.0  # GB/s per direction per GPU between its memory and the host's (PCIe)
+    fp8_peak_tflops: float = 0.0  # dense FP8 tensor cores (e4m3/e5m2), twice bf16's on Hopper; none on the A100
 
     @property
     def inter_node_gb_per_s(self) -> float:
@@ -56,14 +57,15 @@ class Hardware:
 # papers' runs are on the former. DGX H200: the H100's compute and links, 141 GB of HBM3e (140 GiB, as CUDA reports
 # it) at 4800 GB/s. PCIe to the host (NVIDIA's data sheets: A100 "PCIe Gen4: 64 GB/s", H100 and H200 SXM "PCIe Gen5:
 # 128 GB/s", both directions together): 32 and 64 GB/s per direction, x16.
+# FP8 (H100 and H200 data sheets): 1,979 TFLOP/s dense; the A100 has no FP8 tensor cores.
 HARDWARE = {
     "a100": Hardware(name="a100", peak_tflops=GPUS["a100"].peak_tflops, memory_gib=80.0, hbm_gb_per_s=2039.0,
                      sm_count=108, gpus_per_node=8, intra_node_gb_per_s=300.0, inter_node_gbit_per_s=200.0,
                      pcie_gb_per_s=32.0),
     "h100": Hardware(name="h100", peak_tflops=GPUS["h100"].peak_tflops, memory_gib=80.0, hbm_gb_per_s=3350.0,
                      sm_count=132, gpus_per_node=8, intra_node_gb_per_s=450.0, inter_node_gbit_per_s=400.0,
-                     pcie_gb_per_s=64.0),
+                     pcie_gb_per_s=64.0, fp8_peak_tflops=1979.0),
     "h200": Hardware(name="h200", peak_tflops=GPUS["h200"].peak_tflops, memory_gib=140.0, hbm_gb_per_s=4800.0,
                      sm_count=132, gpus_per_node=8, intra_node_gb_per_s=450.0, inter_node_gbit_per_s=400.0,
-                     pcie_gb_per_s=64.0),
+                     pcie_gb_per_s=64.0, fp8_peak_tflops=1979.0),
 }

@@ -101,6 +101,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="each row with its float32 master weights and Adam moments in host memory between steps "
                         "(train --offload-optimizer); with --search, as a choice (+offload-opt), with --offload all "
                         "too")
+    p.add_argument("--fp8", action="store_true",
+                   help="the layers' weight GEMMs as FP8 GEMMs (models/fp8.py), with --target: each row's programs "
+                        "compiled so, with their FP8 GEMMs counted and the memory FP8 adds; with --search: FP8 as a "
+                        "dimension, every configuration searched with and without it")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="recommend the least recompute that fits: by what each policy replays (none, a part of the "
                         "forward, full), then by the measured FLOPs")
@@ -184,6 +188,14 @@ def resolve(args) -> ModelConfig:
         cfg = replace(cfg, dropout=args.dropout)
     if args.document_mask:  # any id ends a document in a program compiled on abstract tokens: the vocabulary's last
         cfg = replace(cfg, document_mask=True, eod_token=cfg.vocab_size - 1)
+    if args.fp8 and not args.search:
+        fp8_targets = [t for t in gpu_target.TARGETS if HARDWARE[t].fp8_peak_tflops > 0]  # FP8 tensor cores
+        if args.target not in fp8_targets:
+            where = "without --target" if args.target is None else f"with --target {args.target}"
+            raise ConfigError(f"--fp8 {where}: FP8 GEMMs are the program of a GPU with FP8 tensor "
+                              f"cores (on the CPU they are emulated in bf16): plan them with --target "
+                              f"({', '.join(fp8_targets)})")
+        cfg = replace(cfg, fp8=True)
     if args.data <= 0:
         raise ConfigError(f"data={args.data} must be a positive integer")
     if args.budget_gib is not None and not args.budget_gib > 0:
@@ -266,7 +278,7 @@ def search_request(args) -> search_space.Request:
                      search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
                      search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
                      search.parse_list(args.context_strategies, str), args.block_recompute, search_offload(args),
-                     args.offload_optimizer)
+                     args.offload_optimizer, (False, True) if args.fp8 else (False,))
 
 
 def search_offload(args) -> bool:
@@ -325,7 +337,7 @@ def target_step_costs(cfg: ModelConfig, target: str, progress, c: search_space.C
     """Candidate `c`'s whole train step compiled for `target` (at the model's depth, on its full mesh as
     `gpu_target.step_parallel` sizes it): its peak bytes per device and, where its time is priced on them (no
     pipeline: `search_time.program_step_time`), its memory-bound kernels' bytes, else None (its HLO not read)."""
-    parallel = candidate_parallel(c)
+    parallel, cfg = candidate_parallel(c), replace(cfg, fp8=c.fp8)
     progress.compiling(f"{c.label()}: the whole train step on {parallel.num_devices} {target}(s)")
     if c.pipe > 1:
         return gpu_target.step_bytes(cfg, parallel, c.remat, c.micro_batch, c.microbatches, target), None

@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "unrolled avoids the scan's stacked buffers: on an H100, gpt3-1.3b's step 13%% faster "
                            "under none, 10%% under lean, 3%% under full, with 5–9%% less memory; GPUs only; its "
                            "compile time grows with depth: 15–22 s there against 9 s)")
+    a("--fp8", action=argparse.BooleanOptionalAction, default=None,
+      help="the layers' weight matmuls (QKV, attention output, MLP in and out; forward and both backward GEMMs) as "
+           "FP8 GEMMs: e4m3 activations and weights, e5m2 gradients, each tensor scaled by its amax (models/fp8.py); "
+           "bf16 only; on GPUs cuBLASLt's FP8 GEMMs, on CPUs emulated")
     a("--steps", type=int, help="optimizer steps")
     a("--batch-size", type=int, help="global batch size, sequences")
     a("--micro-batch-size", type=int, help="micro-batch size; smaller than --batch-size accumulates gradients")
@@ -210,7 +214,7 @@ FLAG_FIELDS = ("remat", "attention", "dtype", "steps", "batch_size", "micro_batc
                "warmup_steps", "weight_decay", "clip_norm", "seed", "host_devices", "data", "tokenizer", "run_dir",
                "log_every", "eval_every", "checkpoint_every", "peak_tflops", "init_from", "distributed_optimizer",
                "context_strategy", "layer_loop", "record_autotune", "document_mask", "profile", "offload",
-               "offload_optimizer")
+               "offload_optimizer", "fp8")
 
 
 def configs_from_args(args) -> tuple[dict, str | None, bool | None]:

@@ -2,6 +2,7 @@
 accounting against the peaks an H100 measured (experiments/results/gpu_h100_2026-11-26/), float32 with fused
 attention on XLA's kernel, and eight target devices' NCCL collectives under tensor parallelism + SP."""
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
 from jaxseq.planning import gpu_target as G
-from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels
+from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels, kernel_time
 from jaxseq.planning import search_memory
 from jaxseq.planning.costs import costs_of, run_kernels
 from jaxseq.planning.search_space import Candidate, TimeModel
@@ -492,3 +493,103 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
         parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes, n, 6).total_bytes
         assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)
         assert abs(parts / compiled - 1) <= 0.03, (n, parts, compiled)
+
+
+# FP8 GEMMs (`--fp8`, models/fp8.py): the layers' weight matmuls of GPT (QKV, attention output, MLP in and out) and
+# Llama (Q, K/V, attention output, MLP in and out), each a forward GEMM and two backward ones, and those the policy
+# replays in backward (`full`: all but the last MLP matmul); the LM head's three GEMMs stay bf16.
+LAYER_MATMULS = {"gpt": ("bsh,hcad->bscad", "bsad,adh->bsh", "bsh,hf->bsf", "bsf,fh->bsh"),
+                 "llama": ("bsh,had->bsad", "bsh,hckd->bsckd", "bsad,adh->bsh", "bsh,hcf->bscf", "bsf,fh->bsh")}
+
+
+def _gemms_by_matmul(text: str) -> dict[str, int]:
+    """Layer matmul spec → the cuBLAS GEMM calls of the program whose op names come from it, FP8 or not, per step."""
+    comps, runs = hlo.parse_hlo(text), hlo_loops_runs(text)
+    out = {}
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            target = re.search(r'custom_call_target="([^"]*)"', ins.rest)
+            if ins.opcode == "custom-call" and target and target.group(1).startswith(hlo.CUBLAS):
+                spec = next((s for specs in LAYER_MATMULS.values() for s in specs if f"/{s}/" in hlo.op_name(ins.rest)),
+                            None)
+                key = (spec, target.group(1).endswith("$f8"))
+                out[key] = out.get(key, 0) + runs.get(comp, 0)
+    return out
+
+
+def hlo_loops_runs(text: str) -> dict[str, int]:
+    from jaxseq.planning import hlo_loops
+
+    return hlo_loops.runs_per_call(text)
+
+
+@pytest.fixture(scope="module")
+def shared_steps():
+    """`gpu_target.compile_step` compiling each distinct step once in this module: the FP8 tests below and the plan
+    they call share their H100 programs (the tiny FP8 step and the bf16 cuBLAS one)."""
+    compiled, compile_step = {}, G.compile_step
+    signature = inspect.signature(compile_step)
+
+    def once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = repr(bound.arguments)  # frozen configs and strings, the same text for the same step
+        if key not in compiled:
+            compiled[key] = compile_step(*args, **kwargs)
+        return compiled[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(G, "compile_step", once)
+        yield
+
+
+# XLA's dot merger joins Llama's Q and K/V projections (one input) forward and their weight gradients into one GEMM
+# each in bf16; `fp8.GPU_OPTIONS` turns it off, so an FP8 layer keeps all its GEMMs
+MERGED_IN_BF16 = {"gpt": 0, "llama": 2}
+
+
+@pytest.mark.slow  # two tiny steps compiled for an H100: 50 s on the loaded 2-core machine
+@pytest.mark.parametrize("name,remat", [("tiny", "selective"), ("tiny", "full"),
+                                        ("tiny-llama", "lean")])
+def test_with_fp8_every_layer_weight_gemm_is_an_fp8_gemm_and_without_none_is(name, remat, shared_steps):
+    """The train step compiled for an H100 with --fp8 (its options: Triton's GEMMs off, no dot merging,
+    `fp8.GPU_OPTIONS`): every GEMM of every layer weight matmul, forward, input gradient, weight gradient and the
+    policy's replays, is cuBLASLt's FP8 GEMM (`__cublas$lt$matmul$f8`), and nothing else is; without --fp8 none is."""
+    cfg = replace(preset(name), attention="fused", dropout=0.0)
+    matmuls = LAYER_MATMULS[cfg.family]
+    replays = 3 if remat == "full" else 0  # the forward GEMMs `full` runs again, all but the last MLP matmul's
+    per_layer = 3 * len(matmuls) + replays
+    fp8_text = G.compile_step(replace(cfg, fp8=True), ParallelConfig(), remat, 2, 1, "h100", "cublas").as_text()
+    bf16_text = G.compile_step(cfg, ParallelConfig(), remat, 2, 1, "h100", "cublas").as_text()
+    fp8, bf16 = hlo_flops.gemm_count(fp8_text), hlo_flops.gemm_count(bf16_text)
+    assert (fp8.gemms, fp8.fp8_gemms) == (per_layer * cfg.layers + 3, per_layer * cfg.layers)
+    bf16_layer = per_layer - MERGED_IN_BF16[cfg.family]
+    assert (bf16.gemms, bf16.fp8_gemms, bf16.fp8_flops) == (bf16_layer * cfg.layers + 3, 0, 0)
+    # their FLOPs, from the layer's shapes: each weight GEMM forward, its two gradients and the policy's replays
+    shapes = kernel_time.forward_gemms(cfg, 2, 1)
+    replayed = ("qkv", "out", "mlp_up") if remat == "full" else ()
+    layer_flops = sum(shapes[n].flops * (3 + (n in replayed)) for n in kernel_time.WEIGHT_GEMMS)
+    assert fp8.fp8_flops == pytest.approx(layer_flops * cfg.layers, rel=1e-12)
+    assert fp8.flops == pytest.approx(bf16.flops, rel=1e-12) and fp8.flops > fp8.fp8_flops  # the LM head's, bf16
+    by_matmul = _gemms_by_matmul(fp8_text)
+    for spec in matmuls:  # each matmul's forward and both backward GEMMs, in every layer
+        assert by_matmul[(spec, True)] >= 3 * cfg.layers and (spec, False) not in by_matmul, (spec, by_matmul)
+    assert by_matmul[(None, False)] == 3 and (None, True) not in by_matmul  # the LM head, bf16
+    assert not any(fp8 for _, fp8 in _gemms_by_matmul(bf16_text))
+
+
+@pytest.mark.slow  # a plan: CPU programs, and GPU ones beside the FP8 test's (the layer, the bf16 Triton step)
+def test_a_plan_with_fp8_for_a_target_is_its_fp8_step_with_the_copies_named(devices, shared_steps):
+    """`plan --target h100 --fp8`: the row's total is the FP8 step compiled for the H100 (the compiled step itself,
+    within 0%), with its FP8 GEMMs counted, what FP8 adds to the peak against the same step in bf16, and the FP8
+    copies its layers make by kind."""
+    from jaxseq.planning.plan import plan
+
+    cfg = replace(preset("tiny"), attention="fused", dropout=0.0, fp8=True)
+    row = plan(cfg, 1, 2, devices, policies=("selective",), target="h100").row("selective")
+    fp8_peak = G.step_bytes(cfg, ParallelConfig(), "selective", 2, 1, "h100")
+    bf16_peak = G.step_bytes(replace(cfg, fp8=False), ParallelConfig(), "selective", 2, 1, "h100")
+    assert row.total_bytes_per_device == fp8_peak
+    assert (row.fp8_gemms_per_step, row.gemms_per_step) == (24, 27)
+    assert row.fp8_extra_bytes_per_device == fp8_peak - bf16_peak
+    assert set(row.fp8_copy_bytes_per_layer) >= {"e4m3", "e5m2 transposed"}

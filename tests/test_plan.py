@@ -15,7 +15,7 @@ from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, repl
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
-from jaxseq.planning import hlo_loops, in_flight, measure, memory, report
+from jaxseq.planning import hlo_flops, hlo_loops, in_flight, measure, memory, report
 from jaxseq.planning import plan as P
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
@@ -516,6 +516,8 @@ def stubbed_target_plan(monkeypatch, progress=None) -> P.Plan:
     monkeypatch.setattr(P.gpu_target, "target_devices", lambda target, count: [None] * count)
     monkeypatch.setattr(P.gpu_target, "stored_bytes_per_layer", lambda *args, **kwargs: 1000)
     monkeypatch.setattr(P.gpu_target, "step_bytes", lambda *args: memory.GIB)
+    program = P.gpu_target.StepProgram(memory.GIB, None, hlo_flops.GemmCount(0, 0), {})
+    monkeypatch.setattr(P.gpu_target, "step_program", lambda *args, **kwargs: program)
     return P.plan(CONTEXT_CFG, CONTEXT_T, 1, jax.devices(), "tiny", target="h100", progress=progress)
 
 

@@ -158,6 +158,7 @@ def test_a_failed_execution_is_one_line():
     (["--layer-loop", "while"], "layer_loop='while' is not valid; valid: scan, unrolled"),
     (["--record-autotune", "at.textproto"], "record_autotune='at.textproto': XLA autotunes GEMMs on GPUs only; "
                                             "this run's devices are cpu"),
+    (["--fp8", "--dtype", "float32"], "fp8=True with dtype='float32': FP8 GEMMs run in a bfloat16 model"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     out = run(*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run"), *args, check=False)

@@ -30,13 +30,13 @@ def bf16_matmul(spec: str, x, w):
     bf16 dot with a float32 result, rounded once (any other dtype: the plain einsum)."""
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return jnp.einsum(spec, x, w)
-    xs, ws, out = _indices(spec)
+    xs, ws, out = indices(spec)
     if set(xs) & set(ws) & set(out) or not set(xs) <= set(ws + out) or not set(ws) <= set(xs + out):
         raise ValueError(f"matmul {spec!r}: not activations × weight (a batch index, or one summed within an operand)")
     return checkpoint_name(_matmul_f32_accumulated(spec, x, w), remat.MATMUL)
 
 
-def _indices(spec: str) -> tuple[str, str, str]:
+def indices(spec: str) -> tuple[str, str, str]:
     """"bsh,hf->bsf" → ("bsh", "hf", "bsf")."""
     operands, out = spec.split("->")
     a, b = operands.split(",")
@@ -46,16 +46,16 @@ def _indices(spec: str) -> tuple[str, str, str]:
 def _transposed(x, perm):
     """An operand x transposed by perm, as its own op: an optimization barrier keeps XLA from folding the
     transpose into the dot that consumes it. (A result's transpose needs the barrier on the other
-    side, between the dot and the transpose: `_dot_rounded` writes that one.)"""
+    side, between the dot and the transpose: `dot_rounded` writes that one.)"""
     return x if list(perm) == sorted(perm) else jax.lax.optimization_barrier(jnp.transpose(x, perm))
 
 
-def _dot_rounded(spec: str, a, b, dtype):
+def dot_rounded(spec: str, a, b, dtype):
     """einsum(spec, a, b) (no batch indices) accumulated in float32 and rounded to dtype, written as a
     dot of [m, k] × [k, n] operands: the form XLA:CPU's bf16 kernels (YNNPACK) take, while its generic
     dot kernel runs no bf16 × bf16 → f32 dot at all. Left to itself, XLA folds a weight gradient's
     transposes into its dot, which then fails to run ("Unsupported element type for DotThunk")."""
-    sa, sb, so = _indices(spec)
+    sa, sb, so = indices(spec)
     contract = [i for i in sa if i in sb]
     m, n = [i for i in sa if i not in sb], [i for i in sb if i not in sa]
     a = _transposed(a, [sa.index(i) for i in m + contract])
@@ -71,7 +71,7 @@ def _einsum_rounded(spec: str, a, b, like):
     """einsum(spec, a, b) accumulated in float32, rounded to like's dtype, and summed over the manual
     mesh axes (inside shard_map) that it varies over and `like` does not: the psum JAX's own transpose
     adds for an operand that was replicated over them."""
-    y = _dot_rounded(spec, a, b, like.dtype)
+    y = dot_rounded(spec, a, b, like.dtype)
     extra = tuple(sorted(jax.typeof(y).mat.varying - jax.typeof(like).mat.varying))
     return jax.lax.psum(y, extra) if extra else y
 
@@ -79,7 +79,7 @@ def _einsum_rounded(spec: str, a, b, like):
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _matmul_f32_accumulated(spec, x, w):
     with jax.named_scope(spec):  # the op name jnp.einsum gives its dots, which planning/hlo_flops.py's `dots` report
-        return _dot_rounded(spec, x, w, x.dtype)
+        return dot_rounded(spec, x, w, x.dtype)
 
 
 def _matmul_fwd(spec, x, w):
@@ -88,7 +88,7 @@ def _matmul_fwd(spec, x, w):
 
 def _matmul_bwd(spec, res, g):
     x, w = res
-    xs, ws, out = _indices(spec)
+    xs, ws, out = indices(spec)
     with jax.named_scope(spec):  # named after the forward matmul, as JAX names an einsum's transposes
         return _einsum_rounded(f"{out},{ws}->{xs}", g, w, like=x), _einsum_rounded(f"{xs},{out}->{ws}", x, g, like=w)
 

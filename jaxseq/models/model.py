@@ -21,7 +21,7 @@ from jaxseq.config import ModelConfig, ParallelConfig, register_family
 from jaxseq.mesh import FSDP_AXIS, logical_rules, logical_to_spec
 from jaxseq import offload as host_offload
 from jaxseq.remat import ATTN_SOFTMAX_STATS, remat_policy, segments
-from jaxseq.models import documents, gpt, llama, moe
+from jaxseq.models import documents, fp8, gpt, llama, moe
 from jaxseq.models import params as decl
 from jaxseq.models.ops import cross_entropy
 from jaxseq.sharding import Sharder
@@ -46,6 +46,12 @@ def family(cfg: ModelConfig) -> ModuleType:
 def traits(cfg: ModelConfig) -> decl.Traits:
     """What the cost side reads of `cfg`'s family (models/params.py, `Traits`)."""
     return family(cfg).TRAITS
+
+
+def compile_options(cfg: ModelConfig, platform: str) -> dict:
+    """The XLA options `cfg`'s programs compile with on `platform` ("cpu", "gpu"): an FP8 model's on a GPU, under which
+    its FP8 GEMMs become cuBLASLt's FP8 GEMMs (`fp8.GPU_OPTIONS`); else none."""
+    return dict(fp8.GPU_OPTIONS) if cfg.fp8 and platform == "gpu" else {}
 
 
 def shape_label(cfg: ModelConfig) -> str:

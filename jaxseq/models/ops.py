@@ -18,7 +18,7 @@ from jax.extend.random import threefry2x32_p
 from jaxseq.config import ModelConfig
 from jaxseq import remat
 from jaxseq import deferred
-from jaxseq.models import documents
+from jaxseq.models import documents, fp8
 from jaxseq.models.cpu_matmul import bf16_matmul
 from jaxseq.models.cudnn_attention import cudnn_attention
 from jaxseq.sharding import Sharder
@@ -31,10 +31,12 @@ from jaxseq.sharding import Sharder
 MATMULS = {"einsum": jnp.einsum, "cpu-bf16": bf16_matmul}
 
 
-def matmul(spec: str, x, w, cfg: ModelConfig):
-    """jnp.einsum(spec, x, w) for activations x times a weight w, in the form cfg.matmul names; a `Deferred` w
-    (zb-h1's split backward) leaves its gradient to the pipeline's W op."""
-    return deferred.apply(partial(MATMULS[cfg.matmul], spec), x, w)
+def matmul(spec: str, x, w, cfg: ModelConfig, layer: bool = True):
+    """jnp.einsum(spec, x, w) for activations x times a weight w, in the form cfg.matmul names: with cfg.fp8 a layer's
+    (`layer`; the LM head passes False) an FP8 GEMM in that form (models/fp8.py); a `Deferred` w (zb-h1's split
+    backward) leaves its gradient to the pipeline's W op."""
+    op = partial(fp8.matmul, form=cfg.matmul) if cfg.fp8 and layer else MATMULS[cfg.matmul]
+    return deferred.apply(partial(op, spec), x, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +481,7 @@ def vocab_logits(table, x, cfg: ModelConfig, shard: Sharder):
     vocab, padded entries -inf: a column-parallel matmul over the vocabulary (all-gathering the sequence
     under SP). The tied embedding (GPT) or the untied lm_head (Llama)."""
     table = {"table": table.astype(x.dtype)}
-    logits = shard.column_parallel(lambda y, p: matmul("bsh,vh->bsv", y, p["table"], cfg), x, table,
+    logits = shard.column_parallel(lambda y, p: matmul("bsh,vh->bsv", y, p["table"], cfg, layer=False), x, table,
                                    {"table": ("vocab", None)}, ("batch", "seq", "vocab"))
     logits = shard(logits.astype(jnp.float32), "batch", "seq", "vocab")
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)

@@ -61,17 +61,18 @@ class StateCost:
 
 
 class Costs(Protocol):
-    # keys: (t, SP, remat, c, context strategy) each; compile all at once
-    def prepare(self, keys: list[tuple[int, bool, str, int, str]], micro_batches: tuple[int, ...]) -> None: ...
+    # keys: (t, SP, remat, c, context strategy), or with fp8 as a sixth where True; compile all at once
+    def prepare(self, keys: list[tuple], micro_batches: tuple[int, ...]) -> None: ...
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
-              strategy: str = "all-gather") -> LayerCost: ...
+              strategy: str = "all-gather", fp8: bool = False) -> LayerCost: ...
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
               fsdp: int = 1) -> StateCost: ...
 
 
 def costs_of(cfg: ModelConfig, c: Candidate, costs: Costs) -> tuple[LayerCost, StateCost]:
-    """Candidate c's layer (at its micro-batch) and its stage's state."""
-    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy)
+    """Candidate c's layer (at its micro-batch; an FP8 candidate's FP8 layer) and its stage's state."""
+    fp8 = {"fp8": True} if c.fp8 else {}  # asked of a Costs only where a candidate has FP8 GEMMs
+    layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy, **fp8)
     # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
                         c.distributed_optimizer, c.pipe, c.fsdp)
@@ -146,6 +147,6 @@ def run_kernels(cfg: ModelConfig, c: Candidate) -> ModelConfig:
     """`cfg` with the attention a GPU runs candidate c with, chosen as `train` chooses it (`config.on_platform` for
     c's context layout): cuDNN's flash kernel in bf16 where it compiles, XLA's elsewhere (the all-gather context
     strategy at c > 1, float32), whose scores go through HBM (`kernel_time.flash`); the ring's own blocks
-    (`layer_attention`)."""
-    cfg = replace(cfg, attention=layer_attention(cfg, c.context, c.context_strategy))
+    (`layer_attention`); its weight GEMMs FP8 GEMMs where c's are (`Candidate.fp8`)."""
+    cfg = replace(cfg, attention=layer_attention(cfg, c.context, c.context_strategy), fp8=c.fp8)
     return on_platform(cfg, "gpu", ParallelConfig(context=c.context, context_strategy=c.context_strategy))

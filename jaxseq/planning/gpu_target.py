@@ -21,13 +21,15 @@ Where the device's own choices were recorded, the step compiles once with them i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import hlo_kernels, hlo_loops
+from jaxseq.models import model
+from jaxseq.planning import hlo_flops, hlo_kernels, hlo_loops
 from jaxseq.planning.measure import MEASURE_LAYERS
 from jaxseq.training import aot
 
@@ -90,33 +92,67 @@ def step_parallel(*, tensor: int, sequence_parallel: bool, data: int = 1, distri
 GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
+def gemm_programs(cfg: ModelConfig) -> tuple[str, ...]:
+    """The GEMM programs (`GEMMS`) a run of `cfg` may get from the device's autotuner: either, but an FP8 run's, which
+    compiles with Triton's GEMMs off (`model.compile_options`): the cuBLAS program alone."""
+    return ("cublas",) if model.compile_options(cfg, "gpu") else tuple(GEMMS)
+
+
 def compile_step(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                  target: str, gemms: str = "triton", options: dict | None = None, offload: tuple[str, ...] = ()):
     """The real train step (AdamW, donated state, the model's dtype and depth, `microbatches` micro-batches of
     `micro_batch` sequences per data rank) compiled for `parallel.num_devices` devices of GPU `target`, its GEMMs
-    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`); the
-    stored tensors `offload` names in host memory (jaxseq/offload.py)."""
+    as `gemms` says (`GEMMS`), or as XLA `options` say (a device's recorded choices: `planning.autotune`), with the
+    options the model's run sets on a GPU (`model.compile_options`: an FP8 run's, the cuBLAS program whatever `gemms`
+    says); the stored tensors `offload` names in host memory (jaxseq/offload.py)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
+    run = {**(GEMMS[gemms] if options is None else options), **model.compile_options(cfg, "gpu")}
     return aot.compile_train_step(on_platform(cfg, "gpu", parallel), parallel, remat, mesh, micro_batch, microbatches,
-                                  GEMMS[gemms] if options is None else options, offload)
+                                  run, offload)
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """What a step's programs compiled for the GPU say: its peak bytes per device (the larger of the programs the
+    device may run: `gemm_programs`), what the memory-bound kernels of the priced one move per step (None where not
+    asked), the GEMMs it runs per step, of which FP8 (`hlo_flops.gemm_count`), and the FP8 copies its layer loops make
+    per layer (`hlo_kernels.fp8_copy_bytes`; {} without FP8)."""
+
+    peak_bytes: int
+    moved_bytes: int | None
+    gemms: hlo_flops.GemmCount
+    fp8_copy_bytes_per_layer: dict
+
+
+def step_program(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
+                 target: str, priced: bool = True, offload: tuple[str, ...] = ()) -> StepProgram:
+    """The step compiled for `target` as `StepProgram` says: its time priced, and its GEMMs counted, on its Triton
+    program (the one the time model was checked on), an FP8 run's on its cuBLAS program."""
+    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
+                for g in gemm_programs(cfg)}
+    priced_text = (programs.get("triton") or programs["cublas"]).as_text()
+    return StepProgram(max(aot.step_bytes(p) for p in programs.values()),
+                       hlo_kernels.memory_bound_bytes(priced_text) if priced else None,
+                       hlo_flops.gemm_count(priced_text),
+                       hlo_kernels.fp8_copy_bytes(priced_text, cfg.layers // parallel.chunks) if cfg.fp8 else {})
 
 
 def step_bytes(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str, offload: tuple[str, ...] = ()) -> int:
     """The step's peak bytes per device (argument + output + temp − alias, `aot.step_bytes`): the larger of its
-    programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose."""
-    return step_costs(cfg, parallel, remat, micro_batch, microbatches, target, priced=False, offload=offload)[0]
+    programs with Triton's and cuBLAS's GEMMs, either of which the device's autotuner may choose (an FP8 run's: the
+    cuBLAS one, `gemm_programs`)."""
+    return step_program(cfg, parallel, remat, micro_batch, microbatches, target, priced=False,
+                        offload=offload).peak_bytes
 
 
 def step_costs(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                target: str, priced: bool = True, offload: tuple[str, ...] = ()) -> tuple[int, int | None]:
-    """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program
-    move per step (`hlo_kernels.memory_bound_bytes`; None unless `priced`): the program's own memory and the traffic its
-    time is priced by."""
-    programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
-                for g in GEMMS}
-    peak = max(aot.step_bytes(p) for p in programs.values())
-    return peak, hlo_kernels.memory_bound_bytes(programs["triton"].as_text()) if priced else None
+    """The step's peak bytes per device (as `step_bytes`) and what the memory-bound kernels of its Triton program (an
+    FP8 run's cuBLAS one) move per step (`hlo_kernels.memory_bound_bytes`; None unless `priced`): the program's own
+    memory and the traffic its time is priced by."""
+    program = step_program(cfg, parallel, remat, micro_batch, microbatches, target, priced, offload)
+    return program.peak_bytes, program.moved_bytes
 
 
 def host_bytes(compiled) -> int:
@@ -130,7 +166,7 @@ def step_memory(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_ba
                 target: str, offload: tuple[str, ...] = ()) -> tuple[int, int]:
     """(device peak, host bytes) per device of the step with `offload` (and the optimizer state where `parallel`
     offloads it): each the larger of its Triton-GEMM and cuBLAS-GEMM programs' (`step_bytes`, `host_bytes`)."""
-    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload) for g in GEMMS]
+    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload) for g in gemm_programs(cfg)]
     return max(aot.step_bytes(p) for p in programs), max(host_bytes(p) for p in programs)
 
 

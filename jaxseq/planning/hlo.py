@@ -20,9 +20,9 @@ import numpy as np
 # Reading optimized HLO text
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")  # f8e4m3fn[…] too
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 @dataclass

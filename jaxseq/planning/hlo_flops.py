@@ -50,13 +50,8 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
     total = 0.0
     for ins in comps[comp]:
         cublas = ins.opcode == "custom-call" and f'custom_call_target="{CUBLAS}' in ins.rest
-        if ins.opcode == "dot" or cublas:  # cuBLAS's GEMM: its result first, then its workspace
-            out = ins.arrays()[0][1]
-            lhs = by_name[ins.operands()[0]].arrays()[0][1]
-            contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([0-9",]*)\]',
-                                    ins.rest)
-            dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
-            total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in dims.split(",") if i]))
+        if ins.opcode == "dot" or cublas:
+            total += _gemm_flops(ins, by_name)
         elif ins.opcode in (*FUSIONS, "call"):
             total += dot_flops(comps, ins.attr("calls") or ins.attr("to_apply"), memo, loops_once)
         elif ins.opcode == "while":
@@ -66,6 +61,15 @@ def dot_flops(comps: dict[str, list[Instr]], comp: str, memo: dict | None = None
             total += max(dot_flops(comps, b, memo, loops_once) for b in ins.branches())
     memo[comp] = total
     return total
+
+
+def _gemm_flops(ins: Instr, by_name: dict[str, Instr]) -> float:
+    """2 × output elements × contracted size of a dot or a cuBLAS GEMM call (its result first, then its workspace)."""
+    out = ins.arrays()[0][1]
+    lhs = by_name[ins.operands()[0]].arrays()[0][1]
+    contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([0-9",]*)\]', ins.rest)
+    dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+    return 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(i)] for i in dims.split(",") if i]))
 
 
 def inner_loop_dot_flops(hlo_text: str, num_layers: int) -> float:
@@ -80,3 +84,47 @@ def inner_loop_dot_flops(hlo_text: str, num_layers: int) -> float:
 def program_dot_flops(hlo_text: str) -> float:
     """`dot_flops` of a whole program: its entry computation's, loops at their trip counts."""
     return dot_flops(parse_hlo(hlo_text), entry_name(hlo_text))
+
+
+FP8_TYPES = ("f8e4m3fn", "f8e5m2")  # XLA's names of the FP8 formats models/fp8.py quantizes to
+
+
+@dataclass(frozen=True)
+class GemmCount:
+    """The GEMMs a program runs per call (a loop's × its trip count, a conditional's dearest branch) and how many of
+    them are FP8 GEMMs: cuBLASLt's FP8 matmul (`__cublas$lt$matmul$f8`), or a dot (XLA's, or inside a fusion: a Triton
+    GEMM) whose operands are both FP8 as it takes them; and their FLOPs, all and FP8 (`dot_flops`' count)."""
+
+    gemms: int
+    fp8_gemms: int
+    flops: float = 0.0
+    fp8_flops: float = 0.0
+
+
+def gemm_count(hlo_text: str) -> GemmCount:
+    """`GemmCount` of a whole program (its entry computation's, loops at their trip counts)."""
+    return GemmCount(*_gemms(parse_hlo(hlo_text), entry_name(hlo_text), {}))
+
+
+def _gemms(comps: dict[str, list[Instr]], comp: str, memo: dict) -> tuple[int, int, float, float]:
+    """(GEMMs, FP8 GEMMs, their FLOPs, the FP8 ones' FLOPs) that computation `comp` runs per call."""
+    if comp in memo:
+        return memo[comp]
+    by_name = {ins.name: ins for ins in comps[comp]}
+    types = {ins.name: ins.arrays()[0][0] for ins in comps[comp] if not ins.shape.startswith("(") and ins.arrays()}
+    total = np.zeros(4)
+    for ins in comps[comp]:
+        target = re.search(r'custom_call_target="([^"]*)"', ins.rest) if ins.opcode == "custom-call" else None
+        if target and target.group(1).startswith(CUBLAS) or ins.opcode == "dot":
+            fp8 = (target.group(1).endswith("$f8") if target else
+                   all(types.get(a) in FP8_TYPES for a in ins.operands()[:2]))
+            flops = _gemm_flops(ins, by_name)
+            total += (1, fp8, flops, flops * fp8)
+        elif ins.opcode in (*FUSIONS, "call"):
+            total += _gemms(comps, ins.attr("calls") or ins.attr("to_apply"), memo)
+        elif ins.opcode == "while":
+            total += (ins.trip_count() or 0) * np.array(_gemms(comps, ins.attr("body"), memo))
+        elif ins.opcode == "conditional":
+            total += max(_gemms(comps, b, memo) for b in ins.branches())
+    memo[comp] = (int(total[0]), int(total[1]), float(total[2]), float(total[3]))
+    return memo[comp]

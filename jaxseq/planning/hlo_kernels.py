@@ -98,6 +98,30 @@ def layer_loop_bytes(hlo_text: str, num_layers: int) -> float:
     return layer_bytes / num_layers
 
 
+FP8_FORMATS = {"f8e4m3fn": "e4m3", "f8e5m2": "e5m2"}  # XLA's names of the formats models/fp8.py quantizes to
+
+
+def fp8_copy_bytes(hlo_text: str, num_layers: int) -> dict[str, float]:
+    """The FP8 arrays the layer loops' kernels write per layer (per call of the program / L), by format and whether
+    the kernel transposes ("e4m3", "e4m3 transposed", "e5m2", "e5m2 transposed"): the copies of a layer's GEMM operands
+    an FP8 step makes (the transposed ones for the backward GEMMs, whose cuBLASLt FP8 form takes both operands with
+    the contracted dimension innermost). {} where the program has no layer loop."""
+    comps, runs = parse_hlo(hlo_text), runs_per_call(hlo_text)
+    loops = layer_loops(comps, num_layers)
+    out: dict[str, float] = {}
+    for comp in {c for loop in loops for c in called_computations(comps, loop.body)}:
+        for ins in comps[comp]:
+            if ins.opcode not in (*FUSIONS, "copy", "transpose", "convert") or comp not in runs:
+                continue
+            body = comps.get(ins.attr("calls") or "", [])
+            moves = "transpose" in {i.opcode for i in body} or ins.opcode in ("copy", "transpose")
+            for dtype, dims in ins.results():
+                if dtype in FP8_FORMATS:
+                    key = FP8_FORMATS[dtype] + (" transposed" if moves else "")
+                    out[key] = out.get(key, 0.0) + array_bytes(dtype, dims) * runs[comp] / num_layers
+    return out
+
+
 def _fusion_bytes(instrs: list[Instr]) -> int:
     """The bytes a fusion reads and writes (`kernel_bytes`' rules), from its computation."""
     by_name = {ins.name: ins for ins in instrs}

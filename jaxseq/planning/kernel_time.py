@@ -49,6 +49,13 @@ from jaxseq.models import model
 from jaxseq.remat import MATMULS, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
+# An FP8 GEMM's full wave (`ModelConfig.fp8`: the layers' weight GEMMs, e4m3/e5m2 operands, bf16 result) runs at the FP8
+# peak (`Hardware.fp8_peak_tflops`) times the compute efficiency times this: the fraction of its peak a GEMM reaches in
+# FP8 over the fraction in bf16, on the same GPU and benchmark. The maximum achievable matmul FLOPS (MAMF, the best of
+# a scan of large shapes) on H100/H200 SXMs: bf16 794.5 of 989 TFLOP/s (80.3%), FP8 1,453.4 of 1,979 (73.4%) (Stas
+# Bekman, "ml-engineering", its accelerator comparison's MAMF tables): 0.914, so a full wave at 0.728 × 0.914 = 0.665
+# of 1,979, 1,317 TFLOP/s (1.83× bf16's 720). Stated, not fitted: no FP8 step has been measured here.
+FP8_RELATIVE_EFFICIENCY = (1453.4 / 1979) / (794.5 / 989)
 # Float32 GEMMs run on TF32 tensor cores (XLA:GPU's default precision for float32 dots, JAX's "Matmul precision"
 # docs), at half the 16-bit dense peak on the A100, H100 and H200 (data sheets: 156 of 312, 495 of 989 TFLOP/s).
 TF32_FRACTION = 0.5
@@ -64,15 +71,16 @@ class Gemm:
     k: int
     batch: int = 1
     result_itemsize: int = 0  # bytes per result element; 0: the operands' (a float32 result: 4)
+    fp8: bool = False  # FP8 operands (1 byte), at the FP8 peak; its result in the model's dtype
 
     @property
     def flops(self) -> float:
         return 2.0 * self.batch * self.m * self.n * self.k
 
     def backward(self) -> tuple[Gemm, Gemm]:
-        """The two GEMMs of its gradient: [m, n] × [n, k] and [k, m] × [m, n]."""
-        return (Gemm(self.name + ".dx", self.m, self.k, self.n, self.batch),
-                Gemm(self.name + ".dw", self.k, self.n, self.m, self.batch))
+        """The two GEMMs of its gradient: [m, n] × [n, k] and [k, m] × [m, n] (FP8 where it is)."""
+        return (Gemm(self.name + ".dx", self.m, self.k, self.n, self.batch, fp8=self.fp8),
+                Gemm(self.name + ".dw", self.k, self.n, self.m, self.batch, fp8=self.fp8))
 
 
 def ring_blocks(ring: int) -> int:
@@ -84,14 +92,17 @@ def ring_blocks(ring: int) -> int:
 def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
     """One layer's forward GEMMs by `remat.MATMULS` name (their FLOPs are `formulas.layer_matmul_flops` / t,
     except that a rank computes max(kv_heads, t)/t K/V heads where t > kv_heads repeats them). Llama's Q and
-    K/V are one GEMM here (the same input; two in the model), its gate and up one 2f wide."""
+    K/V are one GEMM here (the same input; two in the model), its gate and up one 2f wide. With `cfg.fp8` the weight
+    GEMMs (`WEIGHT_GEMMS`) are FP8 GEMMs; the attention core stays in the model's dtype."""
     s, h, w, f, d = cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     tokens, heads = s * b, b * cfg.heads // t
     qkv = w + 2 * max(cfg.num_kv_heads, t) * d  # 3w for multi-head attention
     up = model.traits(cfg).mlp_up_widths * f
-    return {"qkv": Gemm("qkv", tokens, qkv // t, h), "scores": Gemm("scores", s, s, d, heads),
-            "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t),
-            "mlp_up": Gemm("mlp_up", tokens, up // t, h), "mlp_down": Gemm("mlp_down", tokens, h, f // t)}
+    fp8 = cfg.fp8
+    return {"qkv": Gemm("qkv", tokens, qkv // t, h, fp8=fp8), "scores": Gemm("scores", s, s, d, heads),
+            "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t, fp8=fp8),
+            "mlp_up": Gemm("mlp_up", tokens, up // t, h, fp8=fp8),
+            "mlp_down": Gemm("mlp_down", tokens, h, f // t, fp8=fp8)}
 
 
 ATTENTION_CORE = ("scores", "context")  # QKᵀ and scores × V: inside a fused (flash) attention kernel
@@ -190,13 +201,15 @@ def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
 
 
 def gemm_seconds(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float, memory_efficiency: float) -> float:
-    """max(waves of tiles at the achieved fraction of peak (TF32's for float32 operands), operands and result through
-    HBM)."""
+    """max(waves of tiles at the achieved fraction of peak (TF32's for float32 operands; an FP8 GEMM's at the FP8 peak,
+    `FP8_RELATIVE_EFFICIENCY`), operands and result through HBM)."""
     waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count) for tm, tn in (TILE, TILE[::-1]))
     wave_flops = hw.sm_count * 2.0 * TILE[0] * TILE[1] * g.k  # every SM computing one tile
-    peak = hw.peak_tflops * (TF32_FRACTION if itemsize == 4 else 1.0)
+    peak = (hw.fp8_peak_tflops * FP8_RELATIVE_EFFICIENCY if g.fp8
+            else hw.peak_tflops * (TF32_FRACTION if itemsize == 4 else 1.0))
     math_s = waves * wave_flops / (compute_efficiency * peak * 1e12)
-    moved = g.batch * (itemsize * (g.m * g.k + g.k * g.n) + (g.result_itemsize or itemsize) * g.m * g.n)
+    operand = 1 if g.fp8 else itemsize
+    moved = g.batch * (operand * (g.m * g.k + g.k * g.n) + (g.result_itemsize or itemsize) * g.m * g.n)
     memory_s = moved / (memory_efficiency * hw.hbm_gb_per_s * 1e9)
     return max(math_s, memory_s)
 
@@ -244,7 +257,22 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     else:
         again = ((forward_attention if "scores" in replays else 0.0)
                  + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
-    return forward + backward + again + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
+    fp8 = fp8_quantize_bytes(cfg, b, t) if cfg.fp8 else 0.0
+    return forward + backward + again + fp8 + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
+
+
+def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
+    """HBM bytes of one layer's FP8 quantization (models/fp8.py), per device: each weight GEMM's activation input and
+    weight read for their amax and read again and written in e4m3 (2e + 1 a element), in forward and again in
+    backward (no remat policy keeps an FP8 copy: the backward quantizes what its policy kept or replayed, the copy
+    for the weight gradient transposed as it is cast), and its output gradient read for its amax and cast to e5m2
+    twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. With `--target` the
+    search reads these bytes from the FP8 layer's program instead."""
+    e = cfg.itemsize
+    gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS]
+    operands = sum(g.m * g.k + g.k * g.n for g in gemms)
+    outputs = sum(g.m * g.n for g in gemms)
+    return 2 * (2 * e + 1) * operands + (3 * e + 2) * outputs
 
 
 def ring_bytes(cfg: ModelConfig, b: int, t: int, ring: int, remat: str) -> float:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from jaxseq.config import ModelConfig, ParallelConfig, cudnn_compiles, replace
 from jaxseq.mesh import make_mesh
+from jaxseq.models import model
 from jaxseq.planning import hlo_collectives, hlo_flops, hlo_kernels, hlo_loops
 from jaxseq.planning.memory import activation_bytes, non_layer_activation_bytes, state_bytes
 from jaxseq.training import aot
@@ -115,9 +116,10 @@ class Compiler:
         if self.progress is not None:
             self.progress.compiling(self.describe(key))
         parallel, mesh = _mesh(tensor, sp, self.devices, self.context, self.strategy)
-        if kind == "step":
+        if kind == "step":  # with the options its run compiles with (an FP8 run's on a GPU: `model.compile_options`)
+            options = model.compile_options(self.cfg, self.devices[0].platform)
             return aot.compile_train_step(replace(self.cfg, layers=layers, dtype=self.step_dtype), parallel, remat,
-                                          mesh, self.b)
+                                          mesh, self.b, options=options)
         fn = aot.compile_loss_and_grad if kind == "grad" else aot.compile_forward
         return fn(replace(self.cfg, layers=layers), parallel, remat, mesh, self.b)
 

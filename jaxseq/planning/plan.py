@@ -93,6 +93,16 @@ class Row:
     host_bytes_per_device: float = 0
     pcie_bytes_per_step: float = 0
     pcie_seconds_per_step: float = 0
+    # with a target: the GEMMs the whole step's GPU program runs per step, and of them FP8 GEMMs
+    # (`hlo_flops.gemm_count`)
+    gemms_per_step: int | None = None
+    fp8_gemms_per_step: int | None = None
+    gemm_flops_per_step: float | None = None  # their FLOPs per device, all and the FP8 GEMMs'
+    fp8_gemm_flops_per_step: float | None = None
+    # FP8 (--fp8, with a target): the whole step's peak above the same step's in bf16, and the FP8 copies one layer's
+    # loops make per micro-batch, by kind (`hlo_kernels.fp8_copy_bytes`: none is kept from forward to backward)
+    fp8_extra_bytes_per_device: int | None = None
+    fp8_copy_bytes_per_layer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -423,15 +433,28 @@ def on_target(cfg: ModelConfig, row: Row, c: RowSpec, micro_batch: int, microbat
         progress.compiling(f"{c.name} for {target}: one layer, and the whole train step on {whole.num_devices} "
                            f"target device(s)")
     stored = gpu_target.stored_bytes_per_layer(cfg, layer, c.remat, micro_batch, target, run=whole)
-    total = recorded_total or gpu_target.step_bytes(cfg, whole, c.remat, micro_batch,
-                                                    microbatches if step["pipeline"] > 1 else 1, target)
+    m = microbatches if step["pipeline"] > 1 else 1
+    program = gpu_target.step_program(cfg, whole, c.remat, micro_batch, m, target, priced=False)
+    total = recorded_total or program.peak_bytes
+    fp8 = fp8_columns(cfg, whole, c.remat, micro_batch, m, target, program) if cfg.fp8 else {}
     activations = row.deferred_stash_bytes_per_device + activation_bytes(
         stored, in_flight_layers, non_layer_activation_bytes(cfg, micro_batch, c.tensor, c.sequence_parallel, context))
     state = row.total_bytes_per_device - row.activation_bytes_per_device - row.working_bytes_per_device
     return dataclasses.replace(
         row, measured_bytes_per_layer=stored, ratio=stored / row.formula_bytes_per_layer if row.formula_bytes_per_layer
         else None, activation_bytes_per_device=activations, working_bytes_per_device=total - state - activations,
-        total_bytes_per_device=total, memory_source=target_source(target, recorded if recorded_total else None))
+        total_bytes_per_device=total, memory_source=target_source(target, recorded if recorded_total else None),
+        gemms_per_step=program.gemms.gemms, fp8_gemms_per_step=program.gemms.fp8_gemms,
+        gemm_flops_per_step=program.gemms.flops, fp8_gemm_flops_per_step=program.gemms.fp8_flops, **fp8)
+
+
+def fp8_columns(cfg: ModelConfig, whole: ParallelConfig, remat: str, micro_batch: int, microbatches: int, target: str,
+                program: gpu_target.StepProgram) -> dict:
+    """An FP8 row's memory columns: its step's peak above the same step's in bf16 (compiled for the target too), and
+    the FP8 copies one layer makes (`gpu_target.fp8_copy_bytes`)."""
+    bf16 = gpu_target.step_bytes(replace(cfg, fp8=False), whole, remat, micro_batch, microbatches, target)
+    return {"fp8_extra_bytes_per_device": program.peak_bytes - bf16,
+            "fp8_copy_bytes_per_layer": program.fp8_copy_bytes_per_layer}
 
 
 def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int, data: int, pipeline: int,

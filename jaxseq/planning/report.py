@@ -58,6 +58,7 @@ def format_table(p: Plan) -> str:
         "",
         *_format_rows(p),
         *_row_notes(p),
+        *format_gemms(p),
         *format_context(p),
         "",
         _format_formula_flops(p),
@@ -112,6 +113,25 @@ def _row_notes(p: Plan) -> list[str]:
         lines.append(f"recompute below 0 ({', '.join(below)}): XLA:CPU counted fewer FLOPs in that policy's program "
                      "than in `none`'s, compiled differently (what an untagged fused attention keeps or replays, the "
                      "fusions): a count, not a cost; --budget-gib ranks by what a policy replays first")
+    return lines
+
+
+def format_gemms(p: Plan) -> list[str]:
+    """With a target: the GEMMs each row's whole step runs per step on the GPU and their FLOPs, of which FP8 GEMMs
+    (cuBLASLt's `__cublas$lt$matmul$f8`); with --fp8, what FP8 adds to each row's memory and the FP8 copies its
+    layers make."""
+    rows = [r for r in p.rows if r.gemms_per_step is not None]
+    if not rows:
+        return []
+    counts = ", ".join(f"{r.config} {r.fp8_gemms_per_step}/{r.gemms_per_step} ({r.fp8_gemm_flops_per_step / 1e9:,.1f}/"
+                       f"{r.gemm_flops_per_step / 1e9:,.1f} GFLOP)" for r in rows)
+    lines = ["", f"GEMMs per step in each row's whole train step compiled for the {p.target}, FP8/all and their GFLOP "
+                 f"per device (hlo_flops.gemm_count): {counts}"]
+    for r in (r for r in rows if r.fp8_extra_bytes_per_device is not None):
+        copies = ", ".join(f"{kind} {b / MIB:,.1f} MiB" for kind, b in sorted(r.fp8_copy_bytes_per_layer.items()))
+        lines.append(f"FP8 {r.config}: the step's peak {r.fp8_extra_bytes_per_device / MIB:+,.1f} MiB against the "
+                     f"same step in bf16 (in work.: the FP8 copies and scalar scales its layers hold for a moment, none "
+                     f"kept from forward to backward); the FP8 copies one layer's loops write per micro-batch: {copies}")
     return lines
 
 

@@ -122,7 +122,8 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
     if not candidates:
         raise ConfigError(f"no valid configuration of {r.gpus} GPUs for {model}: "
                           + "; ".join(sorted({str(why) for why in reasons.values() if why})[:3]))
-    keys = sorted({(c.tensor, c.sequence_parallel, c.remat, c.context, c.context_strategy) for c in candidates})
+    keys = sorted({(c.tensor, c.sequence_parallel, c.remat, c.context, c.context_strategy, *((True,) if c.fp8 else ()))
+                   for c in candidates})
     costs.prepare(keys, r.micro_batches)
     evaluated = [evaluate(cfg, r, c, costs) for c in candidates]
     if r.block_recompute:
@@ -148,7 +149,8 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
                           f"GPUs: the least memory is {least.memory.total_bytes / GIB:.1f} GiB "
                           f"({least.candidate.label()})")
     measured = {(e.candidate.tensor, e.candidate.sequence_parallel, e.candidate.remat, e.layer_context,
-                 e.candidate.context_strategy if e.layer_context > 1 else "", run_kernels(cfg, e.candidate).attention)
+                 e.candidate.context_strategy if e.layer_context > 1 else "", run_kernels(cfg, e.candidate).attention,
+                 e.candidate.fp8)
                 for e in evaluated if block_spec(e.candidate.remat) is None}
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
 

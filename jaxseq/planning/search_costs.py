@@ -29,38 +29,42 @@ class SearchCosts:
         self._states: dict = {}
 
     @staticmethod
-    def key(tensor: int, sequence_parallel: bool, remat: str, context: int = 1, strategy: str = "all-gather") -> str:
-        return f"t={tensor} sp={int(sequence_parallel)} {remat}" + (f" c={context} {strategy}" if context > 1 else "")
+    def key(tensor: int, sequence_parallel: bool, remat: str, context: int = 1, strategy: str = "all-gather",
+            fp8: bool = False) -> str:
+        return (f"t={tensor} sp={int(sequence_parallel)} {remat}" + (f" c={context} {strategy}" if context > 1 else "")
+                + (" fp8" if fp8 else ""))
 
     def compiled_at(self, tensor: int, context: int) -> int:
         """The context size a layer of (t, c) is compiled at: c where the devices hold c·t, else 1 (scaled)."""
         return context if context * tensor <= len(self.devices) else 1
 
-    def _program(self, tensor: int, sequence_parallel: bool, remat: str, context: int, strategy: str) -> tuple:
-        """(t, SP, remat, c compiled at, strategy, attention) of a layer's program: the ring's layer is explicit
+    def _program(self, tensor: int, sequence_parallel: bool, remat: str, context: int, strategy: str,
+                 fp8: bool = False) -> tuple:
+        """(t, SP, remat, c compiled at, strategy, attention, fp8) of a layer's program: the ring's layer is explicit
         attention's whatever the model's (`costs.layer_attention`), so a fused model's ring is measured on it, at c
-        or, scaled, from the explicit c = 1 layer."""
+        or, scaled, from the explicit c = 1 layer; an FP8 candidate's layer is the FP8 model's."""
         attention = layer_attention(self.cfg, context, strategy)
         c = self.compiled_at(tensor, context)
-        return tensor, sequence_parallel, remat, c, strategy if c > 1 else "all-gather", attention
+        return tensor, sequence_parallel, remat, c, strategy if c > 1 else "all-gather", attention, fp8
 
-    def _name(self, t: int, sp: bool, remat: str, c: int, strategy: str, attention: str) -> str:
-        return self.key(t, sp, remat, c, strategy) + ("" if attention == self.cfg.attention else f" {attention}")
+    def _name(self, t: int, sp: bool, remat: str, c: int, strategy: str, attention: str, fp8: bool = False) -> str:
+        return self.key(t, sp, remat, c, strategy, fp8) + ("" if attention == self.cfg.attention else f" {attention}")
 
-    def _compiler(self, micro_batch: int, context: int, strategy: str, attention: str) -> Compiler:
-        key = (micro_batch, context, strategy if context > 1 else "all-gather", attention)
+    def _compiler(self, micro_batch: int, context: int, strategy: str, attention: str, fp8: bool = False) -> Compiler:
+        key = (micro_batch, context, strategy if context > 1 else "all-gather", attention, fp8)
         if key not in self._compilers:
-            self._compilers[key] = Compiler(replace(self.cfg, attention=attention), micro_batch, self.devices,
+            self._compilers[key] = Compiler(replace(self.cfg, attention=attention, fp8=fp8), micro_batch, self.devices,
                                             self.workers, context, key[2], self.progress)
         return self._compilers[key]
 
     def prepare(self, keys, micro_batches=(1, 2)) -> None:
-        """Compile what `keys` need: (t, SP, remat) or (t, SP, remat, c, strategy) each."""
+        """Compile what `keys` need: (t, SP, remat), (t, SP, remat, c, strategy) or (t, SP, remat, c, strategy, fp8)
+        each."""
         todo = {}
         for key in keys:
-            program = self._program(*(*key, 1, "all-gather")[:5])
-            t, sp, remat, c, strategy, attention = program
-            validate(replace(self.cfg, attention=attention), ParallelConfig(
+            program = self._program(*key, *(1, "all-gather", False)[len(key) - 3:])
+            t, sp, remat, c, strategy, attention, fp8 = program
+            validate(replace(self.cfg, attention=attention, fp8=fp8), ParallelConfig(
                 data=1, context=c, tensor=t, sequence_parallel=sp, context_strategy=strategy), remat)
             todo[program] = RowSpec("search", remat, sp, t, None)
         affine = max(micro_batches) > 1
@@ -93,12 +97,13 @@ class SearchCosts:
             two.clear()
 
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
-              strategy: str = "all-gather") -> LayerCost:
-        """Per device at micro-batch b; `LayerCost.context` is the context size it was compiled at."""
-        program = self._program(tensor, sequence_parallel, remat, context, strategy)
+              strategy: str = "all-gather", fp8: bool = False) -> LayerCost:
+        """Per device at micro-batch b (the FP8 model's layer with `fp8`); `LayerCost.context` is the context size it
+        was compiled at."""
+        program = self._program(tensor, sequence_parallel, remat, context, strategy, fp8)
         name, b, c = self._name(*program), micro_batch, program[3]
         if name not in self.measured or (b > 1 and self.measured[name]["working_bytes_b2"] is None):
-            self.prepare([(tensor, sequence_parallel, remat, context, strategy)], (b,))
+            self.prepare([(tensor, sequence_parallel, remat, context, strategy, fp8)], (b,))
         m = self.measured[name]
         affine = lambda key: m[key] + (b - 1) * (m[f"{key}_b2"] - m[key] if b > 1 else 0)  # b = 1 and 2 compiled
         moved = m.get("moved_bytes_per_layer")  # a GPU's layer only (and not in `measured` saved before it)

@@ -48,8 +48,9 @@ def format_result(res: Result, top: int = 10, pricing: cost.Pricing | None = Non
     verified = any(e.compiled_bytes is not None for e in res.ranked[:top])  # the step GiB column (`verify`)
     remat_width = max([10, *(len(_remat_cell(e.candidate)) + 1 for e in res.ranked[:top])])  # block specs, offload
     priced = pricing is not None
-    heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "")
-    rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "")
+    fp8 = True in res.request.fp8  # the GEMM column, where FP8 is searched
+    heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "", fp8)
+    rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "", fp8)
             for i, e in enumerate(res.ranked[:top])]
     notes = _notes(res, fsdp, verified)
     if pricing is not None:
@@ -104,11 +105,11 @@ def _header(res: Result) -> list[str]:
     ]
 
 
-def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = "") -> str:
+def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = "", fp8: bool = False) -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
     return (f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
-            f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}"
+            f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}{('GEMM' if fp8 else ''):<{5 if fp8 else 0}}"
             f"{'mem GiB':>8}{step_head}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}{'comp s':>9}{'TP s':>8}"
             f"{'p2p s':>8}{'DP s':>8}{'CP s':>8}{fsdp_head}{'opt s':>8}{priced}  CP strategy, layer")
 
@@ -123,9 +124,11 @@ def _v_cell(c: Candidate) -> str:
     return (f"{c.virtual}z" if c.virtual > 1 else "zb") if c.zero_bubble else str(c.virtual)
 
 
-def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, priced: str = "") -> str:
+def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, priced: str = "",
+         fp8: bool = False) -> str:
     """The table's row of the i-th (from 0) configuration: memory in GiB per device, times in seconds per step;
-    `priced`: its cost cells (`_cost_cells`), before the CP strategy."""
+    `priced`: its cost cells (`_cost_cells`), before the CP strategy; with `fp8` (FP8 searched), its weight GEMMs'
+    precision."""
     c, t = e.candidate, e.time
     step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
     step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
@@ -134,6 +137,7 @@ def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, pri
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{_remat_cell(c):<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}"
             f"{'yes' if c.distributed_optimizer else 'no':<4}"
+            f"{('fp8' if c.fp8 else 'bf16') if fp8 else '':<{5 if fp8 else 0}}"
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}"
             f"{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
@@ -174,12 +178,29 @@ def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
                   f"is the device's, host GiB what it holds in host memory, PCIe s what the step is charged at "
                   f"{r.hardware.pcie_gb_per_s:g} GB/s per direction × {r.time_model.link_efficiency:g} "
                   f"(planning/host_tier.py): {host_tier.OVERLAP}"]
+    if True in r.fp8:
+        lines += [fp8_note(res)]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
         lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
     return lines
+
+
+def fp8_note(res: Result) -> str:
+    """How an FP8 configuration is priced (`kernel_time.FP8_RELATIVE_EFFICIENCY`) and where its memory comes from."""
+    hw, tm = res.request.hardware, res.request.time_model
+    fraction = tm.compute_efficiency * kernel_time.FP8_RELATIVE_EFFICIENCY
+    moved = (f"the bytes its {res.target} layer program's loops move (the quantization's amax reductions, casts and "
+             "transposed copies among them)" if res.target is not None else
+             "Megatron's kernels counted + the quantization's (kernel_time.fp8_quantize_bytes)")
+    return (f"GEMM fp8: the layers' weight GEMMs (QKV, attention output, MLP in and out; forward and both backward) as "
+            f"FP8 GEMMs at {fraction:.3f} of the FP8 peak {hw.fp8_peak_tflops:g} TFLOP/s a full wave (the compute "
+            f"efficiency × {kernel_time.FP8_RELATIVE_EFFICIENCY:.3f}, FP8's achievable fraction of its peak over "
+            f"bf16's: kernel_time.FP8_RELATIVE_EFFICIENCY), 1-byte operands; the LM head and attention core in bf16; "
+            f"memory-bound bytes {moved}; its memory the FP8 model's layers compiled as the bf16 ones; MFU against the "
+            f"bf16 peak")
 
 
 def memory_bound_source(res: Result) -> str:
@@ -240,7 +261,7 @@ def to_json(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> 
         "gpus": r.gpus, "global_batch": r.global_batch, "hardware": asdict(r.hardware),
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
         "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes), "schedules": list(r.schedules),
-        "context_strategies": list(r.context_strategies),
+        "context_strategies": list(r.context_strategies), "fp8": list(r.fp8),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",

@@ -5,7 +5,7 @@ reason a mesh family (t, p) has none (`FamilyReason`). The rules are in planning
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxseq.config import CONTEXT_STRATEGIES, ConfigError, ModelConfig
 from jaxseq.hardware import Hardware
@@ -76,6 +76,7 @@ class Request:
     # also host offload (`search_offload.offloaded`): what the policy stores in host memory; the optimizer state
     offload: bool = False
     offload_optimizer: bool = False
+    fp8: tuple[bool, ...] = (False,)  # the layers' weight GEMMs in bf16 (False) and/or as FP8 GEMMs (True: --fp8)
 
     @property
     def budget_bytes(self) -> float:
@@ -122,6 +123,11 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for f in r.fsdp_sizes:
         if not isinstance(f, int) or f <= 0:
             raise ConfigError(f"fsdp size {f!r} must be a positive integer")
+    if True in r.fp8 and not hw.fp8_peak_tflops > 0:
+        raise ConfigError(f"--fp8 on the {hw.name}: it has no FP8 tensor cores "
+                          f"(fp8_peak_tflops={hw.fp8_peak_tflops:g}); FP8 GEMMs need an H100 or H200")
+    if True in r.fp8 and cfg.dtype != "bfloat16":
+        raise ConfigError(f"--fp8 with dtype={cfg.dtype!r}: FP8 GEMMs run in a bfloat16 model; use --dtype bfloat16")
     tm = r.time_model
     for name in ("compute_efficiency", "memory_efficiency", "link_efficiency"):
         if not 0 < getattr(tm, name) <= 1:
@@ -145,6 +151,7 @@ class Candidate:
     zero_bubble: bool = False  # ZB-H1 (over v chunks per stage): the backward split into B and W (`parallel.schedule`)
     offload: bool = False  # what its remat policy stores in host memory (`--offload all`: planning/search_offload.py)
     offload_optimizer: bool = False  # the master weights and moments in host memory between steps
+    fp8: bool = False  # the layers' weight GEMMs as FP8 GEMMs (models/fp8.py)
 
     @property
     def schedule(self) -> str:
@@ -161,7 +168,8 @@ class Candidate:
                 f"{' +distopt' if self.distributed_optimizer else ''}"
                 + (f" c={self.context} {self.context_strategy}" if self.context > 1 else "")
                 + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else "")
-                + (" +offload" if self.offload else "") + (" +offload-opt" if self.offload_optimizer else ""))
+                + (" +offload" if self.offload else "") + (" +offload-opt" if self.offload_optimizer else "")
+                + (" fp8" if self.fp8 else ""))
 
 
 def divisors(n: int) -> list[int]:
@@ -218,14 +226,15 @@ def families(cfg: ModelConfig, r: Request) -> list[tuple[int, int]]:
 
 
 def enumerate_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
-    """Every valid configuration (see the module docstring)."""
+    """Every valid configuration (see the module docstring), each with its GEMMs in every precision asked (`fp8`)."""
     out = []
     for t, p in families(cfg, r):
         if family_reason(cfg, r, t, p):
             continue
         sps = (False, True) if t > 1 and cfg.seq_len % t == 0 else (False,)
         out += mesh_candidates(cfg, r, t, 1, p, r.gpus // (t * p), sps)
-    return out + context_candidates(cfg, r)
+    out += context_candidates(cfg, r)
+    return [replace(c, fp8=fp8) for fp8 in r.fp8 for c in out] if r.fp8 != (False,) else out
 
 
 def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:

@@ -240,9 +240,11 @@ def compile_step(session: Session, state, position: int):
     evaluation batch has the train batch's shape and sharding."""
     compile_start = time.perf_counter()
     batch = session.batch(position)
+    fp8 = fp8_options(session)
     with aot.uncached_if_pipelined(session.run.parallel, session.devices):
-        step_fn = session.step_fn.lower(state, batch, session.key).compile(compiler_options=recording(session))
-        eval_fn = session.eval_fn.lower(state.params, batch).compile()
+        step_fn = session.step_fn.lower(state, batch, session.key).compile(
+            compiler_options={**fp8, **(recording(session) or {})} or None)
+        eval_fn = session.eval_fn.lower(state.params, batch).compile(compiler_options=fp8 or None)
     available = aot.device_bytes(session.devices)
     aot.check_fits(aot.step_bytes(step_fn), available)
     aot.check_fits(aot.evaluation_bytes(eval_fn, step_fn, state.params), available, what="evaluation")
@@ -253,6 +255,12 @@ def compile_step(session: Session, state, position: int):
         print(f"compiled the train step, the evaluation{' and the sample' if sampler else ''} in "
               f"{time.perf_counter() - compile_start:.1f} s", flush=True)
     return dataclasses.replace(session, eval_fn=eval_fn, sampler=sampler), step_fn, batch
+
+
+def fp8_options(session: Session) -> dict:
+    """The XLA options of an FP8 run's train step and evaluation on a GPU, under which its FP8 GEMMs compile into
+    cuBLASLt's FP8 GEMMs (`model.compile_options`: the program `plan --target --fp8` reads); else none."""
+    return model.compile_options(session.run.model, session.devices[0].platform)
 
 
 def recording(session: Session) -> dict | None:
