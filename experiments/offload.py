@@ -94,13 +94,16 @@ def render(results: dict) -> str:
              "`+opt`: the float32 master weights and Adam moments.", ""]
     for name, r in results.items():
         budget = r["budget_gib"]
-        lines += [f"## {name}", "", f"`{r['command']}` ({r['seconds']:.0f} s, compiles included, on 2 shared CPU cores)", "",
+        lines += [f"## {name}", "",
+                  f"`{r['command']}` ({r['seconds']:.0f} s, compiles included, on 2 shared CPU cores)", "",
                   "Every configuration without a pipeline and without offload (a budget none misses):", "",
-                  "| remat | layout | device GiB | host GiB | fits | step s | PCIe s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| remat | layout | device GiB | host GiB | fits | step s | PCIe s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [_line(row, budget) for row in r["every_configuration"] if row["pipe"] == 1]
         lines += ["", f"What fits {budget:g} GiB with block recompute and offload offered, fastest first (the first "
                       f"{TOP} of {len(r['fitting'])}; all in offload_{name}.json):", "",
-                  "| remat | layout | device GiB | host GiB | fits | step s | PCIe s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| remat | layout | device GiB | host GiB | fits | step s | PCIe s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [_line(row, budget) for row in r["fitting"][:TOP]] + [""]
     return "\n".join(lines)
 

@@ -71,7 +71,8 @@ class ModelConfig:
     matmul: str = "einsum"  # how weight matmuls run: the portable einsum, or "cpu-bf16" (set on CPU devices)
     fused_kernel: str = "xla"  # attention=fused's implementation: "xla", or "cudnn" (set on GPUs in bf16)
     layer_loop: str = "scan"  # how the layers run: "scan" (lax.scan) or "unrolled" (a Python loop: models/model.layers)
-    fp8: bool = False  # the layers' weight matmuls as FP8 GEMMs (e4m3 activations and weights, e5m2 gradients: models/fp8.py)
+    # the layers' weight matmuls as FP8 GEMMs (e4m3 activations and weights, e5m2 gradients: models/fp8.py)
+    fp8: bool = False
     # The Llama family's, which it validates (models/llama.py, `validate`):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden

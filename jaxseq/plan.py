@@ -76,8 +76,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="totals and --budget-gib assume fp32 master weights and Adam moments split over data "
                         "(the state table shows both)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v (interleaved, or zb-h1 over v chunks); default 1")
+    p.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="chunks per stage v (interleaved, or zb-h1 over v chunks); default 1")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step m (default p)")
     p.add_argument("--context", type=int, default=1,
                    help="context-parallel size c: every row compiled on c × t simulated devices (default 1)")
@@ -116,9 +118,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
     """--search: the cluster, what to try, the time model's efficiencies, the cost."""
-    g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed optimizer "
-                             "for a cluster (jaxseq/planning/search_memory.py and search_time.py state the memory "
-                             "and time models)")
+    g = p.add_argument_group("--search", "choose t, p, v, c, d, f, micro-batch, remat, SP and the distributed "
+                             "optimizer for a cluster (jaxseq/planning/search_memory.py and search_time.py state the "
+                             "memory and time models)")
     g.add_argument("--search", action="store_true", help="rank every valid configuration by predicted step time")
     g.add_argument("--gpus", type=int, help="GPUs in the job (a multiple of --gpus-per-node)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
@@ -147,8 +149,8 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
                    help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
                         "(default 1: no FSDP; e.g. 1,2,4,8)")
     g.add_argument("--schedules", default="1f1b",
-                   help="pipeline schedules to try: 1f1b (with interleaved, v > 1) and zb-h1 (zero bubble: the backward "
-                        "split into B and W); default 1f1b")
+                   help="pipeline schedules to try: 1f1b (with interleaved, v > 1) and zb-h1 (zero bubble: the "
+                        "backward split into B and W); default 1f1b")
     g.add_argument("--lockstep", action="store_true",
                    help="price pipeline ticks as jaxseq's executor runs them, each waiting for its slowest stage's op "
                         "(1F1B's whole backward, or ZB-H1's F, B or W); default: asynchronous stages, as Megatron-LM "
@@ -166,10 +168,11 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
                         "transient) instead of compiling it on c × t simulated devices: fewer compiles, the working "
                         "memory a stated estimate (the table's layer column says which rows are which)")
     g.add_argument("--compute-efficiency", type=float, default=search_space.COMPUTE_EFFICIENCY,
-                   help=f"achieved fraction of peak of a GEMM's full wave of tiles (default {search_space.COMPUTE_EFFICIENCY}, "
-                        "calibrated on Korthikanti et al. Table 5, 175B)")
+                   help=f"achieved fraction of peak of a GEMM's full wave of tiles (default "
+                        f"{search_space.COMPUTE_EFFICIENCY}, calibrated on Korthikanti et al. Table 5, 175B)")
     g.add_argument("--memory-efficiency", type=float, default=search_space.MEMORY_EFFICIENCY,
-                   help=f"achieved fraction of memory bandwidth by elementwise kernels (default {search_space.MEMORY_EFFICIENCY})")
+                   help=f"achieved fraction of memory bandwidth by elementwise kernels (default "
+                        f"{search_space.MEMORY_EFFICIENCY})")
     g.add_argument("--link-efficiency", type=float, default=search_space.LINK_EFFICIENCY,
                    help=f"achieved fraction of link bandwidth (default {search_space.LINK_EFFICIENCY})")
     g.add_argument("--top", type=int, default=10, help="configurations to list (default 10)")
@@ -265,17 +268,20 @@ def search_request(args) -> search_space.Request:
         raise ConfigError(f"hardware={name!r} is not known; valid: {', '.join(HARDWARE)}")
     if args.target is not None and name != args.target:
         raise ConfigError(f"--hardware {name} with --target {args.target}: the layers compiled for the {args.target} "
-                          f"would be timed as the {name}'s; leave --hardware out (it follows --target) or make them agree")
+                          f"would be timed as the {name}'s; leave --hardware out (it follows --target) or make "
+                          "them agree")
     overrides = {"memory_gib": args.gpu_memory_gib, "peak_tflops": args.peak_tflops, "hbm_gb_per_s": args.hbm_gb_per_s,
                  "sm_count": args.sm_count, "gpus_per_node": args.gpus_per_node,
                  "intra_node_gb_per_s": args.intra_node_gb_per_s, "inter_node_gbit_per_s": args.inter_node_gbit_per_s}
     hardware = replace(HARDWARE[name], **{k: v for k, v in overrides.items() if v is not None})
-    time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
+    time_model = search_space.TimeModel(compute_efficiency=args.compute_efficiency,
+                             memory_efficiency=args.memory_efficiency,
                              link_efficiency=args.link_efficiency, fsdp_overlap=args.fsdp_overlap,
                              lockstep=args.lockstep, scan_stacks=args.layer_loop == "scan")
     return search_space.Request(args.gpus, args.global_batch, hardware, search.parse_list(args.micro_batch_sizes),
                      search.parse_list(args.remat_policies, str), time_model,
-                     search.parse_list(args.tensor_sizes) if args.tensor_sizes else None, search.parse_list(args.context_sizes),
+                     search.parse_list(args.tensor_sizes) if args.tensor_sizes else None,
+                     search.parse_list(args.context_sizes),
                      search.parse_list(args.fsdp_sizes), search.parse_list(args.schedules, str),
                      search.parse_list(args.context_strategies, str), args.block_recompute, search_offload(args),
                      args.offload_optimizer, (False, True) if args.fp8 else (False,))
@@ -408,7 +414,8 @@ def _plan(args) -> int:
             print(format_recommendation(p, args.budget_gib))
             if compiled is not None:
                 print(f"    its whole train step compiled for the {args.target} with --remat {chosen.remat}: "
-                      f"{compiled / GIB:.1f} GiB per device ({'within' if compiled <= args.budget_gib * GIB else 'over'}"
+                      f"{compiled / GIB:.1f} GiB per device "
+                      f"({'within' if compiled <= args.budget_gib * GIB else 'over'}"
                       f" the budget; the composed row {chosen.total_bytes_per_device / GIB:.1f} GiB)")
     return 0
 

@@ -36,14 +36,14 @@ ALLOWED = {
     "hardware": set(),
     # the models: the one door (model), the families behind it, their shared ops and parameter declarations,
     # the CPU matmul form an edge may choose, and the paper's formulas
-    "models.model": {"config", "mesh", "models.documents", "models.fp8", "models.gpt", "models.llama", "models.moe", "models.ops",
-                     "models.params", "offload", "remat", "sharding"},
+    "models.model": {"config", "mesh", "models.documents", "models.fp8", "models.gpt", "models.llama", "models.moe",
+                     "models.ops", "models.params", "offload", "remat", "sharding"},
     "models.gpt": {"config", "models.ops", "models.params", "remat", "sharding"},
     "models.llama": {"config", "models.ops", "models.params", "remat", "sharding"},
     "models.moe": {"config", "models.experts", "models.llama", "models.ops", "models.params", "remat", "sharding"},
     "models.experts": {"config", "models.ops", "remat", "sharding"},
-    "models.ops": {"config", "deferred", "models.cpu_matmul", "models.cudnn_attention", "models.documents", "models.fp8",
-                   "remat",
+    "models.ops": {"config", "deferred", "models.cpu_matmul", "models.cudnn_attention", "models.documents",
+                   "models.fp8", "remat",
                    "sharding"},
     "models.documents": set(),
     "models.cudnn_attention": {"remat", "sharding"},
@@ -103,11 +103,11 @@ ALLOWED = {
     "planning.document_mask": {"config", "parallel.context", "planning.kernel_time"},
     "planning.cost": set(),
     "planning.moe": {"config", "hardware", "models.experts", "models.model", "planning.memory"},
-    "planning.measure": {"config", "mesh", "models.model", "planning.hlo_collectives", "planning.hlo_flops", "planning.hlo_kernels",
-                         "planning.hlo_loops", "planning.memory", "training.aot"},
-    "planning.in_flight": {"config", "mesh", "parallel.layout", "parallel.pipeline", "parallel.schedule", "parallel.ticks",
-                           "planning.hlo", "planning.hlo_flops", "planning.hlo_loops", "planning.measure",
-                           "planning.stash", "training.aot"},
+    "planning.measure": {"config", "mesh", "models.model", "planning.hlo_collectives", "planning.hlo_flops",
+                         "planning.hlo_kernels", "planning.hlo_loops", "planning.memory", "training.aot"},
+    "planning.in_flight": {"config", "mesh", "parallel.layout", "parallel.pipeline", "parallel.schedule",
+                           "parallel.ticks", "planning.hlo", "planning.hlo_flops", "planning.hlo_loops",
+                           "planning.measure", "planning.stash", "training.aot"},
     "planning.stash": {"models.model", "parallel.layout", "parallel.pipeline"},
     "planning.plan": {"config", "models.formulas", "models.model", "offload", "parallel.schedule", "planning.autotune",
                       "planning.blocks", "planning.gpu_target", "planning.host_tier", "planning.in_flight",
@@ -132,8 +132,8 @@ ALLOWED = {
     "planning.search_offload": {"config", "models.model", "offload", "planning.costs", "planning.host_tier",
                                 "planning.search_space", "remat"},
     "planning.search_report": {"models.formulas", "models.model", "planning.cost", "planning.costs",
-                               "planning.host_tier", "planning.kernel_time", "planning.search", "planning.search_memory",
-                               "planning.search_space"},
+                               "planning.host_tier", "planning.kernel_time", "planning.search",
+                               "planning.search_memory", "planning.search_space"},
     "planning.calibration": {"config", "models.formulas", "models.model", "planning.costs", "planning.search_space",
                              "planning.search_time"},
     "planning.search_space": {"config", "hardware", "remat"},
@@ -215,7 +215,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
-    problems = [f"{m} is not in the module graph (add it to ALLOWED and docs/DESIGN.md)" for m in graph if m not in ALLOWED]
+    problems = [f"{m} is not in the module graph (add it to ALLOWED and docs/DESIGN.md)" for m in graph
+                if m not in ALLOWED]
     problems += [f"{m} imports {d}" for m in sorted(graph) if m in ALLOWED for d in sorted(graph[m] - ALLOWED[m])]
     return problems
 

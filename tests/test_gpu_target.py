@@ -39,7 +39,8 @@ def _measured(name: str) -> dict:
     return model
 
 
-@pytest.mark.parametrize("name,remat", [("gpt3-1.3b", "none"), pytest.param("gpt3-1.3b", "lean", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name,remat", [("gpt3-1.3b", "none"),
+                                        pytest.param("gpt3-1.3b", "lean", marks=pytest.mark.slow),
                                         pytest.param("llama-1b", "selective", marks=pytest.mark.slow),
                                         ("llama-1b", "full")])
 def test_the_h100_programs_peak_is_within_3_percent_of_the_measured_one(name, remat):
@@ -254,11 +255,11 @@ SEARCHED = replace(preset("tiny"), hidden=512, heads=8, vocab_size=1024, seq_len
     pytest.param(Candidate(2, 1, 1, 2, 1, "lean", True, True, 1), marks=pytest.mark.slow),  # t=2 + SP, d=2, distopt
 ], ids=["accumulated", "tensor-sp-distopt"])
 def test_a_searchs_memory_adds_up_to_the_whole_step_compiled_for_the_gpu(candidate):
-    """`plan --search --target`'s memory, its parts added up (`search_memory.memory`: the state's share of the peak + stored
-    × layers + working, its layer compiled for the H100 at two layers), within 3% of the whole train step compiled for
-    the H100 at eight. The step peaks in its backward layer loop, which carries the compute copy's gradients in bf16
-    before any float32 one is made (`memory.State.at_peak`); counting float32 gradients there (2 bytes a parameter
-    more), the parts came out more than 5% above it here, 8–14% at gpt3-1.3b's shape."""
+    """`plan --search --target`'s memory, its parts added up (`search_memory.memory`: the state's share of the peak +
+    stored × layers + working, its layer compiled for the H100 at two layers), within 3% of the whole train step
+    compiled for the H100 at eight. The step peaks in its backward layer loop, which carries the compute copy's
+    gradients in bf16 before any float32 one is made (`memory.State.at_peak`); counting float32 gradients there (2 bytes
+    a parameter more), the parts came out more than 5% above it here, 8–14% at gpt3-1.3b's shape."""
     from jaxseq.config import on_platform
     from jaxseq.plan import candidate_parallel
     from jaxseq.planning.search_costs import SearchCosts
@@ -276,8 +277,8 @@ def test_accumulating_holds_the_tables_compute_copy_beside_their_gradients():
     """Llama 3 8B's width at 4 layers (two 1,002 MiB bf16 tables, 501 MiB a rank at t = 2), t = 2 + SP, d = 2 with the
     distributed optimizer, 4 micro-batches under `full`: the search's parts within 3% of the whole step compiled for
     the H100 with the tables' compute copy the step holds through its micro-batch loop
-    (`search_memory.accumulation_held_copy_bytes`), 9% under it without: the parts' layer program, one micro-batch, frees
-    that copy where it makes the tables' gradients."""
+    (`search_memory.accumulation_held_copy_bytes`), 9% under it without: the parts' layer program, one micro-batch,
+    frees that copy where it makes the tables' gradients."""
     from jaxseq.config import on_platform
     from jaxseq.plan import candidate_parallel
     from jaxseq.planning.search_costs import SearchCosts
@@ -453,7 +454,8 @@ def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_p
     from jaxseq.planning.plan import plan
 
     (model,) = json.loads((RECORDED / "gpu.json").read_text())["models"].values()
-    recorded = autotune.RecordedGemms(str(RECORDED / "autotune" / Path(model["policies"]["full"]["autotune_results"]).name))
+    recorded = autotune.RecordedGemms(
+        str(RECORDED / "autotune" / Path(model["policies"]["full"]["autotune_results"]).name))
     cfg = replace(preset("tiny"), attention="fused")
     message = ("holds the choices of none of these steps" if RECORDS_ON_THIS_XLA else
                rf"this JAX's XLA \({jax.__version__}\) cannot read it")
@@ -461,7 +463,8 @@ def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_p
         plan(cfg, 1, 2, devices, policies=("full",), target="h100", recorded=recorded)
     assert "\n" not in str(e.value)
     (tmp_path / "notes.txt").write_text("not autotune results\n")
-    for path, why in ((tmp_path / "missing.textproto", "cannot be read"), (tmp_path / "notes.txt", "holds no autotune")):
+    for path, why in ((tmp_path / "missing.textproto", "cannot be read"),
+                      (tmp_path / "notes.txt", "holds no autotune")):
         with pytest.raises(ConfigError, match=f"^--autotune-results {path}: {why}"):
             autotune.RecordedGemms(str(path))
 
@@ -490,7 +493,8 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     for n in (2, 5):
         compiled = G.step_bytes(cfg, parallel, f"full:{n}", 4, 1, "h100")
         composed = P.block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
-        parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes, n, 6).total_bytes
+        parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes,
+                                           n, 6).total_bytes
         assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)
         assert abs(parts / compiled - 1) <= 0.03, (n, parts, compiled)
 

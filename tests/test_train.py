@@ -152,7 +152,8 @@ def test_a_failed_execution_is_one_line():
     (["dropout=much"], "dropout='much' is not a valid float"),
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
     (["--lr", "-1"], "lr=-1.0 must be ≥ 0"),
-    pytest.param(["--seq-len", "100000"], "the compiled train step needs", marks=pytest.mark.slow),  # 6.5 s: compiles it
+    pytest.param(["--seq-len", "100000"], "the compiled train step needs",
+                 marks=pytest.mark.slow),  # 6.5 s: compiles it
     (["--virtual-stages", "2"], "virtual_stages=2 needs a pipeline, and pipe=1"),
     (["--layer-loop", "unrolled"], "layer_loop='unrolled' on CPU: XLA:CPU does not keep a remat policy"),
     (["--layer-loop", "while"], "layer_loop='while' is not valid; valid: scan, unrolled"),
@@ -226,15 +227,16 @@ def test_empty_text_is_refused_when_tokenized_and_empty_token_files_when_trained
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = command(data_command.main, "--input", str(empty), "--output", str(tmp_path / "e"), check=False)
-    assert out.returncode == 2 and out.stderr == f"error: --input {str(empty)!r}: the file is empty: no text to tokenize\n"
+    assert out.returncode == 2 and out.stderr == (f"error: --input {str(empty)!r}: the file is empty: no text to "
+                                                  "tokenize\n")
     assert not list(tmp_path.glob("e.*"))
     (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 50)
     prefix = str(tmp_path / "tok")
     command(data_command.main, "--input", str(tmp_path / "text.txt"), "--output", prefix)
     open(prefix + ".val.bin", "wb").close()  # as an old jaxseq.data wrote it
     out = run(*TINY, "--steps", "1", "--data", prefix, "--run-dir", str(tmp_path / "run"), check=False)
-    assert out.returncode == 2 and out.stderr == (f"error: data={prefix!r}: {prefix}.val.bin holds no tokens (python -m "
-                                                  "jaxseq.data writes both splits of non-empty text)\n"), out.stderr
+    assert out.returncode == 2 and out.stderr == (f"error: data={prefix!r}: {prefix}.val.bin holds no tokens (python "
+                                                  "-m jaxseq.data writes both splits of non-empty text)\n"), out.stderr
 
 
 @pytest.mark.slow  # 8 s: two commands; the token files' reading: tests/test_data.py in the fast tier
@@ -248,7 +250,8 @@ def test_train_and_generate_on_token_files(tmp_path):
     run_dir = str(tmp_path / "run")
     out = run(*TINY, "--steps", "2", "--data", prefix, "--run-dir", run_dir)
     # The end-of-run sample continues the first line of a validation document (one of the m*.py files).
-    assert re.search(r"\nsample \(prompt: the start of a validation document\):\ndef f\d\(x\):\n", out.stdout), out.stdout
+    assert re.search(r"\nsample \(prompt: the start of a validation document\):\ndef f\d\(x\):\n",
+                     out.stdout), out.stdout
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert 256 < config["model"]["vocab_size"] <= 320 and config["train"]["tokenizer"].endswith("tok.tokenizer.json")
     gen = command(generate_command.main, "--run-dir", run_dir, "--prompt", "def f1", "--max-tokens", "4")
@@ -352,7 +355,8 @@ def test_resume_resolves_the_saved_run(tmp_path, capsys):
     assert capsys.readouterr().out == (f"resume: the run as saved in {run_dir}/config.json, changed as asked: mesh "
                                        "data=4 × tensor=2 → data=2 × tensor=4, steps 200 → 300, "
                                        "distributed_optimizer True → False\n")
-    for argv, message in ((["--preset", "gpt2-124m"], "hidden=64 (saved) vs 768"), (["layers=3"], "layers=2 (saved) vs 3")):
+    for argv, message in ((["--preset", "gpt2-124m"], "hidden=64 (saved) vs 768"),
+                          (["layers=3"], "layers=2 (saved) vs 3")):
         assert main(["--run-dir", run_dir, "--resume", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot resume: the checkpoint's model differs: ") and message in err, err
@@ -550,7 +554,8 @@ def test_record_autotune_asks_xla_for_the_train_steps_gemm_choices(tmp_path, mon
 
     session = lambda path: SimpleNamespace(run=SimpleNamespace(train=SimpleNamespace(record_autotune=path)))
     monkeypatch.chdir(tmp_path)
-    assert loop.recording(session("at.textproto")) == {"xla_gpu_dump_autotune_results_to": str(tmp_path / "at.textproto")}
+    assert loop.recording(session("at.textproto")) == {
+        "xla_gpu_dump_autotune_results_to": str(tmp_path / "at.textproto")}
     assert loop.recording(session(None)) is None
     monkeypatch.setattr(loop.distributed, "is_main_process", lambda: False)
     assert loop.recording(session("at.textproto")) is None

@@ -279,7 +279,8 @@ def final_norm(params, x, cfg: ModelConfig):
     return family(cfg).final_norm(params, x, cfg)
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None, offload: tuple[str, ...] = ()):
+def hidden_states(params, tokens, cfg: ModelConfig, shard: Sharder, remat: str, key=None,
+                  offload: tuple[str, ...] = ()):
     """tokens [b, s] → final-norm output [b, s, h] (sequence-sharded under SP). key=None: no dropout."""
     params = cast_params(params, cfg, shard)
     k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)

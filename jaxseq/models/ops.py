@@ -382,7 +382,8 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if cfg.rope_scaling == "llama3":
-        low, high = cfg.rope_original_positions / cfg.rope_low_freq_factor, cfg.rope_original_positions / cfg.rope_high_freq_factor
+        low, high = (cfg.rope_original_positions / cfg.rope_low_freq_factor,
+                     cfg.rope_original_positions / cfg.rope_high_freq_factor)
         wavelen = 2 * np.pi / inv
         smooth = (cfg.rope_original_positions / wavelen - cfg.rope_low_freq_factor) / (
             cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
@@ -461,8 +462,8 @@ def _probs(scores, cfg: ModelConfig, key, order, shard: Sharder, segments=None):
         # No dropout: tagging the same value again as the dropout output would store it twice (measured:
         # `none` kept 4·as²b bytes of probabilities instead of 2).
         return probs
-    dropped = dropout(probs, cfg.dropout, key, remat.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1), seq_len=scores.shape[-1],
-                      shard=shard)
+    dropped = dropout(probs, cfg.dropout, key, remat.ATTN_DROPOUT_MASK, order, seq_axes=(-2, -1),
+                      seq_len=scores.shape[-1], shard=shard)
     return checkpoint_name(dropped, remat.ATTN_PROBS_DROPOUT)
 
 

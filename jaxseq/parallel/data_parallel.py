@@ -90,8 +90,8 @@ def accumulate_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, 
     [B, s] int32), micro-batch i with dropout key fold_in(key, i) (one micro-batch: `key` itself, no scan), without
     a pipeline. The train step's gradients take this path with one micro-batch too: left to XLA, the reduction of
     a gradient of the compute-dtype weights runs in that dtype (bf16), where here each rank's gradient is cast to
-    float32 first and the ranks sum float32 (Megatron's default, --accumulate-allreduce-grads-in-fp32). To be called under
-    jit with `params` in their compute layout (`model.param_specs`). Each data rank runs its rows of every
+    float32 first and the ranks sum float32 (Megatron's default, --accumulate-allreduce-grads-in-fp32). To be called
+    under jit with `params` in their compute layout (`model.param_specs`). Each data rank runs its rows of every
     micro-batch (dropout masks: those rows of the global mask, `model.bernoulli_rows`), each context rank its
     tokens of them, and sums its float32 gradients in a `lax.scan`; after it the sum is reduced over data ×
     context once (`reduce_over`), reduce-scattered onto the dimension `grad_specs` splits over those axes (the

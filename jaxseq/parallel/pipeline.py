@@ -72,11 +72,11 @@ def reduce_gradients(buffers: Buffers, grad_specs: dict, over: dict):
     weight, the axes its gradient is still summed over (`data_parallel.left_to_reduce`: not `fsdp` where the
     layers reduce-scattered it already)."""
     loss = jax.lax.psum(buffers.loss, ("pipe", *over["loss"]))
-    others = jax.tree.map(lambda g, spec, axes: data_parallel.reduce_over(g, spec, ("pipe", *axes)), buffers.grads["others"],
-                          _others(grad_specs), _others(over["weights"]))
+    others = jax.tree.map(lambda g, spec, axes: data_parallel.reduce_over(g, spec, ("pipe", *axes)),
+                          buffers.grads["others"], _others(grad_specs), _others(over["weights"]))
     layers = jax.tree.map(  # local [v, k, …]: a parameter's dimension i ≥ 1 is dimension i + 1
-        lambda g, spec, axes: data_parallel.reduce_over(g, P(None, None, *spec[1:]), axes)[None], buffers.grads["layers"],
-        grad_specs["layers"], over["weights"]["layers"])
+        lambda g, spec, axes: data_parallel.reduce_over(g, P(None, None, *spec[1:]), axes)[None],
+        buffers.grads["layers"], grad_specs["layers"], over["weights"]["layers"])
     return loss, layers, others
 
 
@@ -158,13 +158,14 @@ def pipeline_loss(params, batch, *, layout: Layout, microbatches: int):
 
     def program(layers, others, micro, rows):
         stage = Stage.enter(layers, others, micro, None, cfg=cfg, sched=sched, remat="none",
-                            loss_ranks=parallel.batch_ranks * parallel.context, shard=context.sharder(mesh, parallel, stage=True))
+                            loss_ranks=parallel.batch_ranks * parallel.context,
+                            shard=context.sharder(mesh, parallel, stage=True))
         forward = ForwardProgram(stage, _ring(parallel))
         buffers, _ = jax.lax.scan(forward.tick, forward.buffers(), rows[:, stage.index])
         return jax.lax.psum(buffers.loss, ("pipe", *layout.gradient_axes))
 
-    fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)), in_specs=(*in_specs, P()),
-                       out_specs=P())
+    fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)),
+                       in_specs=(*in_specs, P()), out_specs=P())
     return fn(*args, jnp.asarray(tick_rows(sched)))
 
 
@@ -192,7 +193,8 @@ def pipeline_loss_and_grad(params, batch, key, *, layout: Layout, remat: str, mi
     shard = replace(context.sharder(mesh, parallel, stage=True), loss_seed=seed)
     program = partial(stage_program, cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
                       grad_specs=grad_specs, over=over, inspect=inspect, ring=_ring(parallel), offload=offload)
-    fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)), in_specs=(*in_specs, P(), P()),
+    fn = jax.shard_map(program, mesh=mesh, axis_names=set(data_parallel.region_axes(parallel)),
+                       in_specs=(*in_specs, P(), P()),
                        out_specs=(P(), *_gradient_specs(grad_specs, layout.gradient_axes)))
     loss, layer_grads, other_grads = fn(*args, jax.random.key_data(key), jnp.asarray(tick_rows(sched)))
     # float32, as accumulated and reduced: not cast back to the dtype of `params` (the step's bf16 compute copy)

@@ -90,7 +90,8 @@ class Stage:
         docs = documents.split(model.packed_documents(micro["inputs"], cfg), split)  # read in natural order
         micro = {name: split(t) for name, t in micro.items()}
         return Stage(cfg=cfg, sched=sched, loss_ranks=loss_ranks, remat=remat, shard=shard,
-                     index=jax.lax.axis_index("pipe"), key=key, layers=jax.tree.map(lambda a: data_parallel.varying(a[0]), layers),
+                     index=jax.lax.axis_index("pipe"), key=key,
+                     layers=jax.tree.map(lambda a: data_parallel.varying(a[0]), layers),
                      others=jax.tree.map(data_parallel.varying, others), micro=micro,
                      taps=deferred.Taps() if sched.split_backward else None, documents=docs, offload=offload)
 
@@ -141,7 +142,8 @@ class Stage:
         if self.taps is None:
             return jax.vjp(run, x, w)
         kernels, others = deferred.split_kernels(w)
-        return jax.vjp(lambda x, others, probes: run(x, self.taps.wrap(deferred.merge_kernels(kernels, others), probes)),
+        return jax.vjp(lambda x, others, probes: run(x, self.taps.wrap(deferred.merge_kernels(kernels, others),
+                                                                       probes)),
                        x, others, jax.tree.map(data_parallel.varying, self.taps.probes(self.layers_per_chunk)))
 
     def embed(self, embed_params, mb, k_embed):
@@ -237,8 +239,8 @@ class ResidualLayout:
         leaves = jax.tree.leaves(f_vjp)
         shapes, traced = [a.shape for a in leaves], [a.shape for a in self.avals]
         if shapes != traced:  # not an assert: `python -O` would stash the wrong arrays
-            raise RuntimeError(f"a pipeline chunk's vjp changed its layout since `of` traced it: {len(shapes)} residual "
-                               f"leaves {shapes} where the stash holds {len(traced)} {traced}")
+            raise RuntimeError(f"a pipeline chunk's vjp changed its layout since `of` traced it: {len(shapes)} "
+                               f"residual leaves {shapes} where the stash holds {len(traced)} {traced}")
         return [data_parallel.varying(leaf) for leaf, i in zip(leaves, self.source) if i < 0]
 
     def join(self, stashed: list, w, keys, docs=None) -> Callable:

@@ -60,7 +60,8 @@ class TickProgram:
         act = self.stage.activation
         no_act = varying_zeros(act.shape, act.dtype)
         return BranchOut(send_x=no_act, send_g=no_act, slot=self.layout.slot_zeros(),
-                         w_slot=[varying_zeros(a.shape, a.dtype) for a in self.w_stash_avals], g=g, dw=jax.tree.map(lambda a: varying_zeros(a.shape[1:], jnp.float32), self.stage.layers),
+                         w_slot=[varying_zeros(a.shape, a.dtype) for a in self.w_stash_avals], g=g,
+                         dw=jax.tree.map(lambda a: varying_zeros(a.shape[1:], jnp.float32), self.stage.layers),
                          d_others=jax.tree.map(lambda a: varying_zeros(a.shape, jnp.float32), self.stage.others),
                          loss=varying_zeros((), jnp.float32))
 
@@ -116,7 +117,8 @@ class TickProgram:
         else:
             dx, d_others, w_slot = self.layout.join(self.layout.read(stash, row.stash), w, keys, docs)(g)
             kernels, _ = deferred.split_kernels(nothing.dw)
-            out = nothing._replace(dw=deferred.merge_kernels(kernels, as_float32(d_others)), w_slot=jax.tree.leaves(w_slot))
+            out = nothing._replace(dw=deferred.merge_kernels(kernels, as_float32(d_others)),
+                                   w_slot=jax.tree.leaves(w_slot))
         if not first:
             return out._replace(send_g=dx.astype(stage.activation.dtype))
         _, e_vjp = jax.vjp(lambda e: stage.embed(e, row.mb, k_embed), stage.others["embed"])

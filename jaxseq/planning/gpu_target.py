@@ -159,14 +159,16 @@ def host_bytes(compiled) -> int:
     """Per-device bytes a compiled program holds in host memory: its host arguments (the optimizer state under
     --offload-optimizer, which its outputs alias) and temporaries (offloaded activations), XLA's own accounting."""
     m = compiled.memory_analysis()
-    return m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes
+    return (m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
+            + m.host_temp_size_in_bytes)
 
 
 def step_memory(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                 target: str, offload: tuple[str, ...] = ()) -> tuple[int, int]:
     """(device peak, host bytes) per device of the step with `offload` (and the optimizer state where `parallel`
     offloads it): each the larger of its Triton-GEMM and cuBLAS-GEMM programs' (`step_bytes`, `host_bytes`)."""
-    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload) for g in gemm_programs(cfg)]
+    programs = [compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
+                for g in gemm_programs(cfg)]
     return max(aot.step_bytes(p) for p in programs), max(host_bytes(p) for p in programs)
 
 
@@ -176,6 +178,7 @@ def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: st
     kernels of the run's layout `run` (default `parallel`: `config.cudnn_compiles`), its layers scanned (an unrolled
     model stores the same per layer, without the stacks)."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
-    small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS, layer_loop="scan")  # read in its loop
+    small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS,
+                    layer_loop="scan")  # read in its loop
     compiled = aot.compile_loss_and_grad(small, parallel, remat, mesh, micro_batch)
     return hlo_loops.stored_bytes_per_layer(compiled.as_text(), MEASURE_LAYERS)

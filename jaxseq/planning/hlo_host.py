@@ -73,7 +73,8 @@ def _transfer(ins: Instr, types: dict[str, str]) -> Transfer | None:
     if ins.opcode == "copy-start":  # (destination, source, context)
         result = result[:1]
     (dt, dims, out_host), (in_dt, in_dims, in_host) = result[0], operands[0][0]
-    if ins.opcode == "dynamic-update-slice" and out_host and len(operands) > 1 and operands[1] and not operands[1][0][2]:
+    if (ins.opcode == "dynamic-update-slice" and out_host and len(operands) > 1 and operands[1]
+            and not operands[1][0][2]):
         return Transfer(True, ins.opcode, (dt, dims))
     if ins.opcode == "dynamic-slice" and in_host and not out_host:
         return Transfer(False, ins.opcode, (in_dt, in_dims))

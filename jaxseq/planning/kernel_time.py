@@ -189,7 +189,8 @@ def fused_attention_seconds(cfg: ModelConfig, b: int, t: int, remat: str, hw: Ha
 
 
 def gemm_kernels(cfg: ModelConfig, b: int, t: int, remat: str, ring: int = 1) -> list[Gemm]:
-    """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where the flash kernel runs it."""
+    """The layer's GEMMs that run as GEMM kernels: `layer_gemms` less the attention core where the flash kernel runs
+    it."""
     return [g for g in layer_gemms(cfg, b, t, remat, ring)
             if not (flash(cfg) and g.name.split(".")[0] in ATTENTION_CORE)]
 
@@ -203,7 +204,8 @@ def head_gemms(cfg: ModelConfig, b: int, t: int) -> list[Gemm]:
 def gemm_seconds(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: float, memory_efficiency: float) -> float:
     """max(waves of tiles at the achieved fraction of peak (TF32's for float32 operands; an FP8 GEMM's at the FP8 peak,
     `FP8_RELATIVE_EFFICIENCY`), operands and result through HBM)."""
-    waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count) for tm, tn in (TILE, TILE[::-1]))
+    waves = min(math.ceil(g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) / hw.sm_count)
+                for tm, tn in (TILE, TILE[::-1]))
     wave_flops = hw.sm_count * 2.0 * TILE[0] * TILE[1] * g.k  # every SM computing one tile
     peak = (hw.fp8_peak_tflops * FP8_RELATIVE_EFFICIENCY if g.fp8
             else hw.peak_tflops * (TF32_FRACTION if itemsize == 4 else 1.0))
@@ -250,7 +252,8 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     mlp_forward, mlp_backward = (n * e for n in traits.mlp_elementwise)
     forward_attention = scores * (2 * e + r_scores * (2 * e + 1))
     forward = residual * 2 * (2 * e + 3 * e + r) + mlp * mlp_forward + forward_attention + rope
-    backward = residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r_scores * (2 * e + 1)) + rope
+    backward = (residual * 2 * (3 * e + 2 * e + r) + mlp * mlp_backward + scores * (3 * e + r_scores * (2 * e + 1))
+                + rope)
     policy, replays = POLICIES[remat], replayed(cfg, remat)
     if "qkv" in replays:  # the whole forward
         again = forward
@@ -339,7 +342,8 @@ WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a 
 
 
 def split_layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
-                        compute_efficiency: float, memory_efficiency: float, ring: int = 1) -> tuple[float, float, float]:
+                        compute_efficiency: float, memory_efficiency: float,
+                        ring: int = 1) -> tuple[float, float, float]:
     """`layer_seconds` as zero-bubble pipelining splits it (F, B, W): W the weight GEMMs' gradients (`.dw`), F the
     forward GEMMs (a fused attention's forward kernel in place of its two; a ring's forward blocks in place of them
     too) and a third of the elementwise kernels (they run forward and twice as much backward), B the rest (the input

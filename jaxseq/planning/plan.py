@@ -82,7 +82,8 @@ class Row:
     working_bytes_per_device: int
     total_bytes_per_device: int
     memory_source: str = CPU_SOURCE  # what stored and total were read from
-    fsdp_gathered_bytes_per_device: int = 0  # of the working memory: FSDP's gathered weights (`memory.fsdp_gathered_bytes`)
+    # of the working memory: FSDP's gathered weights (`memory.fsdp_gathered_bytes`)
+    fsdp_gathered_bytes_per_device: int = 0
     # of the activations: zb-h1's W stash, the deferred weight gradients' inputs the first stage's slots hold
     # (`formulas.deferred_stash_bytes` × slots × layers per chunk; tests hold the formula to the compiled carry)
     deferred_stash_bytes_per_device: float = 0
@@ -315,8 +316,8 @@ def plan(cfg: ModelConfig, tensor: int, micro_batch: int, devices, model_name: s
             for c, m in measured.items()]
     tier = dict(tagged=tagged, text=offload, optimizer=offload_optimizer, pcie=pcie_gb_per_s, microbatches=n_micro,
                 device_layers=stage.layers, context=context, strategy=context_strategy, micro_batch=micro_batch,
-                in_flight_layers=in_flight_layers, state=lambda c: plan_state(cfg, c.tensor, data, context,
-                                                                             distributed_optimizer, pipeline, fsdp=fsdp))
+                in_flight_layers=in_flight_layers,
+                state=lambda c: plan_state(cfg, c.tensor, data, context, distributed_optimizer, pipeline, fsdp=fsdp))
     if offload or offload_optimizer:
         rows = [offloaded_row(cfg, r, c, **tier) for r, c in zip(rows, measured)]
     if target is not None:
@@ -366,7 +367,8 @@ def offloaded_row(cfg: ModelConfig, row: Row, c: RowSpec, *, tagged, text, optim
     """Row `row` with host memory as a tier: its policy's share of the offloaded names (`row_offload`) out of its
     activations, `host_tier.bytes_per_layer` × the layers in flight; with `optimizer`, the master weights and moments
     out of the state during the layer loops (the update holds them on the device: `State.after_loop` stays). Its
-    device total is the step's peak so (`memory.peak_bytes`); its host bytes and PCIe traffic `host_tier.host_tier`'s."""
+    device total is the step's peak so (`memory.peak_bytes`); its host bytes and PCIe traffic
+    `host_tier.host_tier`'s."""
     names = row_offload(text, c.remat, tagged)
     per_layer = host_tier.bytes_per_layer(cfg, c.remat, names, micro_batch, c.tensor, c.sequence_parallel, context,
                                           strategy)
@@ -463,7 +465,8 @@ def _check_arguments(cfg: ModelConfig, configs: list[RowSpec], micro_batch: int,
     """One-line ConfigErrors before anything is compiled."""
     if not isinstance(fsdp, int) or fsdp <= 0:
         raise ConfigError(f"fsdp={fsdp!r} must be a positive integer")
-    validate_fsdp(cfg, ParallelConfig(data=data, fsdp=fsdp, context=context, distributed_optimizer=distributed_optimizer))
+    validate_fsdp(cfg, ParallelConfig(data=data, fsdp=fsdp, context=context,
+                                      distributed_optimizer=distributed_optimizer))
     if context > 1 and pipeline > 1:  # the pipelined step at context c (its whole-model figures): as `train` checks it
         validate(cfg, ParallelConfig(pipe=pipeline, context=context, context_strategy=strategy), "none")
     for c in configs:
@@ -513,8 +516,9 @@ def make_row(cfg: ModelConfig, c: RowSpec, m: Measured, micro_batch: int, in_fli
     b = micro_batch
     formula = formula_bytes_per_layer(cfg, c, b, context, strategy)
     deferred = deferred_layers * formulas.deferred_stash_bytes(cfg, b, c.tensor, c.sequence_parallel, context)
-    activations = deferred + activation_bytes(m.stored_bytes_per_layer, in_flight_layers,
-                                              non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
+    activations = deferred + activation_bytes(
+        m.stored_bytes_per_layer, in_flight_layers,
+        non_layer_activation_bytes(cfg, b, c.tensor, c.sequence_parallel, context))
     return Row(
         config=c.name, remat=c.remat, sequence_parallel=c.sequence_parallel, tensor=c.tensor,
         measured_bytes_per_layer=m.stored_bytes_per_layer, formula_bytes_per_layer=formula,

@@ -49,8 +49,8 @@ def format_table(p: Plan) -> str:
         f"{p.model}: h={cfg.hidden} a={cfg.heads}"
         f"{model.shape_label(cfg)} L={cfg.layers} s={cfg.seq_len} V={cfg.vocab_size} "
         f"micro-batch={p.micro_batch} tensor={p.tensor}"
-        f"{f' context={p.context} ({p.context_strategy})' if p.context > 1 else ''} {cfg.dtype} {cfg.attention} attention "
-        f"(5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
+        f"{f' context={p.context} ({p.context_strategy})' if p.context > 1 else ''} {cfg.dtype} {cfg.attention} "
+        f"attention (5as/h = {5 * cfg.heads * cfg.seq_len / cfg.hidden:g})",
         "per layer per device; stored = bytes kept for backward, read from the compiled program; "
         "collectives at the activation dtype, forward + backward",
         _flops_label(p),
@@ -130,8 +130,9 @@ def format_gemms(p: Plan) -> list[str]:
     for r in (r for r in rows if r.fp8_extra_bytes_per_device is not None):
         copies = ", ".join(f"{kind} {b / MIB:,.1f} MiB" for kind, b in sorted(r.fp8_copy_bytes_per_layer.items()))
         lines.append(f"FP8 {r.config}: the step's peak {r.fp8_extra_bytes_per_device / MIB:+,.1f} MiB against the "
-                     f"same step in bf16 (in work.: the FP8 copies and scalar scales its layers hold for a moment, none "
-                     f"kept from forward to backward); the FP8 copies one layer's loops write per micro-batch: {copies}")
+                     f"same step in bf16 (in work.: the FP8 copies and scalar scales its layers hold for a moment, "
+                     f"none kept from forward to backward); the FP8 copies one layer's loops write per "
+                     f"micro-batch: {copies}")
     return lines
 
 
@@ -233,14 +234,16 @@ def _format_whole_model(p: Plan) -> str:
     cfg, t = p.config, p.tensor
     state = next(r for r in p.rows if r.tensor == t)
     stage = "" if p.pipeline == 1 else (f", first of {p.pipeline} pipeline stages: {-(-cfg.layers // p.pipeline)} "
-                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule}, compiled)")
+                                        f"layers' state, {p.in_flight_layers:g} layers' activations ({p.schedule}, "
+                                        f"compiled)")
     return (
         f"whole model per device (t={t}, d={p.data}{f', fsdp={p.fsdp}' if p.fsdp > 1 else ''}{stage}"
         f"{', distributed optimizer' if p.distributed_optimizer else ''}): fp32 master weights "
         f"{state.params_bytes_per_device / GIB:.1f} GiB, gradients {state.gradient_bytes_per_device / GIB:.1f} GiB, "
         f"Adam moments {state.optimizer_bytes_per_device / GIB:.1f} GiB, {cfg.dtype} weight copy "
         f"{state.weight_copy_bytes_per_device / GIB:.1f} GiB (from shapes); activations = "
-        f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); working = "
+        f"stored/layer × in-flight layers + embedding/logits part from shapes (4·s·b·V/t f32 logits, LN input, masks); "
+        f"working = "
         + (f"the rest of the whole train step's peak. Stored, activ., work. and total: {_memory_sources(p)}"
            if state.memory_source != CPU_SOURCE else
            "the compiled float32 step's other temporaries (one layer's backward, the logits' gradient, RNG bits)"
@@ -314,8 +317,8 @@ def _bubble_in_time(p: Plan) -> list[str]:
             f"executor runs; 1F1B at the same costs: {1 + f.lockstep_bubble_1f1b:.4f} × the ideal"]
 
 
-STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients", "master_weights": "fp32 master weights",
-                "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
+STATE_LABELS = {"weight_copy": "{dtype} weight copy", "gradients": "fp32 gradients",
+                "master_weights": "fp32 master weights", "adam_moments": "Adam moments (2 × fp32)", "total": "total"}
 
 
 def format_optimizer_state(p: Plan) -> list[str]:
@@ -333,8 +336,10 @@ def format_optimizer_state(p: Plan) -> list[str]:
              f"  {'':<22}{'without B/param':>16}{'with B/param':>14}{'without ' + unit:>14}{'with ' + unit:>11}"]
     for key, label in STATE_LABELS.items():
         label = label.format(dtype=p.config.dtype)
-        lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}{with_it['bytes_per_parameter'][key]:>14.2f}"
-                     f"{without['bytes_per_device'][key] / scale:>14.2f}{with_it['bytes_per_device'][key] / scale:>11.2f}")
+        lines.append(f"  {label:<22}{without['bytes_per_parameter'][key]:>16.2f}"
+                     f"{with_it['bytes_per_parameter'][key]:>14.2f}"
+                     f"{without['bytes_per_device'][key] / scale:>14.2f}"
+                     f"{with_it['bytes_per_device'][key] / scale:>11.2f}")
     lines.append(f"  with: master weights and moments split over {over} (--distributed-optimizer); the weight copy is "
                  f"gathered over {over} once per step; gradients are full during backward, then reduce-scattered")
     if p.fsdp > 1:
@@ -357,8 +362,8 @@ def format_stage_state(p: Plan) -> list[str]:
                      f"{parts['embedding_group'][key] / scale:>22.2f}"
                      f"{parts['megatron_first_stage_embedding_group'][key] / scale:>27.2f}")
     saved = parts["megatron_first_stage_embedding_group"]["total"] - parts["embedding_group"]["total"]
-    lines.append(f"  the embedding group (embedding, final norm, an untied head) is whole on every stage for compute (the "
-                 f"first stage's lookup "
+    lines.append(f"  the embedding group (embedding, final norm, an untied head) is whole on every stage for compute "
+                 f"(the first stage's lookup "
                  f"and the last stage's logits need them inside the tick loop); their master weights and moments are "
                  f"split over pipe, so the first stage, which sets the peak, holds {saved / scale:.2f} {unit} less of "
                  f"them than Megatron-LM's (whose middle stages hold none)")
@@ -384,7 +389,7 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
         if block:
             megatron = (f" (Megatron-LM: --recompute-granularity full --recompute-method block --recompute-num-layers "
                         f"{block[1]})" if block[2] == "none" else "")
-            lines.append(f"    block recompute: {block[1]} of each chunk's {chunk_layers(p)} layers under {block[0]}, the "
-                         f"rest under {block[2]}: train with --remat {chosen.remat}{megatron}; its memory "
+            lines.append(f"    block recompute: {block[1]} of each chunk's {chunk_layers(p)} layers under {block[0]}, "
+                         f"the rest under {block[2]}: train with --remat {chosen.remat}{megatron}; its memory "
                          f"{chosen.memory_source}")
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """`plan --search --offload`: host memory as a choice beside recompute, block recompute, tensor and pipeline
 parallelism (opt-in, as `--block-recompute` is). For each configuration that does not fit the budget as it is, its
 offloaded variants (`offloaded`): everything its remat policy stores in host memory (`--offload all`), the optimizer
-state (`--offload-optimizer`), and both where both are asked, composed from its evaluation without compiling anything: the
-offloaded activations (`host_tier.bytes_per_layer` × the layers in flight) out of the device's memory, and the
+state (`--offload-optimizer`), and both where both are asked, composed from its evaluation without compiling anything:
+the offloaded activations (`host_tier.bytes_per_layer` × the layers in flight) out of the device's memory, and the
 masters and moments out of the state during the layer loops (the update holds them on the device: the state after
 the loops stays); its step time plus the PCIe seconds `host_tier.OVERLAP` charges at the node's PCIe bandwidth
 (`hardware.Hardware.pcie_gb_per_s` × the link efficiency). Ranked with the rest by that time.

@@ -173,9 +173,9 @@ def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
     if r.block_recompute:
         lines += [BLOCK_NOTE]
     if r.offload or r.offload_optimizer:
-        lines += [f"+off: everything the policy stores in host memory (--offload all), +opt: the float32 master weights "
-                  f"and Adam moments (--offload-optimizer), tried where a configuration does not fit as it is; mem GiB "
-                  f"is the device's, host GiB what it holds in host memory, PCIe s what the step is charged at "
+        lines += [f"+off: everything the policy stores in host memory (--offload all), +opt: the float32 master "
+                  f"weights and Adam moments (--offload-optimizer), tried where a configuration does not fit as it is; "
+                  f"mem GiB is the device's, host GiB what it holds in host memory, PCIe s what the step is charged at "
                   f"{r.hardware.pcie_gb_per_s:g} GB/s per direction × {r.time_model.link_efficiency:g} "
                   f"(planning/host_tier.py): {host_tier.OVERLAP}"]
     if True in r.fp8:

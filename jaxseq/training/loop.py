@@ -248,7 +248,8 @@ def compile_step(session: Session, state, position: int):
     available = aot.device_bytes(session.devices)
     aot.check_fits(aot.step_bytes(step_fn), available)
     aot.check_fits(aot.evaluation_bytes(eval_fn, step_fn, state.params), available, what="evaluation")
-    sampler = compile_sampler(state.params, session.run.model, session.mesh) if session.run.train.sample_tokens else None
+    sampler = (compile_sampler(state.params, session.run.model, session.mesh) if session.run.train.sample_tokens
+               else None)
     if sampler is not None:
         aot.check_fits(aot.sampling_bytes(sampler, step_fn), available, what="end-of-run sample")
     if distributed.is_main_process():

@@ -50,7 +50,8 @@ def sampling_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> ParallelCon
     """The layout sampling runs in on the same devices: tensor = the largest divisor of pipe × tensor that
     divides the heads and the MLP width (a multiple of `tensor`), no pipeline, data = the rest."""
     group = parallel.pipe * parallel.tensor
-    fits = lambda t: cfg.heads % t == 0 and cfg.mlp_hidden % t == 0 and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)
+    fits = lambda t: (cfg.heads % t == 0 and cfg.mlp_hidden % t == 0
+                      and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0))
     tensor = max(t for t in range(1, group + 1) if group % t == 0 and fits(t))
     return ParallelConfig(data=parallel.num_devices // tensor, tensor=tensor)
 
@@ -192,7 +193,8 @@ def compile_sampler(params, cfg: ModelConfig, mesh, top_k: int = 40, temperature
     prefill = _prefill.lower(sampling, window, 1, key, 0, temperature, **static).compile()
     _, cache = prefill.output_shardings
     cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                         jax.eval_shape(partial(_prefill, **static), sampling, window, 1, key, 0, temperature)[1], cache)
+                         jax.eval_shape(partial(_prefill, **static), sampling, window, 1, key, 0, temperature)[1],
+                         cache)
     decode = _decode.lower(sampling, cache, np.zeros((1,), np.int32), 1, key, 1, temperature, **static).compile()
     return Sampler(reshard=reshard, prefill=prefill, decode=decode)
 
