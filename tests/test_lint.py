@@ -1,5 +1,6 @@
-"""The static checks: ruff's pyflakes rules (undefined names, unused imports, redefinitions, …) and syntax errors over
-the package, the tests and the experiments, as pyproject.toml's [tool.ruff] selects them, with no finding. A name
+"""The static checks: ruff's pyflakes rules (undefined names, unused imports, redefinitions, …), syntax errors and
+lines over 120 characters over the package, the tests and the experiments, as pyproject.toml's [tool.ruff] selects
+them, with no finding. A name
 left undefined by a move once crashed a documented command in a path no test reached."""
 
 import subprocess
