@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
+from jaxseq.config import OptimizerConfig, ParallelConfig, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402
 from jaxseq.planning import hlo, hlo_collectives, hlo_loops  # noqa: E402

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from jaxseq import hardware  # noqa: E402
-from jaxseq.config import ModelConfig, preset, replace  # noqa: E402
+from jaxseq.config import ModelConfig, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.planning.calibration import calibrate_compute_efficiency, paper_tflops_per_gpu  # noqa: E402
 from jaxseq.planning.search import Result, evaluate, search  # noqa: E402
 from jaxseq.planning.search_report import format_result  # noqa: E402

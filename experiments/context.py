@@ -28,7 +28,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from jaxseq.config import ParallelConfig, preset, replace  # noqa: E402
+from jaxseq.config import ParallelConfig, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import formulas as F  # noqa: E402
 from jaxseq.planning import hlo_loops  # noqa: E402

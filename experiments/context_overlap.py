@@ -28,7 +28,8 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 
-from jaxseq.config import ParallelConfig, preset  # noqa: E402
+from jaxseq.config import ParallelConfig  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.planning import hlo, hlo_loops  # noqa: E402
 from jaxseq.training import aot  # noqa: E402

@@ -31,7 +31,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
+from jaxseq.config import ModelConfig, OptimizerConfig, ParallelConfig, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import model as M  # noqa: E402
 from jaxseq.planning import hlo_collectives  # noqa: E402

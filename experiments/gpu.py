@@ -67,7 +67,8 @@ PROFILE_STEPS = 2  # traced after each model row's timed steps: where its time g
 def models(gpu: bool) -> dict:
     """name → ModelConfig. GPU: GPT-3 XL and a Llama of similar size (Llama 3.2 1B's shape, untied lm_head,
     at GPT-3 XL's sequence length); CPU: the tiny presets. Dropout 0, so that bf16 and f32 draw nothing apart."""
-    from jaxseq.config import preset, replace
+    from jaxseq.config import replace
+    from jaxseq.presets import preset
 
     if not gpu:
         return {"tiny": replace(preset("tiny"), dropout=0.0), "tiny-llama": preset("tiny-llama")}

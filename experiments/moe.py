@@ -35,7 +35,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace  # noqa: E402
+from jaxseq.config import OptimizerConfig, ParallelConfig, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.hardware import HARDWARE  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.parallel.layout import Layout  # noqa: E402

@@ -57,7 +57,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     jax.config.update("jax_platforms", "cpu")
-    from jaxseq.config import preset
+    from jaxseq.presets import preset
     from jaxseq.models import experts
 
     bf16, lines = jnp.bfloat16, ["# The experts' GEMMs in the program compiled for an H100 (JAX "

@@ -46,7 +46,8 @@ def main() -> int:
     from jaxseq.parallel import ticks
     from jaxseq.planning.stash import stash_layout
     from jaxseq.training import train_step as T
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
 
     cfg = replace(preset("tiny"), layers=8, dtype="float32")  # h=64, s=64, a=8, V=256
@@ -223,7 +224,8 @@ def overhead() -> int:
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
     from jaxseq.training import train_step as T
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
 
     devices, m, remat = jax.devices(), OVERHEAD_M, "selective"
@@ -456,7 +458,8 @@ def refresh_anatomy() -> int:
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
 
     results = json.loads((RESULTS / "pipeline_overhead.json").read_text())
@@ -500,7 +503,8 @@ def paper_anatomy() -> int:
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout
     from jaxseq.parallel import ticks
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
 
     p, t, m, k_c, k = 8, 8, 8, 2, 12
@@ -607,7 +611,8 @@ def stash(label: str) -> int:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout

@@ -41,7 +41,7 @@ def run_plans(models: dict[str, int], devices, cache: Path) -> dict:
     import pickle
 
     from jaxseq.planning import plan as P, report
-    from jaxseq.config import preset
+    from jaxseq.presets import preset
 
     plans = {}
     cache.mkdir(parents=True, exist_ok=True)

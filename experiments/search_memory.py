@@ -63,7 +63,8 @@ def measure() -> list[dict]:
 
 
 def measure_model(model: str, configurations: dict) -> list[dict]:
-    from jaxseq.config import on_platform, preset, replace
+    from jaxseq.config import on_platform, replace
+    from jaxseq.presets import preset
     from jaxseq.plan import candidate_parallel
     from jaxseq.planning import gpu_target
     from jaxseq.planning import search_memory

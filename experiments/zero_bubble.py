@@ -80,7 +80,8 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax
 
-    from jaxseq.config import ParallelConfig, preset, replace
+    from jaxseq.config import ParallelConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.mesh import make_mesh
     from jaxseq.parallel import pipeline as PL
     from jaxseq.parallel.layout import Layout

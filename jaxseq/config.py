@@ -271,59 +271,6 @@ class RunConfig:
 SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "parallel": ParallelConfig}
 
 
-def _preset(**kw) -> ModelConfig:
-    return ModelConfig(**kw)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # tiny: for tests; 5as/h = 5·8·64/64 = 40.
-    "tiny": _preset(vocab_size=256, seq_len=64, hidden=64, heads=8, layers=2),
-    # The default run: bytes of Python source (256 byte ids + the end-of-document id, as the data gives),
-    # small enough to learn in minutes on 2 CPU cores.
-    "stdlib-bytes": _preset(vocab_size=257, seq_len=128, hidden=128, heads=4, layers=4, dropout=0.0),
-    "gpt2-124m": _preset(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
-    "gpt2-350m": _preset(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
-    # GPT-3 XL: 24 heads of width 128 (the GPT-3 paper's d_head), so attention is 3072 wide.
-    "gpt3-1.3b": _preset(vocab_size=50257, seq_len=2048, hidden=2048, heads=24, layers=24, kv_channels=128),
-    # The paper's models (Korthikanti et al. 2022, Table 3): s = 2048, V = 51200.
-    "megatron-22b": _preset(vocab_size=51200, seq_len=2048, hidden=6144, heads=64, layers=48),
-    "gpt3-175b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96),
-    "mt-nlg-530b": _preset(vocab_size=51200, seq_len=2048, hidden=20480, heads=128, layers=105),
-    "megatron-1t": _preset(vocab_size=51200, seq_len=2048, hidden=25600, heads=160, layers=128),
-    # Narayanan et al. 2021, Table 1 (weak scaling), the rows the presets above do not hold (its 529.6B and
-    # 1008B rows are mt-nlg-530b and megatron-1t): experiments/autoconfig.py searches them.
-    "megatron-1.7b": _preset(vocab_size=51200, seq_len=2048, hidden=2304, heads=24, layers=24),
-    "megatron-145.6b": _preset(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=80),
-    # The Llama family, with the published shapes (dropout 0 as trained). tiny-llama: for tests (8 query
-    # heads sharing 2 K/V heads, an MLP width that is no multiple of hidden).
-    "tiny-llama": _preset(family="llama", vocab_size=256, seq_len=64, hidden=64, heads=8, kv_heads=2, layers=2,
-                          ffn_hidden=176, dropout=0.0, ln_eps=1e-5),
-    "llama2-7b": _preset(family="llama", vocab_size=32000, seq_len=4096, hidden=4096, heads=32, layers=32,
-                         ffn_hidden=11008, dropout=0.0, ln_eps=1e-5),
-    "llama3-8b": _preset(family="llama", vocab_size=128256, seq_len=8192, hidden=4096, heads=32, kv_heads=8,
-                         layers=32, ffn_hidden=14336, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
-    "llama3-70b": _preset(family="llama", vocab_size=128256, seq_len=8192, hidden=8192, heads=64, kv_heads=8,
-                          layers=80, ffn_hidden=28672, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
-    # The mixture-of-experts family (Llama's attention, SwiGLU experts). tiny-moe: for tests (8 experts, top-2, an
-    # expert width no multiple of hidden). Mixtral 8x7B and Qwen3-30B-A3B with their published shapes (Qwen3's
-    # attention has a per-head RMSNorm on q and k that jaxseq's has not), their coefficients, trained at 4k tokens.
-    "tiny-moe": _preset(family="moe", vocab_size=256, seq_len=64, hidden=64, heads=8, kv_heads=2, layers=2,
-                        ffn_hidden=48, dropout=0.0, moe_experts=8, moe_top_k=2),
-    "mixtral-8x7b": _preset(family="moe", vocab_size=32000, seq_len=4096, hidden=4096, heads=32, kv_heads=8,
-                            layers=32, ffn_hidden=14336, dropout=0.0, rope_theta=1e6, moe_experts=8, moe_top_k=2,
-                            moe_aux_loss_coef=0.02),
-    "qwen3-30b-a3b": _preset(family="moe", vocab_size=151936, seq_len=4096, hidden=2048, heads=32, kv_heads=4,
-                             kv_channels=128, layers=48, ffn_hidden=768, dropout=0.0, ln_eps=1e-6, rope_theta=1e6,
-                             moe_experts=128, moe_top_k=8, moe_aux_loss_coef=0.001),
-}
-
-
-def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
 def replace(cfg, **changes):
     """dataclasses.replace that turns unknown field names into a ConfigError."""
     names = {f.name for f in dataclasses.fields(cfg)}

@@ -14,12 +14,14 @@ from functools import partial
 import jax
 
 from jaxseq import cli
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace, validate
+from jaxseq.presets import preset
 from jaxseq.hardware import HARDWARE
 from jaxseq.planning import autotune, cost, document_mask, gpu_target, search, search_report, search_space
 from jaxseq.planning import moe as moe_plan
 from jaxseq.planning.memory import GIB
-from jaxseq.planning.plan import compiled_block_bytes, plan, recommend
+from jaxseq.planning.plan import plan
+from jaxseq.planning.recommend import compiled_block_bytes, recommend
 from jaxseq.planning.progress import Progress
 from jaxseq.planning.report import format_recommendation, format_table
 from jaxseq.planning.search_costs import SearchCosts

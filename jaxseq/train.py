@@ -33,9 +33,10 @@ import yaml
 
 from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, SECTIONS, GPU_FUSED_REMAT, LAYER_LOOPS, cudnn_compiles,
-                           default_remat, on_platform, PRESETS, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
-                           OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace, validate,
+                           default_remat, on_platform, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
+                           OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace, validate,
                            validate_optimizer)
+from jaxseq.presets import PRESETS, preset
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
 from jaxseq.parallel.distributed import initialize, is_main_process
 from jaxseq import offload as host_offload

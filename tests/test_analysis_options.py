@@ -4,7 +4,8 @@ plan reads of the program."""
 import jax
 import pytest
 
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.planning import hlo_collectives, hlo_flops, hlo_loops
 from jaxseq.training import aot

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models import model as M
@@ -18,6 +19,7 @@ from jaxseq.planning import hlo_flops, hlo_loops
 from jaxseq.planning import measure
 from jaxseq.planning import memory
 from jaxseq.planning import plan as P
+from jaxseq.planning.recommend import block_row, recommend
 from jaxseq.planning import report
 from jaxseq.planning.hlo import array_bytes, entry_name, parse_hlo
 from jaxseq.remat import layer_counts, segments
@@ -112,12 +114,12 @@ def rows():
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_composed_block_row_is_the_compiled_steps_peak_with_xla_cpus_copy_of_the_weights(rows, n):
-    """The plan's block row (`plan.block_row`, from its `full` and `none` rows) against memory_analysis() of the real
-    6-layer float32 train step compiled with `full:n`: above it by one copy of the layers' weights, which XLA:CPU
+    """The plan's block row (`recommend.block_row`, from its `full` and `none` rows) against memory_analysis() of the
+    real 6-layer float32 train step compiled with `full:n`: above it by one copy of the layers' weights, which XLA:CPU
     makes to split the stack (`model.split_layers`); a bf16 step casts the masters into the two parts, and the H100's
     program is the composed row's (tests/test_gpu_target.py). A one-layer segment (n = 1 or 5 here) is outside this:
     without a loop XLA:CPU's scheduler moves its recompute, as it does unrolled layers' (config refuses those)."""
-    row = P.block_row(rows, rows.row("tp+sp+full"), rows.row("tp+sp+none"), n)
+    row = block_row(rows, rows.row("tp+sp+full"), rows.row("tp+sp+none"), n)
     parallel = ParallelConfig(tensor=4, sequence_parallel=True)
     ma = aot.compile_train_step(PLAN_CFG, parallel, f"full:{n}", make_mesh(parallel, jax.devices()[:4]),
                                 2).memory_analysis()
@@ -130,15 +132,15 @@ def test_the_composed_block_row_is_the_compiled_steps_peak_with_xla_cpus_copy_of
 @pytest.mark.slow
 def test_a_budget_between_none_and_full_recommends_the_fewest_full_layers_that_fit(rows):
     none, full = rows.row("tp+sp+none"), rows.row("tp+sp+full")
-    blocks = [P.block_row(rows, full, none, n) for n in range(1, 6)]
+    blocks = [block_row(rows, full, none, n) for n in range(1, 6)]
     budget = (blocks[1].total_bytes_per_device + blocks[2].total_bytes_per_device) / 2  # n = 3 fits, 2 does not
-    chosen, rejected = P.recommend(rows, budget)
+    chosen, rejected = recommend(rows, budget)
     assert chosen.remat == "full:3+none" and chosen.total_bytes_per_device == blocks[2].total_bytes_per_device
     assert none.recompute_overhead_pct < chosen.recompute_overhead_pct < full.recompute_overhead_pct
     assert [r.config for r, _ in rejected] == ["tp+sp+none"]
     text = report.format_recommendation(rows, budget / 2**30)
     assert "train with --remat full:3+none" in text and "--recompute-num-layers 3" in text
-    assert P.recommend(rows, none.total_bytes_per_device)[0].remat == "none"  # what fits needs no block
+    assert recommend(rows, none.total_bytes_per_device)[0].remat == "none"  # what fits needs no block
 
 
 def test_the_search_adds_each_unfitting_policys_fewest_full_layers_that_fit():
@@ -184,7 +186,7 @@ def test_with_a_target_the_recommended_block_is_compiled_as_it_would_run(rows, m
     from jaxseq.planning import gpu_target
 
     none, full = rows.row("tp+sp+none"), rows.row("tp+sp+full")
-    budget = P.block_row(rows, full, none, 3).total_bytes_per_device
+    budget = block_row(rows, full, none, 3).total_bytes_per_device
     asked = []
     monkeypatch.setattr(plan_command, "plan", lambda *a, **k: rows)
     monkeypatch.setattr(plan_command, "format_table", lambda p: "")  # the paper's rows' table: not these two

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C

@@ -4,7 +4,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.config import ConfigError, ModelConfig, PRESETS, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace, validate
+from jaxseq.presets import PRESETS, preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commands import command
 from jaxseq import generate as generate_command
 from jaxseq import train as train_command
-from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace, validate, validate_parallel
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, replace, validate, validate_parallel
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh, parse_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.context import DIAG, EMPTY, FULL, attention_work, ring_plan, same_context_permutes

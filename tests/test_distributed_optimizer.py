@@ -10,7 +10,8 @@ from functools import lru_cache
 import jax
 import pytest
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
+from jaxseq.config import OptimizerConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.models import model as M
 from jaxseq.planning import hlo_collectives
 from jaxseq.planning import memory

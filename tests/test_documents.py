@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate_model
+from jaxseq.config import ConfigError, ParallelConfig, replace, validate_model
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import documents
 from jaxseq.models import model as M

@@ -22,7 +22,8 @@ import pytest
 from commands import ROOT, command, env, python_m
 from compiled_steps import counting_batch
 from jaxseq import train as train_command
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model
 from jaxseq.parallel.layout import Layout

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxseq.config import ModelConfig, ParallelConfig, preset, replace
+from jaxseq.config import ModelConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.planning import hlo_kernels

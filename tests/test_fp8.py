@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, preset, replace, validate
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace, validate
+from jaxseq.presets import preset
 from jaxseq.models import fp8, model  # model: registers the families `validate` checks
 
 SPEC = "bsh,hf->bsf"  # a layer's matmul: activations [b, s, h] × a weight [h, f]

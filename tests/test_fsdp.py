@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.layout import Layout

@@ -78,7 +78,8 @@ def test_each_configuration_on_a_gpu_records_its_autotuners_gemm_choices(tmp_pat
     without --out, nothing is asked."""
     from dataclasses import asdict
 
-    from jaxseq.config import preset, replace
+    from jaxseq.config import replace
+    from jaxseq.presets import preset
 
     assert gpu.autotune_dir(False, tmp_path) is None and gpu.autotune_dir(True, None) is None
     where = gpu.autotune_dir(True, tmp_path)
@@ -222,7 +223,7 @@ def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
     time and peak over its scanned row's, in the table; a policy the models' rows did not run is not repeated."""
     import copy
 
-    from jaxseq.config import preset
+    from jaxseq.presets import preset
 
     monkeypatch.setattr(gpu, "run_spec", lambda spec, devices, isolate: {
         "median_step_s": 0.17, "peak_bytes_in_use": 30 * 2**30, "layer_loop": spec["model"]["layer_loop"]})
@@ -254,7 +255,7 @@ def test_past_its_budget_a_run_starts_no_further_configuration(devices):
     and say why, without compiling anything."""
     import time
 
-    from jaxseq.config import preset
+    from jaxseq.presets import preset
 
     assert gpu.in_budget(None) and not gpu.in_budget(time.monotonic() + gpu.RUN_ESTIMATE_S - 1)
     spec = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}

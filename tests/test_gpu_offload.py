@@ -10,7 +10,8 @@ import jax
 import pytest
 
 from jaxseq import offload as O
-from jaxseq.config import ParallelConfig, on_platform, preset, replace
+from jaxseq.config import ParallelConfig, on_platform, replace
+from jaxseq.presets import preset
 from jaxseq.models import model as M
 from jaxseq.planning import gpu_target as G
 from jaxseq.planning import hlo_host, host_tier

@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.planning import gpu_target as G
 from jaxseq.planning import hlo, hlo_collectives, hlo_flops, hlo_kernels, kernel_time
 from jaxseq.planning import search_memory
@@ -473,13 +474,14 @@ def test_recorded_choices_of_another_step_are_refused_in_one_line(devices, tmp_p
 def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_composition():
     """Megatron's block recompute (`--remat full:N`) compiled for the H100 (gpt3-1.3b's width, 6 layers, micro-batch
     4, cuDNN attention): the whole step's peak (Triton's and cuBLAS's programs, the larger) against the plan's row
-    composed from its `none` and `full` rows (`plan.block_row`) and the search's memory composed from its two layers
-    (`search_memory.block_memory`, `plan --search --target --block-recompute`). Measured 2026-11-28, N = 1…5: the plan
-    0.0%, −0.7%, −0.3%, −0.2%, −1.3%; the search −1.0% to −2.6% (its plain `none` −1.0%, `full` −2.3%); two N here.
-    No copy of the weights, as XLA:CPU's float32 step makes (tests/test_block_recompute.py): the bf16 cast writes
-    the two segments' parts."""
+    composed from its `none` and `full` rows (`recommend.block_row`) and the search's memory composed from its two
+    layers (`search_memory.block_memory`, `plan --search --target --block-recompute`). Measured 2026-11-28, N = 1…5:
+    the plan 0.0%, −0.7%, −0.3%, −0.2%, −1.3%; the search −1.0% to −2.6% (its plain `none` −1.0%, `full` −2.3%); two N
+    here. No copy of the weights, as XLA:CPU's float32 step makes (tests/test_block_recompute.py): the bf16 cast
+    writes the two segments' parts."""
     from jaxseq.config import on_platform
     from jaxseq.planning import plan as P
+    from jaxseq.planning.recommend import block_row
     from jaxseq.planning.search_costs import SearchCosts
 
     cfg = replace(preset("gpt3-1.3b"), layers=6, dtype="bfloat16", attention="fused")
@@ -492,7 +494,7 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     parallel = G.step_parallel(tensor=1, sequence_parallel=False)
     for n in (2, 5):
         compiled = G.step_bytes(cfg, parallel, f"full:{n}", 4, 1, "h100")
-        composed = P.block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
+        composed = block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
         parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes,
                                            n, 6).total_bytes
         assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)

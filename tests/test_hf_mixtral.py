@@ -28,7 +28,8 @@ except ImportError as e:  # the outside reference: fail, never skip
 from safetensors.numpy import load_file  # noqa: E402
 
 from jaxseq import convert  # noqa: E402
-from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, preset, replace  # noqa: E402
+from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, replace  # noqa: E402
+from jaxseq.presets import preset  # noqa: E402
 from jaxseq.interop import hf_mixtral  # noqa: E402
 from jaxseq.models import experts, model, moe  # noqa: E402
 from jaxseq.sharding import Sharder  # noqa: E402

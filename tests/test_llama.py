@@ -13,7 +13,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel import pipeline as PL

@@ -5,7 +5,8 @@ K/V heads split over tensor and repeated, and for GPT with and without dropout."
 import jax
 import pytest
 
-from jaxseq.config import preset, replace
+from jaxseq.config import replace
+from jaxseq.presets import preset
 from jaxseq.models import formulas as F
 from jaxseq.planning import hlo_loops
 from jaxseq.planning import plan as P

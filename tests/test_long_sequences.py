@@ -14,7 +14,8 @@ import pytest
 from jax._src.random import prng  # JAX's own 64-bit element counter: the outside reference
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models import ops as O

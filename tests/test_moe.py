@@ -11,7 +11,8 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from jaxseq import remat
-from jaxseq.config import ConfigError, ParallelConfig, preset, validate
+from jaxseq.config import ConfigError, ParallelConfig, validate
+from jaxseq.presets import preset
 from jaxseq.models import experts, llama, model, moe
 from jaxseq.models.ops import rms_norm
 from jaxseq.sharding import Sharder

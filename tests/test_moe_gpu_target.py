@@ -6,7 +6,8 @@ is the experts, in a Triton fusion or one cuBLAS call), never the dense expansio
 import jax
 import pytest
 
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.planning import gpu_target, hlo
 from jaxseq.training import aot

@@ -9,7 +9,8 @@ import pytest
 
 from commands import command
 from jaxseq import plan as plan_command
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.hardware import HARDWARE
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel.layout import Layout

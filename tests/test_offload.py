@@ -12,7 +12,8 @@ from commands import command
 from jaxseq import offload as O
 from jaxseq import train
 from jaxseq import generate
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel import pipeline as PL
@@ -160,6 +161,7 @@ def test_the_plans_offloaded_rows_move_the_formulas_bytes_to_the_host(monkeypatc
     from test_plan import ArithmeticOnly
     from jaxseq.planning import host_tier, measure, report
     from jaxseq.planning import plan as P
+    from jaxseq.planning.recommend import block_row
 
     class LargeLayers(ArithmeticOnly):
         def measure(self, c):
@@ -182,7 +184,7 @@ def test_the_plans_offloaded_rows_move_the_formulas_bytes_to_the_host(monkeypatc
         assert row.pcie_seconds_per_step == row.pcie_bytes_per_step / (64e9 * host_tier.PCIE_EFFICIENCY)
     first, rest = (next(r for r in p.rows if r.tensor == t and r.sequence_parallel and r.remat == name)
                    for name in ("full", "lean"))
-    block = P.block_row(p, first, rest, 1)  # --budget-gib's block recompute: each segment offloads its own
+    block = block_row(p, first, rest, 1)  # --budget-gib's block recompute: each segment offloads its own
     names = O.resolve("all", block.remat, M.tagged_names(cfg))
     chunk = host_tier.bytes_per_layer(cfg, block.remat, names, 2, t, True, chunk_layers=cfg.layers)
     assert block.host_bytes_per_device == pytest.approx(chunk * cfg.layers + held)

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxseq.config import ParallelConfig, preset, replace
+from jaxseq.config import ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.parallel.layout import Layout

@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 from commands import command, python_m
 from jaxseq import convert as convert_command
 from jaxseq import generate as generate_command
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from test_train import losses, run
 
 # 4 layers (divisible by p = 2 and 4), m = 8 / 2 = 4 micro-batches, dropout on (the tiny preset's 0.1).

@@ -11,12 +11,14 @@ import pytest
 
 from commands import command
 from jaxseq import plan as plan_command
-from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, preset, replace
+from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas as F
 from jaxseq.models.formulas import PAPER_CONFIGURATIONS
 from jaxseq.planning import hlo_flops, hlo_loops, in_flight, measure, memory, report
 from jaxseq.planning import plan as P
+from jaxseq.planning.recommend import block_row, compiled_block_bytes, recommend, replay_rank
 from jaxseq.remat import POLICIES
 from jaxseq.training import aot
 
@@ -164,14 +166,14 @@ def test_whole_model_peak_is_the_compiled_train_steps():
 @pytest.mark.slow
 def test_budget_picks_least_recompute_that_fits(small_plan):
     tp = small_plan.row("tp")
-    chosen, rejected = P.recommend(small_plan, tp.total_bytes_per_device + 1)
+    chosen, rejected = recommend(small_plan, tp.total_bytes_per_device + 1)
     assert chosen.config == "tp" and rejected == []
     best = small_plan.row("tp+sp+selective")
-    chosen, rejected = P.recommend(small_plan, best.total_bytes_per_device)
+    chosen, rejected = recommend(small_plan, best.total_bytes_per_device)
     assert chosen.recompute_overhead_pct <= best.recompute_overhead_pct
     assert [r.config for r, _ in rejected][:2] == ["tp", "tp+sp"]
     assert all("GiB > budget" in why for _, why in rejected)
-    chosen, rejected = P.recommend(small_plan, 1)
+    chosen, rejected = recommend(small_plan, 1)
     assert chosen is None and len(rejected) == len([r for r in small_plan.rows if r.tensor == T])
 
 
@@ -208,8 +210,8 @@ def test_budget_and_table_consider_the_distributed_optimizer(small_plan):
         s.weight_copy_bytes_per_device - r.weight_copy_bytes_per_device) > 0
     # A budget between the two: the row fits only with the distributed optimizer.
     budget = s.total_bytes_per_device + saved / 2
-    rejected_without = [row.config for row, _ in P.recommend(small_plan, budget)[1]]
-    chosen, rejected_with = P.recommend(sharded, budget)
+    rejected_without = [row.config for row, _ in recommend(small_plan, budget)[1]]
+    chosen, rejected_with = recommend(sharded, budget)
     assert r.config in rejected_without and r.config not in [row.config for row, _ in rejected_with]
     assert chosen.recompute_overhead_pct <= s.recompute_overhead_pct
     text = report.format_table(sharded)
@@ -479,10 +481,10 @@ def test_rows_without_a_formula_print_n_a_and_json_null(argv, monkeypatch):
 
 def test_replay_rank_is_read_from_the_policies_definitions():
     """none replays nothing, full the whole forward but its last matmul, every other policy and a block recompute a
-    part: the budget's first key (`plan.recommend`)."""
-    assert {name: P.replay_rank(name) for name in POLICIES} == {
+    part: the budget's first key (`recommend.recommend`)."""
+    assert {name: replay_rank(name) for name in POLICIES} == {
         "none": 0, "selective": 1, "full": 2, "lean": 1, "dots": 1, "dots_no_batch": 1}
-    assert P.replay_rank("full:1+none") == P.replay_rank("full:3+selective") == 1
+    assert replay_rank("full:1+none") == replay_rank("full:3+selective") == 1
 
 
 def test_budget_ranks_by_what_a_policy_replays_before_xlas_flop_count(monkeypatch):
@@ -500,12 +502,12 @@ def test_budget_ranks_by_what_a_policy_replays_before_xlas_flop_count(monkeypatc
     assert json.loads(command(plan_command.main, *argv, "--json").stdout)["budget"]["recommended"] == "tp"
     p = P.plan(preset("tiny"), 2, 1, jax.devices(), "tiny")
     budget = min(p.row("tp").total_bytes_per_device, p.row("tp+sp").total_bytes_per_device) - 1  # none misses it
-    chosen, rejected = P.recommend(p, budget)  # the least measured recompute of the policies replaying a part
+    chosen, rejected = recommend(p, budget)  # the least measured recompute of the policies replaying a part
     assert [r.config for r, _ in rejected] == ["tp", "tp+sp"] and chosen.config == "tp+dots"
     text = report.format_recommendation(p, budget / memory.GIB)
     assert "(recompute +0.00%)" in text and "recommended: tp+dots (remat=dots, sequence_parallel=False)" in text
     assert "recompute -0.20% FLOPs measured (XLA:CPU's count, below none's program's: not a cost)" in text
-    ranks = [P.replay_rank(r.remat) for r, _ in P.recommend(p, 1)[1]]
+    ranks = [replay_rank(r.remat) for r, _ in recommend(p, 1)[1]]
     assert ranks == sorted(ranks) and ranks[-2:] == [2, 2]
 
 
@@ -546,7 +548,7 @@ def test_progress_totals_do_not_change_within_a_phase(monkeypatch):
     programs = len({k for c in rows for k in measure.Compiler.programs(c)}) + 2  # + the two forward programs
     assert counts == [(str(n), str(programs + len(rows))) for n in range(1, programs + len(rows) + 1)], plan_lines
     progress.phase("the recommended full:1+none", 1)
-    P.compiled_block_bytes(p, P.block_row(p, p.row("full"), p.row("tp"), 1), "h100", progress)
+    compiled_block_bytes(p, block_row(p, p.row("full"), p.row("tp"), 1), "h100", progress)
     progress.phase("the best configurations' whole steps", None)
     progress.compiling("one")
     progress.compiling("two")

@@ -25,7 +25,8 @@ from functools import lru_cache
 import jax
 import pytest
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
+from jaxseq.config import OptimizerConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.models import model as M
 from jaxseq.training import train_step as T
 

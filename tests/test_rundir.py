@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.training import checkpoint as C

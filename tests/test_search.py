@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from jaxseq import plan as plan_command
-from jaxseq.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, preset, replace, validate,
+from jaxseq.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate,
                            validate_pipeline)
+from jaxseq.presets import preset
 from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas
@@ -544,7 +545,7 @@ def test_the_plan_and_the_search_compose_a_block_by_one_rule():
     """Block recompute (`blocks.Block`), the first n of a chunk's k = 4 layers under full: activations n/k of the way
     from the rest's 40 to full's 16; the peak the larger of the rest's loop (all of them, its working 5) and full's
     (the k − n rest layers' 8 bytes each freed, its working 20), on a state of 100. The plan's rows
-    (`plan.block_row`) and the search's memory (`search_memory.block_memory`) come out the same; the time is
+    (`recommend.block_row`) and the search's memory (`search_memory.block_memory`) come out the same; the time is
     n/k of the way too (`search_time.block_time`), and the search takes the fewest n that fits (`blocks.fewest`)."""
     def row(remat, activations, working):
         return Row(config=f"t1+{remat}", remat=remat, sequence_parallel=False, tensor=1, measured_bytes_per_layer=8,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax._src.array import ArrayImpl
 
-from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+from jaxseq.config import ConfigError, OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.parallel.layout import Layout
 from jaxseq.training.data import load_corpus

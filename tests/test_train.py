@@ -330,7 +330,8 @@ def test_resume_resolves_the_saved_run(tmp_path, capsys):
     """`--resume` alone resolves to the run saved in RUN/config.json (its data, batch sizes, mesh, distributed
     optimizer, model), not to the default preset's; a flag changes what it names and one line says so; another
     model is refused in one line. Before, data, steps, batch sizes and mesh came back as the defaults."""
-    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.train import build_parser, resolve
     from jaxseq.training import rundir
 
@@ -369,7 +370,8 @@ def test_resume_drops_what_the_new_mesh_cannot_use_and_restores_no_launch_settin
     launch's own settings (record_autotune, peak_tflops, host_devices) are not restored. Before, the first was
     refused with "leave the schedule … at their defaults", the second with "leave --record-autotune out". A
     schedule this launch gives is the user's: still refused in one line."""
-    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, preset, replace
+    from jaxseq.config import OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace
+    from jaxseq.presets import preset
     from jaxseq.train import build_parser, resolve
     from jaxseq.training import rundir
 

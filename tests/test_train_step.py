@@ -6,7 +6,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxseq.config import OptimizerConfig, ParallelConfig, preset, replace
+from jaxseq.config import OptimizerConfig, ParallelConfig, replace
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import model as M
 from jaxseq.training import aot

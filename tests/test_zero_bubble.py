@@ -10,7 +10,8 @@ import pytest
 from jaxseq import deferred as D
 from jaxseq import remat as R
 from jaxseq import schedule as schedule_command
-from jaxseq.config import ConfigError, ParallelConfig, preset, replace, validate
+from jaxseq.config import ConfigError, ParallelConfig, replace, validate
+from jaxseq.presets import preset
 from jaxseq.mesh import make_mesh
 from jaxseq.models import formulas
 from jaxseq.planning.stash import residual_layouts

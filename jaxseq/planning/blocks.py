@@ -1,6 +1,6 @@
 """Megatron-LM's block recompute (`--recompute-method block --recompute-num-layers N`; jaxseq's remat spec
 `first:N+rest`, `remat.block_spec`), composed from two policies' figures, nothing compiled for it. This is the one
-composition the plan's rows (`plan.block_row`) and the search's candidates (`search_memory.block_memory`,
+composition the plan's rows (`recommend.block_row`) and the search's candidates (`search_memory.block_memory`,
 `search_time.block_time`) both use.
 
 The first n layers of each pipeline chunk of k (L/(p·v); the stack without a pipeline) run under `first`'s policy,

@@ -7,7 +7,8 @@ from jaxseq.models import model
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
 from jaxseq.planning import host_tier
-from jaxseq.planning.plan import CPU_SOURCE, FLOPS_SOURCE, Plan, chunk_layers, recommend
+from jaxseq.planning.plan import CPU_SOURCE, FLOPS_SOURCE, Plan
+from jaxseq.planning.recommend import chunk_layers, recommend
 from jaxseq.remat import block_spec
 
 
@@ -375,7 +376,7 @@ def format_recommendation(p: Plan, budget_gib: float) -> str:
     lines = [f"budget {budget_gib:g} GiB per device, tensor={p.tensor}, pipeline={p.pipeline}, data={p.data} "
              f"{'with' if p.distributed_optimizer else 'without'} the distributed optimizer, "
              f"micro-batch={p.micro_batch}; by what each policy replays (none; a part of the forward; full: "
-             f"plan.replay_rank), then by measured recompute ({FLOPS_SOURCE}):"]
+             f"recommend.replay_rank), then by measured recompute ({FLOPS_SOURCE}):"]
     for r, why in rejected:
         lines.append(f"  {r.config:<22} does not fit: {why} (recompute {recompute_text(r.recompute_overhead_pct)})")
     if chosen is None:
