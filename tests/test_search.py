@@ -27,7 +27,8 @@ from jaxseq.planning.calibration import calibrate_compute_efficiency
 from jaxseq.planning.costs import LayerCost, StateCost, at_context, ring_size, run_kernels
 from jaxseq.planning.blocks import Block, fewest
 from jaxseq.planning.memory import non_layer_activation_bytes
-from jaxseq.planning.plan import Plan, Row, block_row
+from jaxseq.planning.plan import Plan, Row
+from jaxseq.planning.recommend import block_row
 from jaxseq.planning.search import evaluate, search, verify
 from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.planning.search_memory import NO_EXECUTOR, Memory, block_memory, memory
