@@ -866,7 +866,17 @@ def test_rejected_families_carry_the_rule_they_break():
     rules = {(f["tensor"], f["pipe"]): (f["rule"], f["reason"]) for f in res.rejected_families}
     assert rules[(1, 1)] == ("batch", "d=16 does not divide the global batch 4") and rules[(1, 8)][0] == "layers"
     assert {f["rule"] for f in to_json(res)["rejected_families"]} <= {"tensor", "gpus", "layers", "batch",
-                                                                        "microbatches", "memory"}
+                                                                        "microbatches", "memory", "sizes"}
+
+
+def test_a_family_the_sizes_asked_do_not_split_is_rejected_with_its_reason():
+    """A mesh family that breaks no rule of its own but that none of the FSDP sizes asked splits (f = 8 of t = 4's
+    4 data ranks) is reported as such, not a crash of the search (min() of no configurations)."""
+    res = search(CFG, request(fsdp_sizes=(8,)), HandCosts(), "hand")
+    assert res.ranked and all(e.candidate.fsdp == 8 for e in res.ranked)
+    reasons = {(f["tensor"], f["pipe"]): (f["rule"], f["reason"]) for f in res.rejected_families}
+    assert reasons[(4, 1)] == ("sizes", "no FSDP size of [8] and micro-batch of [1, 2, 4] splits its 4 data ranks "
+                                        "and the global batch 32")
 
 
 def test_llama_elementwise_bytes_count_swiglu_and_rope():

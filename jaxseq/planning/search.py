@@ -138,9 +138,7 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
             fam = [e for e in evaluated if e.candidate.mesh_family == f]
             if any(e.fits for e in fam):
                 continue
-            least = min(fam, key=lambda e: e.memory.total_bytes)
-            reason = FamilyReason("memory", f"over memory: least {least.memory.total_bytes / GIB:.1f} GiB > "
-                                            f"{r.hardware.memory_gib:g} GiB ({least.candidate.label()})")
+            reason = sizes_reason(r, f) if not fam else over_memory(r, fam)
         rejected.append({"tensor": f[0], "pipe": f[1], "data": r.gpus // (f[0] * f[1]), "rule": reason.rule,
                          "reason": reason.text})
     if not ranked:
@@ -153,6 +151,20 @@ def search(cfg: ModelConfig, r: Request, costs: Costs, model: str = "custom", ta
                  e.candidate.fp8)
                 for e in evaluated if block_spec(e.candidate.remat) is None}
     return Result(model, cfg, r, ranked, len(evaluated), rejected, len(measured), target)
+
+
+def sizes_reason(r: Request, family: tuple[int, int]) -> FamilyReason:
+    """Why a mesh family that breaks no rule of its own has no candidate: the sizes asked do not split it."""
+    ranks = r.gpus // (family[0] * family[1])
+    return FamilyReason("sizes", f"no FSDP size of {list(r.fsdp_sizes)} and micro-batch of {list(r.micro_batches)} "
+                                 f"splits its {ranks} data ranks and the global batch {r.global_batch}")
+
+
+def over_memory(r: Request, family: list[Evaluated]) -> FamilyReason:
+    """A mesh family none of whose configurations fits: its least memory against the budget."""
+    least = min(family, key=lambda e: e.memory.total_bytes)
+    return FamilyReason("memory", f"over memory: least {least.memory.total_bytes / GIB:.1f} GiB > "
+                                  f"{r.hardware.memory_gib:g} GiB ({least.candidate.label()})")
 
 
 def verify(res: Result, count: int, step_costs, costs: Costs) -> Result:

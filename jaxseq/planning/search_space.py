@@ -185,7 +185,8 @@ def tensor_sizes(r: Request) -> list[int]:
 class FamilyReason:
     """Why no candidate of a mesh family (t, p) is valid: the rule it breaks, and the sentence that says so.
     rule: "tensor" (t against the heads, the MLP width or the K/V heads: `tensor_reason`), "gpus" (t·p against G),
-    "layers" (p against L), "batch" (d = G/(t·p) against the global batch), "microbatches" (m < p for every b)."""
+    "layers" (p against L), "batch" (d = G/(t·p) against the global batch), "microbatches" (m < p for every b); and,
+    given by the search itself, "sizes" (no FSDP size and micro-batch asked splits it) and "memory" (none fits)."""
 
     rule: str
     text: str
