@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxseq.config import ParallelConfig
 from jaxseq.training import aot
@@ -15,9 +16,11 @@ from jaxseq.training import aot
 
 @pytest.fixture
 def cache_everything():
-    """The suite's cache (conftest.py) for programs of any compile time, as it was after."""
+    """The suite's cache (conftest.py) for programs of any compile time, read afresh (`reset_cache`: whatever an
+    earlier test left), as it was after."""
     was = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
     yield jax.config.jax_compilation_cache_dir
     jax.config.update("jax_persistent_cache_min_compile_time_secs", was)
 
@@ -58,3 +61,18 @@ def test_a_pipeline_on_the_cpu_compiles_uncached(cache_everything, pipe, cached)
     with aot.uncached_if_pipelined(ParallelConfig(pipe=pipe), jax.devices()):
         compile_new_program(1.375 + pipe)
     assert (entries(cache_everything) > before) == cached
+
+
+def test_threads_that_overlap_leave_the_cache_as_it_was(cache_everything):
+    """The plan's and the search's compiles run in threads: two uses of `persistent_cache_off` that overlap, the
+    first leaving before the second, leave JAX's flag on (each saving and restoring it had left it off)."""
+    first, second = aot.persistent_cache_off(), aot.persistent_cache_off()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not jax.config.jax_enable_compilation_cache  # the second is still inside
+    second.__exit__(None, None, None)
+    assert jax.config.jax_enable_compilation_cache
+    before = entries(cache_everything)
+    compile_new_program(1.4375)
+    assert entries(cache_everything) > before

@@ -50,7 +50,7 @@ def check_metrics_and_config(run_dir):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["parallel"] == {"data": 2, "tensor": 4, "sequence_parallel": True, "distributed_optimizer": False,
                                   "pipe": 1, "schedule": "1f1b", "virtual_stages": 1, "context": 1,
-                                  "context_strategy": "all-gather", "fsdp": 1}
+                                  "context_strategy": "all-gather", "fsdp": 1, "expert": 1, "offload_optimizer": False}
     assert config["model"]["hidden"] == 64 and config["train"]["steps"] == 10
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
 

@@ -10,6 +10,7 @@ import functools
 import glob
 import os
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -54,18 +55,35 @@ def compile_for_analysis(lowered, options: dict | None = None):
     return lowered.compile(compiler_options={**analysis_options(), **(options or {})})
 
 
+class _CacheSwitch:
+    """JAX's flag is one per process and the plan and the search compile in threads: the first to turn the cache
+    off remembers how it was, the last to leave puts it back (saved and restored by each, two overlapping users
+    left it off for good)."""
+
+    lock = threading.Lock()
+    users = 0
+    enabled = True
+
+
 @contextlib.contextmanager
 def persistent_cache_off():
-    """JAX's persistent compilation cache off for what compiles inside, and as it was after. The flag alone is not
-    enough: JAX reads it once per process, at its first compile, and `reset_cache` makes it read it again."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    """JAX's persistent compilation cache off for what compiles inside (in any thread, while one is inside), and as
+    it was after. The flag alone is not enough: JAX reads it once per process, at its first compile, and
+    `reset_cache` makes it read it again."""
+    with _CacheSwitch.lock:
+        if _CacheSwitch.users == 0:
+            _CacheSwitch.enabled = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+        _CacheSwitch.users += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        with _CacheSwitch.lock:
+            _CacheSwitch.users -= 1
+            if _CacheSwitch.users == 0:
+                jax.config.update("jax_enable_compilation_cache", _CacheSwitch.enabled)
+                compilation_cache.reset_cache()
 
 
 def uncached_if_pipelined(parallel: ParallelConfig, devices):
