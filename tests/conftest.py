@@ -112,6 +112,15 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ[CACHE_VARIABLE], ignore_errors=True)
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """A program compiled for target devices cannot be loaded back from JAX's persistent cache (no client to load it
+    onto: a warning, then a compile again): the GPU-target modules compile theirs with it off
+    (`aot.persistent_cache_off`; JAX's flag alone stays as the process's first compile read it)."""
+    with aot.persistent_cache_off():
+        yield
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()

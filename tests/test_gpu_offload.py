@@ -25,13 +25,7 @@ SMALL = replace(preset("tiny"), layers=4, seq_len=256, hidden=256, heads=4)
 B = 2
 
 
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-    """As tests/test_gpu_target.py: a program compiled for target devices is not loaded back from JAX's cache."""
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")  # conftest.py: target programs are not loaded back
 
 
 def _names(cfg, remat: str, text: str = "all") -> tuple[str, ...]:

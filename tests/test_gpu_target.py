@@ -26,12 +26,7 @@ MEASURED = Path(__file__).resolve().parents[1] / "experiments" / "results" / "gp
 CUDNN_ATTENTION = hlo.CUDNN_ATTENTION
 
 
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-    """A program compiled for target devices cannot be loaded back from JAX's persistent cache (no client to load it
-    onto: a warning, then a compile again); the suite's cache (conftest) is left out of these."""
-    with aot.persistent_cache_off():
-        yield
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")  # conftest.py: target programs are not loaded back
 
 
 def _measured(name: str) -> dict:

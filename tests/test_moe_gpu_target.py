@@ -3,7 +3,6 @@ every expert matmul, forward and backward, is one batched GEMM over the local ex
 is the experts, in a Triton fusion or one cuBLAS call), never the dense expansion `jax.lax.ragged_dot` compiles to
 (experiments/results/moe_gemms.md); on 2 expert ranks its dispatch and combine are NCCL all-to-alls."""
 
-import jax
 import pytest
 
 from jaxseq.config import ParallelConfig, replace
@@ -17,13 +16,7 @@ pytest.importorskip("jax_cuda12_plugin", reason="the CUDA plugin: pip install -r
 EXPERT_GEMMS = ("enh,ehcf->encf", "enf,efh->enh")  # models/experts.expert_mlps
 
 
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-    """As tests/test_gpu_target.py: a program compiled for target devices is not loaded back from JAX's cache."""
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")  # conftest.py: target programs are not loaded back
 
 
 @pytest.mark.slow  # a MoE step compiled for 2 H100s, twice
