@@ -549,7 +549,8 @@ def shared_steps():
 MERGED_IN_BF16 = {"gpt": 0, "llama": 2}
 
 
-@pytest.mark.slow  # two tiny steps compiled for an H100: 50 s on the loaded 2-core machine
+@pytest.mark.slow  # two tiny steps compiled for an H100
+@pytest.mark.xdist_group("shared_steps")  # `--dist loadgroup` (.ci/run): on the worker that compiled them
 @pytest.mark.parametrize("name,remat", [("tiny", "selective"), ("tiny", "full"),
                                         ("tiny-llama", "lean")])
 def test_with_fp8_every_layer_weight_gemm_is_an_fp8_gemm_and_without_none_is(name, remat, shared_steps):
@@ -580,6 +581,7 @@ def test_with_fp8_every_layer_weight_gemm_is_an_fp8_gemm_and_without_none_is(nam
 
 
 @pytest.mark.slow  # a plan: CPU programs, and GPU ones beside the FP8 test's (the layer, the bf16 Triton step)
+@pytest.mark.xdist_group("shared_steps")
 def test_a_plan_with_fp8_for_a_target_is_its_fp8_step_with_the_copies_named(devices, shared_steps):
     """`plan --target h100 --fp8`: the row's total is the FP8 step compiled for the H100 (the compiled step itself,
     within 0%), with its FP8 GEMMs counted, what FP8 adds to the peak against the same step in bf16, and the FP8
