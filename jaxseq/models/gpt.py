@@ -65,6 +65,9 @@ def validate(cfg: ModelConfig) -> None:
         if getattr(cfg, name) is not None:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is a Llama-family setting; the gpt family has none "
                               "(set family: llama)")
+    if cfg.qk_norm is not False:
+        raise ConfigError(f"qk_norm={cfg.qk_norm!r} is a Llama-family setting; the gpt family has none "
+                          "(set family: llama)")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:
