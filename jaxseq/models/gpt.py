@@ -53,7 +53,11 @@ LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
 TRAITS = Traits(norm_stat_bytes=8, mlp_up_widths=1, mlp_elementwise=(2, 3), learned_positions=True, rotary=False,
                 papers_formulas=True, shape_fields=())
 
-HF_MODEL_TYPE = "gpt2"  # the Hugging Face model_type this family's weights convert to (interop/hf.py)
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type this family's weights convert to (interop/hf.py)."""
+    return "gpt2"
+
 
 # The other family's settings GPT has no use for: grouped K/V heads and a RoPE scaling. Refused, not ignored.
 REFUSED_FIELDS = ("kv_heads", "rope_scaling")

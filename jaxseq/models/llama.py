@@ -29,7 +29,12 @@ TRAITS = Traits(norm_stat_bytes=4, mlp_up_widths=2, mlp_elementwise=(3, 5), lear
                 papers_formulas=False,
                 shape_fields=(("kv_heads", "num_kv_heads"), ("f", "mlp_hidden")))
 
-HF_MODEL_TYPE = "llama"  # the Hugging Face model_type this family's weights convert to (interop/hf_llama.py)
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type this family's weights convert to (interop/hf_llama.py, which refuses qk_norm)."""
+    return "llama"
+
+
 ROPE_SCALINGS = ("llama3",)  # ModelConfig.rope_scaling: Llama 3.1's frequency scaling (`ops.rope`)
 
 
