@@ -1,7 +1,7 @@
 """Qwen3's per-head RMSNorm on q and k (`qk_norm`, models/llama.py `rotated_qk`) in every layout the attention runs in:
 loss and every gradient (float32, the norm scales not ones, head_dim 12 ≠ hidden/heads = 8) equal one device's
 under tensor=2 + SP (the K/V heads split), data=2 × tensor=4 + SP (each K/V head repeated over 2 ranks), context=2
-(both strategies) and a 1F1B pipeline, and under every remat policy; the scales are replicated (each tensor rank
+(both strategies), a 1F1B pipeline and FSDP, and under every remat policy; the scales are replicated (each tensor rank
 normalises its own heads); sampling against the KV cache gives the window-recomputing tokens.
 No policy replays a projection for the norm, nor stores more: q and k are kept as the projections give them, so a
 layer's FLOPs stay three times its forward matmuls plus the policy's declared replays, and its stored bytes (bf16,
@@ -40,6 +40,7 @@ LAYOUTS = {
                                                        context_strategy="all-gather"),
     "context=2 ring": ParallelConfig(data=2, context=2, context_strategy="ring"),
     "pipe=2,tensor=2 1f1b": ParallelConfig(pipe=2, tensor=2, schedule="1f1b"),
+    "fsdp=4,tensor=2+sp": ParallelConfig(fsdp=4, tensor=2, sequence_parallel=True),
 }
 
 
@@ -63,6 +64,9 @@ def loss_and_grads(parallel: ParallelConfig, remat: str):
     if parallel.pipe > 1:
         params = jax.tree.map(jax.device_put, _params(), layout.param_shardings)
         loss, grads = PL.make_loss_and_grad(layout, remat, 2)(params, _batch(), jax.random.key(2))
+    elif parallel.fsdp > 1:  # the weights gathered layer by layer: the step's own gradients (test_fsdp's way)
+        params = jax.device_put(_params(), layout.master_shardings)
+        loss, grads = jax.jit(T.step_gradients(layout, remat, 1))(params, _batch(), jax.random.key(2))
     else:
         loss, grads = T.make_loss_and_grad(layout, remat)(_params(), _batch(), jax.random.key(2))
     return float(loss), jax.device_get(grads)
@@ -91,7 +95,7 @@ def test_the_scales_are_one_per_head_dim_replicated_over_tensor():
     for name in ("q_norm", "k_norm"):
         assert layout.param_shapes["layers"]["attn"][name]["scale"] == (CFG.layers, 12)
         assert all(axis is None for axis in layout.param_shardings["layers"]["attn"][name]["scale"].spec)
-    dense = M.init_params(jax.random.key(1), replace(CFG, qk_norm=False), tensor=1)
+    dense = M.param_table(replace(CFG, qk_norm=False))
     assert set(dense["layers"]["attn"]) == {"q", "kv", "out"}  # qk_norm off: Llama's parameters, nothing more
 
 

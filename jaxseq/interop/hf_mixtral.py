@@ -4,7 +4,9 @@ family's config and parameters (models/moe.py).
 Llama's attention, norms, embedding and lm_head as interop/hf_llama.py reads and writes them; the experts as every
 Mixtral checkpoint holds them (and transformers 5 saves them, fusing them only in memory): per layer
 `block_sparse_moe.gate.weight` [E, h] (the router), and per expert e `block_sparse_moe.experts.e.w1.weight` (gate)
-and `w3` (up) [f, h] and `w2` (down) [h, f]. torch's Linear stores [out, in]: every kernel is transposed.
+and `w3` (up) [f, h] and `w2` (down) [h, f]. torch's Linear stores [out, in]: every kernel is transposed. The
+experts' reader and writer (`read_experts`, `write_experts`) take the names: Qwen3-MoE's are its own
+(interop/hf_qwen3_moe.py).
 
 Mixtral routes dropless (every token to its k experts), so a converted model is dropless (`moe_capacity_factor`
 none), with Mixtral's renormalised top-k weights and its aux-loss coefficient. Refused in one line: router jitter
