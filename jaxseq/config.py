@@ -82,6 +82,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_positions: int = 8192
+    qk_norm: bool = False  # an RMSNorm over each head's q and k (one scale [d] each) before RoPE (Qwen3, Qwen3-MoE)
     # Packed documents (models/documents.py): attention within each document, positions from its first token.
     document_mask: bool = False
     eod_token: int | None = None  # the end-of-document id that separates them: the data's (set at the edge)

@@ -1,5 +1,6 @@
-"""`python -m jaxseq.convert from-hf HF_DIR OUT` / `to-hf RUN_DIR_OR_CKPT OUT`: Hugging Face GPT-2 and Llama
-weights in and out. The work is `jaxseq.training.conversion` (also the Python API: `load_hf`, `load`, `logits`)."""
+"""`python -m jaxseq.convert from-hf HF_DIR OUT` / `to-hf RUN_DIR_OR_CKPT OUT`: Hugging Face GPT-2, Llama,
+Mixtral and Qwen3-MoE weights in and out. The work is `jaxseq.training.conversion` (also the Python API:
+`load_hf`, `load`, `logits`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from jaxseq import cli
 from jaxseq.config import ConfigError
 from jaxseq.mesh import use_host_devices
 from jaxseq.models import model
-from jaxseq.training.conversion import FAMILY_FORMAT, from_hf, to_hf
+from jaxseq.training.conversion import from_hf, hf_format, to_hf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -18,8 +19,8 @@ from jaxseq.training.conversion import FAMILY_FORMAT, from_hf, to_hf
 
 def main(argv=None) -> int:
     p = cli.ArgumentParser(prog="python -m jaxseq.convert",
-                           description="Convert GPT-2 and Llama checkpoints between Hugging Face and jaxseq "
-                                                       "(offline).")
+                           description="Convert GPT-2, Llama, Mixtral and Qwen3-MoE checkpoints between Hugging "
+                                       "Face and jaxseq (offline).")
     devices = cli.ArgumentParser(add_help=False)
     devices.add_argument("--mesh", help="the devices the weights are split over while converting, e.g. tensor=8 or "
                                         "pipe=2,data=2,tensor=2 (default: every device, tensor=the largest that "
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
     devices.add_argument("--host-devices", type=int, help="simulated CPU devices when there is no accelerator")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", parents=[devices],
-                       help="HF GPT-2 or Llama directory (config.json + safetensors) → jaxseq checkpoint")
+                       help="HF GPT-2, Llama, Mixtral or Qwen3-MoE directory (config.json + safetensors) → "
+                            "jaxseq checkpoint")
     a.add_argument("hf_dir")
     a.add_argument("out")
     b = sub.add_parser("to-hf", parents=[devices],
@@ -50,7 +52,7 @@ def _convert(args) -> int:
             raise ConfigError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
         cfg = to_hf(args.run_dir, args.out, args.mesh, int(args.max_shard_gb * 10**9))
     kv = f" ({cfg.num_kv_heads} K/V)" if cfg.num_kv_heads != cfg.heads else ""
-    print(f"wrote {args.out}: {FAMILY_FORMAT[cfg.family]} with {cfg.layers} layers, hidden {cfg.hidden}, "
+    print(f"wrote {args.out}: {hf_format(cfg)} with {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.heads} heads{kv}, vocab {cfg.vocab_size}, {cfg.seq_len} positions "
           f"({model.num_params(cfg) / 1e6:.2f}M parameters)")
     return 0

@@ -36,7 +36,7 @@ PRESETS: dict[str, ModelConfig] = {
                               layers=80, ffn_hidden=28672, dropout=0.0, ln_eps=1e-5, rope_theta=500000.0),
     # The mixture-of-experts family (Llama's attention, SwiGLU experts). tiny-moe: for tests (8 experts, top-2, an
     # expert width no multiple of hidden). Mixtral 8x7B and Qwen3-30B-A3B with their published shapes (Qwen3's
-    # attention has a per-head RMSNorm on q and k that jaxseq's has not), their coefficients, trained at 4k tokens.
+    # per-head q/k RMSNorm, head_dim 128 ≠ hidden/heads, renormalised top-8), their coefficients, trained at 4k tokens.
     "tiny-moe": ModelConfig(family="moe", vocab_size=256, seq_len=64, hidden=64, heads=8, kv_heads=2, layers=2,
                             ffn_hidden=48, dropout=0.0, moe_experts=8, moe_top_k=2),
     "mixtral-8x7b": ModelConfig(family="moe", vocab_size=32000, seq_len=4096, hidden=4096, heads=32, kv_heads=8,
@@ -44,7 +44,8 @@ PRESETS: dict[str, ModelConfig] = {
                                 moe_aux_loss_coef=0.02),
     "qwen3-30b-a3b": ModelConfig(family="moe", vocab_size=151936, seq_len=4096, hidden=2048, heads=32, kv_heads=4,
                                  kv_channels=128, layers=48, ffn_hidden=768, dropout=0.0, ln_eps=1e-6, rope_theta=1e6,
-                                 moe_experts=128, moe_top_k=8, moe_aux_loss_coef=0.001),
+                                 qk_norm=True, moe_experts=128, moe_top_k=8, moe_norm_topk=True,
+                                 moe_aux_loss_coef=0.001),
 }
 
 

@@ -56,6 +56,7 @@ ALLOWED = {
     "interop.hf": {"config"},
     "interop.hf_llama": {"config", "interop.hf"},
     "interop.hf_mixtral": {"config", "interop.hf", "interop.hf_llama"},
+    "interop.hf_qwen3_moe": {"config", "interop.hf", "interop.hf_llama", "interop.hf_mixtral"},
     # the parallel machinery beyond sharding rules: schedules, data-parallel gradient accumulation, the
     # pipeline executor, multi-process
     "parallel.schedule": {"config"},
@@ -79,8 +80,9 @@ ALLOWED = {
     "training.checkpoint": {"config", "models.model", "parallel.layout"},
     "training.rundir": {"config", "mesh", "models.model", "parallel.layout", "training.checkpoint", "training.sampling",
                         "training.train_step"},
-    "training.conversion": {"config", "interop.hf", "interop.hf_llama", "interop.hf_mixtral", "mesh", "models.model",
-                            "parallel.layout", "sharding", "training.checkpoint", "training.rundir"},
+    "training.conversion": {"config", "interop.hf", "interop.hf_llama", "interop.hf_mixtral", "interop.hf_qwen3_moe",
+                            "mesh", "models.model", "parallel.layout", "sharding", "training.checkpoint",
+                            "training.rundir"},
     "training.data": {"config"},
     "training.resume": {"config", "mesh", "training.rundir"},
     "training.metrics": {"config", "hardware", "models.formulas"},

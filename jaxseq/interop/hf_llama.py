@@ -107,6 +107,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     RoPE in `rope_parameters`, the embeddings untied (lm_head.weight is written)."""
     if cfg.family != "llama":
         raise ConfigError(f"family={cfg.family!r}: HF Llama needs family='llama'")
+    if cfg.qk_norm:
+        raise ConfigError("qk_norm=True: HF Llama has no q/k norm (Qwen3's dense format is not among jaxseq's)")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_config(cfg), "attention_bias": False,
             "mlp_bias": False}
 
@@ -144,11 +146,13 @@ def _prefix(weights: Weights) -> str:
     raise ConfigError("model.safetensors has no model.embed_tokens.weight (not a Llama checkpoint)")
 
 
-def _layer_names(p: str, i: int) -> dict[str, str]:
-    """Layer i's attention and norm tensors (Llama's and the Llama-shaped families')."""
+def _layer_names(p: str, i: int, qk_norm: bool = False) -> dict[str, str]:
+    """Layer i's attention and norm tensors (Llama's and the Llama-shaped families'; Qwen3's q/k norms where
+    qk_norm)."""
     b = f"{p}layers.{i}."
+    norms = {"q_norm": b + "self_attn.q_norm.weight", "k_norm": b + "self_attn.k_norm.weight"} if qk_norm else {}
     return {"q": b + "self_attn.q_proj.weight", "k": b + "self_attn.k_proj.weight", "v": b + "self_attn.v_proj.weight",
-            "o": b + "self_attn.o_proj.weight", "attn_norm": b + "input_layernorm.weight",
+            "o": b + "self_attn.o_proj.weight", **norms, "attn_norm": b + "input_layernorm.weight",
             "mlp_norm": b + "post_attention_layernorm.weight"}
 
 
@@ -221,18 +225,21 @@ def read_params(cfg: ModelConfig, weights: Weights, mlp_names, mlp_expect: dict,
         raise ConfigError("model.safetensors has no lm_head.weight (tie_word_embeddings=false in config.json)")
     expect = {embed: (cfg.vocab_size, h), norm: (h,), "lm_head.weight": (cfg.vocab_size, h)}
     used = {embed, norm, "lm_head.weight"}
-    names = [{**_layer_names(p, i), **mlp_names(p, i)} for i in range(L)]
-    layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "attn_norm": (h,),
-                    "mlp_norm": (h,), **mlp_expect}
+    names = [{**_layer_names(p, i, cfg.qk_norm), **mlp_names(p, i)} for i in range(L)]
+    layer_expect = {"q": (a * d, h), "k": (k * d, h), "v": (k * d, h), "o": (h, a * d), "q_norm": (d,),
+                    "k_norm": (d,), "attn_norm": (h,), "mlp_norm": (h,), **mlp_expect}
     for i, layer in enumerate(names):
         missing = [n for n in layer.values() if n not in weights]
         if missing:
             raise ConfigError(f"model.safetensors has no {missing[0]} (num_hidden_layers={L} in config.json)")
-        expect.update({layer[key]: shape for key, shape in layer_expect.items()})
+        expect.update({layer[key]: shape for key, shape in layer_expect.items() if key in layer})
         used.update(layer.values())
     check_params(weights, expect, used)
 
     read = lambda i, key, idx: _f32(weights.read(names[i][key], idx))
+    # q_norm, k_norm [d] → [L, d] (one scale for every head), where the model has them
+    qk_norms = {n: {"scale": _stacked(L, (d,), lambda i, idx, n=n: read(i, n, idx))}
+                for n in ("q_norm", "k_norm") if cfg.qk_norm}
     params = {
         "embed": {"token": tensor_leaf(weights, embed)},
         "layers": {
@@ -245,6 +252,7 @@ def read_params(cfg: ModelConfig, weights: Weights, mlp_names, mlp_expect: dict,
                     weights, names[i]["kv"[j]], d, idx[2], idx[3], idx[0]).transpose(2, 0, 1), idx[1], axis=1))},
                 "out": {"kernel": _stacked(L, (a, d, h), lambda i, idx: _head_cols(
                     weights, names[i]["o"], d, idx[0], idx[1], idx[2]))},
+                **qk_norms,
             },
             "mlp_norm": {"scale": _stacked(L, (h,), lambda i, idx: read(i, "mlp_norm", idx))},
             **mlp(read),
@@ -288,7 +296,10 @@ def write_params(cfg: ModelConfig, params: dict, record: dict | None, buffers: d
     tensors = {p + "embed_tokens.weight": ((V, h), lambda: _f32(token)[:V]),
                p + "norm.weight": unstacked(params["final_norm"]["scale"]),
                "lm_head.weight": ((V, h), lambda: _f32(head)[:V])}
-    for i, n in enumerate({**_layer_names(p, j), **mlp_names(p, j)} for j in range(L)):
+    for i, n in enumerate({**_layer_names(p, j, cfg.qk_norm), **mlp_names(p, j)} for j in range(L)):
+        if cfg.qk_norm:
+            tensors.update({n[key]: ((d,), lambda i=i, key=key: _f32(lay["attn"][key]["scale"][i]))
+                            for key in ("q_norm", "k_norm")})
         tensors.update({
             n["q"]: ((a * d, h), lambda i=i: _f32(q[i]).reshape(h, a * d).T),
             n["k"]: ((k * d, h), lambda i=i: _f32(kv[i])[:, 0].reshape(h, k * d).T),

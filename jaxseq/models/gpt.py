@@ -53,7 +53,11 @@ LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
 TRAITS = Traits(norm_stat_bytes=8, mlp_up_widths=1, mlp_elementwise=(2, 3), learned_positions=True, rotary=False,
                 papers_formulas=True, shape_fields=())
 
-HF_MODEL_TYPE = "gpt2"  # the Hugging Face model_type this family's weights convert to (interop/hf.py)
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type this family's weights convert to (interop/hf.py)."""
+    return "gpt2"
+
 
 # The other family's settings GPT has no use for: grouped K/V heads and a RoPE scaling. Refused, not ignored.
 REFUSED_FIELDS = ("kv_heads", "rope_scaling")
@@ -65,6 +69,9 @@ def validate(cfg: ModelConfig) -> None:
         if getattr(cfg, name) is not None:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is a Llama-family setting; the gpt family has none "
                               "(set family: llama)")
+    if cfg.qk_norm is not False:
+        raise ConfigError(f"qk_norm={cfg.qk_norm!r} is a Llama-family setting; the gpt family has none "
+                          "(set family: llama)")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:

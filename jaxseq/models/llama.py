@@ -18,8 +18,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxseq.config import ConfigError, ModelConfig
 from jaxseq import remat
-from jaxseq.models.ops import attention, dropout, matmul, rms_norm, rope, swiglu, vocab_logits
-from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale, Traits
+from jaxseq.models.ops import attention, dropout, head_rms_norm, matmul, rms_norm, rope, swiglu, vocab_logits
+from jaxseq.models.params import derive, drop_layer_axis, kernel, norm_scale, Param, Traits
 from jaxseq.sharding import Sharder
 
 
@@ -29,13 +29,20 @@ TRAITS = Traits(norm_stat_bytes=4, mlp_up_widths=2, mlp_elementwise=(3, 5), lear
                 papers_formulas=False,
                 shape_fields=(("kv_heads", "num_kv_heads"), ("f", "mlp_hidden")))
 
-HF_MODEL_TYPE = "llama"  # the Hugging Face model_type this family's weights convert to (interop/hf_llama.py)
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type this family's weights convert to (interop/hf_llama.py, which refuses qk_norm)."""
+    return "llama"
+
+
 ROPE_SCALINGS = ("llama3",)  # ModelConfig.rope_scaling: Llama 3.1's frequency scaling (`ops.rope`)
 
 
 def validate(cfg: ModelConfig) -> None:
-    """The fields only this family reads: grouped K/V heads, the MLP width, RoPE's θ and scaling."""
+    """The fields only this family reads: grouped K/V heads, the MLP width, RoPE's θ and scaling, the q/k norm."""
     kv = cfg.kv_heads
+    if not isinstance(cfg.qk_norm, bool):
+        raise ConfigError(f"qk_norm={cfg.qk_norm!r} must be true or false")
     if kv is not None and (not isinstance(kv, int) or kv <= 0 or cfg.heads % kv):
         raise ConfigError(f"kv_heads={kv!r} must be a positive integer dividing heads={cfg.heads}")
     if cfg.ffn_hidden is not None and (not isinstance(cfg.ffn_hidden, int) or cfg.ffn_hidden <= 0):
@@ -57,15 +64,19 @@ def table(cfg: ModelConfig, tensor: int) -> dict:
     """The parameters. Q is [h, a, d]; K and V one kernel [h, 2, k, d] (one matmul); gate and up one kernel
     [h, 2, f]. The K/V heads split over `tensor` (logical axis kv_heads) only where t divides them."""
     kv_axis = "kv_heads" if cfg.num_kv_heads % tensor == 0 else None
+    attn = {
+        "q": {"kernel": kernel(("L", "h", "a", "d"), ("layers", "embed", "heads", None))},
+        "kv": {"kernel": kernel(("L", "h", "2", "k", "d"), ("layers", "embed", None, kv_axis, None))},
+        "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, "embed"), "residual")},
+    }
+    if cfg.qk_norm:  # one scale over head_dim for every head: replicated, each tensor rank normalises its own heads
+        attn.update({name: {"scale": Param(("L", "d"), ("layers", None), "ones", decay=False, cast=False)}
+                     for name in ("q_norm", "k_norm")})
     return {
         "embed": {"token": kernel(("V", "h"), ("vocab", "embed"))},
         "layers": {
             "attn_norm": {"scale": norm_scale(layers=True)},
-            "attn": {
-                "q": {"kernel": kernel(("L", "h", "a", "d"), ("layers", "embed", "heads", None))},
-                "kv": {"kernel": kernel(("L", "h", "2", "k", "d"), ("layers", "embed", None, kv_axis, None))},
-                "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, "embed"), "residual")},
-            },
+            "attn": attn,
             "mlp_norm": {"scale": norm_scale(layers=True)},
             "mlp": {
                 "wi": {"kernel": kernel(("L", "h", "2", "f"), ("layers", "embed", None, "mlp"))},
@@ -138,15 +149,27 @@ def attention_half(x, p, k_attn, k_resid1, cfg: ModelConfig, shard: Sharder):
                                   {"q": (None, "heads", None), "kv": (None, None, "heads", None)},
                                   (("batch", "seq", "heads", None), ("batch", "seq", None, "heads", None)))
     k, v = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
-    positions = jnp.asarray(shard.positions(q.shape[1]))
-    q, k = rope(q, positions, cfg), rope(k, positions, cfg)
-    q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
+    q, k = rotated_qk(q, k, p["attn"], jnp.asarray(shard.positions(q.shape[1])), cfg, tag=True)
+    v = checkpoint_name(v, remat.VALUE)
     ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
     out = checkpoint_name(shard(matmul("bsad,adh->bsh", ctx, p["attn"]["out"]["kernel"], cfg), "batch", "seq_sp", None),
                           remat.OUT_PROJ)
     dropped = dropout(out, cfg.dropout, k_resid1, remat.ATTN_OUT_DROPOUT_MASK, shard.reorder(x.shape[1]), shard=shard)
     return checkpoint_name(x + dropped, remat.MID_LAYER_RESIDUAL)
+
+
+def rotated_qk(q, k, attn, positions, cfg: ModelConfig, tag: bool = False):
+    """q [b, s, a, d] and k [b, s, k, d] as attention takes them: each head's RMSNorm where cfg.qk_norm (Qwen3), then
+    RoPE. Tagged (tag) QUERY and KEY where backward gets them cheapest: the rotated q and k; with the norm the
+    projections' outputs (the same bytes), from which backward recomputes the norm and RoPE, elementwise, rather than
+    keep both or replay the projections. The norm's statistics are not kept (not NORM_STATS): recomputed too."""
+    name = checkpoint_name if tag else (lambda x, _: x)
+    if cfg.qk_norm:
+        q, k = name(q, remat.QUERY), name(k, remat.KEY)
+        q, k = (head_rms_norm(x, attn[n]["scale"], cfg.ln_eps) for x, n in ((q, "q_norm"), (k, "k_norm")))
+        return rope(q, positions, cfg), rope(k, positions, cfg)
+    return name(rope(q, positions, cfg), remat.QUERY), name(rope(k, positions, cfg), remat.KEY)
 
 
 def _mlp_half(x, p, k_resid2, order, cfg: ModelConfig, shard: Sharder):
@@ -193,9 +216,8 @@ def decode_attention(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, at
     y = rms_norm(x, p["attn_norm"]["scale"], cfg.ln_eps)
     q, kv = _project_qkv(y, {"q": p["attn"]["q"]["kernel"],
                              "kv": _kv_kernel(p["attn"]["kv"]["kernel"], cfg, shard)}, cfg)
-    positions = start + jnp.arange(x.shape[1])
-    q = shard(rope(q, positions, cfg), "batch", None, "heads", None)
-    k = shard(rope(kv[:, :, 0], positions, cfg), "batch", None, "heads", None)
+    q, k = rotated_qk(q, kv[:, :, 0], p["attn"], start + jnp.arange(x.shape[1]), cfg)
+    q, k = shard(q, "batch", None, "heads", None), shard(k, "batch", None, "heads", None)
     v = shard(kv[:, :, 1], "batch", None, "heads", None)
     cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
     ctx = attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache))

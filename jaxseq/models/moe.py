@@ -28,7 +28,12 @@ from jaxseq.sharding import Sharder
 TRAITS = dataclasses.replace(llama.TRAITS, shape_fields=llama.TRAITS.shape_fields + (
     ("E", "moe_experts"), ("top_k", "moe_top_k")))
 
-HF_MODEL_TYPE = "mixtral"  # the Hugging Face model_type this family's weights convert to (interop/hf_mixtral.py)
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type this family's weights convert to: Qwen3-MoE's with the q/k norm
+    (interop/hf_qwen3_moe.py), Mixtral's without (interop/hf_mixtral.py)."""
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
 
 embed, final_norm, logits, cache_heads = llama.embed, llama.final_norm, llama.logits, llama.cache_heads
 decode_embed, LOGITS_WEIGHT = llama.decode_embed, llama.LOGITS_WEIGHT

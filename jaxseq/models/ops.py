@@ -331,6 +331,13 @@ def rms_norm(x, scale, eps):
     return y
 
 
+def head_rms_norm(x, scale, eps):
+    """`rms_norm` of each head's q or k (x [b, s, heads, d], scale [d]) as plain operations: its statistics untagged,
+    so a remat policy recomputes them from x (models/llama.py `rotated_qk`) rather than keep [b, s, heads] floats."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
 def _rms_norm_fwd(x, scale, eps):
     xf = x.astype(jnp.float32)
     rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps), remat.NORM_STATS)

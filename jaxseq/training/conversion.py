@@ -1,9 +1,9 @@
-"""Hugging Face weights in and out (GPT-2, Llama and Mixtral), the Python API behind `python -m jaxseq.convert`:
-`from_hf`, `to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
+"""Hugging Face weights in and out (GPT-2, Llama, Mixtral and Qwen3-MoE), the Python API behind
+`python -m jaxseq.convert`: `from_hf`, `to_hf`, and `load_hf`, `load`, `logits` to compute logits on any mesh.
 
 config.json's model_type picks the format module (interop/hf.py for gpt2, interop/hf_llama.py for llama,
-interop/hf_mixtral.py for mixtral);
-a jaxseq model's family picks it back (the model_type each family declares, `HF_MODEL_TYPE`).
+interop/hf_mixtral.py for mixtral, interop/hf_qwen3_moe.py for qwen3_moe);
+a jaxseq model's family picks it back (the model_type each family declares for it, `hf_model_type`).
 
 Why the converted checkpoint is a jaxseq run directory (config.json + an orbax checkpoint at step 0,
 written by `jaxseq.training.checkpoint`): then one reader serves converted weights and trained runs alike,
@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_model)
-from jaxseq.interop import hf, hf_llama, hf_mixtral
+from jaxseq.interop import hf, hf_llama, hf_mixtral, hf_qwen3_moe
 from jaxseq.mesh import available_devices, make_mesh, mesh_parallel
 from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
@@ -40,9 +40,12 @@ HF_SUBDIR = "hf"  # inside a converted directory: what travels back out with to-
 
 
 # config.json's model_type → the module that reads and writes it
-FORMATS = {"gpt2": hf, "llama": hf_llama, "mixtral": hf_mixtral}
-# ModelConfig.family → the model_type its weights convert to, as each family declares it (`HF_MODEL_TYPE`)
-FAMILY_FORMAT = {name: family.HF_MODEL_TYPE for name, family in model.FAMILIES.items()}
+FORMATS = {"gpt2": hf, "llama": hf_llama, "mixtral": hf_mixtral, "qwen3_moe": hf_qwen3_moe}
+
+
+def hf_format(cfg: ModelConfig) -> str:
+    """The model_type a jaxseq model's weights convert to, as its family declares it (`hf_model_type`)."""
+    return model.FAMILIES[cfg.family].hf_model_type(cfg)
 
 
 def read_hf(hf_dir: str, dtype: str = "float32"):
@@ -62,8 +65,8 @@ def read_hf(hf_dir: str, dtype: str = "float32"):
 
 
 def load_hf(hf_dir: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(cfg, params) of a local Hugging Face GPT-2 or Llama directory; params are NumPy float32 (dropout 0),
-    the vocabulary leaves unpadded."""
+    """(cfg, params) of a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory; params are NumPy float32
+    (dropout 0), the vocabulary leaves unpadded."""
     _, cfg, leaves, _, _ = read_hf(hf_dir, dtype)
     return replace(cfg, dropout=0.0), jax.tree.map(lambda leaf: leaf.whole(), leaves,
                                                    is_leaf=lambda x: isinstance(x, hf.Leaf))
@@ -105,8 +108,9 @@ def _logits_fn(cfg: ModelConfig, mesh, sequence_parallel: bool):
 
 
 def from_hf(hf_dir: str, out: str, mesh_text: str | None = None) -> ModelConfig:
-    """Convert a local HF GPT-2 or Llama directory into a jaxseq checkpoint directory (step 0, the weights
-    alone), reading each HF tensor only for the device shards that need it, straight into the shards of the mesh."""
+    """Convert a local HF GPT-2, Llama, Mixtral or Qwen3-MoE directory into a jaxseq checkpoint directory (step 0,
+    the weights alone), reading each HF tensor only for the device shards that need it, straight into the shards of
+    the mesh."""
     _, cfg, leaves, record, buffers = read_hf(hf_dir)
     ckpt = rundir.checkpoint_dir(out)
     if os.path.isdir(ckpt) and os.listdir(ckpt):
@@ -193,7 +197,7 @@ def to_hf(path: str, out: str, mesh_text: str | None = None, max_shard_bytes: in
     restored = rundir.restore(path, parallel, mesh)
     cfg, tokenizer = restored.model, restored.tokenizer
     side = os.path.join(rundir.split_step(path)[0], HF_SUBDIR)
-    fmt = FORMATS[FAMILY_FORMAT[cfg.family]]
+    fmt = FORMATS[hf_format(cfg)]
     record, buffers, metadata, original = None, None, None, None
     if os.path.isfile(os.path.join(side, "record.json")):
         record = json.load(open(os.path.join(side, "record.json")))
