@@ -51,7 +51,7 @@ ALLOWED = {
     "models.params": {"config"},
     "models.cpu_matmul": {"remat"},
     "models.fp8": {"models.cpu_matmul", "remat"},  # FP8 GEMMs (ModelConfig.fp8), in either matmul form
-    "models.formulas": {"config", "models.model", "remat"},
+    "models.formulas": {"config", "models.experts", "models.model", "remat"},  # a mixture's capacity: experts.py's
     # formats from the outside world
     "interop.hf": {"config"},
     "interop.hf_llama": {"config", "interop.hf"},
@@ -119,8 +119,8 @@ ALLOWED = {
     "planning.gpu_target": {"config", "mesh", "models.model", "planning.hlo_flops", "planning.hlo_kernels",
                             "planning.hlo_loops", "planning.measure", "training.aot"},
     "planning.autotune": {"config", "planning.gpu_target", "planning.hlo", "training.aot"},
-    "planning.report": {"models.model", "parallel.schedule", "planning.host_tier", "planning.memory", "planning.plan",
-                        "planning.recommend", "remat"},
+    "planning.report": {"models.experts", "models.model", "parallel.schedule", "planning.host_tier",
+                        "planning.memory", "planning.plan", "planning.recommend", "remat"},
     "planning.kernel_time": {"config", "hardware", "models.model", "remat"},
     "planning.progress": set(),
     "planning.blocks": set(),

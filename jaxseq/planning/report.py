@@ -3,7 +3,7 @@ activations, the training state with and without the distributed optimizer, and 
 
 from __future__ import annotations
 
-from jaxseq.models import model
+from jaxseq.models import experts, model
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
 from jaxseq.planning import host_tier
@@ -160,9 +160,11 @@ def _kv_heads(p: Plan) -> str:
 
 def _formula_label(p: Plan) -> list[str]:
     """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
-    if p.config.moe_experts:  # `plan.formula_bytes_per_layer`: none for a mixture of experts yet
-        return ["formula: none derived for a mixture of experts' layer yet (its stored bytes are the compiled "
-                "program's alone)"]
+    if p.config.moe_experts:  # `plan.formula_bytes_per_layer`: the attention half's terms and the MoE MLP's
+        return [f"formula = formulas.moe_activation_bytes, term by term: the Llama attention half's tensors"
+                f"{f' at context={p.context}' if p.context > 1 else ''} and the MoE MLP's (formulas.moe_tensor_bytes: "
+                f"router logits, routing, dispatched and combined buffers, the experts' hidden activations at "
+                f"{_capacity(p)}; docs/DESIGN.md, \"Stored bytes of a mixture of experts' layer\")"]
     if p.context > 1:
         return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
                 "every stored tensor / c" + (", no scores, + the ring's log-sum-exp (ring_lse)"
@@ -171,6 +173,13 @@ def _formula_label(p: Plan) -> list[str]:
         return []
     return [f"formula = formulas.activation_bytes for the {p.config.family} family, term by term (docs/DESIGN.md, "
             "\"Stored bytes per layer, by family\"; norm statistics included), not the paper's Table 2"]
+
+
+def _capacity(p: Plan) -> str:
+    """A mixture's slots per expert for the plan's routing group of b·s/c tokens, in words."""
+    cfg, tokens = p.config, p.micro_batch * p.config.seq_len // p.context
+    rule = "dropless" if cfg.moe_capacity_factor is None else f"capacity factor {cfg.moe_capacity_factor}"
+    return f"C = {experts.capacity(tokens, cfg)} slots per expert of a group of T = {tokens} tokens ({rule})"
 
 
 def _format_formula_flops(p: Plan) -> str:
