@@ -202,6 +202,17 @@ def moe_activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_
     return total
 
 
+def moe_nonlinear_bytes(cfg: ModelConfig, remat: str, b: int, t: int, context: int = 1) -> float:
+    """What a mixture's stored bytes at micro-batch b hold beyond b times their bytes at b = 1 (0 for a dense layer):
+    the capacity's ceiling (C at b·s tokens against b times C at s) and the loads, which do not grow with b. The
+    search measures a layer at b = 1 and scales it by b (`SearchCosts.layer`), so it adds this."""
+    if not cfg.moe_experts:
+        return 0  # an int: a dense layer's scaled bytes keep their type
+    terms = MOE_POLICY_TERMS[remat]
+    at = lambda n: sum(k * moe_tensor_bytes(cfg, n, t, context)[name] for name, k in terms)
+    return at(b) - b * at(1)
+
+
 def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
                      strategy: str = "all-gather") -> float:
     """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
@@ -277,8 +288,19 @@ def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
     b, s, h, w, f, d = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     qkv = w + 2 * cfg.num_kv_heads * d  # a·d query columns + k and v of each K/V head
     up = family(cfg).TRAITS.mlp_up_widths * f
-    return {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
-            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
+    flops = {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
+             "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
+    return flops | (moe_matmul_flops(cfg, batch) if cfg.moe_experts else {})
+
+
+def moe_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
+    """A mixture's MLP matmuls in model FLOPs: each token's k experts (gate and up 2f wide, down) and the shared
+    experts' (g = shared·f), and the router [h, E]; the capacity's padding and dropped tokens are not model FLOPs
+    (the time model prices the padded GEMMs: `kernel_time.forward_gemms`)."""
+    tokens, h, f = batch * cfg.seq_len, cfg.hidden, cfg.mlp_hidden
+    width = (cfg.moe_top_k + cfg.moe_shared_experts) * f
+    return {"mlp_up": 2 * tokens * h * 2 * width, "mlp_down": 2 * tokens * width * h,
+            "router": 2 * tokens * h * cfg.moe_experts}
 
 
 def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, context: int = 1) -> float:

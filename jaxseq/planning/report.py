@@ -188,8 +188,8 @@ def _format_formula_flops(p: Plan) -> str:
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
     if not model.traits(cfg).papers_formulas:
-        mlp = ("a mixture counted as one SwiGLU MLP of width f, not yet k experts and the router" if cfg.moe_experts
-               else "the MLP's gate, up and down")
+        mlp = ("a mixture's k experts a token and its router, not the capacity's padding: formulas.moe_matmul_flops"
+               if cfg.moe_experts else "the MLP's gate, up and down")
         return (f"FLOPs per layer per device (t={p.tensor}), formulas.train_flops ({cfg.family}: K/V heads counted "
                 f"once, {mlp}): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
                 f"{f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%); with full "
