@@ -12,10 +12,11 @@ import pytest
 
 from commands import command
 from jaxseq import plan as plan_command
-from jaxseq.config import ConfigError, replace
+from jaxseq.config import ConfigError, ParallelConfig, replace
 from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.models import experts, formulas
-from jaxseq.planning import kernel_time, moe
+from jaxseq.mesh import make_mesh
+from jaxseq.planning import hlo, hlo_loops, kernel_time, moe
 from jaxseq.planning.costs import LayerCost
 from jaxseq.planning.memory import non_layer_activation_bytes, state_bytes
 from jaxseq.planning.search import search
@@ -23,6 +24,8 @@ from jaxseq.planning.search_costs import SearchCosts
 from jaxseq.planning.search_report import format_result, to_json
 from jaxseq.planning.search_space import Request, enumerate_candidates, validate_request
 from jaxseq.presets import preset
+from jaxseq.remat import MOE_EXCHANGE_REPLAYED
+from jaxseq.training import aot
 
 TINY = replace(preset("tiny-moe"), dtype="bfloat16")  # E = 8, top-2, capacity factor 1.25
 NODE = Hardware(name="test", peak_tflops=100.0, memory_gib=1.0, hbm_gb_per_s=1000.0, sm_count=10, gpus_per_node=4,
@@ -182,3 +185,17 @@ def test_search_over_e_reads_the_compiled_moe_layer():
             state = state_bytes(TINY, 1, c.data, c.distributed_optimizer, 1, 1, c.expert)
             assert e.memory.state_bytes == state.at_peak, c
     assert math.isclose(min(e.time.expert_s for e in res.ranked if e.candidate.expert == 8), 0.0) is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "lean", "full", "dots"])
+def test_the_all_to_alls_a_policy_replays_are_the_compiled_programs(devices, remat):
+    """The time model's passes per layer (`remat.MOE_EXCHANGE_REPLAYED`: a third where the dispatched buffer is not
+    kept) against the all-to-alls the compiled step runs at expert = 2 (float32: see tests/test_moe_memory.py)."""
+    cfg = replace(TINY, dtype="float32")
+    parallel = ParallelConfig(expert=2)
+    text = aot.compile_loss_and_grad(cfg, parallel, remat, make_mesh(parallel, jax.devices()[:2]), 4).as_text()
+    comps, runs = hlo.parse_hlo(text), hlo_loops.runs_per_call(text)
+    count = sum(runs.get(comp, 0) for comp, instrs in comps.items() for ins in instrs
+                if ins.opcode.removesuffix("-start") == "all-to-all")
+    assert count == cfg.layers * 2 * (3 if remat in MOE_EXCHANGE_REPLAYED else 2)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from jaxseq.config import ModelConfig
 from jaxseq.hardware import Hardware
 from jaxseq.models import experts, model
-from jaxseq.remat import MATMULS, POLICIES
+from jaxseq.remat import MATMULS, MOE_EXCHANGE_REPLAYED, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
 # An FP8 GEMM's full wave (`ModelConfig.fp8`: the layers' weight GEMMs, e4m3/e5m2 operands, bf16 result) runs at the FP8
@@ -292,9 +292,9 @@ def moe_dispatch_bytes(cfg: ModelConfig, b: int, remat: str) -> float:
     """HBM bytes of a mixture's dispatch and combine, per device: the gather of each slot's token into the [E, C, h]
     buffer (read, write: 2e a slot element) and the weighted scatter-add back (read e, read-modify-write the float32
     [T, h] sum: e + 8 over the slots), forward, the same again backward (their transposes), and a third time where
-    the policy replays the whole forward (`full`)."""
+    the policy keeps not the dispatched buffer (`full`, `dots`, `dots_no_batch` replay the dispatch and combine)."""
     e, slots = cfg.itemsize, moe_slots(cfg, b) * cfg.hidden
-    passes = 3 if "qkv" in POLICIES[remat].replays else 2
+    passes = 3 if remat in MOE_EXCHANGE_REPLAYED else 2
     return passes * slots * (2 * e + e + 8)
 
 

@@ -205,7 +205,8 @@ def moe_note(res: Result) -> str:
             "and its E·C slots; formulas.moe_activation_bytes), working memory compiled at e = 1 (an upper bound: a "
             "layer's experts whole); time: the experts' GEMMs batched over E at C slots each, capacity-padded "
             "(kernel_time.moe_gemms), the router, the dispatch and combine at HBM speed; EP s = the dispatch and "
-            "combine all-to-alls of every layer, forward, backward and full's replay, [E, C, h] each, NVLink to "
+            "combine all-to-alls of every layer, forward, backward and, where the policy keeps not the dispatched "
+            "buffer (full, dots), replayed, [E, C, h] each, NVLink to "
             "expert ranks in the node and InfiniBand past it, the slower link the time (planning/moe.all_to_all), "
             "not overlapped; TFLOP/s counts each token's k experts and the router (formulas.moe_matmul_flops)")
 

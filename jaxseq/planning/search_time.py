@@ -45,7 +45,7 @@ from jaxseq.planning.blocks import Block
 from jaxseq.planning.costs import (LayerCost, StateCost, at_context, pipeline_schedule, ring_size, run_kernels,
                                    schedule_figures)
 from jaxseq.planning.search_space import Candidate, TimeModel
-from jaxseq.remat import POLICIES
+from jaxseq.remat import MOE_EXCHANGE_REPLAYED
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -263,12 +263,13 @@ def all_to_all_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeMod
     """One micro-batch's all-to-alls on the stage's L/p layers (`planning.moe.all_to_all`: dispatch and combine of
     [E, C, h] for a group of b·s/c tokens, the share for expert ranks in the node over NVLink, the rest over
     InfiniBand, the slower the time), at the links' efficiency: forward and backward, and a third pass where the
-    policy replays the whole forward (`full`: its dispatch and combine again). 0 at e = 1 (nothing leaves the GPU)."""
+    policy keeps not the dispatched buffer (`full`, `dots`, `dots_no_batch`: backward replays the dispatch and the
+    combine; the compiled layer has 6 all-to-alls where `none`, `selective` and `lean` have 4). 0 at e = 1."""
     if c.expert == 1:
         return 0.0
     tokens = c.micro_batch * cfg.seq_len // c.context
     per_pass = moe.all_to_all(cfg, tokens, c.expert, c.context * c.tensor, hw).seconds_per_pass
-    passes = 3 if "qkv" in POLICIES[c.remat].replays else 2
+    passes = 3 if c.remat in MOE_EXCHANGE_REPLAYED else 2
     return passes * (cfg.layers // c.pipe) * per_pass / tm.link_efficiency
 
 
