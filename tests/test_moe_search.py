@@ -16,7 +16,9 @@ from jaxseq.config import ConfigError, ParallelConfig, replace
 from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.models import experts, formulas
 from jaxseq.mesh import make_mesh
-from jaxseq.planning import hlo, hlo_loops, kernel_time, moe
+from jaxseq.models.model import tagged_names
+from jaxseq.offload import ALL, resolve
+from jaxseq.planning import hlo, hlo_loops, host_tier, kernel_time, moe
 from jaxseq.planning.costs import LayerCost
 from jaxseq.planning.memory import non_layer_activation_bytes, state_bytes
 from jaxseq.planning.search import search
@@ -199,3 +201,15 @@ def test_the_all_to_alls_a_policy_replays_are_the_compiled_programs(devices, rem
     count = sum(runs.get(comp, 0) for comp, instrs in comps.items() for ins in instrs
                 if ins.opcode.removesuffix("-start") == "all-to-all")
     assert count == cfg.layers * 2 * (3 if remat in MOE_EXCHANGE_REPLAYED else 2)
+
+
+@pytest.mark.parametrize("remat", ["none", "selective", "lean"])
+@pytest.mark.parametrize("variant", [TINY, replace(TINY, moe_shared_experts=1)], ids=["routed", "shared"])
+def test_offloading_everything_a_moe_layer_stores_is_its_formula(remat, variant):
+    """host_tier's bytes of every name a policy stores (`--offload all`, and so the search's host tier) sum to
+    `formulas.moe_activation_bytes` (a MoE name had no bytes before: `--search --offload-optimizer` failed with a
+    traceback on a mixture)."""
+    names = resolve(ALL, remat, tagged_names(variant))
+    for sp in (False, True):
+        assert host_tier.bytes_per_layer(variant, remat, names, 2, 2, sp) == pytest.approx(
+            formulas.activation_bytes(variant, remat, 2, 2, sp), rel=1e-12)
