@@ -133,6 +133,19 @@ def test_the_b_scaled_layer_is_corrected_for_what_does_not_grow_with_b():
     assert formulas.moe_nonlinear_bytes(replace(TINY, moe_experts=0), "selective", 2, 1) == 0
 
 
+def test_the_dispatch_and_combine_bytes_by_hand():
+    """b = 1: E·C = 8 · 20 slots of h = 64 (bf16): the gather reads and writes 2e, the combine reads e and adds into
+    the float32 sum (8) a slot element; forward and backward, a third pass where the policy replays the exchange."""
+    elements = 8 * 20 * 64
+    assert kernel_time.moe_dispatch_bytes(TINY, 1, "selective") == 2 * elements * (2 * 2 + 2 + 8)
+    assert kernel_time.moe_dispatch_bytes(TINY, 1, "dots") == 3 * elements * (2 * 2 + 2 + 8)
+    dense = replace(TINY, moe_experts=0)
+    swiglu = (kernel_time.layer_elementwise_bytes(TINY, 1, 1, False, "selective")
+              - kernel_time.moe_dispatch_bytes(TINY, 1, "selective")
+              - kernel_time.layer_elementwise_bytes(dense, 1, 1, False, "selective"))
+    assert swiglu == (8 * 20 - 64) * TINY.mlp_hidden * (3 + 5) * 2  # SwiGLU over E·C slots, not the s·b tokens
+
+
 def test_text_and_json_show_e_and_a_dense_search_does_not():
     r = request(tensor_sizes=(1,), context_sizes=(1,), hardware=replace(NODE, memory_gib=80.0))
     res = search(TINY, r, FormulaCosts(TINY), "tiny-moe")
