@@ -133,6 +133,18 @@ def test_the_b_scaled_layer_is_corrected_for_what_does_not_grow_with_b():
     assert formulas.moe_nonlinear_bytes(replace(TINY, moe_experts=0), "selective", 2, 1) == 0
 
 
+def test_under_fp8_the_experts_stay_in_the_models_dtype():
+    """--fp8 makes the attention's weight GEMMs FP8 GEMMs (models/fp8.py), not the experts' batched einsums: the time
+    model prices them, and counts their quantization bytes, accordingly."""
+    gemms = kernel_time.forward_gemms(replace(TINY, fp8=True), 1, 1)
+    assert gemms["qkv"].fp8 and gemms["out"].fp8 and not gemms["mlp_up"].fp8 and not gemms["mlp_down"].fp8
+    quantized = [g for g in gemms.values() if g.fp8]
+    e = TINY.itemsize
+    operands, outputs = sum(g.m * g.k + g.k * g.n for g in quantized), sum(g.m * g.n for g in quantized)
+    assert kernel_time.fp8_quantize_bytes(replace(TINY, fp8=True), 1, 1) == 2 * (2 * e + 1) * operands + (
+        3 * e + 2) * outputs
+
+
 def test_the_dispatch_and_combine_bytes_by_hand():
     """b = 1: E·C = 8 · 20 slots of h = 64 (bf16): the gather reads and writes 2e, the combine reads e and adds into
     the float32 sum (8) a slot element; forward and backward, a third pass where the policy replays the exchange."""

@@ -115,11 +115,12 @@ def moe_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
     """A mixture's MLP GEMMs (models/experts.py) in place of the dense MLP's: the experts' gate/up and down as one
     batched GEMM each over the E experts' C slots (capacity-padded: every slot computed, filled or not; with
     expert parallelism a rank's e experts hold ep·C slots, the same FLOPs, priced at expert = 1's shape), the router
-    [b·s, h] × [h, E] (whole on every tensor rank), and the shared experts' dense MLP (g = shared·f)."""
+    [b·s, h] × [h, E] (whole on every tensor rank), and the shared experts' dense MLP (g = shared·f). Under --fp8 only
+    the shared experts' are FP8 GEMMs: the experts' batched einsums are not models/fp8.py's."""
     h, f, tokens = cfg.hidden, cfg.mlp_hidden, b * cfg.seq_len
-    slots, fp8 = experts.capacity(tokens, cfg), cfg.fp8
-    gemms = {"mlp_up": Gemm("mlp_up", slots, 2 * f // t, h, cfg.moe_experts, fp8=fp8),
-             "mlp_down": Gemm("mlp_down", slots, h, f // t, cfg.moe_experts, fp8=fp8),
+    slots, fp8 = experts.capacity(tokens, cfg), cfg.fp8  # the experts' einsums stay in the model's dtype under --fp8
+    gemms = {"mlp_up": Gemm("mlp_up", slots, 2 * f // t, h, cfg.moe_experts),
+             "mlp_down": Gemm("mlp_down", slots, h, f // t, cfg.moe_experts),
              "router": Gemm("router", tokens, cfg.moe_experts, h)}
     if cfg.moe_shared_experts:
         g = cfg.moe_shared_experts * f
@@ -306,7 +307,7 @@ def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
     twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. With `--target` the
     search reads these bytes from the FP8 layer's program instead."""
     e = cfg.itemsize
-    gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS]
+    gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS and g.fp8]
     operands = sum(g.batch * (g.m * g.k + g.k * g.n) for g in gemms)
     outputs = sum(g.batch * g.m * g.n for g in gemms)
     return 2 * (2 * e + 1) * operands + (3 * e + 2) * outputs
