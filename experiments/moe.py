@@ -15,7 +15,10 @@
 3. Tokens per expert over a run of the embedded corpus (tiny-moe, one device, float32, 16 sequences a step), with
    the balancing loss (coefficient 0.01) and without: each expert's share of the assignments of a fixed held-out
    batch, every layer, every 25 steps (a table; no plot: matplotlib is not in this venv).
-Not here: `plan --search` over E (no expert dimension yet), so no prediction for Megatron-Bridge's Qwen3-30B-A3B run.
+4. `python experiments/moe.py --search-only` (about 5 min here; with --render-only, moe_search.md from its JSON):
+   `plan --search` over the expert size e for Qwen3-30B-A3B on 16 H100s against Megatron-Bridge's published 8,960
+   tokens/s per GPU (FP8, EP 16), and Mixtral 8x7B on 8 and 64 H100s: experiments/results/moe_search.{md,json}
+   (`SEARCHES`: the assumed sequence length and global batch, and why).
 """
 
 from __future__ import annotations
@@ -55,6 +58,119 @@ PLANS = {  # name → (preset, tensor, expert, hardware)
     "mixtral-8x7b on 8 H100s, EP 8": ("mixtral-8x7b", 1, 8, "h100"),
     "mixtral-8x7b on 64 H100s, EP 8 × t 8": ("mixtral-8x7b", 8, 8, "h100"),
 }
+
+# name → (the `plan --search` arguments, why that batch and sequence length). Every search at c = 1 (4,096 tokens gain
+# nothing from splitting), bf16, the model's own sequence length, ~1M-2M tokens a step; the spaces narrowed to what the
+# 2 shared cores here compile in minutes (t = 1 where the experts split over e; Mixtral also t = 8).
+SEARCHES = {
+    "qwen3-30b-a3b on 16 H100s": (
+        ["--preset", "qwen3-30b-a3b", "--gpus", "16", "--global-batch", "512", "--hardware", "h100",
+         "--tensor-sizes", "1", "--context-sizes", "1", "--expert-sizes", "1,2,4,8,16",
+         "--remat-policies", "selective,full", "--micro-batch-sizes", "1,2"],
+        "s = 4,096 (the preset's, Qwen3's pre-training length) and a global batch of 512 sequences (2M tokens): "
+        "assumed for Megatron-Bridge's run, whose recipe is not read here; t = 1 as its EP 16 layout"),
+    "mixtral-8x7b on 8 H100s": (
+        ["--preset", "mixtral-8x7b", "--gpus", "8", "--global-batch", "256", "--hardware", "h100",
+         "--tensor-sizes", "1,8", "--context-sizes", "1", "--expert-sizes", "1,2,4,8", "--fsdp-sizes", "1,8",
+         "--remat-policies", "selective,full", "--micro-batch-sizes", "1"],
+        "s = 4,096 (the preset's), a global batch of 256 sequences (1M tokens)"),
+    "mixtral-8x7b on 8 H100s, optimizer state in host memory": (
+        ["--preset", "mixtral-8x7b", "--gpus", "8", "--global-batch", "256", "--hardware", "h100",
+         "--tensor-sizes", "1,8", "--context-sizes", "1", "--expert-sizes", "1,2,4,8",
+         "--remat-policies", "selective,full", "--micro-batch-sizes", "1", "--offload-optimizer"],
+        "as above, the float32 master weights and Adam moments in host memory between steps where a configuration "
+        "does not fit without (+opt: --offload-optimizer)"),
+    "mixtral-8x7b on 64 H100s": (
+        ["--preset", "mixtral-8x7b", "--gpus", "64", "--global-batch", "256", "--hardware", "h100",
+         "--tensor-sizes", "1,8", "--context-sizes", "1", "--expert-sizes", "1,2,4,8",
+         "--remat-policies", "selective,full", "--micro-batch-sizes", "1"],
+        "s = 4,096, a global batch of 256 sequences (1M tokens), as on 8"),
+}
+MEGATRON_BRIDGE_TOKENS_PER_GPU = 8960  # Qwen3-30B-A3B, 16 H100s, EP 16, FP8 (issue 58; its performance summary)
+
+
+def run_search(argv: list[str], top: int = 8) -> tuple[str, dict]:
+    """`plan --search argv` in-process: (its table, its JSON), from one search (one set of compiles)."""
+    from jaxseq import plan as plan_command
+    from jaxseq.config import replace as config_replace
+    from jaxseq.planning import search
+    from jaxseq.planning.search_costs import SearchCosts
+    from jaxseq.planning.search_report import format_result, to_json
+
+    args = plan_command.build_parser().parse_args(["--search", *argv])
+    cfg = plan_command.resolve(args)
+    request = config_replace(plan_command.search_request(args), expert_sizes=plan_command.expert_sizes(args, cfg))
+    res = search.search(cfg, request, SearchCosts(cfg, plan_command.search_devices(request)), args.preset)
+    out = to_json(res, top)
+    out["best_per_expert_size"] = {e: next(r.to_json(moe=True) for r in res.ranked if r.candidate.expert == e)
+                                   for e in request.expert_sizes if any(r.candidate.expert == e for r in res.ranked)}
+    return format_result(res, top), out
+
+
+def render_searches(found: dict) -> str:
+    """moe_search.md: each search's command, assumption and table, and the yardstick against Megatron-Bridge."""
+    lines = ["# `plan --search` over the expert size (issue 58)", "",
+             "Made by `python experiments/moe.py --search-only`: each search in-process, its layers compiled by "
+             "XLA:CPU on simulated devices, the time model's (docs/planning.md, \"Mixture of experts in the plan\").",
+             ""]
+    for name, (argv, why) in SEARCHES.items():
+        out = found[name]
+        if "refused" in out:
+            lines += [f"## {name}", "", f"`python -m jaxseq.plan --search {' '.join(argv)}`", "", f"Assumed: {why}.",
+                      "", f"Refused: `{out['refused']}`.", ""]
+            continue
+        best = out["json"]["ranked"][0]
+        tokens = out["json"]["global_batch"] * out["json"]["seq_len"]
+        per_gpu = tokens / best["time_s"]["total"] / out["json"]["gpus"]
+        lines += [f"## {name}", "", f"`python -m jaxseq.plan --search {' '.join(argv)}`", "", f"Assumed: {why}.", "",
+                  f"Best: e = {best['expert']}, t = {best['tensor']}, p = {best['pipe']}, d = {best['data']}, "
+                  f"b = {best['micro_batch']}, {best['remat']}: {best['time_s']['total']:.3f} s a step, "
+                  f"{per_gpu:,.0f} tokens/s per GPU (predicted), of which all-to-all "
+                  f"{best['time_s']['all_to_all']:.3f} s.", ""]
+        if name.startswith("qwen3"):
+            ep16 = out["json"]["best_per_expert_size"]["16"]
+            at16 = tokens / ep16["time_s"]["total"] / out["json"]["gpus"]
+            lines += [f"Against Megatron-Bridge's {MEGATRON_BRIDGE_TOKENS_PER_GPU:,} tokens/s per GPU (FP8, EP 16): "
+                      f"the bf16 prediction is {per_gpu / MEGATRON_BRIDGE_TOKENS_PER_GPU:.2f}× it at the search's "
+                      f"choice, {at16 / MEGATRON_BRIDGE_TOKENS_PER_GPU:.2f}× at EP 16 itself ({at16:,.0f} tokens/s "
+                      f"per GPU: {ep16['time_s']['all_to_all']:.1f} s of its {ep16['time_s']['total']:.1f} s step "
+                      "are all-to-alls, half their bytes over InfiniBand, none overlapped).", ""]
+        lines += ["The fastest that fits at each expert size:", "",
+                  "| e | configuration | memory (GiB) | step (s) | tokens/s per GPU | all-to-all (s) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for e, row in out["json"]["best_per_expert_size"].items():
+            label = (f"t={row['tensor']} p={row['pipe']} v={row['virtual']} d={row['data']} b={row['micro_batch']} "
+                     f"{row['remat']}{' +distopt' if row['distributed_optimizer'] else ''}"
+                     f"{' +offload-opt' if row['offload_optimizer'] else ''}")
+            lines.append(f"| {e} | {label} | {row['memory_gib']['total']:.1f} | {row['time_s']['total']:.3f} | "
+                         f"{tokens / row['time_s']['total'] / out['json']['gpus']:,.0f} | "
+                         f"{row['time_s']['all_to_all']:.3f} |")
+        lines += ["", "```", out["text"], "```", ""]
+    return "\n".join(lines)
+
+
+def render_saved_searches() -> None:
+    found = json.loads((RESULTS / "moe_search.json").read_text())
+    (RESULTS / "moe_search.md").write_text(render_searches(found))
+
+
+def searches() -> None:
+    """Each search's table and JSON, or its one-line refusal (nothing fits), and its wall time here."""
+    from jaxseq.config import ConfigError
+
+    jax.devices()  # the backend started with 8 simulated devices (XLA_FLAGS above), which every search then shares
+    found = {}
+    for name, (argv, _) in SEARCHES.items():
+        start = time.perf_counter()
+        try:
+            text, out = run_search(argv)
+            found[name] = {"text": text, "json": out}
+        except ConfigError as refused:
+            found[name] = {"refused": str(refused)}
+        found[name]["cpu_wall_s"] = time.perf_counter() - start
+        print(f"{name}: {found[name]['cpu_wall_s']:.0f} s", flush=True)
+    (RESULTS / "moe_search.json").write_text(json.dumps(found, indent=1))
+    render_saved_searches()  # from the JSON: its expert sizes are strings there
 
 
 def all_to_all_bytes(text: str) -> float:
@@ -174,6 +290,8 @@ def render(rows: list[dict], plans: dict[str, str], loads: dict[str, list[dict]]
 
 
 def main() -> None:
+    if "--search-only" in sys.argv:
+        return render_saved_searches() if "--render-only" in sys.argv else searches()
     if "--render-only" in sys.argv:
         saved = json.loads((RESULTS / "moe.json").read_text())
         (RESULTS / "moe.md").write_text(render(saved["simulated"], saved["plans"], saved["loads"]))

@@ -150,6 +150,9 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-sizes", default="1",
                    help="FSDP sizes f to try: each mesh's data-parallel ranks split d × f, every weight's state over f "
                         "(default 1: no FSDP; e.g. 1,2,4,8)")
+    g.add_argument("--expert-sizes", default=None,
+                   help="a mixture of experts' expert-parallel sizes e to try, each dividing its routed experts: the "
+                        "data ranks split d × f × e (default: every divisor of the experts; 1 for a dense model)")
     g.add_argument("--schedules", default="1f1b",
                    help="pipeline schedules to try: 1f1b (with interleaved, v > 1) and zb-h1 (zero bubble: the "
                         "backward split into B and W); default 1f1b")
@@ -289,6 +292,17 @@ def search_request(args) -> search_space.Request:
                      args.offload_optimizer, (False, True) if args.fp8 else (False,))
 
 
+def expert_sizes(args, cfg: ModelConfig) -> tuple[int, ...]:
+    """--expert-sizes, or by default every divisor of a mixture's routed experts (1 for a dense model); --expert is
+    the plan's one size, refused with --search in one line."""
+    if args.expert != 1:
+        raise ConfigError(f"--expert {args.expert} is the plan's expert size; --search tries a list: "
+                          f"--expert-sizes {args.expert}")
+    if args.expert_sizes is not None:
+        return search.parse_list(args.expert_sizes)
+    return tuple(search_space.divisors(cfg.moe_experts)) if cfg.moe_experts else (1,)
+
+
 def search_offload(args) -> bool:
     """--search --offload all: host offload as a choice (everything each candidate's policy stores); one line for a
     list of names, which the search does not try."""
@@ -305,7 +319,7 @@ def _search(args) -> int:
     priced = pricing(args)
     cfg = resolve(args)
     validate(cfg, ParallelConfig(), "none")
-    request = search_request(args)
+    request = replace(search_request(args), expert_sizes=expert_sizes(args, cfg))
     search_space.validate_request(cfg, request)
     if not isinstance(args.top, int) or args.top <= 0:
         raise ConfigError(f"top={args.top} must be a positive integer")

@@ -85,6 +85,10 @@ LEAN = (DECODER_LAYER_INPUT, MID_LAYER_RESIDUAL, QUERY, KEY, VALUE, ATTN_SOFTMAX
         MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT)
 
 
+# The policies that keep not a mixture's dispatched buffer: backward replays its dispatch and combine all-to-alls
+# (the compiled MoE layer has 6 all-to-alls a step where the others have 4: docs/planning.md, "Mixture of experts").
+MOE_EXCHANGE_REPLAYED = ("full", "dots", "dots_no_batch")
+
 # The forward matmuls of a layer, by the names `formulas.layer_matmul_flops` counts them under.
 MATMULS = ("qkv", "scores", "context", "out", "mlp_up", "mlp_down")  # scores = QKᵀ, context = scores×V
 

@@ -51,7 +51,7 @@ ALLOWED = {
     "models.params": {"config"},
     "models.cpu_matmul": {"remat"},
     "models.fp8": {"models.cpu_matmul", "remat"},  # FP8 GEMMs (ModelConfig.fp8), in either matmul form
-    "models.formulas": {"config", "models.model", "remat"},
+    "models.formulas": {"config", "models.experts", "models.model", "remat"},  # a mixture's capacity: experts.py's
     # formats from the outside world
     "interop.hf": {"config"},
     "interop.hf_llama": {"config", "interop.hf"},
@@ -121,16 +121,16 @@ ALLOWED = {
     "planning.gpu_target": {"config", "mesh", "models.model", "planning.hlo_flops", "planning.hlo_kernels",
                             "planning.hlo_loops", "planning.measure", "training.aot"},
     "planning.autotune": {"config", "planning.gpu_target", "planning.hlo", "training.aot"},
-    "planning.report": {"models.model", "parallel.schedule", "planning.host_tier", "planning.memory", "planning.plan",
-                        "planning.recommend", "remat"},
-    "planning.kernel_time": {"config", "hardware", "models.model", "remat"},
+    "planning.report": {"models.experts", "models.model", "parallel.schedule", "planning.host_tier",
+                        "planning.memory", "planning.plan", "planning.recommend", "remat"},
+    "planning.kernel_time": {"config", "hardware", "models.experts", "models.model", "remat"},
     "planning.progress": set(),
     "planning.blocks": set(),
     "planning.costs": {"config", "models.formulas", "parallel.schedule", "planning.memory", "planning.search_space"},
     "planning.search_memory": {"config", "models.formulas", "planning.blocks", "planning.costs", "planning.memory",
                                "planning.search_space"},
     "planning.search_time": {"config", "hardware", "models.formulas", "planning.blocks", "planning.costs",
-                             "planning.kernel_time", "planning.search_space"},
+                             "planning.kernel_time", "planning.moe", "planning.search_space", "remat"},
     "planning.search": {"config", "models.formulas", "planning.blocks", "planning.costs", "planning.search_memory",
                         "planning.search_offload", "planning.search_space", "planning.search_time", "remat"},
     "planning.search_offload": {"config", "models.model", "offload", "planning.costs", "planning.host_tier",
@@ -141,7 +141,7 @@ ALLOWED = {
     "planning.calibration": {"config", "models.formulas", "models.model", "planning.costs", "planning.search_space",
                              "planning.search_time"},
     "planning.search_space": {"config", "hardware", "remat"},
-    "planning.search_costs": {"config", "planning.costs", "planning.measure", "planning.memory"},
+    "planning.search_costs": {"config", "models.formulas", "planning.costs", "planning.measure", "planning.memory"},
     # the commands
     "train": {"cli", "config", "mesh", "models.model", "offload", "parallel.distributed", "presets", "remat",
               "training.data",

@@ -13,6 +13,7 @@ from jaxseq.config import ParallelConfig, replace
 from jaxseq.presets import preset
 from jaxseq.hardware import HARDWARE
 from jaxseq.mesh import make_mesh
+from jaxseq.models import formulas
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import memory, moe
 from jaxseq.planning import plan as plan_rows
@@ -83,9 +84,15 @@ def test_the_report_prints_each_term_with_its_unit():
 
 
 @pytest.mark.parametrize("context", [1, 2])
-def test_a_moe_layer_has_no_stored_bytes_formula_yet(context):
-    """The plan's formula column is empty for a mixture (the dense Llama layer's count would be wrong), with and
-    without context parallelism; the dense Llama layer keeps its formula."""
+def test_the_plans_formula_column_is_the_moe_layers(context):
+    """The plan's formula column for a mixture is `formulas.moe_activation_bytes` (its MoE MLP's terms, not the dense
+    Llama layer's MLP), with and without context parallelism; the dense Llama layer keeps its own."""
     rows = plan_rows.configurations(2)
-    assert all(plan_rows.formula_bytes_per_layer(preset("tiny-moe"), r, 1, context) is None for r in rows)
+    cfg = preset("tiny-moe")
+    for r in rows:
+        got = plan_rows.formula_bytes_per_layer(cfg, r, 1, context)
+        assert got == formulas.moe_activation_bytes(cfg, r.remat, 1, r.tensor, r.sequence_parallel, context)
+        dense = formulas.activation_bytes(replace(cfg, moe_experts=0), r.remat, 1, r.tensor, r.sequence_parallel,
+                                          context)
+        assert got != dense or r.remat == "full", r.name
     assert all(plan_rows.formula_bytes_per_layer(preset("tiny-llama"), r, 1, context) for r in rows)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxseq.config import ConfigError, ModelConfig
+from jaxseq.models import experts
 from jaxseq.models.model import family
 from jaxseq.remat import POLICIES, layer_counts
 
@@ -137,6 +138,81 @@ def policy_terms(remat: str, context: int = 1, strategy: str = "all-gather") -> 
     return kept + ((("ring_lse", 1),) if any(name == "context" for name, _ in kept) else ())
 
 
+def moe_tensor_bytes(cfg: ModelConfig, b: int, t: int, context: int = 1) -> dict[str, float]:
+    """Per-device bytes of each tensor a mixture of experts' MLP (models/experts.py) can keep for backward, for one
+    routing group: a rank's T = b·s/c tokens, whole over `tensor` (every tensor rank routes them alike), E·C slots
+    (C = `experts.capacity(T)`: ceil(factor·T·k/E), T dropless). With expert parallelism a rank's e = E/ep experts
+    hold ep·C slots each after the dispatch: E·C slots still, so no term depends on ep. e = the activation dtype's
+    bytes; the router's logits and the routing weights float32, the slots' tokens int32."""
+    e, h, f, E = cfg.itemsize, cfg.hidden, cfg.mlp_hidden, cfg.moe_experts
+    tokens = b * cfg.seq_len // context
+    slots = E * experts.capacity(tokens, cfg)
+    shared = cfg.moe_shared_experts * f  # the shared experts' width g: one SwiGLU MLP every token passes through
+    counted = bool(cfg.moe_aux_loss_coef or cfg.moe_bias_rate)  # the loads exist for a balancing term alone
+    return {
+        "router_logits": 4 * tokens * E,  # the router's logits [T, E], float32 (`moe_router_logits`)
+        "router_dot": e * tokens * E,  # the router matmul's own output, before its cast (what `dots` keep)
+        "routing": 8 * slots,  # each slot's token (int32) and routing weight (float32) (`moe_routing`)
+        "loads": 4 * E if counted else 0,  # each expert's assignments over the micro-batch, int32 (`moe_loads`)
+        "dispatched": e * slots * h,  # the experts' input after the dispatch (`moe_dispatched`)
+        "expert_hidden": e * slots * 2 * f / t,  # gate and up of every slot, split over tensor (`moe_expert_hidden`)
+        "expert_mid": e * slots * f / t,  # SwiGLU's output, the down matmul's input (`mlp_activation`)
+        # the experts' output: after the combine (`moe_expert_output`); under `dots` the down matmul's output before
+        # it, the same E·C slots (the combine's weight gradient reads it)
+        "expert_output": e * slots * h,
+        # the MLP's input (the second norm's output) whole over `tensor` where the dense layer keeps it split under
+        # SP: the partitioner stores the all-gathered copy the router and the dispatch read, not the split one (with
+        # shared experts, whose column-parallel matmul gathers its own copy, it keeps the split one)
+        "moe_input": e * tokens * h,
+        "shared_in": e * tokens * 2 * shared / t,  # the shared experts' gate and up (the dense MLP's `mlp_in`)
+        "shared_mid": e * tokens * shared / t,  # their SwiGLU output (`mlp_mid`)
+    }
+
+
+# What each registered policy keeps of a mixture of experts' MLP, in terms of `moe_tensor_bytes`, in place of the
+# dense MLP's mlp_in and mlp_mid (the attention half's terms are the dense layer's). `lean` replays the router and
+# the routing (a small matmul, a sort of E·C ints) but keeps what a collective or the experts' GEMMs would bring
+# back; `dots` keep every matmul's output, the experts' batched ones included; `dots_no_batch` the router's alone
+# (the experts' matmuls have a batch dimension, the experts). `full` keeps the layer input alone.
+MOE_POLICY_TERMS: dict[str, tuple[tuple[str, int], ...]] = {
+    "none": (("router_logits", 1), ("routing", 1), ("loads", 1), ("dispatched", 1), ("expert_hidden", 1),
+             ("expert_mid", 1), ("expert_output", 1), ("shared_in", 1), ("shared_mid", 1)),
+    "selective": (("router_logits", 1), ("routing", 1), ("loads", 1), ("dispatched", 1), ("expert_hidden", 1),
+                  ("expert_mid", 1), ("expert_output", 1), ("shared_in", 1), ("shared_mid", 1)),
+    "full": (),
+    "lean": (("loads", 1), ("dispatched", 1), ("expert_hidden", 1), ("expert_output", 1), ("shared_in", 1)),
+    "dots": (("router_dot", 1), ("expert_hidden", 1), ("expert_output", 1), ("shared_in", 1)),
+    "dots_no_batch": (("router_dot", 1), ("shared_in", 1)),
+}
+DENSE_MLP_TERMS = ("mlp_in", "mlp_mid")  # what a mixture's MLP replaces of the dense layer's terms
+MOE_INPUT_KEPT = ("none", "selective")  # the policies that keep the MLP's input (`mlpwi_input`)
+
+
+def moe_activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
+                         strategy: str = "all-gather") -> float:
+    """Bytes one mixture of experts' layer stores for backward per device under a registered remat policy: the
+    dense Llama layer's attention half (`activation_bytes`' terms but the MLP's) and the MoE MLP's
+    (`MOE_POLICY_TERMS`), term by term (docs/DESIGN.md, "Stored bytes of a mixture of experts' layer")."""
+    attention = tuple((name, n) for name, n in policy_terms(remat, context, strategy) if name not in DENSE_MLP_TERMS)
+    dense = layer_tensor_bytes(cfg, b, t, sequence_parallel, context)
+    moe = moe_tensor_bytes(cfg, b, t, context)
+    total = sum(n * dense[name] for name, n in attention) + sum(n * moe[name] for name, n in MOE_POLICY_TERMS[remat])
+    if remat in MOE_INPUT_KEPT and not cfg.moe_shared_experts:  # of its residual-stream tensors, the MLP's input
+        total += moe["moe_input"] - dense["residual"]  # kept whole (with shared experts split, as the dense layer's)
+    return total
+
+
+def moe_nonlinear_bytes(cfg: ModelConfig, remat: str, b: int, t: int, context: int = 1) -> float:
+    """What a mixture's stored bytes at micro-batch b hold beyond b times their bytes at b = 1 (0 for a dense layer):
+    the capacity's ceiling (C at b·s tokens against b times C at s) and the loads, which do not grow with b. The
+    search measures a layer at b = 1 and scales it by b (`SearchCosts.layer`), so it adds this."""
+    if not cfg.moe_experts:
+        return 0  # an int: a dense layer's scaled bytes keep their type
+    terms = MOE_POLICY_TERMS[remat]
+    at = lambda n: sum(k * moe_tensor_bytes(cfg, n, t, context)[name] for name, k in terms)
+    return at(b) - b * at(1)
+
+
 def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
                      strategy: str = "all-gather") -> float:
     """Bytes one layer stores for backward per device under a registered remat policy (explicit attention:
@@ -147,6 +223,8 @@ def activation_bytes(cfg: ModelConfig, remat: str, b: int, t: int, sequence_para
     terms = policy_terms(remat, context, strategy)
     if cfg.attention != "explicit":
         raise ConfigError(f"attention={cfg.attention!r}: the formula counts the explicit attention's tensors")
+    if cfg.moe_experts:
+        return moe_activation_bytes(cfg, remat, b, t, sequence_parallel, context, strategy)
     tensors = layer_tensor_bytes(cfg, b, t, sequence_parallel, context)
     return sum(n * tensors[name] for name, n in terms)
 
@@ -210,8 +288,19 @@ def layer_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
     b, s, h, w, f, d = batch, cfg.seq_len, cfg.hidden, cfg.attention_width, cfg.mlp_hidden, cfg.head_dim
     qkv = w + 2 * cfg.num_kv_heads * d  # a·d query columns + k and v of each K/V head
     up = family(cfg).TRAITS.mlp_up_widths * f
-    return {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
-            "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
+    flops = {"qkv": 2 * b * s * h * qkv, "scores": 2 * b * s * s * w, "context": 2 * b * s * s * w,
+             "out": 2 * b * s * w * h, "mlp_up": 2 * b * s * h * up, "mlp_down": 2 * b * s * f * h}
+    return flops | (moe_matmul_flops(cfg, batch) if cfg.moe_experts else {})
+
+
+def moe_matmul_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
+    """A mixture's MLP matmuls in model FLOPs: each token's k experts (gate and up 2f wide, down) and the shared
+    experts' (g = shared·f), and the router [h, E]; the capacity's padding and dropped tokens are not model FLOPs
+    (the time model prices the padded GEMMs: `kernel_time.forward_gemms`)."""
+    tokens, h, f = batch * cfg.seq_len, cfg.hidden, cfg.mlp_hidden
+    width = (cfg.moe_top_k + cfg.moe_shared_experts) * f
+    return {"mlp_up": 2 * tokens * h * 2 * width, "mlp_down": 2 * tokens * width * h,
+            "router": 2 * tokens * h * cfg.moe_experts}
 
 
 def deferred_stash_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, context: int = 1) -> float:

@@ -66,7 +66,7 @@ class Costs(Protocol):
     def layer(self, tensor: int, sequence_parallel: bool, remat: str, micro_batch: int, context: int = 1,
               strategy: str = "all-gather", fp8: bool = False) -> LayerCost: ...
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
-              fsdp: int = 1) -> StateCost: ...
+              fsdp: int = 1, expert: int = 1) -> StateCost: ...
 
 
 def costs_of(cfg: ModelConfig, c: Candidate, costs: Costs) -> tuple[LayerCost, StateCost]:
@@ -74,8 +74,9 @@ def costs_of(cfg: ModelConfig, c: Candidate, costs: Costs) -> tuple[LayerCost, S
     fp8 = {"fp8": True} if c.fp8 else {}  # asked of a Costs only where a candidate has FP8 GEMMs
     layer = costs.layer(c.tensor, c.sequence_parallel, c.remat, c.micro_batch, c.context, c.context_strategy, **fp8)
     # the distributed optimizer splits over data × context: d·c ranks to the state's arithmetic
+    expert = {"expert": c.expert} if c.expert > 1 else {}  # asked only where a mixture's experts are split
     state = costs.state(replace(cfg, layers=cfg.layers // c.pipe), c.tensor, c.data * c.context,
-                        c.distributed_optimizer, c.pipe, c.fsdp)
+                        c.distributed_optimizer, c.pipe, c.fsdp, **expert)
     return layer, state
 
 

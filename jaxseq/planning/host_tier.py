@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxseq.config import ModelConfig
-from jaxseq.models.formulas import layer_tensor_bytes
+from jaxseq.models.formulas import layer_tensor_bytes, moe_tensor_bytes
 from jaxseq.offload import for_policy
 from jaxseq.remat import (ATTN_DROPOUT_MASK, ATTN_OUT_DROPOUT_MASK, ATTN_PROBS, ATTN_PROBS_DROPOUT,
                           ATTN_SOFTMAX_STATS, CONTEXT, DECODER_LAYER_INPUT, KEY, MID_LAYER_RESIDUAL, MLP_ACTIVATION,
-                          MLP_DROPOUT_MASK, MLPWI, MLPWI_INPUT, NORM_STATS, OUT_PROJ, QKV_INPUT, QUERY, VALUE,
+                          MLP_DROPOUT_MASK, MLPWI, MLPWI_INPUT, MOE_DISPATCHED, MOE_EXPERT_HIDDEN, MOE_EXPERT_OUTPUT,
+                          MOE_LOADS, MOE_ROUTER_LOGITS, MOE_ROUTING, NORM_STATS, OUT_PROJ, QKV_INPUT, QUERY, VALUE,
                           layer_counts)
 
 # Achieved fraction of PCIe's data-sheet bandwidth (stated, not fitted: the time model's link efficiency,
@@ -43,9 +44,23 @@ _TERMS: dict[str, tuple[tuple[str, float], ...]] = {
 }
 
 
+# A mixture's MLP names as `moe_tensor_bytes` terms; its MLP input, gate/up and activation are its own there too.
+_MOE_TERMS = {MOE_ROUTER_LOGITS: ("router_logits",), MOE_ROUTING: ("routing",), MOE_LOADS: ("loads",),
+              MOE_DISPATCHED: ("dispatched",), MOE_EXPERT_HIDDEN: ("expert_hidden",),
+              MOE_EXPERT_OUTPUT: ("expert_output",), MLPWI: ("shared_in",),
+              MLP_ACTIVATION: ("expert_mid", "shared_mid")}
+
+
 def name_bytes(cfg: ModelConfig, name: str, b: int, t: int, sequence_parallel: bool, context: int = 1,
                strategy: str = "all-gather") -> float:
-    """Per-device bytes of the tensor one layer tags `name`, micro-batch b (`layer_tensor_bytes`' terms)."""
+    """Per-device bytes of the tensor one layer tags `name`, micro-batch b (`layer_tensor_bytes`' terms; a mixture's
+    MLP `moe_tensor_bytes`', as `formulas.moe_activation_bytes` counts them)."""
+    if cfg.moe_experts and (name in _MOE_TERMS or name == MLPWI_INPUT):
+        moe = moe_tensor_bytes(cfg, b, t, context)
+        if name == MLPWI_INPUT:  # kept whole but beside shared experts (`formulas.MOE_INPUT_KEPT`)
+            return (layer_tensor_bytes(cfg, b, t, sequence_parallel, context)["residual"] if cfg.moe_shared_experts
+                    else moe["moe_input"])
+        return sum(moe[term] for term in _MOE_TERMS[name])
     tensors = layer_tensor_bytes(cfg, b, t, sequence_parallel, context)
     e = cfg.itemsize
     if name == ATTN_DROPOUT_MASK:  # 1 byte of the softmax's dropout, its output the other e

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from jaxseq.config import ModelConfig
 from jaxseq.hardware import Hardware
-from jaxseq.models import model
-from jaxseq.remat import MATMULS, POLICIES
+from jaxseq.models import experts, model
+from jaxseq.remat import MATMULS, MOE_EXCHANGE_REPLAYED, POLICIES
 
 TILE = (256, 128)  # cuBLAS's largest tile (the guide's examples), either orientation
 # An FP8 GEMM's full wave (`ModelConfig.fp8`: the layers' weight GEMMs, e4m3/e5m2 operands, bf16 result) runs at the FP8
@@ -99,10 +99,34 @@ def forward_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
     qkv = w + 2 * max(cfg.num_kv_heads, t) * d  # 3w for multi-head attention
     up = model.traits(cfg).mlp_up_widths * f
     fp8 = cfg.fp8
-    return {"qkv": Gemm("qkv", tokens, qkv // t, h, fp8=fp8), "scores": Gemm("scores", s, s, d, heads),
-            "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t, fp8=fp8),
-            "mlp_up": Gemm("mlp_up", tokens, up // t, h, fp8=fp8),
-            "mlp_down": Gemm("mlp_down", tokens, h, f // t, fp8=fp8)}
+    gemms = {"qkv": Gemm("qkv", tokens, qkv // t, h, fp8=fp8), "scores": Gemm("scores", s, s, d, heads),
+             "context": Gemm("context", s, d, s, heads), "out": Gemm("out", tokens, h, w // t, fp8=fp8),
+             "mlp_up": Gemm("mlp_up", tokens, up // t, h, fp8=fp8),
+             "mlp_down": Gemm("mlp_down", tokens, h, f // t, fp8=fp8)}
+    return gemms | (moe_gemms(cfg, b, t) if cfg.moe_experts else {})
+
+
+def moe_slots(cfg: ModelConfig, b: int) -> int:
+    """E·C: the slots of a mixture's experts for a routing group of b·s tokens (`experts.capacity`)."""
+    return cfg.moe_experts * experts.capacity(b * cfg.seq_len, cfg)
+
+
+def moe_gemms(cfg: ModelConfig, b: int, t: int) -> dict[str, Gemm]:
+    """A mixture's MLP GEMMs (models/experts.py) in place of the dense MLP's: the experts' gate/up and down as one
+    batched GEMM each over the E experts' C slots (capacity-padded: every slot computed, filled or not; with
+    expert parallelism a rank's e experts hold ep·C slots, the same FLOPs, priced at expert = 1's shape), the router
+    [b·s, h] × [h, E] (whole on every tensor rank), and the shared experts' dense MLP (g = shared·f). Under --fp8 only
+    the shared experts' are FP8 GEMMs: the experts' batched einsums are not models/fp8.py's."""
+    h, f, tokens = cfg.hidden, cfg.mlp_hidden, b * cfg.seq_len
+    slots, fp8 = experts.capacity(tokens, cfg), cfg.fp8  # the experts' einsums stay in the model's dtype under --fp8
+    gemms = {"mlp_up": Gemm("mlp_up", slots, 2 * f // t, h, cfg.moe_experts),
+             "mlp_down": Gemm("mlp_down", slots, h, f // t, cfg.moe_experts),
+             "router": Gemm("router", tokens, cfg.moe_experts, h)}
+    if cfg.moe_shared_experts:
+        g = cfg.moe_shared_experts * f
+        gemms |= {"shared_up": Gemm("shared_up", tokens, 2 * g // t, h, fp8=fp8),
+                  "shared_down": Gemm("shared_down", tokens, h, g // t, fp8=fp8)}
+    return gemms
 
 
 ATTENTION_CORE = ("scores", "context")  # QKᵀ and scores × V: inside a fused (flash) attention kernel
@@ -244,7 +268,7 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     blocks' in place of the scores'."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
-    mlp = s * b * cfg.mlp_hidden / t
+    mlp = (moe_slots(cfg, b) if cfg.moe_experts else s * b) * cfg.mlp_hidden / t  # a mixture's SwiGLU: every slot
     scores = 0 if flash(cfg) or ring > 1 else b * cfg.heads / t * s * s
     r_scores = r if cfg.attention == "explicit" else 0
     traits = model.traits(cfg)
@@ -261,7 +285,18 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
         again = ((forward_attention if "scores" in replays else 0.0)
                  + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
     fp8 = fp8_quantize_bytes(cfg, b, t) if cfg.fp8 else 0.0
-    return forward + backward + again + fp8 + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
+    dispatch = moe_dispatch_bytes(cfg, b, remat) if cfg.moe_experts else 0.0
+    return forward + backward + again + fp8 + dispatch + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
+
+
+def moe_dispatch_bytes(cfg: ModelConfig, b: int, remat: str) -> float:
+    """HBM bytes of a mixture's dispatch and combine, per device: the gather of each slot's token into the [E, C, h]
+    buffer (read, write: 2e a slot element) and the weighted scatter-add back (read e, read-modify-write the float32
+    [T, h] sum: e + 8 over the slots), forward, the same again backward (their transposes), and a third time where
+    the policy keeps not the dispatched buffer (`full`, `dots`, `dots_no_batch` replay the dispatch and combine)."""
+    e, slots = cfg.itemsize, moe_slots(cfg, b) * cfg.hidden
+    passes = 3 if remat in MOE_EXCHANGE_REPLAYED else 2
+    return passes * slots * (2 * e + e + 8)
 
 
 def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
@@ -272,9 +307,9 @@ def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
     twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. With `--target` the
     search reads these bytes from the FP8 layer's program instead."""
     e = cfg.itemsize
-    gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS]
-    operands = sum(g.m * g.k + g.k * g.n for g in gemms)
-    outputs = sum(g.m * g.n for g in gemms)
+    gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS and g.fp8]
+    operands = sum(g.batch * (g.m * g.k + g.k * g.n) for g in gemms)
+    outputs = sum(g.batch * g.m * g.n for g in gemms)
     return 2 * (2 * e + 1) * operands + (3 * e + 2) * outputs
 
 

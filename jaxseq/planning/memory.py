@@ -95,11 +95,11 @@ def _leaves(cfg: ModelConfig, tensor: int, data: int, distributed_optimizer: boo
     return out
 
 
-def parameter_elements_per_device(cfg: ModelConfig, tensor: int) -> tuple[int, int]:
+def parameter_elements_per_device(cfg: ModelConfig, tensor: int, expert: int = 1) -> tuple[int, int]:
     """(all parameter elements, those cast to the compute dtype) on one device, from the shapes and
-    the tensor-parallel specs (LayerNorm parameters stay float32: no copy)."""
+    the tensor-parallel specs (LayerNorm parameters stay float32: no copy); a mixture's routed experts / `expert`."""
     total = cast = 0
-    for leaf in _leaves(cfg, tensor, 1, False):
+    for leaf in _leaves(cfg, tensor, 1, False, expert=expert):
         total += leaf.elements
         cast += leaf.elements if leaf.cast else 0
     return total, cast
@@ -150,9 +150,9 @@ def state_bytes(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimi
 
 
 def state_bytes_by_part(cfg: ModelConfig, tensor: int, data: int = 1, distributed_optimizer: bool = False,
-                        pipe: int = 1, fsdp: int = 1) -> dict[str, State]:
+                        pipe: int = 1, fsdp: int = 1, expert: int = 1) -> dict[str, State]:
     """`state_bytes` of the layers and of the embedding group (`EMBEDDING_GROUP`), which sum to it."""
-    leaves = _leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp)
+    leaves = _leaves(cfg, tensor, data, distributed_optimizer, pipe, fsdp, expert)
     return {part: _state([l for l in leaves if l.part == part], cfg) for part in ("layers", EMBEDDING_GROUP)}
 
 

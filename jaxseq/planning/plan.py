@@ -231,10 +231,8 @@ def formula_bytes_per_layer(cfg: ModelConfig, c: RowSpec, b: int, context: int =
                             strategy: str = "all-gather") -> float | None:
     """What row c's layer should store: GPT's paper rows the paper's Table 2; every row of another family
     (explicit attention), and every row at context > 1 (the paper has no context axis), `formulas.activation_bytes`,
-    the same count term by term for its tensors (None where it has no formula: fused attention, a mixture of
-    experts' layer, whose formula is not derived yet)."""
-    if cfg.moe_experts:
-        return None
+    the same count term by term for its tensors, a mixture of experts' layer's with its MoE MLP's
+    (`formulas.moe_activation_bytes`); None where it has no formula (fused attention)."""
     if context > 1:
         if cfg.attention != "explicit":
             return None

@@ -3,7 +3,7 @@ activations, the training state with and without the distributed optimizer, and 
 
 from __future__ import annotations
 
-from jaxseq.models import model
+from jaxseq.models import experts, model
 from jaxseq.parallel.schedule import paper_bubble_formula
 from jaxseq.planning.memory import GIB, MIB
 from jaxseq.planning import host_tier
@@ -160,9 +160,11 @@ def _kv_heads(p: Plan) -> str:
 
 def _formula_label(p: Plan) -> list[str]:
     """Which formula the formula column is where it is not the paper's Table 2 (GPT's)."""
-    if p.config.moe_experts:  # `plan.formula_bytes_per_layer`: none for a mixture of experts yet
-        return ["formula: none derived for a mixture of experts' layer yet (its stored bytes are the compiled "
-                "program's alone)"]
+    if p.config.moe_experts:  # `plan.formula_bytes_per_layer`: the attention half's terms and the MoE MLP's
+        return [f"formula = formulas.moe_activation_bytes, term by term: the Llama attention half's tensors"
+                f"{f' at context={p.context}' if p.context > 1 else ''} and the MoE MLP's (formulas.moe_tensor_bytes: "
+                f"router logits, routing, dispatched and combined buffers, the experts' hidden activations at "
+                f"{_capacity(p)}; docs/DESIGN.md, \"Stored bytes of a mixture of experts' layer\")"]
     if p.context > 1:
         return [f"formula = formulas.activation_bytes at context={p.context} ({p.context_strategy}), term by term: "
                 "every stored tensor / c" + (", no scores, + the ring's log-sum-exp (ring_lse)"
@@ -173,14 +175,21 @@ def _formula_label(p: Plan) -> list[str]:
             "\"Stored bytes per layer, by family\"; norm statistics included), not the paper's Table 2"]
 
 
+def _capacity(p: Plan) -> str:
+    """A mixture's slots per expert for the plan's routing group of b·s/c tokens, in words."""
+    cfg, tokens = p.config, p.micro_batch * p.config.seq_len // p.context
+    rule = "dropless" if cfg.moe_capacity_factor is None else f"capacity factor {cfg.moe_capacity_factor}"
+    return f"C = {experts.capacity(tokens, cfg)} slots per expert of a group of T = {tokens} tokens ({rule})"
+
+
 def _format_formula_flops(p: Plan) -> str:
     """The formulas' FLOPs per layer: model, and hardware with selective and with full recompute."""
     f, cfg = p.formula_flops_per_layer, p.config
     selective_pct = 100 * (f["hardware_selective"] / f["model"] - 1)
     full_pct = 100 * (f["hardware_full"] / f["model"] - 1)
     if not model.traits(cfg).papers_formulas:
-        mlp = ("a mixture counted as one SwiGLU MLP of width f, not yet k experts and the router" if cfg.moe_experts
-               else "the MLP's gate, up and down")
+        mlp = ("a mixture's k experts a token and its router, not the capacity's padding: formulas.moe_matmul_flops"
+               if cfg.moe_experts else "the MLP's gate, up and down")
         return (f"FLOPs per layer per device (t={p.tensor}), formulas.train_flops ({cfg.family}: K/V heads counted "
                 f"once, {mlp}): model {f['model'] / 1e12:.4f} TFLOP; hardware with selective "
                 f"{f['hardware_selective'] / 1e12:.4f} (+{selective_pct:.2f}%); with full "

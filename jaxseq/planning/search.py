@@ -57,9 +57,13 @@ class Evaluated:
         """Whether its layer's memory and TP collectives were compiled at its c or scaled from c = 1."""
         return "compiled" if self.layer_context == self.candidate.context else "scaled"
 
-    def to_json(self) -> dict:
+    def to_json(self, moe: bool = False) -> dict:
+        """JSON-ready; `moe` (a mixture searched): its expert size and all-to-all time too (a dense model's rows
+        carry neither)."""
         c, mem, t = self.candidate, self.memory, self.time
-        return {**asdict(c), "schedule": c.schedule,
+        fields = {k: v for k, v in asdict(c).items() if moe or k != "expert"}
+        a2a = {"all_to_all": t.expert_s} if moe else {}
+        return {**fields, "schedule": c.schedule,
                 "memory_gib": {"total": mem.total_bytes / GIB, "state": mem.state_bytes / GIB,
                                "activations": mem.activation_bytes / GIB, "working": mem.working_bytes / GIB,
                                "w_stash": mem.deferred_stash_bytes / GIB,
@@ -71,7 +75,7 @@ class Evaluated:
                 "time_s": {"total": t.total_s, "compute": t.compute_s, "tensor_collectives": t.tp_s,
                            "pipeline_p2p": t.p2p_s, "bubble": t.bubble_s, "data_parallel": t.dp_s,
                            "context_kv": t.context_s, "optimizer_update": t.optimizer_s,
-                           "fsdp_gather_scatter": t.fsdp_s, "pcie": t.pcie_s},
+                           "fsdp_gather_scatter": t.fsdp_s, "pcie": t.pcie_s, **a2a},
                 "host_gib": mem.host_bytes / GIB,
                 "bubble": t.bubble, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
                 "fits": self.fits, "layer": self.layer_source, "layer_compiled_at_context": self.layer_context,

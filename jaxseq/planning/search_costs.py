@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from jaxseq.config import ModelConfig, ParallelConfig, replace, validate
+from jaxseq.models.formulas import moe_nonlinear_bytes
 from jaxseq.planning.costs import LayerCost, StateCost, layer_attention
 from jaxseq.planning.measure import Compiler, RowSpec
 from jaxseq.planning.memory import (fsdp_gathered_bytes, non_layer_activation_bytes, parameter_elements_per_device,
@@ -18,8 +19,9 @@ class SearchCosts:
     (the working memory, and for a GPU's layer, in its dtype, the bytes its loops move: affine in b, the
     weights' share not growing with b). A c > 1 layer is compiled on a c × t mesh where `devices` hold c·t;
     where they do not, its c = 1 layer is measured and `costs.at_context` scales it (`LayerCost.context` says
-    which). A ring layer is explicit attention's whatever the model's (`_program`). `measured` (JSON-ready) can be
-    saved and passed back to skip compiling."""
+    which). A ring layer is explicit attention's whatever the model's (`_program`). A mixture's stored bytes are not
+    quite proportional to b (the capacity's ceiling, the loads): `formulas.moe_nonlinear_bytes` adds the difference.
+    `measured` (JSON-ready) can be saved and passed back to skip compiling."""
 
     def __init__(self, cfg: ModelConfig, devices, workers: int = 2, measured: dict | None = None, progress=None):
         self.cfg, self.devices, self.workers = cfg, devices, workers
@@ -107,19 +109,22 @@ class SearchCosts:
         m = self.measured[name]
         affine = lambda key: m[key] + (b - 1) * (m[f"{key}_b2"] - m[key] if b > 1 else 0)  # b = 1 and 2 compiled
         moved = m.get("moved_bytes_per_layer")  # a GPU's layer only (and not in `measured` saved before it)
+        stored = b * m["stored_bytes_per_layer"] + moe_nonlinear_bytes(self.cfg, remat, b, tensor, c)
         return LayerCost(
-            b * m["stored_bytes_per_layer"], {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
+            stored, {k: b * v for k, v in m["collective_bytes_per_layer"].items()},
             affine("working_bytes"), non_layer_activation_bytes(self.cfg, b, tensor, sequence_parallel, c), c,
             None if moved is None or (b > 1 and m.get("moved_bytes_per_layer_b2") is None)
             else affine("moved_bytes_per_layer"))
 
     def state(self, stage: ModelConfig, tensor: int, data: int, distributed_optimizer: bool, pipe: int,
-              fsdp: int = 1) -> StateCost:
-        key = (stage, tensor, data, distributed_optimizer, pipe, fsdp)
+              fsdp: int = 1, expert: int = 1) -> StateCost:
+        """The stage's state per device; expert = e > 1: a mixture's routed experts split over e (their weights,
+        gradients and moments, `memory.state_bytes(expert=e)`), and so the parameters the device computes with."""
+        key = (stage, tensor, data, distributed_optimizer, pipe, fsdp, expert)
         if key not in self._states:
-            parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe, fsdp)
-            state = state_bytes(stage, tensor, data, distributed_optimizer, pipe, fsdp)
-            parameters = parameter_elements_per_device(stage, tensor)[0]
+            parts = state_bytes_by_part(stage, tensor, data, distributed_optimizer, pipe, fsdp, expert)
+            state = state_bytes(stage, tensor, data, distributed_optimizer, pipe, fsdp, expert)
+            parameters = parameter_elements_per_device(stage, tensor, expert)[0]
             outside_layers = parameter_elements_per_device(replace(stage, layers=0), tensor)[0]
             self._states[key] = StateCost(state.at_peak, parameters, state.params, parameters - outside_layers,
                                           state.weight_copy, parts["layers"].weight_copy, state.gradients,

@@ -49,9 +49,11 @@ def format_result(res: Result, top: int = 10, pricing: cost.Pricing | None = Non
     remat_width = max([10, *(len(_remat_cell(e.candidate)) + 1 for e in res.ranked[:top])])  # block specs, offload
     priced = pricing is not None
     fp8 = True in res.request.fp8  # the GEMM column, where FP8 is searched
-    heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "", fp8)
-    rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "", fp8)
-            for i, e in enumerate(res.ranked[:top])]
+    moe = bool(res.config.moe_experts)  # the e and EP s columns, for a mixture of experts
+    heads = _column_heads(fsdp, verified, remat_width, f"{'days':>9}{'GPU-h':>11}{'cost $':>13}" if priced else "", fp8,
+                          moe)
+    rows = [_row(i, e, fsdp, verified, remat_width, _cost_cells(row_cost(res, e, pricing)) if priced else "", fp8,
+                 moe) for i, e in enumerate(res.ranked[:top])]
     notes = _notes(res, fsdp, verified)
     if pricing is not None:
         notes.insert(1, cost.format_note(pricing, res.request.global_batch, res.config.seq_len, _band(res)))
@@ -105,8 +107,10 @@ def _header(res: Result) -> list[str]:
     ]
 
 
-def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = "", fp8: bool = False) -> str:
+def _column_heads(fsdp: bool, verified: bool, remat_width: int, priced: str = "", fp8: bool = False,
+                  moe: bool = False) -> str:
     f_head, fsdp_head = (f" {'f':>2}", f"{'FSDP s':>8}") if fsdp else ("", "")
+    f_head, fsdp_head = f_head + (f" {'e':>3}" if moe else ""), fsdp_head + (f"{'EP s':>8}" if moe else "")
     step_head = f"{'step GiB':>9}{'GPU s':>9}" if verified else ""
     return (f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'c':>2} {'d':>4}{f_head} {'b':>2} {'m':>5} "
             f"{'remat':<{remat_width}}{'SP':<4}{'DO':<4}{('GEMM' if fp8 else ''):<{5 if fp8 else 0}}"
@@ -125,7 +129,7 @@ def _v_cell(c: Candidate) -> str:
 
 
 def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, priced: str = "",
-         fp8: bool = False) -> str:
+         fp8: bool = False, moe: bool = False) -> str:
     """The table's row of the i-th (from 0) configuration: memory in GiB per device, times in seconds per step;
     `priced`: its cost cells (`_cost_cells`), before the CP strategy; with `fp8` (FP8 searched), its weight GEMMs'
     precision."""
@@ -133,7 +137,7 @@ def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, pri
     step_cell = "" if not verified else "-".rjust(9) if e.compiled_bytes is None else f"{e.compiled_bytes / GIB:>9.1f}"
     step_cell += "" if not verified else "-".rjust(9) if e.compiled_step_s is None else f"{e.compiled_step_s:>9.3f}"
     return (f"{i + 1:>3} {c.tensor:>2} {c.pipe:>3} {_v_cell(c):>2} {c.context:>2} {c.data:>4}"
-            f"{f' {c.fsdp:>2}' if fsdp else ''} "
+            f"{f' {c.fsdp:>2}' if fsdp else ''}{f' {c.expert:>3}' if moe else ''} "
             f"{c.micro_batch:>2} {c.microbatches:>5} "
             f"{_remat_cell(c):<{remat_width}}{'yes' if c.sequence_parallel else 'no':<4}"
             f"{'yes' if c.distributed_optimizer else 'no':<4}"
@@ -141,7 +145,7 @@ def _row(i: int, e: Evaluated, fsdp: bool, verified: bool, remat_width: int, pri
             f"{e.memory.total_bytes / GIB:>8.1f}{step_cell}{t.total_s:>9.3f}{e.model_tflops_per_gpu:>9.1f}"
             f"{100 * e.mfu:>6.1f}%"
             f"{100 * t.bubble:>7.1f}%{t.compute_s:>9.3f}{t.tp_s:>8.3f}{t.p2p_s:>8.3f}{t.dp_s:>8.3f}{t.context_s:>8.3f}"
-            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{t.optimizer_s:>8.3f}{priced}"
+            f"{f'{t.fsdp_s:>8.3f}' if fsdp else ''}{f'{t.expert_s:>8.3f}' if moe else ''}{t.optimizer_s:>8.3f}{priced}"
             f"  {f'{c.context_strategy}, {e.layer_source}' if c.context > 1 else '-'}"
             + (f"; host {e.memory.host_bytes / GIB:.1f} GiB, PCIe {t.pcie_s:.3f} s" if c.offload or c.offload_optimizer
                else ""))
@@ -180,12 +184,31 @@ def _notes(res: Result, fsdp: bool, verified: bool) -> list[str]:
                   f"(planning/host_tier.py): {host_tier.OVERLAP}"]
     if True in r.fp8:
         lines += [fp8_note(res)]
+    if res.config.moe_experts:
+        lines += [moe_note(res)]
     if caveat_applies(res):
         lines += ["", fused_attention_caveat(res)]
     if res.rejected_families:
         lines += ["", "mesh families (t, p) with no configuration that fits:"]
         lines += [f"  t={f['tensor']} p={f['pipe']} d={f['data']}: {f['reason']}" for f in res.rejected_families]
     return lines
+
+
+def moe_note(res: Result) -> str:
+    """How a mixture of experts is searched: the expert size e, its memory and its time."""
+    cfg = res.config
+    rule = "dropless, C = T" if cfg.moe_capacity_factor is None else f"capacity factor {cfg.moe_capacity_factor}"
+    return (f"e = expert-parallel size (E = {cfg.moe_experts} routed experts, top-{cfg.moe_top_k}, {rule}; e of the "
+            "d·f·e data ranks, between context and fsdp in the mesh): the routed experts' weights, gradients and "
+            "moments split over e (memory.state_bytes(expert=e)), their gradients reduced over d·c, the dense ones "
+            "over d·e·c; stored bytes per layer the compiled layer's (e-independent: a rank's group of b·s/c tokens "
+            "and its E·C slots; formulas.moe_activation_bytes), working memory compiled at e = 1 (an upper bound: a "
+            "layer's experts whole); time: the experts' GEMMs batched over E at C slots each, capacity-padded "
+            "(kernel_time.moe_gemms), the router, the dispatch and combine at HBM speed; EP s = the dispatch and "
+            "combine all-to-alls of every layer, forward, backward and, where the policy keeps not the dispatched "
+            "buffer (full, dots), replayed, [E, C, h] each, NVLink to "
+            "expert ranks in the node and InfiniBand past it, the slower link the time (planning/moe.all_to_all), "
+            "not overlapped; TFLOP/s counts each token's k experts and the router (formulas.moe_matmul_flops)")
 
 
 def fp8_note(res: Result) -> str:
@@ -252,7 +275,7 @@ def fused_attention_caveat(res: Result) -> str:
 def to_json(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> dict:
     """The ranking's first `top` (each `Evaluated.to_json`, and with `pricing` its `days`, `gpu_hours` and `cost`,
     each {value, low, high}) and the request, the models' notes and the sources."""
-    r = res.request
+    r, moe = res.request, bool(res.config.moe_experts)
     priced = (lambda e: {}) if pricing is None else (lambda e: row_cost(res, e, pricing))
     return {
         "model": res.model, "family": res.config.family, "hidden": res.config.hidden, "heads": res.config.heads,
@@ -262,14 +285,15 @@ def to_json(res: Result, top: int = 10, pricing: cost.Pricing | None = None) -> 
         "time_model": asdict(r.time_model), "micro_batches": list(r.micro_batches), "remats": list(r.remats),
         "context_sizes": list(r.context_sizes), "fsdp_sizes": list(r.fsdp_sizes), "schedules": list(r.schedules),
         "context_strategies": list(r.context_strategies), "fp8": list(r.fp8),
+        **({"expert_sizes": list(r.expert_sizes), "moe_experts": res.config.moe_experts} if moe else {}),
         "evaluated": res.evaluated, "fitting": len(res.ranked), "measured_layer_programs": res.compiled,
         "memory_accounting": MEMORY_ACCOUNTING,
         "units": "memory GiB per device (first pipeline stage), time seconds per step, TFLOP/s per GPU (model FLOPs)",
-        "ranked": [{**e.to_json(), **priced(e)} for e in res.ranked[:top]],
+        "ranked": [{**e.to_json(moe), **priced(e)} for e in res.ranked[:top]],
         "pricing": None if pricing is None else {"tokens": pricing.tokens,
                                                  "price_per_gpu_hour": pricing.price_per_gpu_hour,
                                                  "band": asdict(_band(res)), "source": "planning/cost.py"},
-        "over_budget_by_compiled_step": [e.to_json() for e in res.over_budget],
+        "over_budget_by_compiled_step": [e.to_json(moe) for e in res.over_budget],
         "rejected_families": res.rejected_families,
         "fused_attention_caveat": fused_attention_caveat(res) if caveat_applies(res) else None,
         "memory_source": memory_source(res),

@@ -77,6 +77,7 @@ class Request:
     offload: bool = False
     offload_optimizer: bool = False
     fp8: tuple[bool, ...] = (False,)  # the layers' weight GEMMs in bf16 (False) and/or as FP8 GEMMs (True: --fp8)
+    expert_sizes: tuple[int, ...] = (1,)  # E to try: a mixture's routed experts split over E of the data ranks
 
     @property
     def budget_bytes(self) -> float:
@@ -123,6 +124,7 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for f in r.fsdp_sizes:
         if not isinstance(f, int) or f <= 0:
             raise ConfigError(f"fsdp size {f!r} must be a positive integer")
+    validate_expert_sizes(cfg, r.expert_sizes)
     if True in r.fp8 and not hw.fp8_peak_tflops > 0:
         raise ConfigError(f"--fp8 on the {hw.name}: it has no FP8 tensor cores "
                           f"(fp8_peak_tflops={hw.fp8_peak_tflops:g}); FP8 GEMMs need an H100 or H200")
@@ -132,6 +134,21 @@ def validate_request(cfg: ModelConfig, r: Request) -> None:
     for name in ("compute_efficiency", "memory_efficiency", "link_efficiency"):
         if not 0 < getattr(tm, name) <= 1:
             raise ConfigError(f"{name}={getattr(tm, name)!r} must be in (0, 1]")
+
+
+def validate_expert_sizes(cfg: ModelConfig, sizes: tuple) -> None:
+    """E > 1 only for a mixture of experts, each a positive integer that divides its routed experts."""
+    for e in sizes:
+        if isinstance(e, bool) or not isinstance(e, int) or e <= 0:
+            raise ConfigError(f"expert size {e!r} must be a positive integer")
+        if e > 1 and not cfg.moe_experts:
+            raise ConfigError(f"expert size {e} splits a mixture of experts' experts, and this model has none "
+                              "(moe_experts=0): use --expert-sizes 1")
+        if cfg.moe_experts and cfg.moe_experts % e:
+            raise ConfigError(f"expert size {e} does not divide moe_experts={cfg.moe_experts}; valid: "
+                              f"{', '.join(map(str, divisors(cfg.moe_experts)))}")
+    if not sizes:
+        raise ConfigError("no expert size to try: give --expert-sizes 1 or more")
 
 
 @dataclass(frozen=True, order=True)
@@ -144,14 +161,15 @@ class Candidate:
     remat: str
     sequence_parallel: bool
     distributed_optimizer: bool
-    microbatches: int  # m = B / (d·f·b)
-    context: int = 1  # c: G = t·p·d·c·f
+    microbatches: int  # m = B / (d·f·e·b)
+    context: int = 1  # c: G = t·p·d·c·f·e
     context_strategy: str = "all-gather"
     fsdp: int = 1  # f: FSDP ranks, which split the batch's rows as data ranks do and every weight's state
     zero_bubble: bool = False  # ZB-H1 (over v chunks per stage): the backward split into B and W (`parallel.schedule`)
     offload: bool = False  # what its remat policy stores in host memory (`--offload all`: planning/search_offload.py)
     offload_optimizer: bool = False  # the master weights and moments in host memory between steps
     fp8: bool = False  # the layers' weight GEMMs as FP8 GEMMs (models/fp8.py)
+    expert: int = 1  # e: a mixture's routed experts split over e ranks, which split the batch's rows as data ranks do
 
     @property
     def schedule(self) -> str:
@@ -169,7 +187,7 @@ class Candidate:
                 + (f" c={self.context} {self.context_strategy}" if self.context > 1 else "")
                 + (f" f={self.fsdp}" if self.fsdp > 1 else "") + (" zb-h1" if self.zero_bubble else "")
                 + (" +offload" if self.offload else "") + (" +offload-opt" if self.offload_optimizer else "")
-                + (" fp8" if self.fp8 else ""))
+                + (" fp8" if self.fp8 else "") + (f" e={self.expert}" if self.expert > 1 else ""))
 
 
 def divisors(n: int) -> list[int]:
@@ -257,28 +275,31 @@ def context_candidates(cfg: ModelConfig, r: Request) -> list[Candidate]:
 
 
 def mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, ranks: int, sps) -> list[Candidate]:
-    """The candidates of one t × c × p mesh with `ranks` data-parallel ranks: each split d × f with f from the
-    request's FSDP sizes (f dividing the hidden size), every micro-batch, virtual stage count, strategy (c > 1),
-    policy, SP and optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved; the distributed
-    optimizer over d·c > 1)."""
+    """The candidates of one t × c × p mesh with `ranks` data-parallel ranks: each split d × f × e with f from the
+    request's FSDP sizes (f dividing the hidden size) and e from its expert sizes (a mixture's: e dividing its
+    experts, `validate_expert_sizes`), every micro-batch, virtual stage count, strategy (c > 1), policy, SP and
+    optimizer the rules allow (m ≥ p under a pipeline, m % p = 0 interleaved; the distributed optimizer over
+    d·c > 1)."""
     out = []
     for f in sorted(set(r.fsdp_sizes)):
-        if ranks % f == 0 and cfg.hidden % f == 0:
-            out += _mesh_candidates(cfg, r, t, c, p, ranks // f, f, sps)
+        for e in sorted(set(r.expert_sizes)):
+            if ranks % (f * e) == 0 and cfg.hidden % f == 0:
+                out += _mesh_candidates(cfg, r, t, c, p, ranks // (f * e), f, sps, e)
     return out
 
 
-def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, f: int, sps) -> list[Candidate]:
+def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: int, f: int, sps,
+                     e: int = 1) -> list[Candidate]:
     out = []
     vs = [v for v in divisors(cfg.layers // p) if p > 1 or v == 1]
     # ZB-H1 where the executor runs it (a pipeline, no FSDP, no K/V head repeated over tensor ranks:
     # `config.validate_zero_bubble`), with every v and context size
-    zero_bubble = "zb-h1" in r.schedules and p > 1 and f == 1 and t <= cfg.num_kv_heads
+    zero_bubble = "zb-h1" in r.schedules and p > 1 and f == 1 and t <= cfg.num_kv_heads and not cfg.moe_experts
     strategies = r.context_strategies if c > 1 else ("all-gather",)
     for b in r.micro_batches:
-        if r.global_batch % (d * f * b):
+        if r.global_batch % (d * f * e * b):
             continue
-        m = r.global_batch // (d * f * b)
+        m = r.global_batch // (d * f * e * b)
         if p > 1 and m < p:
             continue
         for v in vs:
@@ -288,7 +309,7 @@ def _mesh_candidates(cfg: ModelConfig, r: Request, t: int, c: int, p: int, d: in
                 for remat in r.remats:
                     for sp in sps:
                         for dist in ((False, True) if d * c > 1 else (False,)):
-                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f))
+                            out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f, expert=e))
                             if zero_bubble:
                                 out.append(Candidate(t, p, v, d, b, remat, sp, dist, m, c, strategy, f, True))
     return out

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from jaxseq.config import ModelConfig, replace
 from jaxseq.hardware import Hardware
 from jaxseq.models import formulas
-from jaxseq.planning import kernel_time
+from jaxseq.planning import kernel_time, moe
 from jaxseq.planning.blocks import Block
 from jaxseq.planning.costs import (LayerCost, StateCost, at_context, pipeline_schedule, ring_size, run_kernels,
                                    schedule_figures)
 from jaxseq.planning.search_space import Candidate, TimeModel
+from jaxseq.remat import MOE_EXCHANGE_REPLAYED
 
 
 def ring_traffic(kind: str, nbytes: float, group: int) -> float:
@@ -69,24 +70,26 @@ class Time:
     optimizer_s: float = 0.0  # the AdamW update after the gradient reduction (`optimizer_seconds`)
     fsdp_s: float = 0.0  # FSDP's weight gathers and gradient reduce-scatters (`fsdp_bytes`; bubble share in bubble_s)
     pcie_s: float = 0.0  # host offload's copies the step is charged (`host_tier.HostTier.charged_seconds`)
+    expert_s: float = 0.0  # a mixture's all-to-alls (`all_to_all_seconds`; its bubble share in bubble_s)
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.tp_s + self.p2p_s + self.bubble_s + self.dp_s + self.context_s + self.optimizer_s
-                + self.fsdp_s + self.pcie_s)
+                + self.fsdp_s + self.pcie_s + self.expert_s)
 
 
 def links(c: Candidate, hw: Hardware) -> dict[str, float]:
     """Bandwidth (GB/s) each group's collectives see: inside a node if the group's ranks fit in one
-    (tensor fastest, then context, fsdp, data, pipe: the mesh's order); "data" is data × context, the gradients'.
+    (tensor fastest, then context, expert, fsdp, data, pipe: the mesh's order); "data" is data × context, the
+    gradients' (a mixture's dense gradients reduce over the expert ranks too, inside it: `gradient_reduction_bytes`).
     An fsdp group that spans nodes with g of its ranks in each node sees g InfiniBand links (NCCL runs a channel
     over each NIC), up to NVLink's bandwidth: MaxText's FSDP=64 step on 8 nodes of 8 H100s moves its weights
     within the measured step only so (experiments/results/fsdp.md); the other groups keep one link per GPU."""
     intra, inter = hw.intra_node_gb_per_s, hw.inter_node_gb_per_s
-    n, tc = hw.gpus_per_node, c.tensor * c.context
+    n, tc = hw.gpus_per_node, c.tensor * c.context * c.expert  # the ranks inside an fsdp rank (mesh.MESH_AXES)
     per_node = max(1, min(c.fsdp, n // tc))  # the fsdp group's ranks in one node
     return {"tensor": intra if c.tensor <= n else inter,
-            "context": intra if tc <= n else inter,
+            "context": intra if c.tensor * c.context <= n else inter,
             "fsdp": intra if tc * c.fsdp <= n else min(intra, per_node * inter),
             "data": intra if tc * c.fsdp * c.data <= n else inter,
             "pipe": intra if tc * c.fsdp * c.data * c.pipe <= n else inter}
@@ -222,15 +225,52 @@ def step_time(cfg: ModelConfig, c: Candidate, layer: LayerCost, state: StateCost
     fsdp = fsdp_bytes(cfg, c, state) / bw["fsdp"]
     if tm.fsdp_overlap:  # hidden behind the micro-batch's compute where it fits
         fsdp = max(0.0, fsdp - compute)
-    grads = state.gradients  # under FSDP the shards: each rank reduces its own over data × context
-    reduce = c.data * c.context  # gradients reduce over data × context (context ranks are data ranks to weights)
-    if c.distributed_optimizer:  # the compute copy gathered back: under FSDP of the fsdp shards (grads' elements)
-        copy = itemsize * (state.parameters if c.fsdp == 1 else grads / 4)
-        dp_bytes = ring_traffic("reduce-scatter", grads, reduce) + ring_traffic("all-gather", copy, reduce)
-    else:
-        dp_bytes = ring_traffic("all-reduce", grads, reduce)
-    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context + fsdp) * bubble, dp_bytes / bw["data"],
-                bubble, m * context, optimizer_seconds(state, itemsize, hw, tm, c.fsdp), m * fsdp)
+    dp_bytes = gradient_reduction_bytes(cfg, c, state)
+    a2a = all_to_all_seconds(cfg, c, hw, tm)
+    return Time(m * compute, m * tp, m * p2p, m * (compute + tp + p2p + context + fsdp + a2a) * bubble,
+                dp_bytes / bw["data"], bubble, m * context, optimizer_seconds(state, itemsize, hw, tm, c.fsdp),
+                m * fsdp, expert_s=m * a2a)
+
+
+def gradient_reduction_bytes(cfg: ModelConfig, c: Candidate, state: StateCost) -> float:
+    """Bytes a device sends to reduce its gradients after the flush: over data × context (context ranks are data
+    ranks to weights), and a mixture's dense weights over the expert ranks too, its routed experts' (split over
+    them: 4 bytes a device's element, `routed_gradient_bytes`) not. Ring all-reduce, or with the distributed optimizer
+    a reduce-scatter and the all-gather of the compute copy (under FSDP of the fsdp shards: the gradients' elements)."""
+    routed = routed_gradient_bytes(cfg, c)
+    parts = ((state.gradients - routed, c.data * c.context * c.expert), (routed, c.data * c.context))
+    total = 0.0
+    for grads, reduce in parts:
+        if c.distributed_optimizer:
+            share = grads / state.gradients if state.gradients else 0.0
+            copy = cfg.itemsize * (state.parameters * share if c.fsdp == 1 else grads / 4)
+            total += ring_traffic("reduce-scatter", grads, reduce) + ring_traffic("all-gather", copy, reduce)
+        else:
+            total += ring_traffic("all-reduce", grads, reduce)
+    return total
+
+
+def routed_gradient_bytes(cfg: ModelConfig, c: Candidate) -> float:
+    """A mixture's routed experts' float32 gradients on a device of candidate c: its stage's L/p layers' E/e experts,
+    their width split over t (and their state over f under FSDP); 0 for a dense model."""
+    if not cfg.moe_experts:
+        return 0.0
+    routed = moe.parameters(replace(cfg, layers=cfg.layers // c.pipe)).routed
+    return 4.0 * routed / (c.tensor * c.expert * c.fsdp)
+
+
+def all_to_all_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel) -> float:
+    """One micro-batch's all-to-alls on the stage's L/p layers (`planning.moe.all_to_all`: dispatch and combine of
+    [E, C, h] for a group of b·s/c tokens, the share for expert ranks in the node over NVLink, the rest over
+    InfiniBand, the slower the time), at the links' efficiency: forward and backward, and a third pass where the
+    policy keeps not the dispatched buffer (`full`, `dots`, `dots_no_batch`: backward replays the dispatch and the
+    combine; the compiled layer has 6 all-to-alls where `none`, `selective` and `lean` have 4). 0 at e = 1."""
+    if c.expert == 1:
+        return 0.0
+    tokens = c.micro_batch * cfg.seq_len // c.context
+    per_pass = moe.all_to_all(cfg, tokens, c.expert, c.context * c.tensor, hw).seconds_per_pass
+    passes = 3 if c.remat in MOE_EXCHANGE_REPLAYED else 2
+    return passes * (cfg.layers // c.pipe) * per_pass / tm.link_efficiency
 
 
 def block_time(rest: Time, full: Time, n: int, k: int) -> Time:
