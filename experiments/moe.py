@@ -3,6 +3,7 @@
     python experiments/moe.py                 # writes experiments/results/moe.{md,json} (about 12 min on 2 busy cores)
     python experiments/moe.py --render-only   # moe.md again from moe.json
     python experiments/moe.py --loads-only    # the simulated rows kept from moe.json, the rest again
+    python experiments/moe.py --plans-only    # only the plans' lines again (part 2: arithmetic, seconds)
 
 1. One mixture of experts (8 experts, top-2, h = 256, f = 512, 2 layers, s = 128, float32, capacity factor 1.25)
    and global batch (16 sequences, no accumulation) at expert = E × data = 8/E for E = 1, 2, 4, 8: the compiled
@@ -296,11 +297,12 @@ def main() -> None:
         saved = json.loads((RESULTS / "moe.json").read_text())
         (RESULTS / "moe.md").write_text(render(saved["simulated"], saved["plans"], saved["loads"]))
         return
-    saved = json.loads((RESULTS / "moe.json").read_text()) if "--loads-only" in sys.argv else None
+    plans_only = "--plans-only" in sys.argv
+    saved = json.loads((RESULTS / "moe.json").read_text()) if "--loads-only" in sys.argv or plans_only else None
     rows = saved["simulated"] if saved else simulated_rows()
     plans = {name: moe.report(preset(p), tensor=t, expert=e, context=1, micro_batch=1, microbatches=1,
                               hw=HARDWARE[hw]) for name, (p, t, e, hw) in PLANS.items()}
-    loads = expert_loads()
+    loads = saved["loads"] if plans_only else expert_loads()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe.json").write_text(json.dumps({"simulated": rows, "plans": plans, "loads": loads}, indent=1))
     (RESULTS / "moe.md").write_text(render(rows, plans, loads))
