@@ -200,6 +200,28 @@ def test_the_time_model_prices_the_weight_gemms_at_the_fp8_peak_and_the_rest_in_
     assert kernel_time.FP8_RELATIVE_EFFICIENCY == pytest.approx(0.914, abs=1e-3)
 
 
+def test_each_context_rank_quantizes_its_whole_weights():
+    """At context c a rank runs s/c of each layer's tokens but quantizes all its weights (e4m3, forward and backward:
+    2 · (2e + 1) bytes a weight element): the FP8 layers' compute at c = 2 is half theirs at c = 1 plus half their
+    weights' quantization, which the time model once divided by c with the per-token bytes."""
+    from jaxseq.hardware import HARDWARE
+    from jaxseq.planning.costs import LayerCost
+    from jaxseq.planning.search_space import Candidate, TimeModel
+    from jaxseq.planning.search_time import compute_seconds
+
+    cfg = ModelConfig(family="llama", vocab_size=512, seq_len=256, hidden=256, heads=8, kv_heads=2, layers=4,
+                      ffn_hidden=512, dtype="bfloat16", fp8=True)
+    hw, tm = HARDWARE["h100"], TimeModel(scan_stacks=False)
+    layer = LayerCost(0.0, {}, 0.0, 0.0)
+    at = lambda context: compute_seconds(cfg, Candidate(1, 1, 1, 2 // context, 1, "none", False, False, 4, context),
+                                         hw, tm, layer, 0.0)
+    h, f, kv = cfg.hidden, cfg.mlp_hidden, cfg.num_kv_heads * cfg.head_dim
+    weights = h * (h + 2 * kv) + h * h + h * 2 * f + f * h  # QKV, out, gate and up, down
+    quantize = 2 * (2 * cfg.itemsize + 1) * weights  # bytes a layer
+    hbm = tm.memory_efficiency * hw.hbm_gb_per_s * 1e9
+    assert at(2) - at(1) / 2 == pytest.approx(cfg.layers * quantize / 2 / hbm, rel=1e-9)
+
+
 class HandCosts:
     """Round per-layer costs (tests/test_search.py's kind), an FP8 layer's the same as bf16's: the search's FP8 memory
     is its compiled layer's, the same stored bytes under every whitelist policy."""

@@ -251,7 +251,7 @@ def gemm_efficiency(g: Gemm, hw: Hardware, itemsize: int, compute_efficiency: fl
 
 
 def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str,
-                            ring: int = 1) -> float:
+                            ring: int = 1, context: int = 1) -> float:
     """HBM bytes of one layer's elementwise kernels, per device (e bytes per activation, one per dropout mask
     element, r = 1 with dropout, else 0). Over the residual stream's s·b·h elements (/t under SP): two
     LayerNorms (forward: read, write, 2e; backward: read x and dy, write dx, 3e) and two bias + dropout +
@@ -265,7 +265,8 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     (no biases; RMSNorm moves LayerNorm's bytes): SwiGLU reads gate and up and writes their product (3e over
     s·b·f/t; backward reads gate, up and dy, writes two gradients, 5e), and RoPE reads and writes q and the rank's
     K heads (2e over s·b·(a + max(kv_heads, t))·d/t; backward the same). Under a ring (`ring_bytes`), its
-    blocks' in place of the scores'."""
+    blocks' in place of the scores'. At context c (`context`) all c ranks' bytes, as a ring's blocks are (the
+    caller divides by c): FP8's quantization of the weights c times over (`fp8_quantize_bytes`)."""
     e, s, r = cfg.itemsize, cfg.seq_len, 1 if cfg.dropout > 0 else 0
     residual = s * b * cfg.hidden / (t if sequence_parallel else 1)
     mlp = (moe_slots(cfg, b) if cfg.moe_experts else s * b) * cfg.mlp_hidden / t  # a mixture's SwiGLU: every slot
@@ -284,7 +285,7 @@ def layer_elementwise_bytes(cfg: ModelConfig, b: int, t: int, sequence_parallel:
     else:
         again = ((forward_attention if "scores" in replays else 0.0)
                  + (residual * 2 * 2 * e + mlp * mlp_forward if policy.replays_norms else 0.0))
-    fp8 = fp8_quantize_bytes(cfg, b, t) if cfg.fp8 else 0.0
+    fp8 = fp8_quantize_bytes(cfg, b, t, context) if cfg.fp8 else 0.0
     dispatch = moe_dispatch_bytes(cfg, b, remat) if cfg.moe_experts else 0.0
     return forward + backward + again + fp8 + dispatch + (ring_bytes(cfg, b, t, ring, remat) if ring > 1 else 0.0)
 
@@ -299,16 +300,17 @@ def moe_dispatch_bytes(cfg: ModelConfig, b: int, remat: str) -> float:
     return passes * slots * (2 * e + e + 8)
 
 
-def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int) -> float:
+def fp8_quantize_bytes(cfg: ModelConfig, b: int, t: int, context: int = 1) -> float:
     """HBM bytes of one layer's FP8 quantization (models/fp8.py), per device: each weight GEMM's activation input and
     weight read for their amax and read again and written in e4m3 (2e + 1 a element), in forward and again in
     backward (no remat policy keeps an FP8 copy: the backward quantizes what its policy kept or replayed, the copy
     for the weight gradient transposed as it is cast), and its output gradient read for its amax and cast to e5m2
-    twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. With `--target` the
-    search reads these bytes from the FP8 layer's program instead."""
+    twice, as it is and transposed (3e + 2): for gpt3-1.3b at micro-batch 4, 3.3 GB a layer. At context c, the c
+    ranks' bytes (`layer_elementwise_bytes`'s unit): each rank's s/c tokens, but each quantizes its whole weights,
+    so the weights' c times. With `--target` the search reads these bytes from the FP8 layer's program instead."""
     e = cfg.itemsize
     gemms = [g for name, g in forward_gemms(cfg, b, t).items() if name in WEIGHT_GEMMS and g.fp8]
-    operands = sum(g.batch * (g.m * g.k + g.k * g.n) for g in gemms)
+    operands = sum(g.batch * (g.m * g.k + context * g.k * g.n) for g in gemms)  # [tokens, k] × [k, n] each
     outputs = sum(g.batch * g.m * g.n for g in gemms)
     return 2 * (2 * e + 1) * operands + (3 * e + 2) * outputs
 
@@ -366,9 +368,10 @@ def scan_stack_bytes(stored_bytes: float, layer_parameters: float, itemsize: int
 
 
 def layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
-                  compute_efficiency: float, memory_efficiency: float, ring: int = 1) -> float:
-    """One layer's forward, backward and recompute on one device: its GEMMs and attention + its elementwise kernels."""
-    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring)
+                  compute_efficiency: float, memory_efficiency: float, ring: int = 1, context: int = 1) -> float:
+    """One layer's forward, backward and recompute on one device: its GEMMs and attention + its elementwise kernels
+    (at context c all c ranks' time: `layer_elementwise_bytes`)."""
+    elementwise = layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring, context)
     return (layer_matmul_seconds(cfg, b, t, remat, hw, compute_efficiency, memory_efficiency, ring)
             + elementwise / (memory_efficiency * hw.hbm_gb_per_s * 1e9))
 
@@ -378,21 +381,22 @@ WEIGHT_GEMMS = ("qkv", "out", "mlp_up", "mlp_down")  # the forward GEMMs with a 
 
 def split_layer_seconds(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool, remat: str, hw: Hardware,
                         compute_efficiency: float, memory_efficiency: float,
-                        ring: int = 1) -> tuple[float, float, float]:
+                        ring: int = 1, context: int = 1) -> tuple[float, float, float]:
     """`layer_seconds` as zero-bubble pipelining splits it (F, B, W): W the weight GEMMs' gradients (`.dw`), F the
     forward GEMMs (a fused attention's forward kernel in place of its two; a ring's forward blocks in place of them
     too) and a third of the elementwise kernels (they run forward and twice as much backward), B the rest (the input
     gradients, the attention core's backward, the replays)."""
     seconds = lambda g: gemm_seconds(g, hw, cfg.itemsize, compute_efficiency, memory_efficiency)
     forward = forward_gemms(cfg, b, t)
-    elementwise = (layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring)
+    elementwise = (layer_elementwise_bytes(cfg, b, t, sequence_parallel, remat, ring, context)
                    / (memory_efficiency * hw.hbm_gb_per_s * 1e9))
     kernels = {g.name for g in gemm_kernels(cfg, b, t, remat, ring)}
     ring_forward = ring * ring_blocks(ring) * ring_block(cfg, b, t, ring)[0] if ring > 1 else []
     f = (sum(seconds(g) for g in forward.values() if g.name in kernels) + sum(seconds(g) for g in ring_forward)
          + fused_attention_seconds(cfg, b, t, remat, hw)[0] + elementwise / 3)
     w = sum(seconds(forward[name].backward()[1]) for name in WEIGHT_GEMMS)
-    total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency, ring)
+    total = layer_seconds(cfg, b, t, sequence_parallel, remat, hw, compute_efficiency, memory_efficiency, ring,
+                          context)
     return f, total - f - w, w
 
 

@@ -111,7 +111,7 @@ def zero_bubble_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeMod
     kernel times (`kernel_time.split_layer_seconds`): the same asynchronous model as 1F1B's (p − 1)/m; with v
     chunks per stage each op is a chunk's, 1/v of a stage's layers, and the bubble 1/v of it, as interleaving's."""
     f, b, w = kernel_time.split_layer_seconds(cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw,
-                                              tm.compute_efficiency, tm.memory_efficiency, ring_size(c))
+                                              tm.compute_efficiency, tm.memory_efficiency, ring_size(c), c.context)
     return (c.pipe - 1) * (f + b - w) / (c.virtual * c.microbatches * (f + b + w))
 
 
@@ -121,10 +121,11 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel,
     shape's efficiency, fused attention at its kernel's, and the memory-bound kernels at HBM bandwidth
     (`planning.kernel_time`); at context c a rank does 1/c of it (s/c tokens; the causal attention balanced by the
     2c-chunk order; a ring's attention core its blocks, `kernel_time.ring_gemms`; the GEMMs' smaller shapes'
-    efficiency not modelled). The memory-bound bytes: where the layer was compiled for a GPU, what its program's
-    layer loops move (`LayerCost.moved_bytes`, at c already: XLA:GPU's fusions, the scan's slices and updates among
-    them) + the zero fill of its stored activations' stacks; less the stacks' traffic for unrolled layers
-    (`TimeModel.scan_stacks` False). Else Megatron's kernels, counted (`kernel_time.layer_elementwise_bytes`), +
+    efficiency not modelled; FP8's quantization of the weights each rank's whole, `kernel_time.fp8_quantize_bytes`).
+    The memory-bound bytes: where the layer was compiled for a GPU, what its program's layer loops move
+    (`LayerCost.moved_bytes`, at c already: XLA:GPU's fusions, the scan's slices and updates among them) + the zero
+    fill of its stored activations' stacks; less the stacks' traffic for unrolled layers (`TimeModel.scan_stacks`
+    False). Else Megatron's kernels, counted (`kernel_time.layer_elementwise_bytes`), +
     with `scan_stacks` each layer's stored activations (`layer.stored_bytes`) and its parameters on the device
     (`layer_parameters`) through the scan's stacked buffers (`kernel_time.scan_stack_bytes`)."""
     efficiencies = (hw, tm.compute_efficiency, tm.memory_efficiency)
@@ -133,7 +134,8 @@ def compute_seconds(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel,
     stacks = kernel_time.scan_stack_bytes(layer.stored_bytes, layer_parameters, cfg.itemsize)
     hbm = tm.memory_efficiency * hw.hbm_gb_per_s * 1e9
     if layer.moved_bytes is None:
-        return ((layers * kernel_time.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies, ring) + head) / c.context
+        return ((layers * kernel_time.layer_seconds(cfg, b, t, sp, c.remat, *efficiencies, ring, c.context) + head)
+                / c.context
                 + layers * (stacks if tm.scan_stacks else 0.0) / hbm)
     fill = kernel_time.STACK_FILL_PASSES * layer.stored_bytes  # before the loops; the stacks' other traffic is in them
     moved = layer.moved_bytes + (fill if tm.scan_stacks else fill - stacks)
@@ -200,7 +202,7 @@ def pipeline_bubble(cfg: ModelConfig, c: Candidate, hw: Hardware, tm: TimeModel)
     if c.pipe > 1 and tm.lockstep:
         return pipeline_schedule(c).lockstep_bubble(*kernel_time.split_layer_seconds(
             cfg, c.micro_batch, c.tensor, c.sequence_parallel, c.remat, hw, tm.compute_efficiency, tm.memory_efficiency,
-            ring_size(c)))
+            ring_size(c), c.context))
     if c.zero_bubble:
         return zero_bubble_bubble(cfg, c, hw, tm)
     return bubble
