@@ -3,6 +3,7 @@ layer, the capacity drops the tokens the stated rule drops, the balancing terms'
 each remat policy keeps of a MoE layer, and the refusals of bad input."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +198,36 @@ def test_the_aux_loss_free_bias_gradient_is_each_experts_load_above_its_share():
         _, choices, _ = experts.route(logits[layer], cfg, params["layers"]["router"]["bias"][layer])
         counts = np.bincount(np.asarray(choices).ravel(), minlength=cfg.moe_experts)
         np.testing.assert_array_equal(grad[layer], counts - counts.mean())
+
+
+@pytest.mark.parametrize("axis", ["expert", pytest.param("data", marks=pytest.mark.slow),
+                                  pytest.param("context", marks=pytest.mark.slow)])
+def test_a_bf16_mixture_sums_its_region_weights_gradients_in_float32(axis):
+    """tiny-moe in bf16 (its preset) over 2 ranks of a token axis: the router's and experts' gradients, summed over
+    the ranks inside the token region (weights each rank holds whole, or its experts' share whole over the other
+    token axes), are summed in float32, as every gradient reduction is (test_bfloat16.py); and XLA:CPU compiles the
+    step (it aborted promoting their bf16 sums, whose reductions carry a sharding constraint: `plan --preset tiny-moe
+    --context 2` died with "Invalid binary instruction opcode copy")."""
+    from jaxseq.mesh import make_mesh
+    from jaxseq.training import aot
+
+    cfg = preset("tiny-moe")
+    assert cfg.dtype == "bfloat16"
+    parallel = ParallelConfig(**{axis: 2})
+    lowered = aot.lower_loss_and_grad(cfg, parallel, "selective", make_mesh(parallel, jax.devices()[:2]), 2)
+    text = lowered.as_text()
+    reduced = {}  # result shape → element types of the sums over two ranks
+    for match in re.finditer(r'all_reduce"\(%[\w#]+\) <\{.*?replica_groups = dense<(\[\[.*?\]\])>.*?\n\s*\^bb0\('
+                             r'%\w+: tensor<(\w+)>.*?\}\) : \(tensor<([\dx]+)x\w+>\)', text, re.S):
+        groups, dtype, shape = match.groups()
+        if "," in groups.split("]")[0]:  # groups of two ranks, not one
+            reduced.setdefault(shape, set()).add(dtype)
+    h, e, f = cfg.hidden, cfg.moe_experts, cfg.mlp_hidden
+    local = e // parallel.expert
+    weights = {"router": f"{h}x{e}", "wi": f"{local}x{h}x2x{f}", "wo": f"{local}x{f}x{h}"}
+    summed = {name: reduced.get(shape) for name, shape in weights.items()}
+    if axis == "expert":  # the experts are split over `expert`: only the router is held whole there
+        assert summed["router"] == {"f32"} and summed["wi"] is None and summed["wo"] is None, summed
+    else:
+        assert all(dtypes == {"f32"} for dtypes in summed.values()), summed
+    lowered.compile()

@@ -146,6 +146,7 @@ def _group(shard: Sharder, y, w, *, cfg: ModelConfig):
     ranks = math.prod(shard.mesh.shape[a] for a in token_axes) if token_axes else 1
     slots = capacity(tokens, cfg)
     x = y.reshape(tokens, h)
+    w = {name: v if name == "bias" else _summed_in_float32(v, token_axes) for name, v in w.items()}
     logits = checkpoint_name(jnp.einsum("th,he->te", x, w["router"]).astype(jnp.float32), remat.MOE_ROUTER_LOGITS)
     probs, choices, weights = route(logits, cfg, w.get("bias"))
     token_of_slot, weight_of_slot = dispatch_plan(assign_slots(choices, experts, slots), weights, experts, slots)
@@ -173,6 +174,17 @@ def _group(shard: Sharder, y, w, *, cfg: ModelConfig):
     if bias is not None:
         combined = _balance_bias(combined, bias, counts)
     return combined.astype(y.dtype).reshape(b, s, h), logits.reshape(b, s, experts)
+
+
+def _summed_in_float32(weight, axes):
+    """`weight` (every rank of `axes` holds it whole, or its experts' share) typed as varying over `axes` in float32,
+    then cast back: the transpose of that cast sums the ranks' gradients, and it sums them in float32, as the step
+    reduces every gradient (and XLA:CPU aborts promoting a bfloat16 one whose reduction carries a sharding constraint,
+    `AllReducePromotion`)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(weight).mat.varying)
+    if not missing:
+        return weight
+    return jax.lax.pcast(weight.astype(jnp.float32), missing, to="varying").astype(weight.dtype)
 
 
 def _exchange(buffer, over_experts: bool, forward: bool):
