@@ -1,7 +1,7 @@
 """Expert parallelism measured on 8 simulated devices, and the plan's MoE terms for GPUs (issue 58, item 7, in part).
 
     python experiments/moe.py                 # writes experiments/results/moe.{md,json} (about 12 min on 2 busy cores)
-    python experiments/moe.py --render-only   # moe.md again from moe.json
+    python experiments/moe.py --render-only   # moe.md and moe_loads.png again from moe.json
     python experiments/moe.py --loads-only    # the simulated rows kept from moe.json, the rest again
     python experiments/moe.py --plans-only    # only the plans' lines again (part 2: arithmetic, seconds)
 
@@ -15,7 +15,7 @@
    data-sheet bandwidths, nothing compiled).
 3. Tokens per expert over a run of the embedded corpus (tiny-moe, one device, float32, 16 sequences a step), with
    the balancing loss (coefficient 0.01) and without: each expert's share of the assignments of a fixed held-out
-   batch, every layer, every 25 steps (a table; no plot: matplotlib is not in this venv).
+   batch, every layer, every 25 steps: a table and results/moe_loads.png (requirements-experiments.txt).
 4. `python experiments/moe.py --search-only` (about 5 min here; with --render-only, moe_search.md from its JSON):
    `plan --search` over the expert size e for Qwen3-30B-A3B on 16 H100s against Megatron-Bridge's published 8,960
    tokens/s per GPU (FP8, EP 16), and Mixtral 8x7B on 8 and 64 H100s: experiments/results/moe_search.{md,json}
@@ -242,6 +242,7 @@ def expert_loads() -> dict[str, list[dict]]:
 
 def render_loads(loads: dict[str, list[dict]]) -> list[str]:
     lines = ["## Tokens per expert over a run", "",
+             "![each expert's share of the assignments over the run](moe_loads.png)", "",
              f"tiny-moe (8 experts, top-2, capacity factor 1.25) on the embedded corpus, one device, float32, {BATCH} "
              f"sequences a step, lr 3e-3: each expert's share of the assignments of one held-out batch of {BATCH} "
              "sequences (an even load: 12.5% each), and the largest share over the smallest, every "
@@ -261,6 +262,34 @@ def render_loads(loads: dict[str, list[dict]]) -> list[str]:
                              + f" | {ratio} |")
         lines.append("")
     return lines
+
+
+def plot_loads(loads: dict[str, list[dict]], path: Path) -> None:
+    """Each expert's share of the held-out assignments over the run: one panel per (coefficient, layer), a line per
+    expert, the even share dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = len(next(iter(loads.values()))[0]["shares"])
+    fig, axes = plt.subplots(len(loads), layers, figsize=(4.5 * layers, 3.2 * len(loads)), sharex=True, sharey=True,
+                             squeeze=False)
+    for row, (name, found) in zip(axes, loads.items()):
+        steps = [f["step"] for f in found]
+        for layer, ax in enumerate(row):
+            shares = np.array([f["shares"][layer] for f in found])  # [points, experts]
+            for expert in range(shares.shape[1]):
+                ax.plot(steps, 100 * shares[:, expert], marker=".", label=f"expert {expert}")
+            ax.axhline(100 / shares.shape[1], color="black", linestyle="--", linewidth=0.8)
+            ax.set_title(f"{name}, layer {layer}", fontsize=9)
+            ax.set_xlabel("step")
+        row[0].set_ylabel("share of assignments (%)")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle("tiny-moe: each expert's share of a held-out batch's assignments (experiments/moe.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def render(rows: list[dict], plans: dict[str, str], loads: dict[str, list[dict]]) -> str:
@@ -296,6 +325,7 @@ def main() -> None:
     if "--render-only" in sys.argv:
         saved = json.loads((RESULTS / "moe.json").read_text())
         (RESULTS / "moe.md").write_text(render(saved["simulated"], saved["plans"], saved["loads"]))
+        plot_loads(saved["loads"], RESULTS / "moe_loads.png")
         return
     plans_only = "--plans-only" in sys.argv
     saved = json.loads((RESULTS / "moe.json").read_text()) if "--loads-only" in sys.argv or plans_only else None
@@ -306,6 +336,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe.json").write_text(json.dumps({"simulated": rows, "plans": plans, "loads": loads}, indent=1))
     (RESULTS / "moe.md").write_text(render(rows, plans, loads))
+    plot_loads(loads, RESULTS / "moe_loads.png")
     print(render(rows, plans, loads))
 
 
