@@ -14,7 +14,8 @@ GEMMs run emulated: the same per-tensor scaling and e4m3/e5m2 rounding as on a G
   data=2 × tensor=4 + SP, selective recompute) in bf16.
 - `gpt2-124m`: GPT-2 small's shape (preset gpt2-124m: 12 layers, hidden 768, 12 heads) with the vocabulary of the
   corpus jaxseq trains on by default (the standard library's bytes: 257 ids), on one CPU device (no collectives and
-  no recompute, so that a few hundred steps fit a shared 2-core machine), sequences and batch in GPT2_SHAPE.
+  no recompute), GPT2_SHAPE's 200 steps of 2 × 64 bytes: what fits a session on a shared 2-core machine, where a
+  step of this model costs seconds of CPU even at 128 tokens (results/fp8_convergence.md has the wall times).
 
 Writes experiments/results/fp8_convergence.{md,json}: per run the command, its final train and validation loss, the
 validation loss at each evaluation, steps, tokens, wall time and the load average before it; per pair the gap.
@@ -40,7 +41,7 @@ GATE_NATS = 0.01  # the issue's: FP8's final validation loss within this of bf16
 
 # GPT-2 small on one CPU device: sequence length, batch, steps (sized to a shared 2-core CPU), warmup, and the
 # cosine decayed over the run (the preset's own decay runs 10,000 steps).
-GPT2_SHAPE = {"seq_len": 64, "batch": 4, "steps": 200, "warmup": 20}
+GPT2_SHAPE = {"seq_len": 64, "batch": 2, "steps": 200, "warmup": 20}
 
 # (label, what it is, the train command's arguments after `python -m jaxseq.train`, sequences, tokens a sequence)
 PAIRS = [
@@ -51,7 +52,7 @@ PAIRS = [
       "--no-sequence-parallel", "--remat", "none", "--seq-len", str(GPT2_SHAPE["seq_len"]),
       "--batch-size", str(GPT2_SHAPE["batch"]), "--steps", str(GPT2_SHAPE["steps"]),
       "--warmup-steps", str(GPT2_SHAPE["warmup"]), f"optimizer.decay_steps={GPT2_SHAPE['steps']}",
-      "--eval-every", "100", "eval_batches=32", "--checkpoint-every", "100000", "sample_tokens=0"],
+      "--eval-every", "100", "eval_batches=32", "--log-every", "10", "--checkpoint-every", "100000", "sample_tokens=0"],
      GPT2_SHAPE["batch"], GPT2_SHAPE["seq_len"]),
 ]
 
