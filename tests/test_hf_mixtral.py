@@ -14,7 +14,6 @@ each layer's is compared here. Without torch/transformers these tests fail (an i
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,12 +26,12 @@ except ImportError as e:  # the outside reference: fail, never skip
     raise ImportError(f"{e}; the comparisons with transformers need `pip install -r requirements-test.txt`") from e
 from safetensors.numpy import load_file  # noqa: E402
 
+import hf_moe  # noqa: E402
 from jaxseq import convert  # noqa: E402
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError, replace  # noqa: E402
 from jaxseq.presets import preset  # noqa: E402
 from jaxseq.interop import hf_mixtral  # noqa: E402
-from jaxseq.models import experts, model, moe  # noqa: E402
-from jaxseq.sharding import Sharder  # noqa: E402
+from jaxseq.models import experts, moe  # noqa: E402
 from jaxseq.training import conversion  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, EXPERTS, TOP_K, SEQ = 300, 64, 4, 2, 48, 2, 4, 2, 32
@@ -99,59 +98,13 @@ def test_logits_and_each_layers_balancing_loss_match_transformers(hf_model, load
         assert abs(float(ours) - theirs) <= TOLERANCE * theirs, (layer, float(ours), theirs)
 
 
-def torch_grads_in_jaxseq_layout(grads: dict, padded_vocab: int) -> dict:
-    """Torch gradients ([out, in] weights; transformers 5 holds the experts fused: gate_up_proj [E, 2f, h],
-    down_proj [E, h, f]) in jaxseq's moe tree, vocabulary rows padded with zeros."""
-    h, a, k, d, f = HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN
-    pad = lambda g: np.concatenate([g, np.zeros((padded_vocab - VOCAB, h), g.dtype)])
-
-    def stack(fn):
-        return np.stack([fn(lambda name: grads[f"model.layers.{i}.{name}"]) for i in range(LAYERS)])
-
-    return {
-        "embed": {"token": pad(grads["model.embed_tokens.weight"])},
-        "layers": {
-            "attn_norm": {"scale": stack(lambda g: g("input_layernorm.weight"))},
-            "attn": {"q": {"kernel": stack(lambda g: g("self_attn.q_proj.weight").T.reshape(h, a, d))},
-                     "kv": {"kernel": stack(lambda g: np.stack([g("self_attn.k_proj.weight").T.reshape(h, k, d),
-                                                                g("self_attn.v_proj.weight").T.reshape(h, k, d)], 1))},
-                     "out": {"kernel": stack(lambda g: g("self_attn.o_proj.weight").T.reshape(a, d, h))}},
-            "mlp_norm": {"scale": stack(lambda g: g("post_attention_layernorm.weight"))},
-            "router": {"kernel": stack(lambda g: g("mlp.gate.weight").T)},
-            "experts": {"wi": {"kernel": stack(lambda g: g("mlp.experts.gate_up_proj").reshape(EXPERTS, 2, f, h)
-                                               .transpose(0, 3, 1, 2))},
-                        "wo": {"kernel": stack(lambda g: g("mlp.experts.down_proj").transpose(0, 2, 1))}},
-        },
-        "final_norm": {"scale": grads["model.norm.weight"]},
-        "lm_head": {"kernel": pad(grads["lm_head.weight"])},
-    }
-
-
 @pytest.mark.slow  # the loss and gradients compiled on both sides (the logits stay in the fast tier)
 def test_loss_and_every_gradient_match_pytorch(hf_model, loaded):
-    """PyTorch's loss: the mean cross-entropy + COEF × the sum over layers of each layer's balancing loss
-    (transformers' function of that layer's router logits); jaxseq's loss_fn adds the same through its gradient."""
+    """The loss (cross-entropy + COEF × each layer's balancing loss) and every gradient equal PyTorch's
+    (tests/hf_moe.py)."""
     cfg, params = loaded
-    hf = hf_model[0]
-    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
-    hf.zero_grad()
-    out = hf(torch.tensor(inputs, dtype=torch.long), output_router_logits=True)
-    cross_entropy = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB),
-                                                      torch.tensor(targets, dtype=torch.long).reshape(-1))
-    balance = sum(load_balancing_loss_func((r,), EXPERTS, TOP_K) for r in out.router_logits)
-    (cross_entropy + COEF * balance).backward()
-    ref = torch_grads_in_jaxseq_layout({n: p.grad.numpy().copy() for n, p in hf.named_parameters()},
-                                       cfg.padded_vocab(1))
-
-    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    loss, grads = jax.value_and_grad(lambda p: model.loss_fn(p, batch, cfg, Sharder(None), "none"))(params)
-    assert abs(float(loss) - cross_entropy.item()) <= TOLERANCE * cross_entropy.item()  # the loss reported: CE
-    assert jax.tree.structure(ref) == jax.tree.structure(grads)  # every jaxseq parameter is compared
-    for (where, want), got in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(grads)):
-        name, got = jax.tree_util.keystr(where), np.asarray(got)
-        assert got.shape == want.shape and np.linalg.norm(want) > 0, (name, got.shape, want.shape)
-        error = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert error <= TOLERANCE, f"{name}: relative error {error:.2e}"
+    hf_moe.assert_loss_and_every_gradient_match(hf_model[0], cfg, params, TOKENS, load_balancing_loss_func, COEF,
+                                                TOLERANCE)
 
 
 def test_round_trip_is_exact_and_loads_in_transformers(hf_model, tmp_path):
