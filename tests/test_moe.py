@@ -216,12 +216,13 @@ def test_a_bf16_mixture_sums_its_region_weights_gradients_in_float32(axis):
     parallel = ParallelConfig(**{axis: 2})
     lowered = aot.lower_loss_and_grad(cfg, parallel, "selective", make_mesh(parallel, jax.devices()[:2]), 2)
     text = lowered.as_text()
-    reduced = {}  # result shape → element types of the sums over two ranks
-    for match in re.finditer(r'all_reduce"\(%[\w#]+\) <\{.*?replica_groups = dense<(\[\[.*?\]\])>.*?\n\s*\^bb0\('
-                             r'%\w+: tensor<(\w+)>.*?\}\) : \(tensor<([\dx]+)x\w+>\)', text, re.S):
-        groups, dtype, shape = match.groups()
-        if "," in groups.split("]")[0]:  # groups of two ranks, not one
-            reduced.setdefault(shape, set()).add(dtype)
+    reduced = {}  # result shape → element types of its sums (JAX 0.10 and 0.12 print their replica groups apart)
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if '"stablehlo.all_reduce"' in line:
+            dtype = re.search(r"tensor<(\w+)>", lines[i + 1]).group(1)  # the reducer's arguments
+            end = next(later for later in lines[i + 1:] if later.lstrip().startswith("}) : (tensor<"))
+            reduced.setdefault(re.match(r"\s*\}\) : \(tensor<([\dx]+)x\w+>", end).group(1), set()).add(dtype)
     h, e, f = cfg.hidden, cfg.moe_experts, cfg.mlp_hidden
     local = e // parallel.expert
     weights = {"router": f"{h}x{e}", "wi": f"{local}x{h}x2x{f}", "wo": f"{local}x{f}x{h}"}
