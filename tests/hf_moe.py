@@ -9,6 +9,7 @@ import torch
 from jaxseq.config import ModelConfig
 from jaxseq.models import model
 from jaxseq.sharding import Sharder
+from jaxseq.training import conversion
 
 
 def torch_grads_in_jaxseq_layout(grads: dict, cfg: ModelConfig) -> dict:
@@ -67,3 +68,23 @@ def assert_loss_and_every_gradient_match(hf, cfg: ModelConfig, params, tokens, l
         assert got.shape == want.shape and np.linalg.norm(want) > 0, (name, got.shape, want.shape)
         error = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert error <= tolerance, f"{name}: relative error {error:.2e}"
+
+
+def with_norms_perturbed(hf):
+    """`hf` in float32 for evaluation, its norm scales moved off ones (so that a scale read wrongly shows)."""
+    hf = hf.float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+def load_padded(path: str):
+    """(cfg, params) of the checkpoint at `path` as converted, the vocabulary rows padded (as a run holds them)."""
+    cfg, params = conversion.load_hf(path)
+    rows = cfg.padded_vocab(1)
+    for group, name in (("embed", "token"), ("lm_head", "kernel")):
+        leaf = params[group][name]
+        params[group][name] = np.concatenate([leaf, np.zeros((rows - len(leaf), cfg.hidden), leaf.dtype)])
+    return cfg, params

@@ -48,12 +48,7 @@ def mixtral(seed: int = 0):
                                         num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                                         max_position_embeddings=SEQ, rms_norm_eps=1e-5, router_aux_loss_coef=COEF,
                                         bos_token_id=1, eos_token_id=2, pad_token_id=None)  # no padding row
-    hf_model = transformers.MixtralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf_model
+    return hf_moe.with_norms_perturbed(transformers.MixtralForCausalLM(config))
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +61,7 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(hf_model):
-    """(cfg, params) as converted, the vocabulary rows padded (as a run holds them)."""
-    cfg, params = conversion.load_hf(hf_model[1])
-    rows = cfg.padded_vocab(1)
-    for group, name in (("embed", "token"), ("lm_head", "kernel")):
-        leaf = params[group][name]
-        params[group][name] = np.concatenate([leaf, np.zeros((rows - len(leaf), HIDDEN), leaf.dtype)])
-    return cfg, params
+    return hf_moe.load_padded(hf_model[1])
 
 
 def test_the_converted_config_is_mixtrals(loaded):

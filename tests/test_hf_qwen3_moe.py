@@ -51,12 +51,7 @@ def qwen3_moe(seed: int = 0):
         head_dim=HEAD_DIM, intermediate_size=96, moe_intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False, max_position_embeddings=SEQ,
         rms_norm_eps=1e-5, router_aux_loss_coef=COEF, bos_token_id=1, eos_token_id=2, pad_token_id=None)
-    hf_model = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf_model
+    return hf_moe.with_norms_perturbed(transformers.Qwen3MoeForCausalLM(config))
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +64,7 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(hf_model):
-    """(cfg, params) as converted, the vocabulary rows padded (as a run holds them)."""
-    cfg, params = conversion.load_hf(hf_model[1])
-    rows = cfg.padded_vocab(1)
-    for group, name in (("embed", "token"), ("lm_head", "kernel")):
-        leaf = params[group][name]
-        params[group][name] = np.concatenate([leaf, np.zeros((rows - len(leaf), HIDDEN), leaf.dtype)])
-    return cfg, params
+    return hf_moe.load_padded(hf_model[1])
 
 
 @pytest.fixture(scope="module")
