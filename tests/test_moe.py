@@ -28,6 +28,7 @@ def _layer(cfg, key=0):
 
 @pytest.mark.slow  # a layer run op by op (eager): many small compiles
 def test_one_expert_top_1_without_dropping_is_the_dense_llama_layer_exactly():
+    """Bit for bit but the down-projection's weight gradient, which is the dense one's to float32 rounding."""
     dense = dataclasses.replace(preset("tiny-llama"), dtype="float32", ffn_hidden=CFG.mlp_hidden)
     one = dataclasses.replace(CFG, moe_experts=1, moe_top_k=1, moe_capacity_factor=None)
     p = _layer(dense)
@@ -42,7 +43,12 @@ def test_one_expert_top_1_without_dropping_is_the_dense_llama_layer_exactly():
     (dx_ref, dp_ref), (dx, dp) = ref_vjp(g), vjp(g)
     np.testing.assert_array_equal(dx, dx_ref)
     np.testing.assert_array_equal(dp["experts"]["wi"]["kernel"][0], dp_ref["mlp"]["wi"]["kernel"])
-    np.testing.assert_array_equal(dp["experts"]["wo"]["kernel"][0], dp_ref["mlp"]["wo"]["kernel"])
+    # The one gradient whose dot contracts differently: the experts' [C, f]ᵀ[C, h] over the dispatched tokens, the
+    # dense layer's over (b, s). XLA:CPU may block the two sums differently (it did on an AVX-512 machine, never on
+    # the others): the same sum to float32 rounding, a few ulps of its largest entry.
+    want = dp_ref["mlp"]["wo"]["kernel"]
+    np.testing.assert_allclose(dp["experts"]["wo"]["kernel"][0], want, rtol=0,
+                               atol=4 * np.finfo(np.float32).eps * float(np.abs(want).max()))
     np.testing.assert_array_equal(dp["attn"]["q"]["kernel"], dp_ref["attn"]["q"]["kernel"])
 
 
