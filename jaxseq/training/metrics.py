@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 
@@ -49,6 +50,22 @@ def throughput(cfg: ModelConfig, remat: str, batch_size: int, steps: int, second
     }
 
 
+def summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch where the process has not imported it: the writer's
+    module imports torch, where installed, only to accept torch tensors, which jaxseq never logs, and that import
+    was most of a train command's start-up beside JAX's own (`None` in `sys.modules` makes `import torch` fail
+    there, as if torch were not installed; later imports of torch are untouched)."""
+    if "torch" in sys.modules or "tensorboardX.writer" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsLog:
     """One JSON object per logged step in RUN_DIR/metrics.jsonl, the same scalars to TensorBoard."""
 
@@ -57,9 +74,7 @@ class MetricsLog:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
         if enabled:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self._tb = summary_writer()(os.path.join(run_dir, "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
