@@ -225,9 +225,9 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
     parallel = G.step_parallel(tensor=gpu["tensor"], sequence_parallel=gpu["sequence_parallel"], data=gpu["data"],
                                distributed_optimizer=gpu["distributed_optimizer"], pipeline=gpu["pipe"])
     cfg = replace(preset("tiny"), attention="fused")
-    step = G.compile_step(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")  # Triton's
-    planned = G.step_bytes(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
-    assert gpu["compiled_step_gib"] * 2**30 == planned >= aot.step_bytes(step)
+    # The step of the best row, by the arguments its JSON gives (a step --verify did not compile is compiled here)
+    planned, moved = G.step_costs(cfg, parallel, gpu["remat"], gpu["micro_batch"], gpu["microbatches"], "h100")
+    assert gpu["compiled_step_gib"] * 2**30 == planned
     # GPU s: the step priced on that program (its memory-bound kernels' bytes), its collectives as the model's
     from dataclasses import fields
 
@@ -239,7 +239,6 @@ def test_a_search_for_a_target_measures_its_layers_from_the_gpus_programs(capsys
         assert gpu["compiled_step_s"] is None
     else:
         t = gpu["time_s"]
-        moved = hlo_kernels.memory_bound_bytes(step.as_text())
         compute = program_compute_seconds(cfg, c, HARDWARE["h100"], TimeModel(), moved)
         assert gpu["compiled_step_s"] == pytest.approx(t["total"] - t["compute"] - t["optimizer_update"] + compute)
 
@@ -380,8 +379,8 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     (none > selective > full). For gpt3-1.3b as the H100 ran it (fused attention, micro-batch 4), its memory-bound
     kernels move fewer bytes by what the search's time model prices the scan's stacks at
     (`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights per
-    micro-batch), within 20% (`none` 89.1 GB against 89.5, `full` 23.7 against 20.9 on jax 0.10; measured on the
-    H100: 13.9% and 4.4% faster, experiments/results/gpu_h100_2026-11-27/). At a toy shape, where the weights
+    micro-batch), within 20% (at 6 of its 24 layers: `none` 22.3 GB against 22.4, `full` 5.9 against 5.2 on jax 0.10;
+    all 24 measured on the H100: 13.9% and 4.4% faster, experiments/results/gpu_h100_2026-11-27/). At a toy shape, where the weights
     outweigh the activations, the weights' gradient joined by one concatenate (`model.unstack`) is most of it."""
     from jaxseq.models.model import num_params
     from jaxseq.planning import kernel_time as K
@@ -397,7 +396,7 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
         peaks[remat] = aot.step_bytes(unrolled)
     assert peaks["none"] > peaks["selective"] > peaks["full"]
     (model,) = json.loads((MEASURED / "h100_gpt3-1.3b_mb4.json").read_text())["models"].values()
-    gpt = ModelConfig(**model["config"])
+    gpt = replace(ModelConfig(**model["config"]), layers=6)  # the stacks' bytes are per layer: 6 of its 24 hold them
     layer_parameters = (num_params(gpt) - num_params(replace(gpt, layers=0))) / gpt.layers
     for remat in ("none", "full"):
         moved = [hlo_kernels.memory_bound_bytes(compiled(gpt, loop, remat).as_text()) for loop in ("scan", "unrolled")]

@@ -22,6 +22,7 @@ Where the device's own choices were recorded, the step compiles once with them i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import jax
@@ -124,10 +125,13 @@ class StepProgram:
     fp8_copy_bytes_per_layer: dict
 
 
+@lru_cache(maxsize=64)
 def step_program(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int, microbatches: int,
                  target: str, priced: bool = True, offload: tuple[str, ...] = ()) -> StepProgram:
     """The step compiled for `target` as `StepProgram` says: its time priced, and its GEMMs counted, on its Triton
-    program (the one the time model was checked on), an FP8 run's on its cuBLAS program."""
+    program (the one the time model was checked on), an FP8 run's on its cuBLAS program. Kept per process: a plan's
+    rows, its block rows and a search's --verify ask for the same step more than once, and each is two or more
+    whole-step compiles (a minute at gpt3-1.3b's shape)."""
     programs = {g: compile_step(cfg, parallel, remat, micro_batch, microbatches, target, g, offload=offload)
                 for g in gemm_programs(cfg)}
     priced_text = (programs.get("triton") or programs["cublas"]).as_text()
@@ -172,11 +176,12 @@ def step_memory(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_ba
     return max(aot.step_bytes(p) for p in programs), max(host_bytes(p) for p in programs)
 
 
+@lru_cache(maxsize=64)
 def stored_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, remat: str, micro_batch: int,
                            target: str, run: ParallelConfig | None = None) -> int:
     """One layer's stored activations in XLA:GPU's forward + backward of one micro-batch (no pipeline), with the
     kernels of the run's layout `run` (default `parallel`: `config.cudnn_compiles`), its layers scanned (an unrolled
-    model stores the same per layer, without the stacks)."""
+    model stores the same per layer, without the stacks). Kept per process, as `step_program`."""
     mesh = make_mesh(parallel, target_devices(target, parallel.num_devices))
     small = replace(on_platform(cfg, "gpu", run or parallel), layers=MEASURE_LAYERS,
                     layer_loop="scan")  # read in its loop
