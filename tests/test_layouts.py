@@ -171,4 +171,3 @@ def test_the_rows_cover_every_pair():
     for i, j in itertools.combinations(range(4), 2):
         wanted = {(a, b) for a in factors[i] for b in factors[j]} - {("zb-h1", "fsdp")}
         assert wanted <= {(row[i], row[j]) for row in LAYOUTS}, (i, j)
-
