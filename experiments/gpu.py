@@ -528,9 +528,9 @@ def check(gpu: bool, devices, steps: int, warmup: int, micro_batches: tuple, iso
     return out
 
 
-# `lean` first: a GPU run's default remat with fused attention (config.default_remat), the one an unrolled default
-# would run, and not yet measured unrolled; then the ends, where the scan's stacks cost most and least (scan_stacks.md)
-UNROLLED_POLICIES = ("lean", "none", "full")
+# `none` first: a GPU run's default with fused attention and unrolled layers (config.default_remat), then `lean`, not
+# yet measured unrolled, and `full`: the ends, where the scan's stacks cost most and least (scan_stacks.md)
+UNROLLED_POLICIES = ("none", "lean", "full")
 
 
 def unrolled_rows(gpu: bool, cfg, policies: tuple, scanned: dict, base_spec: dict, parallel: dict, devices,
@@ -603,7 +603,7 @@ def parity(gpu: bool, cfg, rows: dict, base_spec: dict, parallel: dict, devices,
             "f32_median_step_s": f32["median_step_s"]}
 
 
-SWEEP_POLICY = "lean"  # a GPU run's default with fused attention (config.default_remat)
+SWEEP_POLICY = "lean"  # the scanned GPU default with fused attention (config.GPU_FUSED_REMAT), as earlier sweeps ran
 SWEEP_SEQ_LENS = {True: (1024, 4096, 8192), False: (128,)}  # GPU, dry run: at the base model's tokens per micro-batch
 RUN_ESTIMATE_S = 45  # one more configuration on a GPU: a child's start, compile (11-15 s measured) and steps
 BUDGET_SKIP = "the run's time budget (--budget-minutes)"  # why a configuration past the deadline did not start

@@ -216,17 +216,26 @@ class DistributedConfig:
         return self.coordinator is not None
 
 
-# The remat policy a GPU run with fused attention gets when none is asked for. Measured on an H100 with cuDNN's
-# flash attention (experiments/results/gpu_h100_2026-11-26, gpt3-1.3b and a 1.5B Llama, micro-batch 4): there the
-# scores `selective` exists to drop are never stored, so it equals `none`, and `lean` holds 9–10% less memory and
-# runs 1–2% faster than both.
-GPU_FUSED_REMAT = "lean"
+# The remat policy a GPU run with fused attention gets when none is asked for, by its layer loop. With cuDNN's flash
+# attention the scores `selective` exists to drop are never stored, so it equals `none`. Scanned, `lean` held 9–10%
+# less memory and ran 1–2% faster than both on an H100 (the scan's stacks cost by the bytes a layer stores); unrolled
+# (no stacks), `none` ran fastest of every configuration measured, 12% faster than scanned `lean`
+# (experiments/results/gpu_h100_2026-11-27/; priced on the program: experiments/results/bf16_levers.md).
+GPU_FUSED_REMAT = {"scan": "lean", "unrolled": "none"}
 
 
-def default_remat(platform: str, attention: str) -> str:
-    """The remat policy of a run that asks for none: `lean` on GPUs with fused attention (`GPU_FUSED_REMAT`), the
-    paper's `selective` elsewhere (explicit attention, whose scores it drops; CPUs)."""
-    return GPU_FUSED_REMAT if platform == "gpu" and attention == "fused" else TrainConfig().remat
+def default_remat(platform: str, attention: str, layer_loop: str = "scan") -> str:
+    """The remat policy of a run that asks for none: on GPUs with fused attention `GPU_FUSED_REMAT` of its layer loop,
+    the paper's `selective` elsewhere (explicit attention, whose scores it drops; CPUs)."""
+    return GPU_FUSED_REMAT[layer_loop] if platform == "gpu" and attention == "fused" else TrainConfig().remat
+
+
+def default_layer_loop(platform: str, parallel: "ParallelConfig") -> str:
+    """The layer loop of a run that asks for none: unrolled on GPUs without a pipeline, where it drops the scan's
+    stacked buffers (an H100 ran gpt3-1.3b's step 13.9% faster under `none`) for a compile time that grows with depth
+    (21 s against 8 s for its 24 layers there); scan elsewhere: XLA:CPU keeps no remat policy for unrolled layers, and
+    a pipeline's stages have never been compiled unrolled."""
+    return "unrolled" if platform == "gpu" and parallel.pipe == 1 else "scan"
 
 
 @dataclass(frozen=True, kw_only=True)

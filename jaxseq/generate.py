@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from jaxseq import cli
-from jaxseq.config import ConfigError, on_platform
+from jaxseq.config import ConfigError, default_layer_loop, on_platform, replace
 from jaxseq.mesh import available_devices, use_host_devices
 from jaxseq.training import rundir
 from jaxseq.training.data import decode_tokens
@@ -36,7 +36,8 @@ def _generate(args) -> int:
     parallel, mesh = rundir.resolve_mesh(cfg, args.mesh, available_devices())
     mesh = sampling_mesh(cfg, mesh)
     run = rundir.restore(args.run_dir, sampling_parallel(cfg, parallel), mesh, dtype=cfg.dtype)
-    model = on_platform(run.model, mesh.devices.flat[0].platform)  # the platform's kernels, not the run's
+    platform = mesh.devices.flat[0].platform  # the platform's kernels and layer loop, not the run's
+    model = on_platform(replace(run.model, layer_loop=default_layer_loop(platform, parallel)), platform)
     ids = sample(run.params, model, prompt_ids(args.prompt, run.tokenizer, model.vocab_size), args.max_tokens,
                  args.temperature, args.top_k, args.seed, mesh=mesh)
     print(f"# step {run.step}\n{args.prompt}{decode_tokens(ids, run.tokenizer)}")

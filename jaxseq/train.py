@@ -33,8 +33,8 @@ import yaml
 
 from jaxseq import cli
 from jaxseq.config import (ARCHITECTURE_FIELDS, COMPUTE_DTYPES, SECTIONS, GPU_FUSED_REMAT, LAYER_LOOPS, cudnn_compiles,
-                           default_remat, on_platform, SCHEDULES, ConfigError, DistributedConfig, ModelConfig,
-                           OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace, validate,
+                           default_layer_loop, default_remat, on_platform, SCHEDULES, ConfigError, DistributedConfig,
+                           ModelConfig, OptimizerConfig, ParallelConfig, RunConfig, TrainConfig, replace, validate,
                            validate_optimizer)
 from jaxseq.presets import PRESETS, preset
 from jaxseq.mesh import MESH_AXES, available_devices, axis_sizes, parse_mesh
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="shard the fp32 master weights and Adam moments over data (ZeRO-1): 12/d bytes per parameter "
            "instead of 12")
     a("--remat", help=f"remat policy: {', '.join(POLICIES)} (default {TrainConfig().remat}; on GPUs with "
-                      f"--attention fused {GPU_FUSED_REMAT}, measured there to hold less and run faster); or "
+                      f"--attention fused {GPU_FUSED_REMAT['unrolled']} with unrolled layers and "
+                      f"{GPU_FUSED_REMAT['scan']} scanned, measured there to run fastest); or "
                       "full:N[+POLICY], Megatron's block recompute: the first N layers of each pipeline chunk under "
                       "full, the rest under POLICY (default none)")
     a("--offload", help="the stored tensors the remat policy keeps in host memory between forward and backward: "
@@ -165,10 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--document-mask", action=argparse.BooleanOptionalAction, default=None,
       help="packed documents: attention never crosses the data's end-of-document token and positions restart at "
            "each document (default off: a token attends to the documents packed before it)")
-    a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default {ModelConfig().layer_loop}; "
-                           "unrolled avoids the scan's stacked buffers: on an H100, gpt3-1.3b's step 13%% faster "
-                           "under none, 10%% under lean, 3%% under full, with 5–9%% less memory; GPUs only; its "
-                           "compile time grows with depth: 15–22 s there against 9 s)")
+    a("--layer-loop", help=f"how the layers run: {' or '.join(LAYER_LOOPS)} (default unrolled on GPUs without a "
+                           "pipeline, scan elsewhere; unrolled avoids the scan's stacked buffers: on an H100, "
+                           "gpt3-1.3b's step 14%% faster under none, 4%% under full, with 5–9%% less memory; GPUs "
+                           "only; its compile time grows with depth: 20–26 s there against 8–9 s)")
     a("--fp8", action=argparse.BooleanOptionalAction, default=None,
       help="the layers' weight matmuls (QKV, attention output, MLP in and out; forward and both backward GEMMs) as "
            "FP8 GEMMs: e4m3 activations and weights, e5m2 gradients, each tensor scaled by its amax (models/fp8.py); "
@@ -466,6 +467,8 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
     else:
         vocab = corpus.vocab_size
     platform = available_devices()[0].platform
+    if "model.layer_loop" not in configs["explicit"]:  # the platform's, at every launch (a resume on another too)
+        model = replace(model, layer_loop=default_layer_loop(platform, parallel))
     if train.record_autotune is not None and platform != "gpu":
         raise ConfigError(f"record_autotune={train.record_autotune!r}: XLA autotunes GEMMs on GPUs only; this run's "
                           f"devices are {platform} (leave --record-autotune out)")
@@ -483,7 +486,7 @@ def resolve(args) -> tuple[RunConfig, Corpus]:
               "document spans)",
               flush=True)
     if "train.remat" not in configs["explicit"] and saved is None:  # a resume keeps its saved policy
-        train = replace(train, remat=default_remat(platform, model.attention))
+        train = replace(train, remat=default_remat(platform, model.attention, model.layer_loop))
     run = RunConfig(model=model, parallel=parallel, optimizer=optimizer,
                     train=replace(train, tokenizer=corpus.tokenizer),
                     distributed=distributed)

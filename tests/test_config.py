@@ -168,24 +168,34 @@ class GpuLike:
         return "gpu" if name == "platform" else getattr(self.device, name)
 
 
-def test_a_gpu_run_with_fused_attention_defaults_to_lean_unless_a_policy_is_asked_for(monkeypatch, tmp_path):
-    """`lean` on GPUs with fused attention (what an H100 measured: `selective` = `none` there, `lean` below both in
-    memory and time), the paper's `selective` elsewhere; a policy asked for (flag, YAML, key=value) is kept."""
+def test_a_gpu_run_unrolls_its_layers_and_with_fused_attention_keeps_everything_unless_asked_otherwise(monkeypatch,
+                                                                                                      tmp_path):
+    """On GPUs without a pipeline the layers run unrolled (no scan stacks; a pipeline's stages scan), and with fused
+    attention the policy is `none` there (unrolled `none` is the fastest step an H100 measured; `selective` = `none`
+    under cuDNN) and `lean` scanned (`lean` below both in memory and time under the scan); the paper's `selective`
+    and the scan elsewhere; a policy or a loop asked for (flag, YAML, key=value) is kept."""
     from jaxseq import train
-    from jaxseq.config import default_remat
+    from jaxseq.config import default_layer_loop, default_remat
 
-    assert default_remat("gpu", "fused") == "lean"
-    assert default_remat("gpu", "explicit") == default_remat("cpu", "fused") == "selective"
+    assert default_remat("gpu", "fused", "unrolled") == "none" and default_remat("gpu", "fused", "scan") == "lean"
+    assert default_remat("gpu", "explicit", "unrolled") == default_remat("cpu", "fused") == "selective"
+    assert default_layer_loop("gpu", ParallelConfig(data=8)) == "unrolled"
+    assert default_layer_loop("gpu", ParallelConfig(pipe=2)) == default_layer_loop("cpu", ParallelConfig()) == "scan"
 
     monkeypatch.setattr(train, "available_devices", lambda: [GpuLike(d) for d in jax.devices()])
     base = ["--preset", "tiny", "--attention", "fused", "--steps", "1", "--run-dir", str(tmp_path / "run"),
             "--mesh", "tensor=8"]
-    run, _ = train.resolve(train.build_parser().parse_args(base))
-    assert (run.train.remat, run.model.fused_kernel) == ("lean", "cudnn")
-    run, _ = train.resolve(train.build_parser().parse_args(base + ["--remat", "selective"]))
-    assert run.train.remat == "selective"
-    run, _ = train.resolve(train.build_parser().parse_args(base[:2] + base[4:]))  # explicit attention
-    assert run.train.remat == "selective"
+    resolved = lambda *argv: train.resolve(train.build_parser().parse_args([*argv]))[0]
+    run = resolved(*base)
+    assert (run.train.remat, run.model.layer_loop, run.model.fused_kernel) == ("none", "unrolled", "cudnn")
+    run = resolved(*base, "--remat", "selective")
+    assert (run.train.remat, run.model.layer_loop) == ("selective", "unrolled")
+    run = resolved(*base, "layer_loop=scan")
+    assert (run.train.remat, run.model.layer_loop) == ("lean", "scan")
+    run = resolved(*base[:-1], "pipe=2,tensor=4", "--micro-batch-size", "8")
+    assert (run.train.remat, run.model.layer_loop) == ("lean", "scan")
+    run = resolved(*base[:2], *base[4:])  # explicit attention
+    assert (run.train.remat, run.model.layer_loop) == ("selective", "unrolled")
 
 
 def test_cudnn_attention_only_where_it_compiles(monkeypatch, tmp_path, capsys):

@@ -192,3 +192,29 @@ def test_the_end_of_run_prompt_is_the_start_of_a_validation_document(bpe):
     ids = np.asarray(encode_text("class A:\n    pass\n", plain), np.uint32)
     corpus = Corpus(train=ids, val=ids, vocab_size=300, name="t", tokenizer=plain)
     assert S.validation_prompt(corpus, 64) == "class A:\n"
+
+
+@pytest.mark.slow  # a train step, its resume and a sampler compiled
+def test_a_run_a_gpu_saved_with_unrolled_layers_samples_and_resumes_on_a_cpu(tmp_path):
+    """A GPU run's layers are unrolled unless it asks otherwise (`config.default_layer_loop`), and its config.json
+    says so; on a CPU, where unrolled layers are refused when asked for, `generate` and a resume take the CPU's
+    scan instead: the loop is a choice of the platform, as its kernels are."""
+    import json
+
+    from commands import command
+    from jaxseq import generate as generate_command
+    from jaxseq import train as train_command
+
+    run_dir = str(tmp_path)
+    tiny = ["--preset", "tiny", "--dtype", "float32", "--mesh", "data=8", "--batch-size", "8", "--log-every", "1",
+            "--eval-every", "100", "--checkpoint-every", "1", "sample_tokens=0", "--run-dir", run_dir]
+    command(train_command.main, *tiny, "--steps", "1")
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    assert saved["model"]["layer_loop"] == "scan"
+    saved["model"]["layer_loop"] = "unrolled"  # as the same run on a GPU saves it
+    path.write_text(json.dumps(saved))
+    out = command(generate_command.main, "--run-dir", run_dir, "--prompt", "def", "--max-tokens", "3").stdout
+    assert out.startswith("# step 1\ndef")
+    command(train_command.main, *tiny, "--steps", "2", "--resume")
+    assert json.loads(path.read_text())["model"]["layer_loop"] == "scan"
