@@ -231,7 +231,7 @@ def test_unrolled_rows_are_set_against_their_scanned_rows(dry, monkeypatch):
     base = {"micro_batch": 2, "microbatches": 1, "steps": 1, "warmup": 0}
     rows = gpu.unrolled_rows(True, preset("tiny"), ("none", "lean", "full"), scanned, base, {"tensor": 1}, [None],
                              False, 989.0, None)
-    assert list(rows) == ["lean", "none"] and rows["none"]["layer_loop"] == "unrolled"
+    assert list(rows) == ["none", "lean"] and rows["none"]["layer_loop"] == "unrolled"
     assert (rows["none"]["step_vs_scan"] == pytest.approx(0.85)
             and rows["none"]["peak_vs_scan"] == pytest.approx(30 / 32))
     result = copy.deepcopy(dry[0])

@@ -379,8 +379,8 @@ def test_unrolled_layers_keep_each_policy_and_drop_the_scans_stacks():
     (none > selective > full). For gpt3-1.3b as the H100 ran it (fused attention, micro-batch 4), its memory-bound
     kernels move fewer bytes by what the search's time model prices the scan's stacks at
     (`kernel_time.scan_stack_bytes`: 5 passes over the stored bytes, 3 copies of each layer's weights per
-    micro-batch), within 20% (at 6 of its 24 layers: `none` 22.3 GB against 22.4, `full` 5.9 against 5.2 on jax 0.10;
-    all 24 measured on the H100: 13.9% and 4.4% faster, experiments/results/gpu_h100_2026-11-27/). At a toy shape, where the weights
+    micro-batch), within 20% (at 6 of its 24 layers; all 24 measured on the H100, 13.9% and 4.4% faster:
+    experiments/results/gpu_h100_2026-11-27/). At a toy shape, where the weights
     outweigh the activations, the weights' gradient joined by one concatenate (`model.unstack`) is most of it."""
     from jaxseq.models.model import num_params
     from jaxseq.planning import kernel_time as K
