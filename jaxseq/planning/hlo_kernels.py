@@ -7,6 +7,7 @@ GEMM, attention, collective, convert, copy, elementwise) and the bytes the kerne
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from jaxseq.planning.hlo import (COLLECTIVES, CUBLAS, CUDNN_ATTENTION, FUSIONS, Instr, array_bytes,
                                  called_computations, parse_hlo, users)
@@ -48,9 +49,19 @@ _MOVES_NOTHING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constan
                   "fusion-done"}  # an asynchronous fusion's bytes are its fusion-start's
 
 
-def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Computation → kind of op (`op_kinds`) → the bytes its ops read and write per call of the program (× the
-    computation's runs per call): what a GPU's memory moves for them, before caches. A fusion reads each of its
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a compiled program: its computation, kind (`op_kinds`), the bytes it reads and writes per call of
+    the program (× its computation's runs per call) and its HLO instruction (for its op name and results)."""
+
+    computation: str
+    kind: str
+    moved_bytes: int
+    instr: Instr
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+    """Every kernel of the program with what a GPU's memory moves for it, before caches. A fusion reads each of its
     parameters whole, but one it only dynamic-slices (the slices) or only updates in place (operand 0 of a
     dynamic-update-slice: nothing), and writes its result, but a dynamic-update-slice root (its update); another op
     reads its operands and writes its results. Containers (while, call, conditional) move nothing themselves; an
@@ -58,7 +69,7 @@ def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
     comps, runs, kinds = parse_hlo(hlo_text), runs_per_call(hlo_text), op_kinds(hlo_text)
     inside = {ins.attr("calls") if ins.opcode in FUSIONS else ins.attr("to_apply")  # a kernel's own code (a
               for instrs in comps.values() for ins in instrs if ins.opcode != "call"}  # reduction's lambda too)
-    out: dict[str, dict[str, int]] = {}
+    out = []
     for comp, instrs in comps.items():
         if comp in inside or comp not in runs:
             continue
@@ -72,8 +83,17 @@ def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
             else:
                 moved = (sum(array_bytes(*a) for name in ins.operands() for a in shapes.get(name, []))
                          + sum(array_bytes(*a) for a in ins.results()))
-            per_kind = out.setdefault(comp, {})
-            per_kind[kind] = per_kind.get(kind, 0) + moved * runs[comp]
+            out.append(Kernel(comp, kind, moved * runs[comp], ins))
+    return out
+
+
+def kernel_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Computation → kind of op (`op_kinds`) → the bytes its kernels read and write per call of the program
+    (`kernels`)."""
+    out: dict[str, dict[str, int]] = {}
+    for k in kernels(hlo_text):
+        per_kind = out.setdefault(k.computation, {})
+        per_kind[k.kind] = per_kind.get(k.kind, 0) + k.moved_bytes
     return out
 
 
