@@ -61,7 +61,8 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="dropout probability (default: the preset's; the H100's measured runs used 0)")
     p.add_argument("--layer-loop", default="scan",
                    help="the run's layer loop: scan (default) or unrolled: the whole steps --target compiles, and "
-                        "the search's time (no scan stacks); layers are measured scanned")
+                        "the search's time (no scan stacks); layers are measured scanned. A GPU run without a "
+                        "pipeline unrolls unless told otherwise (train's default): pass unrolled to plan that run")
     p.add_argument("--pipeline", type=int, default=1,
                    help="pipeline stages p for the whole-model figures (first stage: L/p layers' state, its "
                         "in-flight activations read from the pipelined step compiled on p × t simulated devices); "
