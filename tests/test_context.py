@@ -128,7 +128,9 @@ def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, m
     it from 4,652 to 497 MiB), and with dropout from 112.2 to 26.2 MiB. The dropout counters and the causal mask are the
     same in every layer, and JAX's partial evaluation of the layer scan had moved them out of it, made for every tile of
     a block at once (stacked [tiles, …] arrays): with dropout the tiled step held 112.5 MiB (171.2 untiled); they are
-    made in the loop now (`ops.bernoulli_at`, `_Blocks.scores`)."""
+    made in the loop now (`ops.bernoulli_at`, `_Blocks.scores`). Both tiled steps are held under 4 blocks' scores
+    (32 MiB), and the untiled one (without dropout) at least that far above its tiled one; the untiled step with
+    dropout is not compiled (6 s), since the tiled step's bound alone fails where the hoisted counters were (112.5)."""
     from jaxseq.parallel import context as CTX
 
     for rows in (4, 8):  # a scan of 4 tiles; 2 tiles, straight-line code
@@ -136,15 +138,17 @@ def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, m
         assert_same(loss_and_grads(GPT, context_mesh(2, "ring"), "selective"), gpt_reference)
     parallel = ParallelConfig(data=1, context=2, tensor=1, context_strategy="ring")
     mesh = make_mesh(parallel, jax.devices()[:2])
-    for dropout in (0.0, 0.1):
+    for dropout, tiles in ((0.0, (128, 1 << 20)), (0.1, (128,))):  # untiled: without dropout only
         cfg = replace(GPT, seq_len=2048, dtype="bfloat16", dropout=dropout)
         temp = {}
-        for rows in (128, 1 << 20):
+        for rows in tiles:
             monkeypatch.setattr(CTX, "QUERY_TILE", rows)
             temp[rows] = aot.compile_loss_and_grad(
                 cfg, parallel, "selective", mesh, 1).memory_analysis().temp_size_in_bytes
         block_scores = cfg.heads * 512 * 512 * 4
-        assert temp[128] < temp[1 << 20] - 4 * block_scores and temp[128] < 4 * block_scores, (dropout, temp)
+        assert temp[128] < 4 * block_scores, (dropout, temp)
+        if 1 << 20 in temp:
+            assert temp[128] < temp[1 << 20] - 4 * block_scores, (dropout, temp)
 
 
 def accumulated(cfg, parallel: ParallelConfig, remat: str, microbatches: int = 2):
