@@ -130,7 +130,7 @@ def test_the_ring_computes_a_blocks_query_rows_a_tile_at_a_time(gpt_reference, m
     a block at once (stacked [tiles, …] arrays): with dropout the tiled step held 112.5 MiB (171.2 untiled); they are
     made in the loop now (`ops.bernoulli_at`, `_Blocks.scores`). Both tiled steps are held under 4 blocks' scores
     (32 MiB), and the untiled one (without dropout) at least that far above its tiled one; the untiled step with
-    dropout is not compiled (6 s), since the tiled step's bound alone fails where the hoisted counters were (112.5)."""
+    dropout is not compiled (6 s): the tiled step's bound alone fails where the hoisted counters were (112.5 MiB)."""
     from jaxseq.parallel import context as CTX
 
     for rows in (4, 8):  # a scan of 4 tiles; 2 tiles, straight-line code
