@@ -3,12 +3,14 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from commands import command, python_m
+from commands import ROOT, assert_succeeded, command, env
 from jaxseq import convert as convert_command
 from jaxseq import generate as generate_command
 from jaxseq.config import ConfigError, ParallelConfig, replace, validate
@@ -24,28 +26,34 @@ PIPE2 = ["--host-devices", "8", "--mesh", "pipe=2,data=2,tensor=2", "--schedule"
 PIPE4 = ["--host-devices", "8", "--mesh", "pipe=4,data=2,tensor=1", "--schedule", "gpipe"]
 
 
-def _on_4_devices(*args):
-    """A pipe=1 run on data=2 × tensor=2, the pipe=2 run's data and tensor sizes, in a new process: its 4
-    simulated devices are not the pytest process's 8. (On 8 devices, tensor=4 moves the step-2 weights
-    further from the pipelined run's than test_generate_and_convert_on_a_pipelined_run allows.) With the tests'
-    compilation cache (`commands.env`): the resumed run loads the reference run's programs (its start-up is not
-    what is tested here; tests/test_train.py starts the command cold)."""
-    python_m("jaxseq.train", *args, check=True, cache=True)
+def _on_4_devices(*runs):
+    """pipe=1 runs on data=2 × tensor=2, the pipe=2 run's data and tensor sizes, one after the other in one new
+    process (`train.main(argv)` each, as `python -m jaxseq.train argv` runs it): its 4 simulated devices are not the
+    pytest process's 8. (On 8 devices, tensor=4 moves the step-2 weights further from the pipelined run's than
+    test_generate_and_convert_on_a_pipelined_run allows.) One process for the reference and the resume, not one
+    each (a process's start, 3 s); with the tests' compilation cache (`commands.env`): the resumed run loads the
+    reference run's programs (its start-up is not what is tested here; tests/test_train.py starts the command
+    cold)."""
+    script = ("import json, sys\nfrom jaxseq import train\n"
+              "for argv in json.loads(sys.argv[1]):\n    if code := train.main(argv):\n        sys.exit(code)\n")
+    assert_succeeded(subprocess.run([sys.executable, "-c", script, json.dumps(runs)], capture_output=True, text=True,
+                                    cwd=ROOT, env=env(cache=True), timeout=240))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """pipe=1 for 4 steps (the reference, a checkpoint every 2 steps); pipe=2 (1F1B, data=2, tensor=2 + SP,
-    the distributed optimizer) for 2 steps; that run resumed on pipe=1 and on pipe=4 (GPipe) to step 4."""
+    the distributed optimizer) for 2 steps; that run resumed on pipe=1 (in the reference's process, after it) and on
+    pipe=4 (GPipe) to step 4."""
     tmp = tmp_path_factory.mktemp("pipetrain")
     ref, piped, to_pipe1, to_pipe4 = (str(tmp / n) for n in ("ref", "piped", "to1", "to4"))
-    # Only the pipelined run draws the end-of-run sample (from a pipeline's weights); the others compile no sampler.
-    _on_4_devices(*BASE, *PIPE1, "--steps", "4", "--checkpoint-every", "2", "--run-dir", ref, "sample_tokens=0")
     out = run(*BASE, *PIPE2, "--distributed-optimizer", "--steps", "2", "--run-dir", piped)
     assert "sample (prompt" in out.stdout
     shutil.copytree(piped, to_pipe1)
     shutil.copytree(piped, to_pipe4)
-    _on_4_devices(*BASE, *PIPE1, "--steps", "4", "--run-dir", to_pipe1, "--resume", "sample_tokens=0")
+    # Only the pipelined run draws the end-of-run sample (from a pipeline's weights); the others compile no sampler.
+    _on_4_devices([*BASE, *PIPE1, "--steps", "4", "--checkpoint-every", "2", "--run-dir", ref, "sample_tokens=0"],
+                  [*BASE, *PIPE1, "--steps", "4", "--run-dir", to_pipe1, "--resume", "sample_tokens=0"])
     run(*BASE, *PIPE4, "--steps", "4", "--run-dir", to_pipe4, "--resume", "sample_tokens=0")
     return {"ref": ref, "piped": piped, "to1": to_pipe1, "to4": to_pipe4, "piped_stdout": out.stdout}
 
