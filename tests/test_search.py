@@ -1010,21 +1010,45 @@ def test_context_candidates_are_valid():
         search_space.validate_request(cfg, replace(r, context_strategies=("ring", "ulysses")))
 
 
+TINY_AT_CONTEXT = replace(preset("tiny"), dtype="bfloat16")  # explicit attention
+
+
+@pytest.fixture(scope="module")
+def tiny_at_context():
+    """tiny (bf16) searched at t = 2, c ∈ {1, 2}, both strategies, on 4 devices (its c = 2 layers compiled at c: 4
+    layers), and its c = 1 layers compiled on 2 devices (what a search with fewer devices than c·t scales): the
+    result, the 4-device costs and the 2-device costs, each `measured` holding what it compiled. Shared by the two
+    tests below, which read the same explicit layers (compiled once, not once each)."""
+    r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
+    costs = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:4])
+    res = search(TINY_AT_CONTEXT, r, costs, "tiny")
+    scaled = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2 devices: scaled
+    scaled.prepare([(2, sp, "selective") for sp in (False, True)], (1,))
+    return res, costs, scaled
+
+
 @pytest.mark.slow
-def test_a_fused_models_ring_layouts_are_explicit_attentions():
+def test_a_fused_models_ring_layouts_are_explicit_attentions(tiny_at_context):
     """The ring computes its blocks itself whatever `--attention` says (parallel/context.py), so a fused model's
     search ranks ring layouts too, as the explicit model's (`costs.run_kernels`): the same memory and step time,
     the layer compiled at c, or, where the devices do not hold c·t, scaled from the explicit c = 1 layer (the fused
     one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring. The
-    ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled)."""
-    fused = replace(preset("tiny"), dtype="bfloat16", attention="fused")
+    ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled). The fused model's search
+    compiles its own layers; the explicit model's reads the layers `tiny_at_context` compiled for the same mesh (its
+    c = 2 ring layers on 4 devices, its c = 1 layers on 2), the programs its own search would compile."""
+    fused = replace(TINY_AT_CONTEXT, attention="fused")
+    assert replace(fused, attention="explicit") == TINY_AT_CONTEXT
+    _, at_c, from_1 = tiny_at_context
     r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,),
                   context_strategies=("ring",))
-    for devices, source in ((4, "compiled"), (2, "scaled")):
+    for devices, source, explicit in ((4, "compiled", at_c), (2, "scaled", from_1)):
         ring = {}
-        for cfg in (fused, replace(fused, attention="explicit")):
-            res = search(cfg, r, SearchCosts(cfg, jax.devices()[:devices]), "tiny")
+        for cfg, measured in ((fused, None), (TINY_AT_CONTEXT, explicit.measured)):
+            costs = SearchCosts(cfg, jax.devices()[:devices], measured=measured)
+            res = search(cfg, r, costs, "tiny")
             ring[cfg.attention] = {e.candidate: e for e in res.ranked}
+            new = costs.measured.keys() - (measured or {}).keys()  # the fused one compiles its 2 layers (± SP)
+            assert len(new) == (2 if measured is None else 0), new
         assert ring["fused"].keys() == ring["explicit"].keys() and len(ring["fused"]) == 4  # SP, distributed optimizer
         assert all(c.context_strategy == "ring" for c in ring["fused"])
         for c, e in ring["fused"].items():
@@ -1033,7 +1057,7 @@ def test_a_fused_models_ring_layouts_are_explicit_attentions():
 
 
 @pytest.mark.slow
-def test_search_compiles_the_layer_at_context():
+def test_search_compiles_the_layer_at_context(tiny_at_context):
     """Where the simulated devices hold c·t, a c > 1 row's layer is compiled on a c × t mesh ("compiled"): its
     stored bytes are formulas.activation_bytes at c (both strategies, with and without SP), equal to the scaled
     c = 1 layer (`at_context`, what a search with fewer devices uses: "scaled"), and so are its TP collectives
@@ -1044,17 +1068,14 @@ def test_search_compiles_the_layer_at_context():
     less than the partitioned one did (1.20–1.22 × and 0.69–0.74 × before): the scaled model is an upper bound here
     on jax 0.10. XLA 0.12 holds a little more for all-gather (1.04–1.06 ×; the ring's 0.61–0.66 ×): within 10% of
     the scaled model there, not under it."""
-    cfg = replace(preset("tiny"), dtype="bfloat16")
-    r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
-    costs = SearchCosts(cfg, jax.devices()[:4])
-    res = search(cfg, r, costs, "tiny")
+    cfg = TINY_AT_CONTEXT
+    res, costs, scaled = tiny_at_context
     split = [e for e in res.ranked if e.candidate.context == 2]
     assert {(e.candidate.context_strategy, e.candidate.sequence_parallel) for e in split} == {
         (s, sp) for s in ("all-gather", "ring") for sp in (False, True)}
     assert all(e.layer_source == "compiled" for e in split) and "all-gather, compiled" in format_result(res, 100)
     # at c = 2 each strategy with SP or not; no c = 1 configuration is valid (d = 2 does not divide B = 1)
     assert res.compiled == 4 and all(e.candidate.context == 2 for e in res.ranked)
-    scaled = SearchCosts(cfg, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2 devices: scaled
     ratios = {}
     for e in split:
         c = e.candidate
