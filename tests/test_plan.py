@@ -260,7 +260,9 @@ PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1
 def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v, m, small_plan):
     """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's
     in-flight count × k × the bytes the unpipelined layer stores (the plan's per-layer figure), and equals the
-    paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled."""
+    paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled. Under
+    zb-h1 its W stash per layer is `formulas.deferred_stash_bytes` (GPT with SP at c = 1, for
+    tests/test_zero_bubble.py::test_the_w_stash_formula_is_the_compiled_carry, which holds Llama's and c = 2's)."""
     from jaxseq.parallel.schedule import Schedule
 
     cfg, p = replace(CFG, layers=8), 2
@@ -279,6 +281,10 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     assert f.lockstep_bubble_1f1b == pytest.approx(
         Schedule.make("1f1b", p, m).lockstep_bubble(costs["F"], costs["B"] + costs["W"], 0))
     assert (f.w_slots, costs["W"] > 0) == ((sched.depths["w"], True) if schedule == "zb-h1" else (0, False))
+    if schedule == "zb-h1":  # the W stash the plan adds to each row, per layer: formulas.deferred_stash_bytes (GPT, SP)
+        per_layer_w = f.compiled_w_stash_bytes / (f.w_slots * f.compiled_layers_per_chunk)
+        assert per_layer_w == F.deferred_stash_bytes(cfg, B, T, True) > 0
+        assert f.w_stash_bytes == f.compiled_w_stash_bytes * k // f.compiled_layers_per_chunk
     act = B * CFG.seq_len * CFG.hidden * 2 // T  # one received bf16 activation shard (SP)
     assert f.receive_bytes >= 2 * act and f.receive_bytes % act == 0
     planned = dataclasses.replace(small_plan, config=cfg, pipeline=p, schedule=sched.name, virtual_stages=v,
