@@ -1017,32 +1017,56 @@ def test_context_candidates_are_valid():
 TINY_AT_CONTEXT = replace(preset("tiny"), dtype="bfloat16")  # explicit attention
 
 
+def compiled_by_text(compiled: dict):
+    """`aot.compile_for_analysis` that compiles a lowered program whose text (and options) `compiled` does not hold
+    yet, and adds it: a program lowered to the same text is the same program, compiled once. (Every program here is
+    on `jax.devices()[:n]`, which the text's partition count fixes.)"""
+    compile_for_analysis = aot.compile_for_analysis
+
+    def compile(lowered, options=None):
+        key = (lowered.as_text(), tuple(sorted((options or {}).items())))
+        if key not in compiled:
+            compiled[key] = compile_for_analysis(lowered, options)
+        return compiled[key]
+    return compile
+
+
 @pytest.fixture(scope="module")
 def tiny_at_context():
     """tiny (bf16) searched at t = 2, c ∈ {1, 2}, both strategies, on 4 devices (its c = 2 layers compiled at c: 4
     layers), and its c = 1 layers compiled on 2 devices (what a search with fewer devices than c·t scales): the
-    result, the 4-device costs and the 2-device costs, each `measured` holding what it compiled. Shared by the two
-    tests below, which read the same explicit layers (compiled once, not once each)."""
+    result, the 4-device costs, the 2-device costs, each `measured` holding what it compiled, and the programs
+    compiled, by their lowered text. Shared by the two tests below, which read the same explicit layers (compiled
+    once, not once each)."""
     r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
-    costs = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:4])
-    res = search(TINY_AT_CONTEXT, r, costs, "tiny")
-    scaled = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2 devices: scaled
-    scaled.prepare([(2, sp, "selective") for sp in (False, True)], (1,))
-    return res, costs, scaled
+    programs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aot, "compile_for_analysis", compiled_by_text(programs))
+        costs = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:4])
+        res = search(TINY_AT_CONTEXT, r, costs, "tiny")
+        scaled = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2: scaled
+        scaled.prepare([(2, sp, "selective") for sp in (False, True)], (1,))
+    yield res, costs, scaled, programs
+    programs.clear()
 
 
 @pytest.mark.slow
-def test_a_fused_models_ring_layouts_are_explicit_attentions(tiny_at_context):
+def test_a_fused_models_ring_layouts_are_explicit_attentions(tiny_at_context, monkeypatch):
     """The ring computes its blocks itself whatever `--attention` says (parallel/context.py), so a fused model's
     search ranks ring layouts too, as the explicit model's (`costs.run_kernels`): the same memory and step time,
     the layer compiled at c, or, where the devices do not hold c·t, scaled from the explicit c = 1 layer (the fused
     one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring. The
     ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled). The fused model's search
-    compiles its own layers; the explicit model's reads the layers `tiny_at_context` compiled for the same mesh (its
-    c = 2 ring layers on 4 devices, its c = 1 layers on 2), the programs its own search would compile."""
+    measures its own layers; the explicit model's reads the layers `tiny_at_context` measured for the same mesh (its
+    c = 2 ring layers on 4 devices, its c = 1 layers on 2), the programs its own search would compile. The fused
+    model's search lowers each of its programs, and each lowers to the text of one the explicit model's search
+    compiled (asserted: nothing compiled anew), so it reads that compiled program: the fused ring layer is the
+    explicit one's program, not only the same numbers."""
     fused = replace(TINY_AT_CONTEXT, attention="fused")
     assert replace(fused, attention="explicit") == TINY_AT_CONTEXT
-    _, at_c, from_1 = tiny_at_context
+    _, at_c, from_1, programs = tiny_at_context
+    explicit_programs = set(programs)
+    monkeypatch.setattr(aot, "compile_for_analysis", compiled_by_text(programs))
     r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,),
                   context_strategies=("ring",))
     for devices, source, explicit in ((4, "compiled", at_c), (2, "scaled", from_1)):
@@ -1051,13 +1075,14 @@ def test_a_fused_models_ring_layouts_are_explicit_attentions(tiny_at_context):
             costs = SearchCosts(cfg, jax.devices()[:devices], measured=measured)
             res = search(cfg, r, costs, "tiny")
             ring[cfg.attention] = {e.candidate: e for e in res.ranked}
-            new = costs.measured.keys() - (measured or {}).keys()  # the fused one compiles its 2 layers (± SP)
+            new = costs.measured.keys() - (measured or {}).keys()  # the fused one measures its 2 layers (± SP)
             assert len(new) == (2 if measured is None else 0), new
         assert ring["fused"].keys() == ring["explicit"].keys() and len(ring["fused"]) == 4  # SP, distributed optimizer
         assert all(c.context_strategy == "ring" for c in ring["fused"])
         for c, e in ring["fused"].items():
             assert e.memory == ring["explicit"][c].memory and e.time == ring["explicit"][c].time
             assert e.layer_source == source
+    assert set(programs) == explicit_programs  # the fused searches' programs (10) are all the explicit ones'
 
 
 @pytest.mark.slow
@@ -1073,7 +1098,7 @@ def test_search_compiles_the_layer_at_context(tiny_at_context):
     on jax 0.10. XLA 0.12 holds a little more for all-gather (1.04–1.06 ×; the ring's 0.61–0.66 ×): within 10% of
     the scaled model there, not under it."""
     cfg = TINY_AT_CONTEXT
-    res, costs, scaled = tiny_at_context
+    res, costs, scaled, _ = tiny_at_context
     split = [e for e in res.ranked if e.candidate.context == 2]
     assert {(e.candidate.context_strategy, e.candidate.sequence_parallel) for e in split} == {
         (s, sp) for s in ("all-gather", "ring") for sp in (False, True)}
