@@ -260,7 +260,9 @@ PIPELINED = [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1
 def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v, m, small_plan):
     """Stage 0's stash in the compiled tick loop, scaled from 2 layers per chunk to L/(p·v), is the schedule's
     in-flight count × k × the bytes the unpipelined layer stores (the plan's per-layer figure), and equals the
-    paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled."""
+    paper's formula in layers (L; L·m/p; L·(1 + (p−1)/(p·v))); the output says which figures are compiled. Under
+    zb-h1 its W stash per layer is `formulas.deferred_stash_bytes` (GPT with SP at c = 1, for
+    tests/test_zero_bubble.py::test_the_w_stash_formula_is_the_compiled_carry, which holds Llama's and c = 2's)."""
     from jaxseq.parallel.schedule import Schedule
 
     cfg, p = replace(CFG, layers=8), 2
@@ -279,6 +281,10 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
     assert f.lockstep_bubble_1f1b == pytest.approx(
         Schedule.make("1f1b", p, m).lockstep_bubble(costs["F"], costs["B"] + costs["W"], 0))
     assert (f.w_slots, costs["W"] > 0) == ((sched.depths["w"], True) if schedule == "zb-h1" else (0, False))
+    if schedule == "zb-h1":  # the W stash the plan adds to each row, per layer: formulas.deferred_stash_bytes (GPT, SP)
+        per_layer_w = f.compiled_w_stash_bytes / (f.w_slots * f.compiled_layers_per_chunk)
+        assert per_layer_w == F.deferred_stash_bytes(cfg, B, T, True) > 0
+        assert f.w_stash_bytes == f.compiled_w_stash_bytes * k // f.compiled_layers_per_chunk
     act = B * CFG.seq_len * CFG.hidden * 2 // T  # one received bf16 activation shard (SP)
     assert f.receive_bytes >= 2 * act and f.receive_bytes % act == 0
     planned = dataclasses.replace(small_plan, config=cfg, pipeline=p, schedule=sched.name, virtual_stages=v,
@@ -308,15 +314,26 @@ def test_pipeline_in_flight_is_read_from_the_compiled_pipelined_step(schedule, v
 CONTEXT_CFG, CONTEXT_T, CONTEXT_B = replace(preset("tiny"), dtype="bfloat16"), 2, 2
 
 
+@pytest.fixture(scope="module")
+def context_compilers():
+    """Per strategy, the plan's compiler of CONTEXT_CFG's programs at context 2 (`measure.Compiler`, t × c = 4
+    devices, b = CONTEXT_B): a program compiled once for the module's tests that read it (the ring's selective layer
+    with SP: test_context_layer_stores_the_formula_exactly's and a row of test_context_plan_rows_equal_the_formula)."""
+    compilers = {s: measure.Compiler(CONTEXT_CFG, CONTEXT_B, jax.devices(), context=2, strategy=s)
+                 for s in ("all-gather", "ring")}
+    yield compilers
+    for compiler in compilers.values():
+        compiler.clear()
+
+
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
-def test_context_layer_stores_the_formula_exactly(strategy):
+def test_context_layer_stores_the_formula_exactly(strategy, context_compilers):
     """The compiled layer at context 2 stores formulas.activation_bytes(context=2): every term / c (all-gather:
     no gathered K/V), the ring without scores and with its log-sum-exp (ring_lse: its output is the context,
-    stored once)."""
-    parallel = ParallelConfig(data=1, context=2, tensor=CONTEXT_T, sequence_parallel=True, context_strategy=strategy)
-    mesh = make_mesh(parallel, jax.devices()[:4])
-    text = aot.compile_loss_and_grad(CONTEXT_CFG, parallel, "selective", mesh, CONTEXT_B).as_text()
-    stored = hlo_loops.stored_bytes_per_layer(text, CONTEXT_CFG.layers)
+    stored once). The loss-and-gradient program of CONTEXT_CFG's 2 layers, as the plan compiles it."""
+    assert CONTEXT_CFG.layers == measure.MEASURE_LAYERS
+    program = context_compilers[strategy]._compile("grad", CONTEXT_CFG.layers, "selective", CONTEXT_T, True)
+    stored = hlo_loops.stored_bytes_per_layer(program.as_text(), CONTEXT_CFG.layers)
     formula = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True, 2, strategy)
     assert stored == formula
     one = F.activation_bytes(CONTEXT_CFG, "selective", CONTEXT_B, CONTEXT_T, True)
@@ -370,7 +387,7 @@ def test_context_kv_bytes_are_the_design_notes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["all-gather", "ring"])
-def test_context_plan_rows_equal_the_formula(strategy):
+def test_context_plan_rows_equal_the_formula(strategy, context_compilers):
     """Every row `python -m jaxseq.plan --tensor 2 --context 2` prints (each registered policy, with and without SP,
     and `none` at t = 1; pairwise over the strategies, below): its layer's loss-and-gradient program, compiled at
     context 2 as the plan compiles it (`measure.Compiler`, the program `Compiler.measure` reads the stored bytes from),
@@ -387,7 +404,7 @@ def test_context_plan_rows_equal_the_formula(strategy):
     # (and test_context_plan_json_carries_the_rows_measurements'); the ring without SP is held to the formula by
     # tests/test_search.py::test_search_for_a_llama_preset_predicts_its_compiled_layer.
     rows = [c for c in rows if c.sequence_parallel == (strategy == "ring")]
-    compiler = measure.Compiler(CONTEXT_CFG, CONTEXT_B, jax.devices(), context=2, strategy=strategy)
+    compiler = context_compilers[strategy]  # the ring's selective row with SP compiled once, for both tests
     keys = [compiler.programs(c)[0] for c in rows]  # ("grad", MEASURE_LAYERS, remat, t, sp)
     compiler.compile_all(keys)
     for c, key in zip(rows, keys):

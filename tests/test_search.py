@@ -1,7 +1,7 @@
 """`python -m jaxseq.plan --search`: the enumeration is complete and valid, each term of the time model
 (the GEMMs at their shapes' efficiency, the elementwise kernels, the collectives) is the hand computation,
 the memory prediction is the compiled train step's (without a pipeline within 5%, jaxseq's own pipelined
-step within 10% at p ∈ {2, 4}, v ∈ {1, 2}, with and without the distributed optimizer), and bad requests
+step within 10% at p ∈ {2, 4}, v ∈ {1, 2}, with and without the distributed optimizer, pairwise), and bad requests
 answer in one line."""
 
 import itertools
@@ -798,8 +798,10 @@ def test_memory_is_the_compiled_steps(candidate, costs):
 
 PIPELINED = replace(F32, layers=8)  # p·v ≤ 8 divides the layers
 PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data ranks
-    *(Candidate(2, 2, v, 2, 1, "selective", True, dist, 4) for v in (1, 2) for dist in (False, True)),
-    *(Candidate(1, 4, v, 2, 1, "selective", False, dist, 4) for v in (1, 2) for dist in (False, True)),
+    # pairwise over p (t = 2 + SP at p = 2, t = 1 at p = 4) × v × the distributed optimizer: each pair of the three
+    # in one row, 4 rows, not the product's 8
+    *(Candidate(2, 2, v, 2, 1, "selective", True, dist, 4) for v, dist in ((1, False), (2, True))),
+    *(Candidate(1, 4, v, 2, 1, "selective", False, dist, 4) for v, dist in ((1, True), (2, False))),
     # ZB-H1: its W stash and W slot on top (within 1.6% here, as 1F1B's)
     Candidate(2, 2, 1, 2, 1, "selective", True, False, 4, zero_bubble=True),
     Candidate(1, 4, 1, 2, 1, "selective", False, True, 4, zero_bubble=True),
@@ -820,7 +822,9 @@ PIPELINED_CANDIDATES = [  # m = 4 micro-batches of b = 1 on each of d = 2 data r
 def test_pipelined_memory_is_the_compiled_steps(candidate, costs):
     """jaxseq's own pipelined step, its executor's buffers included (a Megatron-style stage alone is 1.09–1.43×
     too little here), within 10%: the search ranks nothing that jaxseq cannot run. Context parallelism under a
-    pipeline, either strategy: the ring's layouts there are searched too."""
+    pipeline, either strategy: the ring's layouts there are searched too. 1F1B and interleaved pairwise over
+    p ∈ {2, 4}, v ∈ {1, 2} and the distributed optimizer: every pair of their values is in some row (p × v, p × it,
+    v × it: 4 rows, not the product's 8, whose other 4 were within 10% too when they ran)."""
     predicted, compiled = predicted_and_compiled(PIPELINED, candidate, costs)
     assert abs(predicted / compiled - 1) <= 0.10, (predicted, compiled)
 
@@ -1010,30 +1014,79 @@ def test_context_candidates_are_valid():
         search_space.validate_request(cfg, replace(r, context_strategies=("ring", "ulysses")))
 
 
+TINY_AT_CONTEXT = replace(preset("tiny"), dtype="bfloat16")  # explicit attention
+
+
+def compiled_by_text(compiled: dict):
+    """`aot.compile_for_analysis` that compiles a lowered program whose text (and options) `compiled` does not hold
+    yet, and adds it: a program lowered to the same text is the same program, compiled once. (Every program here is
+    on `jax.devices()[:n]`, which the text's partition count fixes.)"""
+    compile_for_analysis = aot.compile_for_analysis
+
+    def compile(lowered, options=None):
+        key = (lowered.as_text(), tuple(sorted((options or {}).items())))
+        if key not in compiled:
+            compiled[key] = compile_for_analysis(lowered, options)
+        return compiled[key]
+    return compile
+
+
+@pytest.fixture(scope="module")
+def tiny_at_context():
+    """tiny (bf16) searched at t = 2, c ∈ {1, 2}, both strategies, on 4 devices (its c = 2 layers compiled at c: 4
+    layers), and its c = 1 layers compiled on 2 devices (what a search with fewer devices than c·t scales): the
+    result, the 4-device costs, the 2-device costs, each `measured` holding what it compiled, and the programs
+    compiled, by their lowered text. Shared by the two tests below, which read the same explicit layers (compiled
+    once, not once each)."""
+    r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
+    programs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aot, "compile_for_analysis", compiled_by_text(programs))
+        costs = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:4])
+        res = search(TINY_AT_CONTEXT, r, costs, "tiny")
+        scaled = SearchCosts(TINY_AT_CONTEXT, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2: scaled
+        scaled.prepare([(2, sp, "selective") for sp in (False, True)], (1,))
+    yield res, costs, scaled, programs
+    programs.clear()
+
+
 @pytest.mark.slow
-def test_a_fused_models_ring_layouts_are_explicit_attentions():
+def test_a_fused_models_ring_layouts_are_explicit_attentions(tiny_at_context, monkeypatch):
     """The ring computes its blocks itself whatever `--attention` says (parallel/context.py), so a fused model's
     search ranks ring layouts too, as the explicit model's (`costs.run_kernels`): the same memory and step time,
     the layer compiled at c, or, where the devices do not hold c·t, scaled from the explicit c = 1 layer (the fused
     one has no scores for the ring to drop). They were left out: no formula scaled a fused layer to the ring. The
-    ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled)."""
-    fused = replace(preset("tiny"), dtype="bfloat16", attention="fused")
+    ring's layouts alone (`--context-strategies ring`: no all-gather layer compiled). The fused model's search
+    measures its own layers; the explicit model's reads the layers `tiny_at_context` measured for the same mesh (its
+    c = 2 ring layers on 4 devices, its c = 1 layers on 2), the programs its own search would compile. The fused
+    model's search lowers each of its programs, and each lowers to the text of one the explicit model's search
+    compiled (asserted: nothing compiled anew), so it reads that compiled program: the fused ring layer is the
+    explicit one's program, not only the same numbers."""
+    fused = replace(TINY_AT_CONTEXT, attention="fused")
+    assert replace(fused, attention="explicit") == TINY_AT_CONTEXT
+    _, at_c, from_1, programs = tiny_at_context
+    explicit_programs = set(programs)
+    monkeypatch.setattr(aot, "compile_for_analysis", compiled_by_text(programs))
     r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(2,),
                   context_strategies=("ring",))
-    for devices, source in ((4, "compiled"), (2, "scaled")):
+    for devices, source, explicit in ((4, "compiled", at_c), (2, "scaled", from_1)):
         ring = {}
-        for cfg in (fused, replace(fused, attention="explicit")):
-            res = search(cfg, r, SearchCosts(cfg, jax.devices()[:devices]), "tiny")
+        for cfg, measured in ((fused, None), (TINY_AT_CONTEXT, explicit.measured)):
+            costs = SearchCosts(cfg, jax.devices()[:devices], measured=measured)
+            res = search(cfg, r, costs, "tiny")
             ring[cfg.attention] = {e.candidate: e for e in res.ranked}
+            new = costs.measured.keys() - (measured or {}).keys()  # the fused one measures its 2 layers (± SP)
+            assert len(new) == (2 if measured is None else 0), new
         assert ring["fused"].keys() == ring["explicit"].keys() and len(ring["fused"]) == 4  # SP, distributed optimizer
         assert all(c.context_strategy == "ring" for c in ring["fused"])
         for c, e in ring["fused"].items():
             assert e.memory == ring["explicit"][c].memory and e.time == ring["explicit"][c].time
             assert e.layer_source == source
+    assert set(programs) == explicit_programs  # the fused searches' programs (10) are all the explicit ones'
 
 
 @pytest.mark.slow
-def test_search_compiles_the_layer_at_context():
+def test_search_compiles_the_layer_at_context(tiny_at_context):
     """Where the simulated devices hold c·t, a c > 1 row's layer is compiled on a c × t mesh ("compiled"): its
     stored bytes are formulas.activation_bytes at c (both strategies, with and without SP), equal to the scaled
     c = 1 layer (`at_context`, what a search with fewer devices uses: "scaled"), and so are its TP collectives
@@ -1044,17 +1097,14 @@ def test_search_compiles_the_layer_at_context():
     less than the partitioned one did (1.20–1.22 × and 0.69–0.74 × before): the scaled model is an upper bound here
     on jax 0.10. XLA 0.12 holds a little more for all-gather (1.04–1.06 ×; the ring's 0.61–0.66 ×): within 10% of
     the scaled model there, not under it."""
-    cfg = replace(preset("tiny"), dtype="bfloat16")
-    r = Request(4, 1, replace(NODE, memory_gib=80.0), (1,), ("selective",), tensor_sizes=(2,), context_sizes=(1, 2))
-    costs = SearchCosts(cfg, jax.devices()[:4])
-    res = search(cfg, r, costs, "tiny")
+    cfg = TINY_AT_CONTEXT
+    res, costs, scaled, _ = tiny_at_context
     split = [e for e in res.ranked if e.candidate.context == 2]
     assert {(e.candidate.context_strategy, e.candidate.sequence_parallel) for e in split} == {
         (s, sp) for s in ("all-gather", "ring") for sp in (False, True)}
     assert all(e.layer_source == "compiled" for e in split) and "all-gather, compiled" in format_result(res, 100)
     # at c = 2 each strategy with SP or not; no c = 1 configuration is valid (d = 2 does not divide B = 1)
     assert res.compiled == 4 and all(e.candidate.context == 2 for e in res.ranked)
-    scaled = SearchCosts(cfg, jax.devices()[:2], measured=costs.measured)  # c·t = 4 > 2 devices: scaled
     ratios = {}
     for e in split:
         c = e.candidate
