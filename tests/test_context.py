@@ -193,7 +193,10 @@ def accumulated_reference():
     return get
 
 
-@pytest.mark.parametrize("strategy", ["all-gather", pytest.param("ring", marks=pytest.mark.slow)])  # ring: 3 s
+# Slow (9 s, all-gather with dropout): the fast tier's pipelined run below accumulates micro-batches at context 2
+# against the same reference, and test_accumulation_reduces_… reads the accumulation's one reduction.
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["all-gather", "ring"])
 def test_gradient_accumulation_equals_context_1(strategy, accumulated_reference):
     """The accumulation's region is manual over data × context: each rank runs its tokens of its rows, sums
     its gradients over the micro-batches and the ranks reduce them once (the ring included). Dropout on with
@@ -446,8 +449,9 @@ def context_runs(tmp_path_factory):
     return get
 
 
-# Slow (three runs of the command); the fast tier trains with the command at context 2 in the
-# test after it (two of these runs).
+# Both slow (three and two runs of the command, 13 s for the second): the fast tier resumes onto another layout with
+# test_checkpoint's restore on another tensor size, and runs the step at context 2 in-process (the tests above;
+# test_resume.py's fast row, resumed).
 @pytest.mark.slow
 def test_train_command_gives_the_losses_of_context_1(context_runs):
     """`python -m jaxseq.train --mesh context=2,tensor=2,data=2` (all-gather; the ring with gradient
@@ -469,6 +473,7 @@ def test_train_command_gives_the_losses_of_context_1(context_runs):
     assert gen.stdout.startswith("# step 3\ndef"), gen.stdout
 
 
+@pytest.mark.slow
 def test_a_run_saved_at_context_2_resumes_at_context_1(context_runs, tmp_path):
     """The weights do not depend on `context`: 3 steps at context=2, resumed for 2 more at context=1, give the
     losses of 5 steps at context=1 (same schedule: the cosine ends at step 3 in both)."""

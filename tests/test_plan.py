@@ -341,9 +341,13 @@ def test_context_layer_stores_the_formula_exactly(strategy, context_compilers):
     assert formula == one / 2 + (ring if strategy == "ring" else 0) and ring > 0
 
 
-@pytest.mark.parametrize("name,t,sp,b,c", [  # GPT at c = 4 in the slow tier (13 s of ring compiles)
-    pytest.param("tiny", 2, True, 2, 4, marks=pytest.mark.slow), ("tiny-llama", 4, False, 1, 2)])
-def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c, monkeypatch):
+# GPT at c = 4 in the slow tier (13 s of ring compiles); the Llama's query tiles past the first too (one
+# compile each): the fast tier keeps the default tile.
+@pytest.mark.parametrize("name,t,sp,b,c,tiles", [
+    pytest.param("tiny", 2, True, 2, 4, 1, marks=pytest.mark.slow), ("tiny-llama", 4, False, 1, 2, 1),
+    pytest.param("tiny-llama", 4, False, 1, 2, 2, marks=pytest.mark.slow),
+    pytest.param("tiny-llama", 4, False, 1, 2, 4, marks=pytest.mark.slow)])
+def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c, tiles, monkeypatch):
     """`dots` with the ring keeps every matmul output of the ring's forward: the 2c + 1 blocks a rank computes
     (context.attention_work), each a float32 q·kᵀ [b, a/t, n, n] and probs·v [b, n, a/t, d] (n = s/2c), and
     neither the ring's output nor its log-sum-exp (recomputed from the blocks): formulas.RING_POLICY_TERMS.
@@ -357,11 +361,11 @@ def test_dots_under_the_ring_stores_its_blocks(name, t, sp, b, c, monkeypatch):
     parallel = ParallelConfig(data=1, context=c, tensor=t, sequence_parallel=sp, context_strategy="ring")
     formula = F.activation_bytes(cfg, "dots", b, t, sp, c, "ring")
     n = cfg.seq_len // (2 * c)
-    tiles = (CTX.QUERY_TILE, n // 2, n // 4) if c == 2 else (CTX.QUERY_TILE,)  # 1 (n ≤ 16), 2 (straight-line), 4
-    for rows in tiles:
-        monkeypatch.setattr(CTX, "QUERY_TILE", rows)
-        text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
-        assert hlo_loops.stored_bytes_per_layer(text, cfg.layers) == formula, rows
+    assert n <= CTX.QUERY_TILE  # one tile by default; else `tiles` of n / tiles rows each
+    if tiles > 1:
+        monkeypatch.setattr(CTX, "QUERY_TILE", n // tiles)
+    text = aot.compile_loss_and_grad(cfg, parallel, "dots", make_mesh(parallel, jax.devices()[:c * t]), b).as_text()
+    assert hlo_loops.stored_bytes_per_layer(text, cfg.layers) == formula
     n, e = cfg.seq_len // (2 * c), cfg.itemsize
     tokens, local = b * cfg.seq_len // c, cfg.heads // t
     blocks = (2 * c + 1) * 4 * b * local * n * (n + cfg.head_dim)
