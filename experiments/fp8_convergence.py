@@ -3,6 +3,7 @@
     python experiments/fp8_convergence.py                  # both pairs, one run after another
     python experiments/fp8_convergence.py default          # one pair, by label (the others' results are kept)
     python experiments/fp8_convergence.py --together gpt2-124m   # its two runs at once (what results/ holds)
+    python experiments/fp8_convergence.py default --seeds 0,1,2  # the default pair at three seeds, and its mean gap
 
 Each pair is one `python -m jaxseq.train` command run twice as a user types it (a new process, no compilation cache),
 once with `--dtype bfloat16` and once with `--dtype bfloat16 --fp8` (`--fp8` refuses float32, so bf16 is the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -100,11 +102,29 @@ def pair_row(pair: dict) -> str:
             f"{bf16['load_before']} / {fp8['load_before']} |")
 
 
+def seed_summary(ordered: list[dict]) -> list[str]:
+    """Per pair run at several seeds: the mean gap, and how far bf16's own validation loss moves with the seed (the
+    noise a single pair's gap sits in)."""
+    lines = []
+    for label in dict.fromkeys(p.get("pair", p["label"]) for p in ordered):
+        runs = [p for p in ordered if p.get("pair", p["label"]) == label]
+        if len(runs) < 2:
+            continue
+        gaps, bf16 = [p["gap_nats"] for p in runs], [p["bf16"]["val_loss"] for p in runs]
+        mean = sum(gaps) / len(gaps)
+        verdict = "within" if abs(mean) <= GATE_NATS else "**outside**"
+        lines.append(f"\n{label} over seeds {', '.join(str(p.get('seed', 0)) for p in runs)}: mean gap "
+                     f"{mean:+.4f} nats ({verdict} {GATE_NATS}), gaps from {min(gaps):+.4f} to {max(gaps):+.4f}; "
+                     f"bf16's validation loss itself spans {max(bf16) - min(bf16):.4f} nats across the seeds.")
+    return lines
+
+
 def write(pairs: list[dict], info: dict) -> None:
     path = RESULTS / "fp8_convergence.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     measured = {p["label"]: p for p in old.get("pairs", [])} | {p["label"]: p for p in pairs}
-    ordered = [measured[label] for label, *_ in PAIRS if label in measured]
+    rank = {label: i for i, (label, *_) in enumerate(PAIRS)}
+    ordered = sorted(measured.values(), key=lambda p: (rank[p.get("pair", p["label"])], p.get("seed", 0)))
     path.write_text(json.dumps({"machine": info, "gate_nats": GATE_NATS, "pairs": ordered}, indent=1) + "\n")
     lines = ["# FP8 against bf16, emulated on the CPU (`python experiments/fp8_convergence.py`)", "",
              f"Machine: {info['cpu']}, {info['cores']} cores (shared with other jobs: see the load), Python "
@@ -115,6 +135,7 @@ def write(pairs: list[dict], info: dict) -> None:
              "| pair | steps | tokens | final train loss, bf16 / FP8 | validation loss, bf16 | validation loss, FP8 "
              "| gap, nats | wall, bf16 / FP8 | load before |", "|" + " --- |" * 9]
     lines += [pair_row(p) for p in ordered]
+    lines += seed_summary(ordered)
     lines += ["", "Validation loss at each evaluation (step: bf16 / FP8):", ""]
     for p in ordered:
         curve = ", ".join(f"{step}: {loss:.4f} / {p['fp8']['val_curve'][step]:.4f}"
@@ -130,6 +151,10 @@ def write(pairs: list[dict], info: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("labels", nargs="*", help=f"which pairs (default: all): {', '.join(p[0] for p in PAIRS)}")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds (default 0, the command's own); another seed is the same command "
+                             "with `seed=N` appended (other initial weights and data order), its pair labelled "
+                             "'LABEL, seed N'")
     parser.add_argument("--together", action="store_true",
                         help="run each pair's bf16 and FP8 commands at the same time (a busy machine: the two share "
                              "its load, and the pair ends in about one run's wall time when other jobs hold the rest)")
@@ -138,20 +163,26 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown pairs {sorted(unknown)}; valid: {', '.join(p[0] for p in PAIRS)}")
     info = {**machine(), "date": datetime.date.today().isoformat()}
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds={args.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
     done = []
-    for label, what, command, sequences, seq_len in PAIRS:
+    for (label, what, base, sequences, seq_len), seed in itertools.product(PAIRS, seeds):
         if args.labels and label not in args.labels:
             continue
+        command = base + ([f"seed={seed}"] if seed else [])
+        pair_label = f"{label}, seed {seed}" if seed else label
         with ThreadPoolExecutor(max_workers=2 if args.together else 1) as pool:
-            futures = {name: pool.submit(train, f"{label} {name}", command + extra, sequences, seq_len)
+            futures = {name: pool.submit(train, f"{pair_label} {name}", command + extra, sequences, seq_len)
                        for name, extra in (("bf16", []), ("fp8", ["--fp8"]))}
             runs = {name: future.result() for name, future in futures.items()}
         for name, r in runs.items():
-            print(f"{label} {name}: validation loss {r['val_loss']:.4f} nats after {r['steps']} steps, "
+            print(f"{pair_label} {name}: validation loss {r['val_loss']:.4f} nats after {r['steps']} steps, "
                   f"{_duration(r['wall_s'])} (load before {r['load_before']})", flush=True)
-        done.append({"label": label, "what": what, "together": args.together, **runs,
+        done.append({"label": pair_label, "pair": label, "seed": seed, "what": what, "together": args.together, **runs,
                      "gap_nats": round(runs["fp8"]["val_loss"] - runs["bf16"]["val_loss"], 4)})
-        print(f"{label}: FP8 − bf16 = {done[-1]['gap_nats']:+.4f} nats", flush=True)
+        print(f"{pair_label}: FP8 − bf16 = {done[-1]['gap_nats']:+.4f} nats", flush=True)
         write(done, info)
 
 
