@@ -7,7 +7,8 @@ imports only the modules ALLOWED lists for it, and each folder imports only from
 layers below it (LAYERS), so no folder imports from a folder that imports it. The seams: no module outside
 models/ and interop/ tells a model family by its name (`family_branches`), and sharding specs are derived in the
 modules SPEC_OWNERS names, at most three, and built for a manual region's view only in REGION_SPECS
-(`spec_constructions`)."""
+(`spec_constructions`). And the sizes a reader can take in: no module over 600 lines, no function over 100
+(`oversized`)."""
 
 import ast
 import os
@@ -383,3 +384,28 @@ def test_the_spec_check_finds_every_way_to_construct_one(tmp_path):
         "a = P()\nb = NamedSharding(mesh, a)\nc = jax.sharding.PartitionSpec(None)\nd = jax.P('data')\n"
         "ok = isinstance(a, P)\n\ndef f(spec: P) -> NamedSharding:\n    return spec\n")
     assert spec_constructions(str(tmp_path / "m.py")) == [3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes a reader can take in: a module ≤ 600 lines, a function ≤ 100 (nested functions counted in their own right).
+
+MODULE_LINES, FUNCTION_LINES = 600, 100
+
+
+def oversized(path: str) -> list[str]:
+    """A module over MODULE_LINES lines, and each function over FUNCTION_LINES, by name and length."""
+    source = open(path, encoding="utf-8").read()
+    found = [f"module: {n} lines"] if (n := len(source.splitlines())) > MODULE_LINES else []
+    return found + [f"{node.name} (line {node.lineno}): {length} lines" for node in ast.walk(ast.parse(source, path))
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and (length := node.end_lineno - node.lineno + 1) > FUNCTION_LINES]
+
+
+def test_no_module_over_600_lines_and_no_function_over_100():
+    assert {module: found for module, path in package_files().items() if (found := oversized(path))} == {}
+
+
+def test_the_size_check_catches_a_long_module_and_a_long_function(tmp_path):
+    body = "def long():\n" + "    x = 1\n" * 100 + "\n\ndef short():\n    pass\n" + "y = 2\n" * 500
+    (tmp_path / "m.py").write_text(body)
+    assert oversized(str(tmp_path / "m.py")) == ["module: 605 lines", "long (line 1): 101 lines"]
