@@ -416,7 +416,9 @@ def test_with_the_h100s_recorded_gemm_choices_the_step_is_its_measured_peak():
     Triton: the all-Triton program is 3.3% under the H100's peak and the all-cuBLAS one 5.9-9.2% over it (so
     `plan --target`, the larger, missed by that much). A plan's row compiled here with the choices that run recorded
     (`plan.recorded_totals`: `planning.autotune`, relabelled for this CUDA build, in a process of its own), on the
-    JAX the H100 ran (0.11.2, requirements-gpu-device.txt), is the measured peak within 4 KB. Another XLA's fusions
+    JAX the H100 ran (0.11.2, requirements-gpu-device.txt), is the measured peak within 16 KB: within 4 KB of the
+    program the H100 ran, and 8,324 bytes under it since the bias gradient sums its rounded input (the optimization
+    barrier in `ops.add_bias`, which no GPU has run yet). Another XLA's fusions
     differ: on JAX 0.12, 3 of the step's GEMMs find no recorded choice, and the file is refused in one line rather
     than passed off as the device's choices (experiments/results/autotune_replay_jax*.md)."""
     from jaxseq.planning import autotune
@@ -434,7 +436,7 @@ def test_with_the_h100s_recorded_gemm_choices_the_step_is_its_measured_peak():
                 strategy="all-gather", fsdp=1)
     found = lambda: recorded_totals(cfg, [row], model["micro_batch"], 1, "h100", step, recorded)
     if jax.__version__ == check["jax_version"]:
-        assert found()[row] == pytest.approx(run["peak_bytes_in_use"], abs=4096)
+        assert found()[row] == pytest.approx(run["peak_bytes_in_use"], abs=16384)
     else:
         with pytest.raises(ConfigError, match="holds the choices of none of these steps"):
             found()

@@ -187,6 +187,7 @@ def _add_bias_fwd(x, bias, bias_ndim):
 
 
 def _add_bias_bwd(bias_ndim, _, g):
+    g = jax.lax.optimization_barrier(g)  # the bias gradient sums g as rounded to the compute dtype: see add_bias
     axes = tuple(range(g.ndim - bias_ndim))
     return g, jnp.sum(g.astype(jnp.float32), axis=axes).astype(g.dtype)
 
@@ -197,7 +198,10 @@ _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 def add_bias(x, bias):
     """x + bias over x's trailing axes. Backward sums the bias gradient in float32 explicitly (the
     sum any backend accumulates in f32 anyway): left to autodiff, a bf16 sum over every token
-    becomes a slow pairwise reduce-window on XLA:CPU."""
+    becomes a slow pairwise reduce-window on XLA:CPU. It sums g as the program rounds it (an optimization barrier):
+    with XLA's excess precision, XLA otherwise drops that rounding, sums g's float32 producer instead, and on a GPU
+    writes that producer (GELU's backward) in float32 for the sum to read: 9.7 GB more a gpt3-1.3b step on the
+    H100's program (experiments/results/bf16_levers.md). The bias gradients then differ by bf16 rounding."""
     return _add_bias(x, bias.astype(x.dtype), bias.ndim)
 
 
