@@ -36,7 +36,7 @@ OUT_PROJ = "out_proj"  # attention block output before dropout: not needed by ba
 ATTN_OUT_DROPOUT_MASK = "attn_out_dropout_mask"  # 1 (replicated under TP)
 MID_LAYER_RESIDUAL = "mid_layer_residual"  # LN2 input, 2 (replicated under TP)
 MLPWI_INPUT = "mlpwi_input"  # LN2 output, 2 (replicated under TP)
-MLPWI = "mlpwi"  # first MLP matmul output = GELU input, 8, split t ways
+MLPWI = "mlpwi"  # first MLP matmul output, before its bias (GELU input less the bias), 8, split t ways
 MLP_ACTIVATION = "mlp_activation"  # GELU's or SwiGLU's output, the second MLP matmul's input, 8, split t ways
 MLPWO = "mlpwo"  # second MLP matmul output before dropout: not needed by backward
 MLP_DROPOUT_MASK = "mlp_dropout_mask"  # 1 (replicated under TP)

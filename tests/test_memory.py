@@ -66,3 +66,26 @@ def test_policies_store_different_bytes():
 def test_lean_without_sequence_parallelism():
     # 4 replicated (layer input and mid residual) + 16 split t ways.
     assert hlo_loops.stored_bytes_per_layer(hlo("lean", False), L) == (4 + 16 / T) * SBH
+
+
+def test_gpt_keeps_the_first_mlp_matmuls_output_before_its_bias():
+    """The tensor tagged MLPWI (what `none`, `selective` and `lean` keep of the MLP's first matmul) is the matmul's
+    own output, which the GEMM writes anyway; the bias is added again in backward. Tagged after the bias, the H100's
+    program of gpt3-1.3b's default step wrote both, 3.2 GB a step more (experiments/results/bf16_levers.md)."""
+    import jax
+
+    from jaxseq.config import ModelConfig
+    from jaxseq.models import model as M
+    from jaxseq.remat import MLPWI
+    from jaxseq.sharding import Sharder
+
+    cfg = ModelConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=1, dtype="float32", dropout=0.0)
+    layer = jax.tree.map(lambda a: a[0], M.init_params(jax.random.key(0), cfg)["layers"])
+    x = jax.numpy.zeros((2, cfg.seq_len, cfg.hidden))
+    jaxpr = jax.make_jaxpr(lambda x, p: M.block(x, p, None, cfg, Sharder(None)))(x, layer).jaxpr
+    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    (tag,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "name" and eqn.params["name"] == MLPWI]
+    producer = producers[tag.invars[0]]
+    while producer.primitive.name == "sharding_constraint":
+        producer = producers[producer.invars[0]]
+    assert producer.primitive.name == "dot_general", producer
