@@ -37,9 +37,10 @@ def recorded_runs() -> list[dict]:
     """Each configuration of the H100's run with its recorded choices: label, config, policy, micro-batch, peak,
     file."""
     from jaxseq.config import ModelConfig, replace
+    from jaxseq.models.model import saved_model_fields
 
     (model,) = json.loads((RUN / "gpu.json").read_text())["models"].values()
-    cfg = ModelConfig(**model["config"])
+    cfg = ModelConfig(**saved_model_fields(model["config"]))
     runs = [(f"{p}, b={model['micro_batch']}", cfg, p, model["micro_batch"], r) for p, r in model["policies"].items()]
     runs += [(f"{p}, unrolled, b={model['micro_batch']}", replace(cfg, layer_loop="unrolled"), p,
               model["micro_batch"], r)

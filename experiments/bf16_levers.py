@@ -6,7 +6,9 @@ one GPU), compiled for the H100 on this CPU-only machine for every combination o
 - the policy: `lean` (a fused GPU run's default) or `none` (equal to `selective` under cuDNN's attention);
 - XLA's excess precision: on (XLA's default: it may keep a bf16 value in float32 between ops, and drop the rounding
   the program asks for) or off (`xla_allow_excess_precision=False`: every bf16 the program names is rounded);
-- the GEMMs: Triton's program (the one the time model was checked on) or cuBLAS's (Triton's GEMMs off).
+- the GEMMs: Triton's program (the one the time model was checked on) or cuBLAS's (Triton's GEMMs off);
+- GPT's Q, K and V: three weights (the default) or one (`fused_qkv`: the program the H100 measured), unrolled
+  `none` only.
 
 For each: the peak per device (`aot.step_bytes`), the bytes its memory-bound kernels move
 (`hlo_kernels.memory_bound_bytes`), the step priced on that program (`search_time.program_step_time`: within 2.1% of
@@ -36,6 +38,7 @@ MIB = 2**20
 LOOPS, POLICIES = ("scan", "unrolled"), ("lean", "none")
 EXCESS = {"on": {}, "off": {"xla_allow_excess_precision": False}}
 GEMMS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+QKV = {"split": False, "fused": True}  # GPT's Q, K and V: three weights (the default) or one (`fused_qkv`)
 
 
 def measure(target: str = "h100") -> list[dict]:
@@ -55,18 +58,22 @@ def measure(target: str = "h100") -> list[dict]:
     hw, tm, rows = HARDWARE[target], TimeModel(), []
     for name, (cfg, micro_batch, _) in measured_runs().items():
         state = SearchCosts(cfg, jax.devices("cpu")[:1]).state(cfg, 1, 1, False, 1)
-        for loop, policy, excess, gemms in itertools.product(LOOPS, POLICIES, EXCESS, GEMMS):
+        for loop, policy, excess, gemms, qkv in itertools.product(LOOPS, POLICIES, EXCESS, GEMMS, QKV):
             if gemms == "cublas" and (loop, policy) != ("unrolled", "none"):
                 continue  # the cuBLAS program once, beside the fastest Triton one
+            if qkv == "fused" and (cfg.family != "gpt" or (loop, policy, excess) != ("unrolled", "none", "on")):
+                continue  # GPT's fused QKV (the program the H100 measured) beside today's default
             start = time.perf_counter()
-            step = gpu_target.compile_step(replace(cfg, layer_loop=loop), ParallelConfig(), policy, micro_batch, 1,
-                                           target, options={**GEMMS[gemms], **EXCESS[excess]})
+            run = replace(cfg, layer_loop=loop, fused_qkv=QKV[qkv] and cfg.family == "gpt")
+            step = gpu_target.compile_step(run, ParallelConfig(), policy, micro_batch, 1, target,
+                                           options={**GEMMS[gemms], **EXCESS[excess]})
             compile_s = time.perf_counter() - start
             moved = hlo_kernels.memory_bound_bytes(step.as_text())
-            stored = gpu_target.stored_bytes_per_layer(cfg, ParallelConfig(), policy, micro_batch, target)
+            stored = gpu_target.stored_bytes_per_layer(run, ParallelConfig(), policy, micro_batch, target)
             c = Candidate(1, 1, 1, 1, micro_batch, policy, False, False, 1)
             step_s = program_step_time(cfg, c, LayerCost(stored, {}, 0, 0), state, hw, tm, moved).total_s
             row = {"model": name, "layer_loop": loop, "remat": policy, "excess_precision": excess, "gemms": gemms,
+                   "qkv": qkv if cfg.family == "gpt" else "apart",
                    "peak_bytes": aot.step_bytes(step), "memory_bound_bytes": moved, "program_step_s": step_s,
                    "mfu": train_flops(cfg, micro_batch) / (step_s * hw.peak_tflops * 1e12), "compile_s": compile_s}
             row["moved_by_op"] = moved_by_op(step.as_text())
@@ -99,10 +106,12 @@ def table(rows: list[dict], jax_version: str) -> str:
              "Compile: seconds on this machine (no autotuning). A GPU run's default (`python -m jaxseq.train "
              "--attention fused`): unrolled `none`, excess precision on, the autotuner's GEMMs (scanned `lean` before "
              "unrolled layers became the default). Nothing here ran on a GPU.", "",
-             "| model | layers | remat | excess precision | GEMMs | peak MiB | moved GB | step s | MFU | compile s |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "| model | layers | remat | excess precision | GEMMs | QKV | peak MiB | moved GB | step s | MFU "
+             "| compile s |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['layer_loop']} | {r['remat']} | {r['excess_precision']} | {r['gemms']} | "
+                     f"{r.get('qkv', 'fused' if r['model'].startswith('gpt') else 'apart')} | "
                      f"{r['peak_bytes'] / MIB:,.0f} | {r['memory_bound_bytes'] / 1e9:.1f} | "
                      f"{r['program_step_s']:.4f} | {100 * r['mfu']:.1f}% | {r['compile_s']:.0f} |")
     for model in dict.fromkeys(r["model"] for r in rows):

@@ -34,12 +34,13 @@ MIB = 2**20
 def measured_runs() -> dict:
     """model name → (ModelConfig as the GPU ran it, micro-batch, {policy: peak bytes})."""
     from jaxseq.config import ModelConfig
+    from jaxseq.models.model import saved_model_fields
 
     runs = {}
     for path in sorted(MEASURED.glob("h100_*_mb*.json")):
         for name, model in json.loads(path.read_text())["models"].items():
             peaks = {p: model["policies"][p]["peak_bytes_in_use"] for p in POLICIES}
-            runs[name] = (ModelConfig(**model["config"]), model["micro_batch"], peaks)
+            runs[name] = (ModelConfig(**saved_model_fields(model["config"])), model["micro_batch"], peaks)
     return runs
 
 
@@ -113,10 +114,11 @@ def later_runs() -> list[dict]:
     layers (`lax.split`, followup_2_unstack.json), and `lean` unrolled from a third run (the rest of that run repeats
     these shapes): each a config, policy, micro-batch, peak and median step."""
     from jaxseq.config import ModelConfig, replace
+    from jaxseq.models.model import saved_model_fields
 
     check = json.loads((LATER / "gpu.json").read_text())
     model = check["models"]["gpt3-1.3b"]
-    cfg = ModelConfig(**model["config"])
+    cfg = ModelConfig(**saved_model_fields(model["config"]))
     row = lambda label, cfg, policy, b, run: {"label": label, "config": cfg, "remat": policy, "micro_batch": b,
                                               "measured_bytes": run["peak_bytes_in_use"],
                                               "measured_step_s": run["median_step_s"]}

@@ -73,6 +73,9 @@ class ModelConfig:
     layer_loop: str = "scan"  # how the layers run: "scan" (lax.scan) or "unrolled" (a Python loop: models/model.layers)
     # the layers' weight matmuls as FP8 GEMMs (e4m3 activations and weights, e5m2 gradients: models/fp8.py)
     fp8: bool = False
+    # GPT's Q, K and V as one [h, 3, a, d] weight and one GEMM (Megatron's layout; jaxseq's before 2026-12-04, which
+    # a run saved without this field resumes with) or as three (MaxText's default: models/gpt.py says why)
+    fused_qkv: bool = False
     # The Llama family's, which it validates (models/llama.py, `validate`):
     kv_heads: int | None = None  # K/V heads of grouped-query attention; None: heads (multi-head)
     ffn_hidden: int | None = None  # MLP width f; None: mlp_ratio · hidden

@@ -191,17 +191,22 @@ class Sharder:
             return deferred.apply(lambda x, p: self.column_parallel(fn, x, p, param_axes, out_axes), x, params)
         if self.mesh is None:
             return fn(x, params)
-        if not self.sequence_parallel:
+        if not self.sequence_parallel and not several_outputs(out_axes):
             return _map_outputs(lambda y, axes: self(y, *axes), fn(self(x, "batch", "seq", None), params), out_axes)
-        local = lambda y, p: fn(jax.lax.all_gather(y, "tensor", axis=1, tiled=True), p)
+        # Several outputs without SP (GPT's Q, K and V): in the region too, the input cast to varying over `tensor`
+        # once (Megatron's f), so that backward sums their input gradients on each rank and all-reduces that once,
+        # where the partitioner (and a cast per use) all-reduced each.
+        enter = (lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)) if self.sequence_parallel else (
+            lambda y: jax.lax.pcast(y, ("tensor",), to="varying"))
+        local = lambda y, p: fn(enter(y), p)
         specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
-        return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(self.spec("batch", "seq_sp", None), specs),
-            out_specs=self.out_specs(out_axes))(x, params)
+        x_spec = self.spec("batch", "seq_sp" if self.sequence_parallel else "seq", None)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(x_spec, specs), out_specs=self.out_specs(out_axes))(
+            x, params)
 
     def out_specs(self, out_axes):
         """The specs of `column_parallel`'s outputs: one tuple of logical axes, or a tuple of such tuples."""
-        if _several(out_axes):
+        if several_outputs(out_axes):
             return tuple(self.spec(*axes) for axes in out_axes)
         return self.spec(*out_axes)
 
@@ -241,13 +246,13 @@ class RegionView(Sharder):
         return jax.sharding.get_abstract_mesh()
 
 
-def _several(out_axes) -> bool:
+def several_outputs(out_axes) -> bool:
     """Whether column_parallel's out_axes name several outputs (a tuple of axis tuples)."""
     return len(out_axes) > 0 and isinstance(out_axes[0], tuple)
 
 
 def _map_outputs(fn, outputs, out_axes):
-    if _several(out_axes):
+    if several_outputs(out_axes):
         return tuple(fn(y, axes) for y, axes in zip(outputs, out_axes))
     return fn(outputs, out_axes)
 

@@ -280,7 +280,7 @@ def test_restore_params_reads_the_params_alone_onto_another_mesh(devices, tmp_pa
         for a, b in zip(jax.tree.leaves(params["layers"]), jax.tree.leaves(state.params["layers"])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for other, named in ((replace(CFG, layers=4),
-                          r"layers\.attn\.out\.bias has shape \(2, 64\), the model needs \(4, 64\)"),
+                          r"layers\.attn\.k\.bias has shape \(2, 8, 8\), the model needs \(4, 8, 8\)"),
                          (replace(CFG, seq_len=128),
                           r"embed\.position has shape \(64, 64\), the model needs \(128, 64\)")):
         with pytest.raises(ConfigError, match=named):

@@ -92,7 +92,7 @@ def test_mesh_device_count_mismatch():
         make_mesh(ParallelConfig(data=2, tensor=2))
 
 
-# The golden table: Megatron's layouts. Column-parallel QKV (heads) and MLP-up (mlp), row-parallel
+# The golden table: Megatron's layouts. Column-parallel Q, K and V (heads) and MLP-up (mlp), row-parallel
 # projection and MLP-down, vocab-parallel embedding; everything else replicated. Layers are stacked.
 GOLDEN = {
     "['embed']['token']": P("tensor", None),
@@ -101,8 +101,8 @@ GOLDEN = {
     "['final_ln']['scale']": P(None),
     "['layers']['attn']['out']['bias']": P(None, None),
     "['layers']['attn']['out']['kernel']": P(None, "tensor", None, None),
-    "['layers']['attn']['qkv']['bias']": P(None, None, "tensor", None),
-    "['layers']['attn']['qkv']['kernel']": P(None, None, None, "tensor", None),
+    **{f"['layers']['attn']['{name}']['bias']": P(None, "tensor", None) for name in ("q", "k", "v")},
+    **{f"['layers']['attn']['{name}']['kernel']": P(None, None, "tensor", None) for name in ("q", "k", "v")},
     "['layers']['ln1']['bias']": P(None, None),
     "['layers']['ln1']['scale']": P(None, None),
     "['layers']['ln2']['bias']": P(None, None),

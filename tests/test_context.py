@@ -29,6 +29,7 @@ from jaxseq.parallel import data_parallel as DP
 from jaxseq.parallel import pipeline as PL
 from jaxseq.planning.stash import stash_layout
 from jaxseq.parallel.layout import Layout
+from trees import comparable
 
 GPT = replace(preset("tiny"), dtype="float32", dropout=0.1)
 LLAMA = replace(preset("tiny-llama"), dtype="float32")  # 8 query heads sharing 2 K/V heads
@@ -65,7 +66,8 @@ def assert_same(result, reference, rtol=1e-5):
     loss, grads = result
     ref_loss, ref_grads = reference
     assert abs(loss - ref_loss) <= rtol * abs(ref_loss), (loss, ref_loss)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(comparable(grads)),
+                            jax.tree.leaves(comparable(ref_grads))):
         err = np.max(np.abs(g - r)) / np.max(np.abs(r))
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 

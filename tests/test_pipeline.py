@@ -20,6 +20,7 @@ from jaxseq.sharding import Sharder
 from jaxseq.training import aot, loop
 from jaxseq.training import train_step as T
 from jaxseq.parallel.layout import Layout
+from trees import comparable
 
 # 8 layers: divisible by every p·v below. Micro-batches of 2 sequences (1 per data rank at data=2).
 CFG = replace(preset("tiny"), hidden=32, heads=4, seq_len=16, layers=8, dtype="float32", dropout=0.1)
@@ -74,7 +75,8 @@ def reference(devices):
 
 def _assert_close(loss, grads, ref_loss, ref_grads, rtol=1e-5):
     assert abs(float(loss) - ref_loss) <= rtol * abs(ref_loss)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(comparable(jax.device_get(grads))),
+                            jax.tree.leaves(comparable(ref_grads))):
         scale = np.max(np.abs(r))
         assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
         np.testing.assert_allclose(g, r, rtol=0, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))

@@ -92,7 +92,7 @@ def test_restore_in_the_compute_dtype_with_fewer_positions(saved_run, devices):
     run_dir, saved = saved_run
     parallel = ParallelConfig(data=2, tensor=4)
     restored = rundir.restore(run_dir, parallel, make_mesh(parallel, devices), dtype="bfloat16", seq_len=16)
-    assert restored.params["layers"]["attn"]["qkv"]["kernel"].dtype == jnp.bfloat16
+    assert restored.params["layers"]["attn"]["q"]["kernel"].dtype == jnp.bfloat16
     assert restored.params["layers"]["ln1"]["scale"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(restored.params["embed"]["position"]),
                                   saved["embed"]["position"][:16].astype(jnp.bfloat16))

@@ -15,6 +15,7 @@ import pytest
 from jaxseq import plan as plan_command
 from jaxseq.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, replace, validate,
                            validate_pipeline)
+from jaxseq.models.model import saved_model_fields
 from jaxseq.presets import preset
 from jaxseq.hardware import HARDWARE, Hardware
 from jaxseq.mesh import make_mesh
@@ -350,7 +351,7 @@ def test_the_h100_step_times_per_policy_against_the_time_model_and_the_gpu_progr
     for name in ("gpt3-1.3b", "llama-1b"):
         path = f"experiments/results/gpu_h100_2026-11-26/h100_{name}_mb4.json"
         (measured,) = json.loads(open(os.path.join(root, path)).read())["models"].values()
-        cfg, b = ModelConfig(**measured["config"]), measured["micro_batch"]
+        cfg, b = ModelConfig(**saved_model_fields(measured["config"])), measured["micro_batch"]
         state = SearchCosts(cfg, jax.devices()[:1]).state(cfg, 1, 1, False, 1)  # from shapes, nothing compiled
         errors, counted_errors = [], []
         for remat, run in measured["policies"].items():
@@ -387,7 +388,7 @@ def test_the_h100_step_times_at_shapes_measured_later():
     later = json.loads(open(os.path.join(root,
                                          "experiments/results/gpu_target_vs_measured.json")).read())["later_shapes"]
     check = json.loads(open(os.path.join(root, "experiments/results/gpu_h100_2026-11-27/gpu.json")).read())
-    base = ModelConfig(**check["models"]["gpt3-1.3b"]["config"])
+    base = ModelConfig(**saved_model_fields(check["models"]["gpt3-1.3b"]["config"]))
     hw = HARDWARE["h100"]
     assert len(later) == 11
     for r in later:

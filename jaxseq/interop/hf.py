@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxseq.config import ConfigError, ModelConfig
 
+QKV = ("q", "k", "v")  # GPT's attention weights (models/gpt.py), one c_attn tensor in Hugging Face's
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GPT-2's tanh GELU, which jaxseq computes
 # Non-parameter tensors older checkpoints carry (causal-mask buffers): kept verbatim, never used.
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -200,6 +201,38 @@ def _stacked(weights: Weights, names: list[str], layer_shape: tuple[int, ...]) -
     return Leaf((len(names), *layer_shape), read)
 
 
+def _part(leaf: Leaf, axis: int, index: int) -> Leaf:
+    """Entry `index` of `axis` of a leaf, that axis dropped: Q, K or V of GPT-2's one c_attn tensor per layer."""
+    def read(idx):
+        return np.take(leaf.read(idx[:axis] + (slice(index, index + 1),) + idx[axis:]), 0, axis=axis)
+
+    return Leaf(leaf.shape[:axis] + leaf.shape[axis + 1:], read)
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """Stacked leaves [L, …] joined along a new `axis` of each layer, layer by layer: GPT-2's c_attn from Q, K, V."""
+
+    parts: tuple
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = tuple(self.parts[0].shape)
+        return first[:self.axis + 1] + (len(self.parts),) + first[self.axis + 1:]
+
+    def __getitem__(self, i):
+        return np.stack([np.asarray(part[i], np.float32) for part in self.parts], axis=self.axis)
+
+
+def _qkv_sources(attn: dict) -> dict:
+    """c_attn's kernel [L, h, 3, a, d] and bias [L, 3, a, d]: the fused leaves, or Q, K and V joined."""
+    if "qkv" in attn:
+        return {"qkv.kernel": attn["qkv"]["kernel"], "qkv.bias": attn["qkv"]["bias"]}
+    return {"qkv.kernel": _Joined(tuple(attn[name]["kernel"] for name in QKV), axis=1),
+            "qkv.bias": _Joined(tuple(attn[name]["bias"] for name in QKV), axis=0)}
+
+
 def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
     """HF tensors → (jaxseq params as `Leaf`s, read on demand, the record to-hf needs to write them back,
     buffers). The token embedding keeps its vocab_size rows; padding it for a mesh is the reader's job.
@@ -223,11 +256,14 @@ def to_params(cfg: ModelConfig, weights: Weights) -> tuple[dict, dict, dict]:
         return _stacked(weights, names, shape)
 
     ln = lambda k: {"scale": stack(f"{k}.scale", (h,)), "bias": stack(f"{k}.bias", (h,))}
+    qkv_kernel, qkv_bias = stack("qkv.kernel", (h, 3, a, d)), stack("qkv.bias", (3, a, d))  # c_attn: [h, 3h], [3h]
     params = {
         "embed": {"token": tensor_leaf(weights, p + "wte.weight"), "position": tensor_leaf(weights, p + "wpe.weight")},
         "layers": {
             "ln1": ln("ln1"),
-            "attn": {"qkv": {"kernel": stack("qkv.kernel", (h, 3, a, d)), "bias": stack("qkv.bias", (3, a, d))},
+            "attn": {**({"qkv": {"kernel": qkv_kernel, "bias": qkv_bias}} if cfg.fused_qkv else
+                        {name: {"kernel": _part(qkv_kernel, 2, c), "bias": _part(qkv_bias, 1, c)}
+                         for c, name in enumerate(QKV)}),
                      "out": {"kernel": stack("out.kernel", (a, d, h)), "bias": stack("out.bias", (h,))}},
             "ln2": ln("ln2"),
             "mlp": {"wi": {"kernel": stack("wi.kernel", (h, cfg.mlp_hidden)),
@@ -299,8 +335,9 @@ def from_params(cfg: ModelConfig, params: dict, record: dict | None = None,
                p + "ln_f.weight": unstacked(params["final_ln"]["scale"]),
                p + "ln_f.bias": unstacked(params["final_ln"]["bias"])}
     sources = {"ln1.scale": lay["ln1"]["scale"], "ln1.bias": lay["ln1"]["bias"], "ln2.scale": lay["ln2"]["scale"],
-               "ln2.bias": lay["ln2"]["bias"], "qkv.kernel": lay["attn"]["qkv"]["kernel"],
-               "qkv.bias": lay["attn"]["qkv"]["bias"], "out.kernel": lay["attn"]["out"]["kernel"],
+               "ln2.bias": lay["ln2"]["bias"],
+               **_qkv_sources(lay["attn"]),
+               "out.kernel": lay["attn"]["out"]["kernel"],
                "out.bias": lay["attn"]["out"]["bias"], "wi.kernel": lay["mlp"]["wi"]["kernel"],
                "wi.bias": lay["mlp"]["wi"]["bias"], "wo.kernel": lay["mlp"]["wo"]["kernel"],
                "wo.bias": lay["mlp"]["wo"]["bias"]}

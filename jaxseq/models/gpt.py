@@ -21,17 +21,22 @@ from jaxseq.models.ops import add_bias, attention, dropout, gelu, layer_norm, ma
 from jaxseq.models.params import bias, derive, drop_layer_axis, kernel, norm_bias, norm_scale, Param, Traits
 from jaxseq.sharding import Sharder
 
-# QKV and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
-# row-parallel, the token embedding is vocab-parallel. The QKV kernel is [h, 3, a, d] so that
-# splitting heads keeps each rank's Q, K and V together.
+# Q, K, V and MLP-up are column-parallel (heads / mlp split), the projection and MLP-down are
+# row-parallel, the token embedding is vocab-parallel. Q, K and V are three weights, as MaxText keeps them by default:
+# as one [h, 3, a, d] kernel (`fused_qkv`, Megatron's), the GPU's backward concatenates cuDNN's three gradients into
+# one tensor for its two GEMMs (7.25 GB a gpt3-1.3b step on the H100's program, experiments/results/bf16_levers.md).
+# Fused, the kernel is [h, 3, a, d] so that splitting heads keeps each rank's Q, K and V together.
+QKV = ("q", "k", "v")
+FUSED_QKV = {"kernel": kernel(("L", "h", "3", "a", "d"), ("layers", "embed", None, "heads", None)),
+             "bias": bias(("L", "3", "a", "d"), ("layers", None, "heads", None))}
 PARAMS = {
     "embed": {"token": kernel(("V", "h"), ("vocab", "embed")),
               "position": Param(("s", "h"), (None, "embed"), "normal", decay=False, cast=True)},
     "layers": {
         "ln1": {"scale": norm_scale(layers=True), "bias": norm_bias(layers=True)},
         "attn": {
-            "qkv": {"kernel": kernel(("L", "h", "3", "a", "d"), ("layers", "embed", None, "heads", None)),
-                    "bias": bias(("L", "3", "a", "d"), ("layers", None, "heads", None))},
+            **{name: {"kernel": kernel(("L", "h", "a", "d"), ("layers", "embed", "heads", None)),
+                      "bias": bias(("L", "a", "d"), ("layers", "heads", None))} for name in QKV},
             "out": {"kernel": kernel(("L", "a", "d", "h"), ("layers", "heads", None, "embed"), "residual"),
                     "bias": bias(("L", "h"), ("layers", None))},
         },
@@ -46,7 +51,10 @@ PARAMS = {
     "final_ln": {"scale": norm_scale(layers=False), "bias": norm_bias(layers=False)},
 }
 
-LAYER_AXES = drop_layer_axis(derive(PARAMS, lambda p: p.axes)["layers"])
+PARAMS_FUSED = {**PARAMS, "layers": {**PARAMS["layers"], "attn": {
+    "qkv": FUSED_QKV, "out": PARAMS["layers"]["attn"]["out"]}}}
+LAYER_AXES = {fused: drop_layer_axis(derive(params, lambda p: p.axes)["layers"])
+              for fused, params in ((False, PARAMS), (True, PARAMS_FUSED))}
 
 # LayerNorm keeps its float32 mean and 1/std; GELU's input is f wide, bias + GELU move 2e forward and 3e back;
 # learned positions are added at the lookup; the papers' formulas are this family's.
@@ -72,14 +80,16 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.qk_norm is not False:
         raise ConfigError(f"qk_norm={cfg.qk_norm!r} is a Llama-family setting; the gpt family has none "
                           "(set family: llama)")
+    if not isinstance(cfg.fused_qkv, bool):
+        raise ConfigError(f"fused_qkv={cfg.fused_qkv!r} must be true or false")
 
 
 def table(cfg: ModelConfig, tensor: int) -> dict:
-    return PARAMS
+    return PARAMS_FUSED if cfg.fused_qkv else PARAMS
 
 
 def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
-    return LAYER_AXES
+    return LAYER_AXES[cfg.fused_qkv]
 
 
 def embed(group, tokens, key, cfg: ModelConfig, shard: Sharder):
@@ -112,6 +122,23 @@ def _linear(spec: str, cfg: ModelConfig):
     return lambda x, p: matmul(spec, x, p["kernel"], cfg)
 
 
+def _qkv(y, attn, cfg: ModelConfig, shard: Sharder):
+    """q, k, v [b, s, a, d], biases added, from the column-parallel projection of y: three GEMMs (one all-gather of
+    y under SP, one reduction of its gradient), or one of the fused kernel and a split (backward: one concatenate,
+    not three zero-padded gradients summed)."""
+    if cfg.fused_qkv:
+        qkv = shard.column_parallel(_linear("bsh,hcad->bscad", cfg), y, {"kernel": attn["qkv"]["kernel"]},
+                                    {"kernel": LAYER_AXES[True]["attn"]["qkv"]["kernel"]},
+                                    ("batch", "seq", None, "heads", None))
+        qkv = add_bias(qkv, attn["qkv"]["bias"])
+        return tuple(t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    kernels = {name: attn[name]["kernel"] for name in QKV}
+    qkv = shard.column_parallel(lambda y, w: tuple(matmul("bsh,had->bsad", y, w[n], cfg) for n in QKV), y, kernels,
+                                {name: LAYER_AXES[False]["attn"][name]["kernel"] for name in QKV},
+                                (("batch", "seq", "heads", None),) * 3)
+    return tuple(add_bias(t, attn[name]["bias"]) for t, name in zip(qkv, QKV))
+
+
 def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     """One pre-LN block. x: [b, s, h], sequence-sharded between blocks under sequence parallelism."""
     train = key is not None
@@ -122,12 +149,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     # Attention: LN on the (sequence-sharded) stream, all-gather, column-parallel QKV.
     y = checkpoint_name(shard(layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps), "batch", "seq_sp", None),
                         remat.QKV_INPUT)
-    qkv = shard.column_parallel(_linear("bsh,hcad->bscad", cfg), y, {"kernel": p["attn"]["qkv"]["kernel"]},
-                                {"kernel": LAYER_AXES["attn"]["qkv"]["kernel"]}, ("batch", "seq", None, "heads", None))
-    qkv = add_bias(qkv, p["attn"]["qkv"]["bias"])
-    # One split (backward: one concatenate), not three slices (backward: three zero-padded full-size
-    # gradients summed).
-    q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    q, k, v = _qkv(y, p["attn"], cfg, shard)
     q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
     ctx = attention(q, k, v, cfg, k_attn, shard)  # tagged CONTEXT
     # Row-parallel projection: partial sums reduced (all-reduce; reduce-scatter with SP).
@@ -140,7 +162,7 @@ def block(x, p, key, cfg: ModelConfig, shard: Sharder):
     y = checkpoint_name(shard(layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], cfg.ln_eps), "batch", "seq_sp", None),
                         remat.MLPWI_INPUT)
     hid = shard.column_parallel(_linear("bsh,hf->bsf", cfg), y, {"kernel": p["mlp"]["wi"]["kernel"]},
-                                {"kernel": LAYER_AXES["mlp"]["wi"]["kernel"]}, ("batch", "seq", "mlp"))
+                                {"kernel": LAYER_AXES[False]["mlp"]["wi"]["kernel"]}, ("batch", "seq", "mlp"))
     # Kept before its bias, which backward adds again: the GEMM writes this tensor anyway, while kept after the bias
     # it is a second [b, s, f] tensor the forward writes (3.2 GB a gpt3-1.3b step on the H100's program).
     hid = checkpoint_name(shard(hid, "batch", "seq", "mlp"), remat.MLPWI)
@@ -173,8 +195,11 @@ def decode_layer(x, p, cache, i, start, cfg: ModelConfig, shard: Sharder, attend
     is the cached attention."""
     linear = lambda spec, y, w: add_bias(matmul(spec, y, w["kernel"], cfg), w["bias"])
     y = layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], cfg.ln_eps)
-    qkv = shard(linear("bsh,hcad->bscad", y, p["attn"]["qkv"]), "batch", None, None, "heads", None)
-    q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    if cfg.fused_qkv:
+        qkv = shard(linear("bsh,hcad->bscad", y, p["attn"]["qkv"]), "batch", None, None, "heads", None)
+        q, k, v = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
+    else:
+        q, k, v = (shard(linear("bsh,had->bsad", y, p["attn"][name]), "batch", None, "heads", None) for name in QKV)
     cache = tuple(jax.lax.dynamic_update_slice(c, new[None], (i, 0, start, 0, 0)) for c, new in zip(cache, (k, v)))
     ctx = attend(q, *(jax.lax.dynamic_index_in_dim(c, i, keepdims=False) for c in cache))
     x = x + shard(linear("bsad,adh->bsh", ctx, p["attn"]["out"]), "batch", None, None)

@@ -41,6 +41,9 @@ ROPE_SCALINGS = ("llama3",)  # ModelConfig.rope_scaling: Llama 3.1's frequency s
 def validate(cfg: ModelConfig) -> None:
     """The fields only this family reads: grouped K/V heads, the MLP width, RoPE's θ and scaling, the q/k norm."""
     kv = cfg.kv_heads
+    if cfg.fused_qkv is not False:
+        raise ConfigError(f"fused_qkv={cfg.fused_qkv!r} is a GPT-family setting; the Llama families keep Q and K/V "
+                          "apart (set family: gpt)")
     if not isinstance(cfg.qk_norm, bool):
         raise ConfigError(f"qk_norm={cfg.qk_norm!r} must be true or false")
     if kv is not None and (not isinstance(kv, int) or kv <= 0 or cfg.heads % kv):

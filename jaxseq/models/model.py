@@ -137,6 +137,14 @@ def position_paths() -> frozenset[tuple[str, ...]]:
     return _paths("s")
 
 
+def saved_model_fields(model: dict) -> dict:
+    """A saved model config's fields, with what a field added since means for a run saved before it: GPT's Q, K
+    and V were one weight until `fused_qkv` (2026-12-04), so a GPT run saved without the field keeps them so."""
+    if model.get("family", "gpt") == "gpt" and "fused_qkv" not in model:
+        return {**model, "fused_qkv": True}
+    return model
+
+
 def layer_axes(cfg: ModelConfig, tensor: int) -> dict:
     return family(cfg).layer_axes(cfg, tensor)
 

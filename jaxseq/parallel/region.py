@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jaxseq.mesh import logical_rules
 from jaxseq import deferred
 from jaxseq.parallel import fsdp
-from jaxseq.sharding import Sharder, only_axes, rank_rows, stored_positions, vocab_parallel_lookup
+from jaxseq.sharding import Sharder, only_axes, rank_rows, several_outputs, stored_positions, vocab_parallel_lookup
 
 
 @dataclass(frozen=True)
@@ -109,23 +109,30 @@ class StageSharder(Sharder):
     def column_parallel(self, fn, x, params, param_axes, out_axes: tuple):
         if deferred.has_deferred(params):
             return deferred.apply(lambda x, p: self.column_parallel(fn, x, p, param_axes, out_axes), x, params)
-        if self.mesh is None or not self.sequence_parallel:
+        sp = self.sequence_parallel
+        if self.mesh is None or not (sp or several_outputs(out_axes)):
             return super().column_parallel(fn, x, params, param_axes, out_axes)
         mesh = jax.sharding.get_abstract_mesh()
-        x_spec = self.spec("batch", "seq_sp", None)
+        x_spec = self.spec("batch", "seq_sp" if sp else "seq", None)
         p_specs = jax.tree.map(lambda axes: self.spec(*axes), param_axes, is_leaf=lambda a: isinstance(a, tuple))
         out_spec = self.out_specs(out_axes)
-        gather = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
+        # Enter: all-gather the sequence (SP), or cast to varying over `tensor` once, so that backward sums several
+        # outputs' input gradients before its one reduction (Megatron's f); leave: reduce-scatter, or all-reduce.
+        if sp:
+            enter = lambda y: jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
+            reduce = lambda g: jax.lax.psum_scatter(g, "tensor", scatter_dimension=1, tiled=True)
+        else:
+            enter, reduce = lambda y: jax.lax.pcast(y, ("tensor",), to="varying"), lambda g: jax.lax.psum(g, "tensor")
         nested = partial(jax.shard_map, mesh=mesh, axis_names=self.manual_axes)
 
         def forward(x, p):
-            return nested(lambda y, q: fn(gather(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
+            return nested(lambda y, q: fn(enter(y), q), in_specs=(x_spec, p_specs), out_specs=out_spec)(x, p)
 
         def backward(x, p, g):
             def local(y, q, gy):
-                _, vjp = jax.vjp(fn, gather(y), q)
+                _, vjp = jax.vjp(fn, enter(y), q)
                 gx, gq = vjp(gy)
-                return jax.lax.psum_scatter(gx, "tensor", scatter_dimension=1, tiled=True), gq
+                return reduce(gx), gq
 
             return nested(local, in_specs=(x_spec, p_specs, out_spec), out_specs=(x_spec, p_specs))(x, p, g)
 

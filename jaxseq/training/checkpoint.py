@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxseq.config import ARCHITECTURE_FIELDS, ConfigError
-from jaxseq.models.model import position_paths, vocab_paths
+from jaxseq.models.model import position_paths, saved_model_fields, vocab_paths
 from jaxseq.parallel.layout import restorable
 
 log = logging.getLogger("jaxseq")
@@ -291,6 +291,7 @@ def set_aside_steps(mgr: ocp.CheckpointManager, unreadable: list[UnreadableStep]
 
 def check_compatible(saved_model: dict, model: dict) -> None:
     """A resume must train the same model: every architecture field equal."""
+    saved_model = saved_model_fields(saved_model)
     diffs = [f"{k}={saved_model.get(k)!r} (saved) vs {v!r}" for k, v in model.items()
              if k in ARCHITECTURE_FIELDS and saved_model.get(k) != v]
     if diffs:

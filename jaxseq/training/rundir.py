@@ -23,7 +23,7 @@ import numpy as np
 from jaxseq.config import (ARCHITECTURE_FIELDS, ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RunConfig,
                            TrainConfig, replace, validate_parallel)
 from jaxseq.mesh import make_mesh, mesh_parallel, parse_mesh
-from jaxseq.models.model import cast_mask, vocab_mask
+from jaxseq.models.model import cast_mask, saved_model_fields, vocab_mask
 from jaxseq.parallel.layout import Layout
 from jaxseq.training import checkpoint
 from jaxseq.training import train_step
@@ -108,7 +108,7 @@ def read_config(path: str) -> dict:
 
 
 def saved_model(path: str) -> ModelConfig:
-    return ModelConfig(**read_config(path)["model"])
+    return ModelConfig(**saved_model_fields(read_config(path)["model"]))
 
 
 def saved_configs(path: str) -> dict:
@@ -119,7 +119,9 @@ def saved_configs(path: str) -> dict:
     for section, kind in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("train", TrainConfig),
                           ("parallel", ParallelConfig)):
         names = {f.name for f in dataclasses.fields(kind)}
-        configs[section] = kind(**{k: v for k, v in saved.get(section, {}).items() if k in names})
+        fields = saved.get(section, {})
+        fields = saved_model_fields(fields) if section == "model" else fields
+        configs[section] = kind(**{k: v for k, v in fields.items() if k in names})
     return configs
 
 
@@ -143,7 +145,7 @@ def restore(path: str, parallel: ParallelConfig, mesh, *, dtype: str = "float32"
     and the optimizer moments are not read at all. Weights the compute dtype copies (`cast_mask`) arrive in
     `dtype`; `seq_len` cuts the position table."""
     saved = read_config(path)
-    model = ModelConfig(**saved["model"])
+    model = ModelConfig(**saved_model_fields(saved["model"]))
     model = replace(model, seq_len=seq_len or model.seq_len)
     dtypes = jax.tree.map(lambda cast: jnp.dtype(dtype) if cast else jnp.float32, cast_mask(model))
     layout = Layout(model, parallel, mesh)
