@@ -9,7 +9,7 @@ def comparable(grads):
     softmax cancels), so a tolerance at its own scale compares noise; joined, it is held to the query's and value's
     scale, as before Q, K and V were three weights."""
     attn = grads.get("layers", {}).get("attn", {}) if isinstance(grads, dict) else {}
-    if not {"q", "k", "v"} <= set(attn) or "kv" in attn:
+    if not {"q", "k", "v"} <= set(attn):
         return grads
     joined = {"kernel": np.stack([np.asarray(attn[n]["kernel"]) for n in "qkv"], axis=2),
               "bias": np.stack([np.asarray(attn[n]["bias"]) for n in "qkv"], axis=1)}
