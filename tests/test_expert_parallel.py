@@ -10,16 +10,13 @@ MoE layer. Refusals in one line."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from functools import lru_cache
 
 import jax
 import numpy as np
 import pytest
 
-from commands import ROOT, command, env, python_m
+from commands import command, python_m
 from compiled_steps import counting_batch
 from jaxseq import train as train_command
 from jaxseq.config import ConfigError, ParallelConfig, replace, validate
@@ -28,6 +25,7 @@ from jaxseq.mesh import make_mesh
 from jaxseq.models import model
 from jaxseq.parallel.layout import Layout
 from jaxseq.planning import hlo_collectives
+from test_distributed import failure, launch
 from jaxseq.planning import moe as moe_plan
 from jaxseq.training import train_step
 
@@ -141,25 +139,13 @@ def test_the_train_command_gives_one_devices_losses_and_resumes_onto_another_exp
     assert_losses(records(str(tmp_path)), one_device, (1, 2, 3))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_whose_expert_ranks_span_them_give_one_devices_losses(one_device, tmp_path):
     """2 processes × 4 devices, expert=2 × tensor=4 + SP: each process one expert rank, every all-to-all between
     them."""
-    port, procs = free_port(), []
-    for i in range(2):
-        argv = [sys.executable, "-m", "jaxseq.train", *BASE, "--host-devices", "4", "--mesh", "expert=2,tensor=4",
-                "--sequence-parallel", "--steps", "3", "--run-dir", str(tmp_path), "--coordinator",
-                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env(cache=True), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+    procs = launch(str(tmp_path), 3, extra=["--mesh", "expert=2,tensor=4", "--sequence-parallel"], base=BASE)
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == 0, failure(err)
     assert "expert=2 × tensor=4" in outs[0][0]
     assert_losses(records(str(tmp_path)), one_device, (1, 2, 3))
