@@ -62,7 +62,7 @@ class Kernel:
 
 def kernels(hlo_text: str) -> list[Kernel]:
     """Every kernel of the program with what a GPU's memory moves for it, before caches. A fusion reads each of its
-    parameters whole, but one it only dynamic-slices (the slices) or only updates in place (operand 0 of a
+    parameters whole, but one it only slices, dynamically or not (the slices), or only updates in place (operand 0 of a
     dynamic-update-slice: nothing), and writes its result, but a dynamic-update-slice root (its update); another op
     reads its operands and writes its results. Containers (while, call, conditional) move nothing themselves; an
     asynchronous fusion (fusion-start, fusion-done) moves what the fusion does, once."""
@@ -150,7 +150,7 @@ def _fusion_bytes(instrs: list[Instr]) -> int:
     for p in (ins for ins in instrs if ins.opcode == "parameter"):
         uses = users_of.get(p.name, [])
         first = [u for u in uses if u.operands()[0] == p.name]
-        if uses and len(first) == len(uses) and all(u.opcode == "dynamic-slice" for u in uses):
+        if uses and len(first) == len(uses) and all(u.opcode in ("dynamic-slice", "slice") for u in uses):
             read += sum(array_bytes(*a) for u in uses for a in u.arrays())
         elif not (uses and len(first) == len(uses) and all(u.opcode == "dynamic-update-slice" for u in uses)):
             read += sum(array_bytes(*a) for a in p.arrays())
